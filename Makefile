@@ -1,0 +1,33 @@
+# Two commands from a fresh clone: `make demo` and `make test`. Both are idempotent.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+RUN    ?= runs/quickstart
+
+.PHONY: demo test lint bench clean-venv
+
+$(VENV)/bin/activate:
+	$(PYTHON) -m venv $(VENV)
+
+# Re-install only when the package metadata changes.
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/activate
+	$(PIP) install --upgrade --quiet pip
+	$(PIP) install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m proteus weights fetch mobilenet_v2
+	$(PY) -m proteus quickstart --out $(RUN)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests benchmarks
+
+bench: $(VENV)/.installed
+	$(PY) -m proteus bench --out runs/bench.json
+
+clean-venv:
+	rm -rf $(VENV)

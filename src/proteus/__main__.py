@@ -1,0 +1,3 @@
+from proteus.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,234 @@
+"""LoRA with knowledge transfer and orthogonal new directions (Eq. 9 and Eq. 15).
+
+For task k+1 the update of one adapted map W (p x q) is
+
+    dW_{k+1} = sum_{tau<=k} B_tau S_tau A_tau^T + B_{k+1} A_{k+1}^T            (Eq. 9)
+
+with the old rank-1 directions b_{tau,i} a_{tau,i}^T frozen, S_tau diagonal and learnable, and the new
+directions constrained by <B_{k+1} A_{k+1}^T, B_tau A_tau^T> = 0 for every old task (Eq. 15).
+
+Storage. A unit keeps every task's directions side by side, ``A`` (q x R) and ``B`` (p x R), and a
+composition matrix ``C`` (m x R): row k holds s^(k) on the columns of older tasks, 1 on task k's own
+columns and 0 after them. Any task's update is then ``B diag(C[k]) A^T`` and a forward that applies a
+different task to each group of a batch is two ordinary matmuls and a per-group diagonal scale:
+``((x A) * C[tasks]) B^T`` -- no gather of per-task matrices, no Python loop over tasks.
+
+Orthogonality. The new A is kept in the orthogonal complement of span(A_old): A_new = (I - QQ^T) A_raw
+with Q an orthonormal basis of the old columns. Then A_tau^T A_new = 0 and therefore
+<B_new A_new^T, B_tau A_tau^T>_F = tr((A_tau^T A_new)(B_new^T B_tau)) = 0 to numerical precision, for
+any B. This is sufficient for Eq. 15's constraint and leaves B free. When the old span fills the input
+space no new orthogonal direction exists; the rank is reduced (and reported) instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+TRANSFER_MODES = ("learned", "zero", "identity")
+
+
+class LoRAUnit(nn.Module):
+    """The adapter state of one adapted map (one weight matrix, or one output slice of a fused matrix)."""
+
+    def __init__(self, in_features: int, out_features: int, scaling: float = 1.0) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scaling = float(scaling)
+        self.register_buffer("A", torch.zeros(in_features, 0))
+        self.register_buffer("B", torch.zeros(out_features, 0))
+        self.register_buffer("C", torch.zeros(0, 0))
+        self.ranks: list[int] = []
+        # the task being trained
+        self.A_new: nn.Parameter | None = None
+        self.B_new: nn.Parameter | None = None
+        self.s: nn.Parameter | None = None
+        self.register_buffer("s_fixed", torch.zeros(0))
+        self.register_buffer("basis", torch.zeros(in_features, 0))
+        self.orthogonal = True
+        #: per-group composition coefficients (G, R) for the next forward; None = the training composition
+        self.coef: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def total_rank(self) -> int:
+        return int(self.A.shape[1])
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def training_task(self) -> bool:
+        return self.A_new is not None
+
+    def columns(self, task: int) -> slice:
+        start = sum(self.ranks[:task])
+        return slice(start, start + self.ranks[task])
+
+    # ------------------------------------------------------------------ task life cycle
+    def begin_task(self, rank: int, transfer: str, orthogonal: bool, generator: torch.Generator) -> int:
+        """Open task k+1: r new directions (orthogonal to the old ones) and S over the old ones."""
+        if transfer not in TRANSFER_MODES:
+            raise ValueError(f"transfer must be one of {TRANSFER_MODES}, got {transfer!r}")
+        if self.training_task:
+            raise RuntimeError("begin_task called twice without end_task")
+        dev, dt = self.A.device, self.A.dtype
+        R = self.total_rank
+        self.orthogonal = orthogonal
+        if orthogonal:
+            rank = max(0, min(rank, self.in_features - R))
+            if R:
+                q, _ = torch.linalg.qr(self.A.double())
+                self.basis = q.to(dt)
+            else:
+                self.basis = torch.zeros(self.in_features, 0, device=dev, dtype=dt)
+        bound = 1.0 / math.sqrt(self.in_features)  # PEFT's kaiming_uniform(a=sqrt(5)) for lora_A
+        a = (torch.rand(self.in_features, rank, generator=generator, dtype=torch.float64) * 2 - 1) * bound
+        self.A_new = nn.Parameter(a.to(device=dev, dtype=dt))
+        self.B_new = nn.Parameter(torch.zeros(self.out_features, rank, device=dev, dtype=dt))
+        if transfer == "learned" and R:
+            self.s = nn.Parameter(torch.zeros(R, device=dev, dtype=dt))
+            self.s_fixed = torch.zeros(0, device=dev, dtype=dt)
+        else:
+            self.s = None
+            fill = 1.0 if transfer == "identity" else 0.0
+            self.s_fixed = torch.full((R,), fill, device=dev, dtype=dt)
+        return rank
+
+    def projected_A_new(self) -> torch.Tensor:
+        assert self.A_new is not None
+        if self.orthogonal and self.basis.shape[1]:
+            return self.A_new - self.basis @ (self.basis.T @ self.A_new)
+        return self.A_new
+
+    def transfer_coefficients(self) -> torch.Tensor:
+        return self.s if self.s is not None else self.s_fixed
+
+    @torch.no_grad()
+    def end_task(self) -> None:
+        """Freeze the trained directions and S: append them to A, B and a new row of C."""
+        if not self.training_task:
+            raise RuntimeError("end_task called without begin_task")
+        a_k = self.projected_A_new().detach().clone()
+        b_k = self.B_new.detach().clone()
+        s_k = self.transfer_coefficients().detach().clone()
+        self.append_task(a_k, b_k, s_k)
+        self.A_new = self.B_new = self.s = None
+        self.s_fixed = torch.zeros(0, device=self.A.device, dtype=self.A.dtype)
+        self.basis = torch.zeros(self.in_features, 0, device=self.A.device, dtype=self.A.dtype)
+
+    @torch.no_grad()
+    def append_task(self, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor) -> None:
+        """Append one task's directions (q x r, p x r) and its transfer coefficients over older columns."""
+        R, r = self.total_rank, int(a_k.shape[1])
+        if s_k.numel() != R:
+            raise ValueError(f"transfer coefficients have {s_k.numel()} entries, expected {R}")
+        dev, dt = self.A.device, self.A.dtype
+        self.A = torch.cat([self.A, a_k.to(dev, dt)], 1)
+        self.B = torch.cat([self.B, b_k.to(dev, dt)], 1)
+        m = self.num_tasks
+        C = torch.zeros(m + 1, R + r, device=dev, dtype=dt)
+        C[:m, :R] = self.C
+        C[m, :R] = s_k.to(dev, dt)
+        C[m, R:] = 1.0
+        self.C = C
+        self.ranks.append(r)
+
+    def task_tensors(self, task: int) -> dict[str, torch.Tensor]:
+        """What a knowledge base stores for one task: its own directions and its row of C."""
+        cols = self.columns(task)
+        return {
+            "A": self.A[:, cols].contiguous(),
+            "B": self.B[:, cols].contiguous(),
+            "s": self.C[task, : cols.start].contiguous(),
+        }
+
+    # ------------------------------------------------------------------ compositions
+    def coefficients(self, tasks: list[int], kind: str = "task") -> torch.Tensor:
+        """(G, R) coefficients: ``task`` = Eq. 9 for each task; ``all-units`` = every unit up to it summed."""
+        R = self.total_rank
+        if kind == "task":
+            return self.C[torch.as_tensor(tasks, device=self.C.device)]
+        if kind == "all-units":
+            ends = torch.as_tensor([sum(self.ranks[: t + 1]) for t in tasks], device=self.A.device)
+            return (torch.arange(R, device=self.A.device)[None, :] < ends[:, None]).to(self.A.dtype)
+        if kind == "none":
+            return torch.zeros(len(tasks), R, device=self.A.device, dtype=self.A.dtype)
+        raise ValueError(f"unknown composition kind {kind!r}")
+
+    # ------------------------------------------------------------------ forward
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (G, M, q) grouped inputs -> (G, M, p) update, each group with its own composition."""
+        if self.coef is not None:
+            if self.total_rank == 0:
+                return x.new_zeros(*x.shape[:-1], self.out_features)
+            u = (x @ self.A.to(x.dtype)) * self.coef.to(x.dtype)[:, None, :]
+            return (u @ self.B.to(x.dtype).T) * self.scaling
+        if not self.training_task:  # no composition set and nothing being trained: frozen backbone
+            return x.new_zeros(*x.shape[:-1], self.out_features)
+        a_new = self.projected_A_new()
+        if self.total_rank:
+            A = torch.cat([self.A, a_new], 1)
+            B = torch.cat([self.B, self.B_new], 1)
+            c = torch.cat([self.transfer_coefficients(), torch.ones_like(a_new[0])])
+            u = (x @ A.to(x.dtype)) * c.to(x.dtype)
+            return (u @ B.to(x.dtype).T) * self.scaling
+        return ((x @ a_new.to(x.dtype)) @ self.B_new.to(x.dtype).T) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
+
+
+class LoRAWrapper(nn.Module):
+    """Wraps an ``nn.Linear`` or a 1x1 ``nn.Conv2d`` (PEFT style): the base layer is untouched and frozen.
+
+    ``units`` maps a name to (LoRAUnit, (start, end)) over the base layer's output features, so a fused
+    qkv projection carries separate q and v units. ``groups`` splits the batch into contiguous groups,
+    each with its own composition (set by :class:`~proteus.adapters.model.AdaptedBackbone`).
+    """
+
+    def __init__(self, base: nn.Module, slices: dict[str, tuple[int, int]], scaling: float) -> None:
+        super().__init__()
+        if isinstance(base, nn.Linear):
+            self.is_conv = False
+            q, p = base.in_features, base.out_features
+        elif isinstance(base, nn.Conv2d) and base.kernel_size == (1, 1) and base.groups == 1:
+            self.is_conv = True
+            q, p = base.in_channels, base.out_channels
+        else:
+            raise TypeError(f"LoRA wraps nn.Linear or 1x1 nn.Conv2d, not {type(base).__name__}")
+        self.base = base
+        for prm in base.parameters():
+            prm.requires_grad_(False)
+        slices = slices or {"": (0, p)}
+        self.slices = dict(sorted(slices.items(), key=lambda kv: kv[1][0]))
+        self.units = nn.ModuleDict(
+            {(k or "w"): LoRAUnit(q, e - s, scaling) for k, (s, e) in self.slices.items()}
+        )
+        self.out_features = p
+        self.groups = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        units = list(self.units.values())
+        if all(u.coef is None and not u.training_task for u in units):
+            return out
+        xl = x.movedim(1, -1) if self.is_conv else x  # channels last
+        lead = xl.shape[:-1]
+        xg = xl.reshape(self.groups, -1, xl.shape[-1])
+        pieces, pos = [], 0
+        outl = out.movedim(1, -1) if self.is_conv else out
+        for unit, (s, e) in zip(units, self.slices.values()):
+            d = unit.delta(xg).reshape(*lead, e - s)
+            if s > pos:
+                pieces.append(outl[..., pos:s])
+            pieces.append(outl[..., s:e] + d)
+            pos = e
+        if pos < self.out_features:
+            pieces.append(outl[..., pos:])
+        res = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
+        return res.movedim(-1, 1) if self.is_conv else res

@@ -1,0 +1,135 @@
+"""Backbone interface: a frozen pre-trained feature extractor, split into a shared prefix and an
+adapted suffix.
+
+The paper adapts a frozen ViT-B/16 (Sec. 5.1). Every backbone here exposes what the adapters and the
+learner need: the embedding dimension d, the feature function h(x) (prefix then suffix), the linear maps
+that LoRA may wrap, and its data config (input size, normalisation, interpolation). Adapting only the
+last L blocks lets the frozen prefix be computed once for all tasks (an option beyond the paper).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from proteus.registry import Registry
+
+
+@dataclass
+class DataConfig:
+    input_size: int = 224
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    interpolation: str = "bilinear"
+    crop_pct: float = 0.875
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class AdaptTarget:
+    """A linear map that LoRA may wrap: a module (nn.Linear or 1x1 nn.Conv2d) and output-row slices.
+
+    ``slices`` name parts of the output that are separate maps in the paper's sense, e.g. the q and v
+    rows of timm's fused qkv projection: ``{"q": (0, d), "v": (2 * d, 3 * d)}``.
+    """
+
+    name: str
+    module: nn.Module
+    slices: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+class Backbone(nn.Module):
+    """A frozen backbone: ``forward_prefix`` (shared by all tasks) then ``forward_suffix`` (adapted)."""
+
+    name: str = "backbone"
+    embed_dim: int = 0
+    weights_id: str = "random"
+    weights_sha256: str | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data_config = DataConfig()
+        self.split = 0  # index of the first adapted block
+
+    # -- structure -----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        raise NotImplementedError
+
+    def set_adapt_last(self, last: int | None) -> None:
+        """Adapt the last ``last`` blocks (None: all). Blocks before that form the frozen prefix."""
+        n = self.num_blocks
+        if last is None:
+            self.split = 0
+            return
+        if not 1 <= last <= n:
+            raise ValueError(f"{self.name}: adapt_last must be in 1..{n}, got {last}")
+        self.split = n - last
+
+    def set_input_size(self, size: int) -> None:
+        self.data_config.input_size = int(size)
+
+    def adapt_targets(self) -> list[AdaptTarget]:
+        """The linear maps of the adapted suffix that LoRA wraps."""
+        raise NotImplementedError
+
+    # -- features ------------------------------------------------------------------------------
+    def forward_prefix(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_suffix(self, z: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_suffix(self.forward_prefix(x))
+
+    def freeze(self) -> Backbone:
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.eval()
+        return self
+
+    def train(self, mode: bool = True) -> Backbone:  # noqa: D401 - a frozen backbone never leaves eval mode
+        """Keep batch-norm statistics and dropout frozen: the backbone is always in eval mode."""
+        return super().train(False)
+
+    def identity(self) -> dict:
+        """What a knowledge base records to refuse loading under another backbone."""
+        return {
+            "name": self.name,
+            "weights_id": self.weights_id,
+            "weights_sha256": self.weights_sha256,
+            "embed_dim": self.embed_dim,
+            "split": self.split,
+            "data_config": self.data_config.to_dict(),
+        }
+
+
+BACKBONES: Registry = Registry("backbone")
+
+
+def build_backbone(
+    name: str,
+    *,
+    pretrained: bool = True,
+    weights: str | None = None,
+    img_size: int | None = None,
+    adapt_last: int | None = None,
+) -> Backbone:
+    """Build a registered backbone, frozen, with its data config resolved."""
+    factory = BACKBONES.get(name)
+    if pretrained or weights is not None:
+        bb: Backbone = factory(pretrained=pretrained, weights=weights)
+    else:  # random weights (timing, tests): seeded, so that every process builds the same network
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            bb = factory(pretrained=False, weights=None)
+        bb.weights_id = "random:seed0"
+    if img_size is not None:
+        bb.set_input_size(int(img_size))
+    bb.set_adapt_last(adapt_last)
+    return bb.freeze()

@@ -1,0 +1,229 @@
+"""Run configuration: one dataclass tree, resolved from defaults < method < benchmark file < --config < --set.
+
+Every hyper-parameter of the paper lives here with the paper's default (Appendix "Datasets,
+Hyperparameters, and Pre-Trained Models"): LoRA rank r, lambda = 0.006 decayed by 20% per task,
+alpha = 0.8, learning rate and batch size per benchmark, the DP-GMM truncation T, RanPAC's head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class BackboneConfig:
+    name: str = "mobilenet_v2"
+    #: local weights file (.safetensors, or .pth read with weights_only=True); None = the registry's source
+    weights: str | None = None
+    #: False builds random weights (timing and tests only)
+    pretrained: bool = True
+    #: input resolution override (None = the backbone's data config)
+    img_size: int | None = None
+    #: adapt only the last L blocks; the frozen prefix is computed once for all tasks (None = all blocks)
+    adapt_last: int | None = None
+
+
+@dataclass
+class AdapterConfig:
+    """Eq. 9 and Eq. 15: old frozen rank-1 directions mixed by S, plus r new orthogonal ones."""
+
+    enabled: bool = True
+    rank: int = 4
+    scaling: float = 1.0
+    #: how old directions enter a new task: "learned" (S*, Eq. 15), "zero" (S = 0), "identity" (S = I)
+    transfer: str = "learned"
+    #: keep new A in the orthogonal complement of the old A's span (guarantees Eq. 15's constraint)
+    orthogonal: bool = True
+    lam: float = 0.006
+    lam_decay: float = 0.8
+    alpha: float = 0.8
+    #: "prox": proximal (soft-threshold) SGD step for S; "adam": S trained with the LoRA optimiser
+    s_update: str = "prox"
+    s_lr: float = 0.05
+    #: budget-constrained schedule r_m = round(r_0 exp(-budget_decay (m - 1))) (None = fixed rank)
+    budget_decay: float | None = None
+    min_rank: int = 1
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 3
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    #: "all": every task trains its adapter; "first": only task 1 (RanPAC); "none": frozen backbone
+    tasks: str = "all"
+    augment: bool = False
+    #: cache the frozen prefix's outputs (only without augmentation): "auto", "true", "false"
+    cache_prefix: str = "auto"
+    num_workers: int = 0
+
+
+@dataclass
+class SignatureConfig:
+    """Eq. 18: the multi-key signature of a task, a DP-GMM over its embeddings under its own adapter."""
+
+    #: "dpgmm" (Eq. 18), "kmeans" (ablation), "gaussian" (one component, Eq. 2)
+    method: str = "dpgmm"
+    max_components: int = 20
+    #: component covariance kept for scoring: "full" or "ppca" (low-rank + isotropic, Woodbury scoring)
+    covariance: str = "ppca"
+    rank: int = 64
+    #: embedding normalisation before fitting and scoring: "none" or "l2"
+    normalize: str = "l2"
+    #: score per (input, component): "nll" (Gaussian NLL incl. log-det) or "mahalanobis" (Eq. 2)
+    score: str = "nll"
+    #: per-task score calibration: "none" or "standardize" (by the task's own training scores)
+    calibrate: str = "none"
+    max_iter: int = 100
+    tol: float = 1e-3
+    reg_covar: float = 1e-6
+    #: storage dtype of signature factors in the KB: "float32" or "float16"
+    storage_dtype: str = "float32"
+
+
+@dataclass
+class HeadConfig:
+    """Eq. 23 / Alg. 1 lines 8-12: RanPAC's ridge (LDA) head on accumulated G and e(c)."""
+
+    #: random-projection width M with ReLU (RanPAC uses 10000); 0 disables the projection
+    rp_dim: int = 10000
+    gamma_min_exp: int = -8
+    gamma_max_exp: int = 14
+    holdout: float = 0.2
+    #: "accumulated": ridge on all statistics so far, scored on the task's held-out part (default);
+    #: "task": RanPAC's rule (this task's data alone)
+    gamma_selection: str = "accumulated"
+
+
+@dataclass
+class RetrievalConfig:
+    #: "signature" (Alg. 2), "first" (RanPAC), "last" (InfLoRA/SD-LoRA), "all-units" (O-LoRA-like), "none"
+    mode: str = "signature"
+    top_k: int = 1
+    #: also report the accuracy with the true task's adapter (oracle)
+    oracle: bool = True
+
+
+@dataclass
+class BenchmarkConfig:
+    name: str = "quickstart"
+    data: str | None = None
+    num_tasks: int | None = None
+    tasks_file: str | None = None
+    class_order_seed: int = 1993
+    #: cap per-class training images (None = all); test sets are never capped
+    max_train_per_class: int | None = None
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 64
+
+
+@dataclass
+class RunConfig:
+    method: str = "proteus"
+    seed: int = 0
+    device: str = "auto"
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    signature: SignatureConfig = field(default_factory=SignatureConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    # ------------------------------------------------------------------ conversion
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        cfg = cls()
+        merge(cfg, data, where="config")
+        return cfg
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def fingerprint(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that does not fit the schema."""
+
+
+def _coerce(value: Any, current: Any, key: str) -> Any:
+    if current is None or value is None:
+        return value
+    if isinstance(current, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in {"true", "false", "1", "0", "yes", "no"}:
+            return value.lower() in {"true", "1", "yes"}
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if isinstance(current, int) and not isinstance(current, bool):
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if isinstance(current, float):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    return value
+
+
+def merge(obj: Any, data: dict[str, Any], where: str = "config") -> None:
+    """Merge a nested dict into a dataclass tree in place, rejecting unknown keys by name."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    names = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where != "config" else key
+        if key not in names:
+            raise ConfigError(f"unknown config key {path!r}; known keys here: {', '.join(names)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            merge(current, value or {}, where=path)
+        else:
+            setattr(obj, key, _coerce(value, current, path))
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """Turn ``["adapter.rank=16", "train.epochs=1"]`` into a nested dict (values parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else None
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level")
+    return data

@@ -1,0 +1,5 @@
+"""Classification heads: RanPAC's parameter-free ridge/LDA head (Eq. 23, Algorithm 1 lines 8-12)."""
+
+from proteus.heads.ranpac import GammaSelection, RanPACHead
+
+__all__ = ["GammaSelection", "RanPACHead"]

@@ -1,0 +1,466 @@
+"""The continual learner: PROTEUS training (Algorithm 1) and inference (Algorithm 2), and its variants.
+
+For each task k (Algorithm 1):
+  line 5   learn the adapter dW_k by Eq. 15 (cross-entropy over the task's classes, elastic net on S,
+           new directions orthogonal to the old ones)                  -> :meth:`_train_adapter`
+  line 6   fit the multi-key signature (Eq. 18) on h_k(x), x in D_k    -> :func:`fit_signature`
+  line 7   add (multi-key, value) to the KB                           -> :meth:`save` / :mod:`proteus.kb`
+  8-12     accumulate G and e(c) from h_k(x)                           -> :class:`RanPACHead`
+
+At test time (Algorithm 2) every input is embedded under every task's adapter in one batched forward,
+the (task, component) with the best signature score is retrieved, and Eq. 23 classifies the embedding
+under the retrieved adapter (:meth:`predict`).
+
+A method is configuration over these parts (:mod:`proteus.methods`): which adapters are trained
+(``train.tasks``), how S enters (``adapter.transfer``), and which composition embeds an input
+(``retrieval.mode``: signature retrieval, the first adapter, the last one, or all units summed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from proteus.adapters import AdaptedBackbone
+from proteus.backbones import build_backbone
+from proteus.backbones.transforms import build_transform
+from proteus.config import RunConfig
+from proteus.heads import RanPACHead
+from proteus.signatures import Signature, fit_signature, retrieve
+from proteus.signatures.dpgmm import SignatureFitError
+
+log = logging.getLogger("proteus")
+
+
+class TaskError(ValueError):
+    """Bad task input (names the task or class at fault)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class _Images(Dataset):
+    """Applies a transform to a (PIL image, label) dataset and returns (tensor, label)."""
+
+    def __init__(self, ds: Dataset, transform: Callable) -> None:
+        self.ds, self.transform = ds, transform
+
+    def __len__(self) -> int:
+        return len(self.ds)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        img, y = self.ds[i]
+        return self.transform(img), int(y)
+
+
+@dataclass
+class Prediction:
+    label: torch.Tensor  # (N,) global class
+    task: torch.Tensor | None  # (N,) retrieved task (None without retrieval)
+    component: torch.Tensor | None
+    score: torch.Tensor | None  # (N,) best signature score (lower = better)
+    logits: torch.Tensor  # (N, C) head scores
+
+
+class ContinualLearner:
+    """One continual learner (method = configuration). Fitted state lives in attributes ending in ``_``."""
+
+    def __init__(self, config: RunConfig, progress: bool = True) -> None:
+        self.cfg = config
+        self.progress = progress
+        self.device = resolve_device(config.device)
+        bcfg = config.backbone
+        self.backbone = build_backbone(
+            bcfg.name,
+            pretrained=bcfg.pretrained,
+            weights=bcfg.weights,
+            img_size=bcfg.img_size,
+            adapt_last=bcfg.adapt_last,
+        )
+        self.model_ = AdaptedBackbone(
+            self.backbone, scaling=config.adapter.scaling, enabled=config.adapter.enabled
+        ).to(self.device)
+        self.eval_transform = build_transform(self.backbone.data_config, train=False)
+        self.train_transform = build_transform(
+            self.backbone.data_config, train=True, augment=config.train.augment
+        )
+        self.tasks_: list[dict[str, Any]] = []
+        self.signatures_: list[Signature | None] = []
+        self.head_: RanPACHead | None = None
+        self.amp = self.device.type == "cuda"
+
+    # ================================================================== properties
+    @property
+    def num_tasks(self) -> int:
+        return len(self.tasks_)
+
+    @property
+    def num_adapters(self) -> int:
+        return self.model_.num_tasks
+
+    @property
+    def num_classes(self) -> int:
+        return 1 + max((max(t["classes"]) for t in self.tasks_), default=-1)
+
+    @property
+    def uses_retrieval(self) -> bool:
+        return self.cfg.retrieval.mode == "signature" and self.num_adapters > 0
+
+    def task_seed(self, k: int) -> int:
+        return int(self.cfg.seed) * 100_003 + 7919 * (k + 1)
+
+    def class_names(self) -> list[str]:
+        names: dict[int, str] = {}
+        for t in self.tasks_:
+            names.update(zip(t["classes"], t["class_names"]))
+        return [names.get(c, str(c)) for c in range(self.num_classes)]
+
+    # ================================================================== data
+    def _loader(self, ds: Dataset, shuffle: bool, seed: int, batch_size: int) -> DataLoader:
+        g = torch.Generator().manual_seed(seed)
+        return DataLoader(
+            ds, batch_size=batch_size, shuffle=shuffle, generator=g, num_workers=self.cfg.train.num_workers
+        )
+
+    def _bar(self, it: Iterable, desc: str, total: int | None = None) -> Iterable:
+        return tqdm(it, desc=desc, total=total, disable=not self.progress, leave=False, dynamic_ncols=True)
+
+    @torch.no_grad()
+    def prefix_dataset(self, ds: Dataset, desc: str = "prefix") -> tuple[torch.Tensor, torch.Tensor]:
+        """Frozen-prefix outputs of a dataset under the evaluation transform (cacheable: the prefix is
+        shared by all tasks)."""
+        zs, ys = [], []
+        loader = self._loader(_Images(ds, self.eval_transform), False, 0, self.cfg.eval.batch_size)
+        for x, y in self._bar(loader, desc):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                z = self.model_.prefix(x.to(self.device))
+            zs.append(z.float())
+            ys.append(y)
+        if not zs:
+            raise TaskError("empty dataset")
+        return torch.cat(zs), torch.cat(ys)
+
+    @torch.no_grad()
+    def embed_prefix(
+        self, z: torch.Tensor, tasks: list[int] | None, kind: str = "task", batch_size: int | None = None
+    ) -> torch.Tensor:
+        """Embed cached prefix outputs: (G, N, d) for ``tasks`` (None: the plain backbone, (1, N, d))."""
+        bs = batch_size or self.cfg.eval.batch_size
+        groups = tasks if tasks is not None else [None]
+        # keep G * batch bounded so that many tasks do not blow up memory
+        per = max(1, bs * 16 // max(1, len(groups)))
+        out = []
+        for i in range(0, z.shape[0], per):
+            zb = z[i : i + per].to(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                if tasks is None:
+                    h = self.model_.suffix(zb)[None]
+                else:
+                    h = self.model_.suffix(zb, tasks, kind)
+            out.append(h.float().cpu())
+        return torch.cat(out, 1)
+
+    # ================================================================== training (Algorithm 1)
+    def _rank_for(self, k: int) -> int:
+        a = self.cfg.adapter
+        if a.budget_decay is None:
+            return a.rank
+        return max(a.min_rank, int(round(a.rank * math.exp(-a.budget_decay * k))))
+
+    def lam_for(self, k: int) -> float:
+        """lambda for task k (0-based): initial lambda decayed by ``lam_decay`` after each task."""
+        return self.cfg.adapter.lam * self.cfg.adapter.lam_decay**k
+
+    def _trains_adapter(self, k: int) -> bool:
+        mode = self.cfg.train.tasks
+        if not self.cfg.adapter.enabled or mode == "none":
+            return False
+        return mode == "all" or (mode == "first" and k == 0)
+
+    def head_composition(self, k: int) -> tuple[list[int] | None, str]:
+        """Which composition embeds inputs for the head and for prediction, as of task k (0-based)."""
+        mode = self.cfg.retrieval.mode
+        m = self.num_adapters
+        if m == 0 or mode == "none":
+            return None, "task"
+        if mode == "first":
+            return [0], "task"
+        if mode == "all-units":
+            return [min(k, m - 1)], "all-units"
+        return [min(k, m - 1)], "task"  # signature (own adapter) and last
+
+    def _penalty(self, lam: float) -> torch.Tensor:
+        a = self.cfg.adapter
+        tot = torch.zeros((), device=self.device)
+        for s in self.model_.transfer_parameters():
+            tot = tot + a.alpha * s.abs().sum() + (1 - a.alpha) * s.norm()
+        return lam * tot
+
+    @torch.no_grad()
+    def _prox(self, lam: float) -> None:
+        """Proximal step of the elastic net on S: soft-threshold (l1) then group shrinkage (l2)."""
+        a = self.cfg.adapter
+        eta = a.s_lr
+        for s in self.model_.transfer_parameters():
+            if s.grad is not None:
+                s -= eta * s.grad
+            s.copy_(torch.sign(s) * (s.abs() - eta * lam * a.alpha).clamp_min(0))
+            n = s.norm()
+            if n > 0:
+                s.mul_((1 - eta * lam * (1 - a.alpha) / n).clamp_min(0))
+
+    def _train_adapter(self, task: Any, k: int, z_train: torch.Tensor | None, y_train: torch.Tensor) -> dict:
+        cfg, a = self.cfg, self.cfg.adapter
+        seed = self.task_seed(k)
+        torch.manual_seed(seed)
+        rank = self._rank_for(k)
+        ranks = self.model_.begin_task(rank, a.transfer, a.orthogonal, seed)
+        if min(ranks.values()) < rank:
+            capped = {n: r for n, r in ranks.items() if r < rank}
+            log.warning(
+                "task %d: rank reduced on %d maps (no orthogonal room left): %s", k, len(capped), capped
+            )
+        classes = list(task.classes)
+        local = {c: i for i, c in enumerate(classes)}
+        clf = nn.Linear(self.model_.embed_dim, len(classes)).to(self.device)
+        params: list[nn.Parameter] = self.model_.lora_parameters() + list(clf.parameters())
+        s_params = self.model_.transfer_parameters()
+        if a.s_update == "adam":
+            params += s_params
+        elif a.s_update != "prox":
+            raise ValueError(f"adapter.s_update must be 'prox' or 'adam', got {a.s_update!r}")
+        opt = torch.optim.Adam(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        lam = self.lam_for(k)
+        y_local = torch.as_tensor([local[int(c)] for c in y_train.tolist()])
+        g = torch.Generator().manual_seed(seed)
+        losses = []
+        n = y_local.shape[0]
+        bs = cfg.train.batch_size
+        steps = cfg.train.epochs * math.ceil(n / bs)
+        bar = self._bar(range(steps), f"task {k + 1}: train", total=steps)
+        it = iter(())
+        img_loader = None
+        if z_train is None:
+            img_loader = self._loader(_Images(task.train, self.train_transform), True, seed, bs)
+        for _ in bar:
+            if z_train is not None:
+                try:
+                    idx = next(it)
+                except StopIteration:
+                    it = iter(torch.randperm(n, generator=g).split(bs))
+                    idx = next(it)
+                zb, yb = z_train[idx].to(self.device), y_local[idx].to(self.device)
+            else:
+                try:
+                    xb, yb_g = next(it)
+                except StopIteration:
+                    it = iter(img_loader)
+                    xb, yb_g = next(it)
+                zb = self.model_.prefix(xb.to(self.device))
+                yb = torch.as_tensor([local[int(c)] for c in yb_g.tolist()], device=self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                h = self.model_.suffix(zb)
+                loss = F.cross_entropy(clf(h.float()), yb)
+            total = loss + (self._penalty(lam) if a.s_update == "adam" and s_params else 0.0)
+            opt.zero_grad(set_to_none=True)
+            for s in s_params:
+                s.grad = None
+            total.backward()
+            opt.step()
+            if a.s_update == "prox" and s_params:
+                self._prox(lam)
+            losses.append(float(loss.detach()))
+            if hasattr(bar, "set_postfix") and len(losses) % 10 == 0:
+                bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+        s_all = torch.cat([s.detach().flatten() for s in s_params]) if s_params else torch.zeros(0)
+        self.model_.end_task()
+        return {
+            "rank": rank,
+            "ranks_min": min(ranks.values()) if ranks else 0,
+            "lambda": lam,
+            "loss_first": float(np.mean(losses[: max(1, len(losses) // 10)])) if losses else None,
+            "loss_last": float(np.mean(losses[-max(1, len(losses) // 10) :])) if losses else None,
+            "steps": steps,
+            "s_mean_abs": float(s_all.abs().mean()) if s_all.numel() else None,
+            "s_nonzero_frac": float((s_all != 0).float().mean()) if s_all.numel() else None,
+        }
+
+    def _use_prefix_cache(self) -> bool:
+        mode = self.cfg.train.cache_prefix
+        if self.cfg.train.augment:
+            return False
+        return mode in ("auto", "true", True)
+
+    def learn_task(self, task: Any) -> dict[str, Any]:
+        """Learn one task (Algorithm 1, lines 5-12). Returns timing and diagnostic statistics."""
+        k = self.num_tasks
+        if task.index != k:
+            raise TaskError(f"task {task.index + 1}: the learner holds {k} tasks, so task {k + 1} comes next")
+        if len(task.train) == 0:
+            raise TaskError(f"task {task.index + 1}: the training set is empty")
+        seen = {c for t in self.tasks_ for c in t["classes"]}
+        dup = sorted(seen & set(task.classes))
+        if dup:
+            names = [task.class_names[task.classes.index(c)] for c in dup]
+            raise TaskError(f"task {k + 1}: classes {names} already belong to an earlier task")
+        stats: dict[str, Any] = {"task": k}
+        t0 = time.perf_counter()
+        z_train, y_train = self.prefix_dataset(task.train, f"task {k + 1}: prefix")
+        stats["seconds_prefix"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if self._trains_adapter(k):
+            stats["train"] = self._train_adapter(
+                task, k, z_train if self._use_prefix_cache() else None, y_train
+            )
+        stats["seconds_train"] = time.perf_counter() - t0
+
+        # line 6: signature of the task's embeddings under its own adapter
+        t0 = time.perf_counter()
+        sig = None
+        if self.cfg.retrieval.mode == "signature" and self.num_adapters > 0:
+            h_own = self.embed_prefix(z_train, [min(k, self.num_adapters - 1)])[0]
+            try:
+                sig = fit_signature(h_own.to(self.device), self.cfg.signature, seed=self.task_seed(k))
+            except SignatureFitError as e:
+                self.model_ = self._rollback_adapter(k)
+                raise TaskError(f"task {k + 1}: signature fit failed: {e}") from None
+            stats["signature"] = {"n_active": int(sig.n_active)}
+        stats["seconds_signature"] = time.perf_counter() - t0
+
+        # lines 8-12: head statistics from the embeddings the method predicts with
+        t0 = time.perf_counter()
+        tasks, kind = self.head_composition(k)
+        h_head = self.embed_prefix(z_train, tasks, kind)[0]
+        if not torch.isfinite(h_head).all():
+            raise TaskError(f"task {k + 1}: embeddings contain NaN or inf")
+        if self.head_ is None:
+            self.head_ = self._new_head()
+        self.head_.update(h_head.to(self.device), y_train.to(self.device), num_classes=max(task.classes) + 1)
+        stats["seconds_head"] = time.perf_counter() - t0
+        stats["gamma"] = float(self.head_.gamma_)
+        self.signatures_.append(sig)
+        self.tasks_.append(
+            {
+                "index": k,
+                "classes": [int(c) for c in task.classes],
+                "class_names": list(task.class_names),
+                "n_train": int(len(task.train)),
+                "has_adapter": self._trains_adapter(k),
+                "stats": stats,
+            }
+        )
+        return stats
+
+    def _rollback_adapter(self, k: int) -> AdaptedBackbone:
+        """Drop an adapter appended for task k whose signature failed (the in-memory state stays old)."""
+        for u in self.model_.units.values():
+            if u.num_tasks > k:
+                cols = u.columns(k)
+                u.A, u.B = u.A[:, : cols.start], u.B[:, : cols.start]
+                u.C = u.C[:k, : cols.start]
+                u.ranks = u.ranks[:k]
+        return self.model_
+
+    # ================================================================== inference (Algorithm 2)
+    def retrieve_embeddings(self, H: torch.Tensor) -> Any:
+        """H: (m, N, d), embeddings under every task's adapter -> RetrievalResult."""
+        scores = [sig.score(H[j].to(sig_device(sig))).cpu() for j, sig in enumerate(self.signatures_) if sig]
+        return retrieve(scores, top_k=self.cfg.retrieval.top_k)
+
+    def classify(self, h: torch.Tensor) -> torch.Tensor:
+        assert self.head_ is not None, "no task learned yet"
+        return self.head_.decision_function(h.to(self.device)).float().cpu()
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> Prediction:
+        """Algorithm 2 on a batch of transformed images: one batched forward under all adapters."""
+        if self.head_ is None:
+            raise RuntimeError("predict called before any task was learned")
+        z = self.model_.prefix(x.to(self.device))
+        if self.uses_retrieval:
+            H = self.embed_prefix(z, list(range(self.num_adapters)))
+            res = self.retrieve_embeddings(H)
+            h = H[res.task, torch.arange(H.shape[1])]
+            logits = self.classify(h)
+            return Prediction(logits.argmax(1), res.task, res.component, res.score, logits)
+        tasks, kind = self.head_composition(self.num_tasks - 1)
+        h = self.embed_prefix(z, tasks, kind)[0]
+        logits = self.classify(h)
+        return Prediction(logits.argmax(1), None, None, None, logits)
+
+    def transform_images(self, images: list) -> torch.Tensor:
+        return torch.stack([self.eval_transform(im) for im in images])
+
+    # ================================================================== state for the KB
+    def state(self) -> dict[str, Any]:
+        """Everything a knowledge base needs, as JSON metadata and tensors per task."""
+        out = {"tasks": [], "head": None}
+        for k, t in enumerate(self.tasks_):
+            tensors: dict[str, torch.Tensor] = {}
+            if t["has_adapter"]:
+                for name, u in self.model_.units.items():
+                    for key, v in u.task_tensors(k).items():
+                        tensors[f"adapter/{name}/{key}"] = v
+            sig_meta = None
+            sig = self.signatures_[k]
+            if sig is not None:
+                st, sig_meta = sig.to_tensors()
+                tensors.update({f"signature/{n}": v for n, v in st.items()})
+            out["tasks"].append({"meta": {**t, "signature": sig_meta}, "tensors": tensors})
+        if self.head_ is not None:
+            out["head"] = {"meta": self.head_.meta(), "tensors": self.head_.state_tensors()}
+        return out
+
+    def load_task(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        k = self.num_tasks
+        if meta["index"] != k:
+            raise TaskError(f"knowledge base task {meta['index'] + 1} is out of order (expected {k + 1})")
+        if meta["has_adapter"]:
+            for name, u in self.model_.units.items():
+                key = f"adapter/{name}"
+                if f"{key}/A" not in tensors:
+                    raise TaskError(
+                        f"task {k + 1}: adapter tensors for {name!r} missing from the knowledge base"
+                    )
+                u.append_task(tensors[f"{key}/A"], tensors[f"{key}/B"], tensors[f"{key}/s"])
+        sig = None
+        if meta.get("signature") is not None:
+            st = {n[len("signature/") :]: v for n, v in tensors.items() if n.startswith("signature/")}
+            sig = Signature.from_tensors(st, meta["signature"]).to(self.device)
+        self.signatures_.append(sig)
+        self.tasks_.append({key: v for key, v in meta.items() if key != "signature"})
+
+    def _new_head(self) -> RanPACHead:
+        h = self.cfg.head
+        return RanPACHead(
+            self.model_.embed_dim,
+            rp_dim=h.rp_dim,
+            gamma_min_exp=h.gamma_min_exp,
+            gamma_max_exp=h.gamma_max_exp,
+            holdout=h.holdout,
+            selection=h.gamma_selection,
+            seed=self.cfg.seed,
+            device=self.device,
+        )
+
+    def load_head(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self.head_ = self._new_head()
+        self.head_.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)
+
+
+def sig_device(sig: Signature) -> torch.device:
+    return getattr(sig, "device", torch.device("cpu"))

@@ -1,0 +1,169 @@
+"""Adapters (Eq. 9, Eq. 15): orthogonality, S gradient and sparsity, batched multi-adapter forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from proteus.adapters import AdaptedBackbone, LoRAUnit, LoRAWrapper
+from proteus.backbones import build_backbone
+
+
+def _train_units(model: AdaptedBackbone, x: torch.Tensor, steps: int = 20, lr: float = 0.05) -> None:
+    opt = torch.optim.Adam(model.lora_parameters() + model.transfer_parameters(), lr=lr)
+    target = torch.randn(x.shape[0], model.embed_dim)
+    for _ in range(steps):
+        loss = ((model.embed(x) - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.fixture(scope="module")
+def vit() -> AdaptedBackbone:
+    torch.manual_seed(0)
+    return AdaptedBackbone(build_backbone("vit_ti16", pretrained=False, img_size=32, adapt_last=2))
+
+
+def test_orthogonality_holds_after_training(vit: AdaptedBackbone) -> None:
+    x = torch.randn(4, 3, 32, 32)
+    for k in range(3):
+        vit.begin_task(4, "learned", True, seed=k)
+        _train_units(vit, x)
+        vit.end_task()
+    worst = 0.0
+    for name, cos in vit.unit_cosines().items():
+        assert cos.shape == (3, 3), name
+        off = cos - torch.diag(torch.diag(cos))
+        worst = max(worst, off.abs().max().item())
+        # the A columns of different tasks are exactly orthogonal
+        u = vit.units[name]
+        for i in range(3):
+            for j in range(i):
+                cross = u.A[:, u.columns(i)].double().T @ u.A[:, u.columns(j)].double()
+                assert cross.abs().max() < 1e-5
+    assert worst < 1e-5, f"<dW_new, dW_old> cosine {worst} is not ~0"
+
+
+def test_without_orthogonality_directions_overlap() -> None:
+    torch.manual_seed(0)
+    u = LoRAUnit(8, 6)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        u.begin_task(4, "zero", False, g)
+        with torch.no_grad():
+            u.B_new.normal_()
+        u.end_task()
+    assert (u.A[:, :4].T @ u.A[:, 4:]).abs().max() > 1e-3
+
+
+def test_S_receives_gradient_and_prox_makes_it_sparse() -> None:
+    from proteus.config import RunConfig
+    from proteus.learner import ContinualLearner
+
+    torch.manual_seed(0)
+    unit = LoRAUnit(16, 16)
+    lin = nn.Linear(16, 16)
+    w = LoRAWrapper(lin, {}, 1.0)
+    g = torch.Generator().manual_seed(0)
+    w.units["w"].begin_task(4, "learned", True, g)
+    with torch.no_grad():
+        w.units["w"].B_new.normal_()
+    w.units["w"].end_task()
+    w.units["w"].begin_task(4, "learned", True, g)
+    x = torch.randn(32, 16)
+    loss = w(x).pow(2).sum()
+    loss.backward()
+    s = w.units["w"].s
+    assert s is not None and s.grad is not None and s.grad.abs().sum() > 0, "S must receive gradient"
+    del unit
+
+    # the learner's proximal step: a strong penalty zeroes most coefficients, none keeps them dense
+    cfg = RunConfig()
+    learner = ContinualLearner.__new__(ContinualLearner)
+    learner.cfg = cfg
+    learner.model_ = type("M", (), {"transfer_parameters": lambda self: [s]})()
+    with torch.no_grad():
+        s.copy_(torch.tensor([0.5, -0.002, 0.001, -0.8]))
+    s.grad = torch.zeros_like(s)
+    cfg.adapter.s_lr = 1.0
+    learner._prox(lam=0.01)
+    assert (s == 0).sum() == 2, f"small coefficients must be exactly zero after the prox step: {s}"
+    assert s[0] > 0 and s[3] < 0
+
+
+def test_lambda_decays_twenty_percent_per_task() -> None:
+    from proteus.config import RunConfig
+    from proteus.learner import ContinualLearner
+
+    learner = ContinualLearner.__new__(ContinualLearner)
+    learner.cfg = RunConfig()
+    lams = [learner.lam_for(k) for k in range(4)]
+    assert lams[0] == pytest.approx(0.006)
+    for a, b in zip(lams, lams[1:]):
+        assert b == pytest.approx(0.8 * a)
+
+
+def test_budget_schedule() -> None:
+    from proteus.config import RunConfig
+    from proteus.learner import ContinualLearner
+
+    learner = ContinualLearner.__new__(ContinualLearner)
+    learner.cfg = RunConfig()
+    learner.cfg.adapter.rank = 10
+    learner.cfg.adapter.budget_decay = 0.1
+    ranks = [learner._rank_for(k) for k in range(30)]
+    assert ranks[0] == 10 and ranks == sorted(ranks, reverse=True) and ranks[-1] >= 1
+    assert ranks[10] == round(10 * torch.exp(torch.tensor(-1.0)).item())
+
+
+def test_grouped_forward_equals_per_task_forward(vit: AdaptedBackbone) -> None:
+    x = torch.randn(3, 3, 32, 32)
+    m = vit.num_tasks
+    with torch.no_grad():
+        grouped = vit.embed(x, list(range(m)))
+        single = torch.stack([vit.embed(x, [k])[0] for k in range(m)])
+    assert torch.allclose(grouped, single, atol=1e-5)
+    assert not torch.allclose(grouped[0], grouped[-1])
+
+
+def test_identity_transfer_and_all_units_compositions() -> None:
+    u = LoRAUnit(8, 4)
+    g = torch.Generator().manual_seed(1)
+    u.begin_task(2, "learned", True, g)
+    u.end_task()
+    u.begin_task(2, "identity", True, g)
+    u.end_task()
+    assert torch.equal(u.C[1], torch.ones(4))
+    assert torch.equal(u.coefficients([0], "all-units"), torch.tensor([[1.0, 1.0, 0.0, 0.0]]))
+    assert torch.equal(u.coefficients([1], "all-units"), torch.ones(1, 4))
+
+
+def test_rank_is_capped_when_no_orthogonal_room() -> None:
+    u = LoRAUnit(6, 4)
+    g = torch.Generator().manual_seed(0)
+    assert u.begin_task(4, "zero", True, g) == 4
+    u.end_task()
+    assert u.begin_task(4, "zero", True, g) == 2
+    u.end_task()
+    assert u.total_rank == 6
+
+
+def test_conv1x1_wrapper_matches_linear_math() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(5, 7, 1)
+    w = LoRAWrapper(conv, {}, 1.0)
+    unit = w.units["w"]
+    unit.begin_task(3, "learned", True, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        unit.B_new.normal_()
+    x = torch.randn(2, 5, 4, 4)
+    dW = unit.B_new @ unit.projected_A_new().T
+    expected = conv(x) + torch.einsum("oi,nihw->nohw", dW, x)
+    assert torch.allclose(w(x), expected, atol=1e-5)
+
+
+def test_base_layer_untouched(vit: AdaptedBackbone) -> None:
+    for wr in vit.wrappers.values():
+        assert not any(p.requires_grad for p in wr.base.parameters())

@@ -1,0 +1,142 @@
+"""End-to-end: the real CLI with tiny settings (random backbone weights, so no download is needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from proteus.cli import main
+from proteus.kb import KnowledgeBase
+
+TINY = [
+    "--set", "backbone.pretrained=false",
+    "--set", "backbone.img_size=32",
+    "--set", "backbone.adapt_last=2",
+    "--set", "train.epochs=1",
+    "--set", "head.rp_dim=256",
+    "--set", "signature.max_components=2",
+    "--set", "signature.max_iter=20",
+    "--set", "signature.rank=8",
+    "--set", "benchmark.max_train_per_class=40",
+]  # fmt: skip
+
+
+def _results(out: Path) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "r"
+    assert main(["run", "--benchmark", "quickstart", "--out", str(out), "-q", *TINY]) == 0
+    return out
+
+
+def test_run_writes_the_contract(run_dir: Path) -> None:
+    res = _results(run_dir)
+    for key in ("benchmark", "method", "backbone", "num_tasks", "acc_matrix", "avg_acc", "final_avg_acc",
+                "forgetting", "retrieval_acc", "oracle_avg_acc", "seconds"):
+        assert key in res, key
+    m = res["num_tasks"]
+    assert m == 5 and len(res["acc_matrix"]) == m and len(res["avg_acc"]) == m
+    for k, row in enumerate(res["acc_matrix"]):
+        assert all(v is not None for v in row[: k + 1]) and all(v is None for v in row[k + 1 :])
+    assert len(res["retrieval_acc"]) == m and all(0 <= r <= 100 for r in res["retrieval_acc"])
+    assert res["retrieval_acc"][0] == 100.0  # one task: retrieval cannot fail
+    assert res["final_avg_acc"] == pytest.approx(np.mean(res["acc_matrix"][-1]))
+    for f in ("config.yaml", "split.json", "log.txt", "kb/manifest.json"):
+        assert (run_dir / f).is_file(), f
+    split = json.loads((run_dir / "split.json").read_text())
+    assert split["class_order"] and split["splits"]["train"]["sha256"]
+
+
+def test_learn_task_by_task_equals_run(run_dir: Path, tmp_path: Path) -> None:
+    kb = tmp_path / "kb"
+    for k in range(1, 6):
+        assert main(["learn", "--kb", str(kb), "--benchmark", "quickstart", "--task", str(k), "-q", *TINY]) == 0
+    a = KnowledgeBase.open(run_dir / "kb").manifest
+    b = KnowledgeBase.open(kb).manifest
+    assert [t["sha256"] for t in a["tasks"]] == [t["sha256"] for t in b["tasks"]]
+    assert a["head"]["sha256"] == b["head"]["sha256"]
+    assert a["evaluation"] == b["evaluation"]
+    # rerunning a learned task is a no-op; skipping one is an error naming it
+    assert main(["learn", "--kb", str(kb), "--benchmark", "quickstart", "--task", "3", "-q", *TINY]) == 0
+    assert KnowledgeBase.open(kb).manifest["tasks"] == b["tasks"]
+
+
+def test_learn_refuses_to_skip_a_task(tmp_path: Path, capsys) -> None:
+    kb = tmp_path / "kb"
+    assert main(["learn", "--kb", str(kb), "--benchmark", "quickstart", "--task", "2", "-q", *TINY]) == 2
+    assert "learn task 1 first" in capsys.readouterr().err
+
+
+def test_kb_roundtrip_is_bit_exact(run_dir: Path) -> None:
+    from proteus.runner import learner_from_kb
+
+    kb = KnowledgeBase.open(run_dir / "kb")
+    learner = learner_from_kb(kb, progress=False)
+    state = learner.state()
+    for t, entry in zip(state["tasks"], kb.manifest["tasks"]):
+        stored = kb.read(entry["object"], entry["sha256"])
+        assert set(stored) == set(t["tensors"])
+        for k, v in t["tensors"].items():
+            assert torch.equal(stored[k], v.cpu()), k
+    head = kb.read(kb.manifest["head"]["object"], kb.manifest["head"]["sha256"])
+    for k, v in state["head"]["tensors"].items():
+        assert torch.equal(head[k], v.cpu()), k
+
+
+def test_evaluate_reproduces_the_final_row(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", "--kb", str(run_dir / "kb"), "--out", str(out), "-q"]) == 0
+    res = json.loads(out.read_text())
+    assert res["acc_matrix"][-1] == _results(run_dir)["acc_matrix"][-1]
+    assert res["retrieval_acc"][-1] == _results(run_dir)["retrieval_acc"][-1]
+
+
+def test_predict_on_image_files(run_dir: Path, tmp_path: Path, capsys) -> None:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    files = []
+    for i in range(3):
+        p = tmp_path / f"digit{i}.png"
+        Image.fromarray((d.images[i] * 255 / 16).astype(np.uint8)).save(p)
+        files.append(str(p))
+    rgba = tmp_path / "rgba.png"
+    Image.new("RGBA", (20, 12), (10, 200, 30, 128)).save(rgba)
+    files.append(str(rgba))
+    assert main(["predict", "--kb", str(run_dir / "kb"), *files, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["file"] for r in rows] == files
+    for r in rows:
+        assert r["class"].startswith("digit") or r["class"].isdigit()
+        assert 1 <= r["task"] <= 5 and r["component"] >= 0 and np.isfinite(r["signature_score"])
+
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not an image")
+    with pytest.raises(SystemExit, match="notes.txt: not a readable image"):
+        main(["predict", "--kb", str(run_dir / "kb"), str(bad)])
+
+
+def test_real_cli_subprocess_help_and_list() -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-m", "proteus", "--help"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "quickstart" in out.stdout and "examples:" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "proteus", "list", "methods"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for name in ("proteus", "proteus-paper", "ranpac", "last-lora", "frozen", "proteus-s0", "proteus-budget"):
+        assert f"  {name} " in out.stdout
+
+
+def test_bad_config_key_is_named(capsys) -> None:
+    assert main(["run", "--benchmark", "quickstart", "--set", "adapter.rnak=3"]) == 2
+    assert "adapter.rnak" in capsys.readouterr().err

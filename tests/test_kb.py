@@ -1,0 +1,77 @@
+"""Knowledge base storage: atomic commits, checksums, format and backbone checks, no pickle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from proteus.kb import FORMAT_VERSION, KBError, KnowledgeBase
+
+
+def _kb(tmp_path):
+    return KnowledgeBase.create(tmp_path / "kb", {"backbone": {"name": "b", "weights_sha256": "x"}})
+
+
+def test_commit_roundtrip_bit_exact(tmp_path) -> None:
+    kb = _kb(tmp_path)
+    t = {"a": torch.randn(5, 3, dtype=torch.float64), "b": torch.randn(7).half()}
+    rel, sha = kb.write_object("task000", t)
+    kb.commit({**kb.manifest, "tasks": [{"index": 0, "object": rel, "sha256": sha}]})
+    kb2 = KnowledgeBase.open(tmp_path / "kb")
+    back = kb2.read(rel, sha)
+    for k, v in t.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v)
+
+
+def test_truncated_or_edited_object_is_detected(tmp_path) -> None:
+    kb = _kb(tmp_path)
+    rel, sha = kb.write_object("task000", {"a": torch.ones(100)})
+    kb.commit({**kb.manifest, "tasks": [{"index": 0, "object": rel, "sha256": sha}]})
+    path = tmp_path / "kb" / rel
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    with pytest.raises(KBError, match="checksum mismatch"):
+        KnowledgeBase.open(tmp_path / "kb")
+    path.unlink()
+    with pytest.raises(KBError, match="missing"):
+        KnowledgeBase.open(tmp_path / "kb")
+
+
+def test_uncommitted_objects_are_invisible_and_swept(tmp_path) -> None:
+    kb = _kb(tmp_path)
+    rel0, sha0 = kb.write_object("task000", {"a": torch.zeros(3)})
+    kb.commit({**kb.manifest, "tasks": [{"index": 0, "object": rel0, "sha256": sha0}]})
+    # a crash after writing an object but before the manifest: the KB is still the old state
+    orphan, _ = kb.write_object("task001", {"a": torch.ones(3)})
+    (tmp_path / "kb" / ".manifest.json.tmp-999").write_text("{partial")
+    kb2 = KnowledgeBase.open(tmp_path / "kb")
+    assert len(kb2.manifest["tasks"]) == 1
+    kb2.commit(kb2.manifest)
+    assert not (tmp_path / "kb" / orphan).exists()
+    assert not list((tmp_path / "kb").glob(".manifest.json.tmp-*"))
+
+
+def test_format_version_and_backbone_mismatch_are_named(tmp_path) -> None:
+    kb = _kb(tmp_path)
+    with pytest.raises(KBError, match="weights_sha256"):
+        kb.check_backbone({"name": "b", "weights_sha256": "y"})
+    m = json.loads((tmp_path / "kb" / "manifest.json").read_text())
+    m["format_version"] = FORMAT_VERSION + 1
+    (tmp_path / "kb" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(KBError, match="format version"):
+        KnowledgeBase.open(tmp_path / "kb")
+    (tmp_path / "kb" / "manifest.json").write_text("{not json")
+    with pytest.raises(KBError, match="corrupt manifest"):
+        KnowledgeBase.open(tmp_path / "kb")
+
+
+def test_no_pickle_in_kb(tmp_path) -> None:
+    kb = _kb(tmp_path)
+    rel, sha = kb.write_object("head", {"G": torch.eye(3)})
+    kb.commit({**kb.manifest, "head": {"object": rel, "sha256": sha, "meta": {}}})
+    for p in (tmp_path / "kb").rglob("*"):
+        if p.is_file():
+            assert p.suffix in {".json", ".safetensors"}, p
+            assert not p.read_bytes().startswith(b"\x80"), f"{p} looks like a pickle"
