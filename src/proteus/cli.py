@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,10 @@ examples:
 
 def _add_run_args(p: argparse.ArgumentParser, benchmark_required: bool = True) -> None:
     p.add_argument(
-        "--benchmark", required=benchmark_required, help="benchmark name (see `proteus list benchmarks`)"
+        "--benchmark",
+        required=benchmark_required,
+        help="benchmark name (see `proteus list benchmarks`) or a packaged preset such as cifar100-50 "
+        "(docs/experiments.md)",
     )
     p.add_argument("--data", help="dataset root (for `folder`: an ImageFolder root with train/ and test/)")
     p.add_argument("--tasks", dest="tasks_file", help="task spec YAML for the `folder` benchmark")
@@ -78,9 +82,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     out = Path(args.out or f"runs/{cfg.benchmark.name}-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
     res = run(cfg, out, progress=not args.quiet)
-    print(format_table(res))
-    print(f"results: {out / 'results.json'}")
+    if _is_main():
+        print(format_table(res))
+        print(f"results: {out / 'results.json'}")
     return 0
+
+
+def _is_main() -> bool:
+    """False on the non-zero ranks of a torchrun launch (they print nothing)."""
+    from proteus.distributed import is_main
+
+    return is_main()
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
@@ -107,6 +119,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
         ContinualLearner,
         Evaluator,
         check_split,
+        create_kb,
         kb_header,
         learn_and_commit,
         learner_from_kb,
@@ -137,7 +150,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
         cfg = _config(args)
         learner = ContinualLearner(cfg, progress=not args.quiet)
         stream = _stream(cfg)
-        kb = KnowledgeBase.create(kb_dir, kb_header(learner, stream))
+        kb = create_kb(kb_dir, kb_header(learner, stream))
     stream = _stream(cfg)
     check_split(kb, stream)
     if k >= len(stream.tasks):
@@ -150,7 +163,8 @@ def cmd_learn(args: argparse.Namespace) -> int:
         msg += f"; accuracy per task {[round(a, 2) for a in ev['row']]}"
         if ev["retrieval_acc"] is not None:
             msg += f", retrieval {ev['retrieval_acc']:.2f}%"
-    print(msg)
+    if _is_main():
+        print(msg)
     return 0
 
 
@@ -381,12 +395,28 @@ def main(argv: list[str] | None = None) -> int:
     from proteus.config import ConfigError
     from proteus.kb import KBError
 
+    if os.environ.get("WORLD_SIZE", "1") != "1":  # launched by torchrun: join the process group
+        from proteus.distributed import init_from_env
+
+        init_from_env()
     try:
         return int(args.func(args) or 0)
     except (ConfigError, KBError, KeyError, ValueError, FileNotFoundError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {msg}", file=sys.stderr)
         return 2
+    except OSError as e:  # a corrupt image file in a dataset (CorruptImageError names the file)
+        from proteus.benchmarks.errors import BenchmarkError
+
+        if not isinstance(e, BenchmarkError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if "torch.distributed" in sys.modules:
+            from proteus.distributed import shutdown
+
+            shutdown()
 
 
 if __name__ == "__main__":

@@ -73,10 +73,10 @@ class SignatureConfig:
     method: str = "dpgmm"
     max_components: int = 20
     #: component covariance kept for scoring: "full" or "ppca" (low-rank + isotropic, Woodbury scoring)
-    covariance: str = "ppca"
+    covariance: str = "full"
     rank: int = 64
     #: embedding normalisation before fitting and scoring: "none" or "l2"
-    normalize: str = "l2"
+    normalize: str = "none"
     #: score per (input, component): "nll" (Gaussian NLL incl. log-det) or "mahalanobis" (Eq. 2)
     score: str = "nll"
     #: per-task score calibration: "none" or "standardize" (by the task's own training scores)
@@ -128,6 +128,23 @@ class EvalConfig:
 
 
 @dataclass
+class ReportConfig:
+    """What ``proteus run`` writes besides results.json: theory checks, figures, report.md, latency."""
+
+    #: Sec. 3.2 checks (delta, kappa, sigma^2, Thm. 3.5 bound, Thm. 3.6 minimum delta) for retrieval methods
+    theory: bool = True
+    #: figures (Figs. 2, 3, 8-10, retrieval confusion, latency) and report.md in the run directory
+    figures: bool = True
+    #: time ``predict`` on one batch with the first m adapters (App. "Complexity of PROTEUS Inference")
+    latency: bool = True
+    latency_batch: int = 32
+    #: number of m values timed (evenly spaced in 1..num_tasks, always including both ends)
+    latency_points: int = 10
+    #: timed repetitions per m (the median is reported; fewer once they add up to 2 s), after a warm-up call
+    latency_repeats: int = 3
+
+
+@dataclass
 class RunConfig:
     method: str = "proteus"
     seed: int = 0
@@ -140,6 +157,7 @@ class RunConfig:
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> dict[str, Any]:

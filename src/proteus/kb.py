@@ -27,6 +27,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from proteus.faults import crash_point
+
 FORMAT = "proteus-kb"
 FORMAT_VERSION = 1
 
@@ -48,12 +50,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes, point: str | None = None) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if point:
+        crash_point(point)  # tests: killed with the data in its temporary file (proteus.faults)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -151,7 +155,7 @@ class KnowledgeBase:
         path = self.root / rel
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write(path, data)
+            _atomic_write(path, data, "commit:tmp")
         return rel, sha
 
     # ------------------------------------------------------------------ commit
@@ -159,8 +163,11 @@ class KnowledgeBase:
         """Make ``manifest`` the KB's state (atomic), then sweep unreferenced objects."""
         manifest = dict(manifest)
         manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        _atomic_write(self.root / "manifest.json", json.dumps(manifest, indent=1).encode())
+        crash_point("commit:objects")
+        data = json.dumps(manifest, indent=1).encode()
+        _atomic_write(self.root / "manifest.json", data, "commit:manifest-tmp")
         self.manifest = manifest
+        crash_point("commit:manifest")
         self.sweep()
 
     def sweep(self) -> None:

@@ -14,6 +14,12 @@ under the retrieved adapter (:meth:`predict`).
 A method is configuration over these parts (:mod:`proteus.methods`): which adapters are trained
 (``train.tasks``), how S enters (``adapter.transfer``), and which composition embeds an input
 (``retrieval.mode``: signature retrieval, the first adapter, the last one, or all units summed).
+
+Reliability (GitHub issue 4): :meth:`ContinualLearner.learn_task` is transactional -- when it raises, the
+task's adapter and head update are undone and the learner is the one that held the earlier tasks. Under
+``torchrun`` the embedding passes are sharded by batches across ranks and the adapter training is
+data-parallel with summed gradients (:mod:`proteus.distributed`). :func:`~proteus.faults.crash_point`
+marks the phases that the crash-safety tests kill.
 """
 
 from __future__ import annotations
@@ -29,13 +35,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 
+from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
 from proteus.backbones import build_backbone
 from proteus.backbones.transforms import build_transform
 from proteus.config import RunConfig
+from proteus.faults import crash_point
 from proteus.heads import RanPACHead
 from proteus.signatures import Signature, fit_signature, retrieve
 from proteus.signatures.dpgmm import SignatureFitError
@@ -48,9 +56,8 @@ class TaskError(ValueError):
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """``auto`` = CUDA when available; under torchrun ``auto``/``cuda`` mean ``cuda:LOCAL_RANK``."""
+    return dist.device_for_rank(name)
 
 
 class _Images(Dataset):
@@ -81,7 +88,7 @@ class ContinualLearner:
 
     def __init__(self, config: RunConfig, progress: bool = True) -> None:
         self.cfg = config
-        self.progress = progress
+        self.progress = progress and dist.is_main()  # one set of progress bars under torchrun
         self.device = resolve_device(config.device)
         bcfg = config.backbone
         self.backbone = build_backbone(
@@ -143,28 +150,49 @@ class ContinualLearner:
     def prefix_dataset(self, ds: Dataset, desc: str = "prefix") -> tuple[torch.Tensor, torch.Tensor]:
         """Frozen-prefix outputs of a dataset under the evaluation transform (cacheable: the prefix is
         shared by all tasks)."""
+        if len(ds) == 0:  # type: ignore[arg-type]
+            raise TaskError(f"{desc}: empty dataset")
         zs, ys = [], []
-        loader = self._loader(_Images(ds, self.eval_transform), False, 0, self.cfg.eval.batch_size)
-        for x, y in self._bar(loader, desc):
+        bs = self.cfg.eval.batch_size
+        images: Dataset = _Images(ds, self.eval_transform)
+        n = len(images)  # type: ignore[arg-type]
+        if dist.is_distributed():  # this rank's block of whole batches (proteus.distributed)
+            mine = dist.shard_range(math.ceil(n / bs))
+            images = Subset(images, range(mine.start * bs, min(mine.stop * bs, n)))
+        for x, y in self._bar(self._loader(images, False, 0, bs), desc):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 z = self.model_.prefix(x.to(self.device))
             zs.append(z.float())
             ys.append(y)
-        if not zs:
-            raise TaskError("empty dataset")
-        return torch.cat(zs), torch.cat(ys)
+        z_all = dist.all_gather_rows(torch.cat(zs) if zs else None)
+        y_all = dist.all_gather_rows(torch.cat(ys) if ys else None)
+        assert z_all is not None and y_all is not None
+        return z_all, y_all
 
     @torch.no_grad()
     def embed_prefix(
-        self, z: torch.Tensor, tasks: list[int] | None, kind: str = "task", batch_size: int | None = None
+        self,
+        z: torch.Tensor,
+        tasks: list[int] | None,
+        kind: str = "task",
+        batch_size: int | None = None,
+        shard: bool = True,
     ) -> torch.Tensor:
-        """Embed cached prefix outputs: (G, N, d) for ``tasks`` (None: the plain backbone, (1, N, d))."""
+        """Embed cached prefix outputs: (G, N, d) for ``tasks`` (None: the plain backbone, (1, N, d)).
+
+        Under torchrun (and ``shard``) each rank embeds its block of whole chunks and the result is gathered
+        in the original order; every rank must then call this with the same ``z``."""
         bs = batch_size or self.cfg.eval.batch_size
         groups = tasks if tasks is not None else [None]
         # keep G * batch bounded so that many tasks do not blow up memory
         per = max(1, bs * 16 // max(1, len(groups)))
+        starts = range(0, z.shape[0], per)
+        sharded = shard and dist.is_distributed()
+        if sharded:
+            mine = dist.shard_range(len(starts))
+            starts = starts[mine.start : mine.stop]
         out = []
-        for i in range(0, z.shape[0], per):
+        for i in starts:
             zb = z[i : i + per].to(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 if tasks is None:
@@ -172,6 +200,11 @@ class ContinualLearner:
                 else:
                     h = self.model_.suffix(zb, tasks, kind)
             out.append(h.float().cpu())
+        if sharded:
+            local = torch.cat(out, 1).transpose(0, 1) if out else None
+            gathered = dist.all_gather_rows(local)  # (N, G, d), rows in the original order
+            assert gathered is not None
+            return gathered.transpose(0, 1).contiguous()
         return torch.cat(out, 1)
 
     # ================================================================== training (Algorithm 1)
@@ -256,6 +289,11 @@ class ContinualLearner:
         img_loader = None
         if z_train is None:
             img_loader = self._loader(_Images(task.train, self.train_transform), True, seed, bs)
+        # under torchrun each rank trains on its block of every batch; gradients are summed across ranks
+        # (proteus.distributed: weighted so that the sum is the full batch's gradient)
+        distributed = dist.is_distributed()
+        trainable = params + [s for s in s_params if all(s is not q for q in params)]
+        part = 1.0
         for _ in bar:
             if z_train is not None:
                 try:
@@ -263,6 +301,9 @@ class ContinualLearner:
                 except StopIteration:
                     it = iter(torch.randperm(n, generator=g).split(bs))
                     idx = next(it)
+                if distributed:
+                    mine = dist.shard_range(len(idx))
+                    part, idx = len(mine) / len(idx), idx[mine.start : mine.stop]
                 zb, yb = z_train[idx].to(self.device), y_local[idx].to(self.device)
             else:
                 try:
@@ -270,22 +311,36 @@ class ContinualLearner:
                 except StopIteration:
                     it = iter(img_loader)
                     xb, yb_g = next(it)
+                if distributed:
+                    mine = dist.shard_range(len(yb_g))
+                    part = len(mine) / len(yb_g)
+                    xb, yb_g = xb[mine.start : mine.stop], yb_g[mine.start : mine.stop]
                 zb = self.model_.prefix(xb.to(self.device))
                 yb = torch.as_tensor([local[int(c)] for c in yb_g.tolist()], device=self.device)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                h = self.model_.suffix(zb)
-                loss = F.cross_entropy(clf(h.float()), yb)
-            total = loss + (self._penalty(lam) if a.s_update == "adam" and s_params else 0.0)
             opt.zero_grad(set_to_none=True)
             for s in s_params:
                 s.grad = None
-            total.backward()
+            loss = torch.zeros((), device=self.device)
+            if len(yb):
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                    h = self.model_.suffix(zb)
+                    loss = F.cross_entropy(clf(h.float()), yb)
+                penalty = self._penalty(lam) if a.s_update == "adam" and s_params else 0.0
+                if distributed:
+                    total = loss * part + penalty / dist.world_size()
+                else:
+                    total = loss + penalty
+                total.backward()
+            if distributed:
+                loss = self._all_reduce_grads(trainable, loss.detach() * part)
             opt.step()
             if a.s_update == "prox" and s_params:
                 self._prox(lam)
             losses.append(float(loss.detach()))
             if hasattr(bar, "set_postfix") and len(losses) % 10 == 0:
                 bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+        if distributed:  # identical on every rank already; make it bit-identical whatever the hardware
+            dist.broadcast_(self.model_.lora_parameters() + s_params)
         s_all = torch.cat([s.detach().flatten() for s in s_params]) if s_params else torch.zeros(0)
         self.model_.end_task()
         return {
@@ -298,6 +353,23 @@ class ContinualLearner:
             "s_mean_abs": float(s_all.abs().mean()) if s_all.numel() else None,
             "s_nonzero_frac": float((s_all != 0).float().mean()) if s_all.numel() else None,
         }
+
+    @staticmethod
+    def _all_reduce_grads(tensors: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+        """Sum the gradients of ``tensors`` and ``loss`` over ranks in one flat all_reduce; returns the
+        summed loss. A tensor without a gradient on every rank keeps ``grad = None``."""
+        dev = loss.device
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
+        parts = [g.reshape(-1).float().to(dev) for g in grads]
+        flags = torch.tensor([float(t.grad is not None) for t in tensors], device=dev)
+        flat = torch.cat([*parts, flags, loss.reshape(1).float()])
+        dist.all_reduce_sum_(flat)
+        i = 0
+        for t, flag in zip(tensors, flat[-1 - len(tensors) : -1].tolist()):
+            n = t.numel()
+            t.grad = flat[i : i + n].view_as(t).to(t.dtype).clone() if flag > 0 else None
+            i += n
+        return flat[-1]
 
     def _use_prefix_cache(self) -> bool:
         mode = self.cfg.train.cache_prefix
@@ -317,16 +389,30 @@ class ContinualLearner:
         if dup:
             names = [task.class_names[task.classes.index(c)] for c in dup]
             raise TaskError(f"task {k + 1}: classes {names} already belong to an earlier task")
+        # Transactional: if anything below raises (bad data, a failed fit, KeyboardInterrupt), the adapter
+        # opened or appended for this task and the head update are undone, so the learner is exactly the
+        # one that held k tasks (signatures_ and tasks_ are only appended after the last step that can fail).
+        m0, head0 = self.num_adapters, self.head_
+        try:
+            return self._learn_task(task, k)
+        except BaseException:
+            self._rollback_adapter(m0)
+            self.head_ = head0  # RanPACHead.update is atomic: it raises before changing the head
+            raise
+
+    def _learn_task(self, task: Any, k: int) -> dict[str, Any]:
         stats: dict[str, Any] = {"task": k}
         t0 = time.perf_counter()
         z_train, y_train = self.prefix_dataset(task.train, f"task {k + 1}: prefix")
         stats["seconds_prefix"] = time.perf_counter() - t0
+        crash_point("learn:prefix")
         t0 = time.perf_counter()
         if self._trains_adapter(k):
             stats["train"] = self._train_adapter(
                 task, k, z_train if self._use_prefix_cache() else None, y_train
             )
         stats["seconds_train"] = time.perf_counter() - t0
+        crash_point("learn:train")
 
         # line 6: signature of the task's embeddings under its own adapter
         t0 = time.perf_counter()
@@ -336,22 +422,27 @@ class ContinualLearner:
             try:
                 sig = fit_signature(h_own.to(self.device), self.cfg.signature, seed=self.task_seed(k))
             except SignatureFitError as e:
-                self.model_ = self._rollback_adapter(k)
                 raise TaskError(f"task {k + 1}: signature fit failed: {e}") from None
             stats["signature"] = {"n_active": int(sig.n_active)}
         stats["seconds_signature"] = time.perf_counter() - t0
+        crash_point("learn:signature")
 
         # lines 8-12: head statistics from the embeddings the method predicts with
         t0 = time.perf_counter()
         tasks, kind = self.head_composition(k)
         h_head = self.embed_prefix(z_train, tasks, kind)[0]
         if not torch.isfinite(h_head).all():
-            raise TaskError(f"task {k + 1}: embeddings contain NaN or inf")
-        if self.head_ is None:
-            self.head_ = self._new_head()
-        self.head_.update(h_head.to(self.device), y_train.to(self.device), num_classes=max(task.classes) + 1)
+            n_bad = int((~torch.isfinite(h_head)).any(1).sum())
+            raise TaskError(f"task {k + 1}: embeddings contain NaN or inf ({n_bad} of {len(h_head)} images)")
+        head = self.head_ if self.head_ is not None else self._new_head()
+        try:
+            head.update(h_head.to(self.device), y_train.to(self.device), num_classes=max(task.classes) + 1)
+        except (ValueError, FloatingPointError) as e:
+            raise TaskError(f"task {k + 1}: head update failed: {e}") from None
+        self.head_ = head
         stats["seconds_head"] = time.perf_counter() - t0
-        stats["gamma"] = float(self.head_.gamma_)
+        stats["gamma"] = float(head.gamma_)
+        crash_point("learn:head")
         self.signatures_.append(sig)
         self.tasks_.append(
             {
@@ -365,20 +456,26 @@ class ContinualLearner:
         )
         return stats
 
-    def _rollback_adapter(self, k: int) -> AdaptedBackbone:
-        """Drop an adapter appended for task k whose signature failed (the in-memory state stays old)."""
+    def _rollback_adapter(self, m: int) -> AdaptedBackbone:
+        """Undo a task's adapter: close a task still being trained and drop every adapter after the first
+        ``m`` (the in-memory state is then the one before the task)."""
         for u in self.model_.units.values():
-            if u.num_tasks > k:
-                cols = u.columns(k)
+            if u.training_task:
+                u.A_new = u.B_new = u.s = None
+                u.s_fixed = torch.zeros(0, device=u.A.device, dtype=u.A.dtype)
+                u.basis = torch.zeros(u.in_features, 0, device=u.A.device, dtype=u.A.dtype)
+            if u.num_tasks > m:
+                cols = u.columns(m)
                 u.A, u.B = u.A[:, : cols.start], u.B[:, : cols.start]
-                u.C = u.C[:k, : cols.start]
-                u.ranks = u.ranks[:k]
+                u.C = u.C[:m, : cols.start]
+                u.ranks = u.ranks[:m]
         return self.model_
 
     # ================================================================== inference (Algorithm 2)
     def retrieve_embeddings(self, H: torch.Tensor) -> Any:
-        """H: (m, N, d), embeddings under every task's adapter -> RetrievalResult."""
-        scores = [sig.score(H[j].to(sig_device(sig))).cpu() for j, sig in enumerate(self.signatures_) if sig]
+        """H: (m, N, d), embeddings under the first m tasks' adapters -> RetrievalResult over those tasks."""
+        sigs = self.signatures_[: H.shape[0]]
+        scores = [sig.score(H[j].to(sig_device(sig))).cpu() for j, sig in enumerate(sigs) if sig]
         return retrieve(scores, top_k=self.cfg.retrieval.top_k)
 
     def classify(self, h: torch.Tensor) -> torch.Tensor:
@@ -386,19 +483,24 @@ class ContinualLearner:
         return self.head_.decision_function(h.to(self.device)).float().cpu()
 
     @torch.no_grad()
-    def predict(self, x: torch.Tensor) -> Prediction:
-        """Algorithm 2 on a batch of transformed images: one batched forward under all adapters."""
+    def predict(self, x: torch.Tensor, num_tasks: int | None = None) -> Prediction:
+        """Algorithm 2 on a batch of transformed images: one batched forward under all adapters.
+
+        ``num_tasks = m`` retrieves among the first m tasks only (adapters and signatures; the head stays
+        the full one): the inference latency as a function of m (App. "Complexity of PROTEUS Inference").
+        """
         if self.head_ is None:
             raise RuntimeError("predict called before any task was learned")
+        m = self.num_tasks if num_tasks is None else max(1, min(int(num_tasks), self.num_tasks))
         z = self.model_.prefix(x.to(self.device))
         if self.uses_retrieval:
-            H = self.embed_prefix(z, list(range(self.num_adapters)))
+            H = self.embed_prefix(z, list(range(min(m, self.num_adapters))), shard=False)
             res = self.retrieve_embeddings(H)
             h = H[res.task, torch.arange(H.shape[1])]
             logits = self.classify(h)
             return Prediction(logits.argmax(1), res.task, res.component, res.score, logits)
-        tasks, kind = self.head_composition(self.num_tasks - 1)
-        h = self.embed_prefix(z, tasks, kind)[0]
+        tasks, kind = self.head_composition(m - 1)
+        h = self.embed_prefix(z, tasks, kind, shard=False)[0]
         logits = self.classify(h)
         return Prediction(logits.argmax(1), None, None, None, logits)
 

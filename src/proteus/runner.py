@@ -4,6 +4,10 @@
 give the same knowledge base and the same results for the same seed. The evaluation after task k
 (Sec. 5.1 metrics) embeds each seen test set under each adapter once per adapter: an adapter never
 changes after its task, so an embedding computed at step j is reused at every later step.
+
+Under ``torchrun --nproc_per_node=N -m proteus run ...`` every rank runs this same loop (the learner shards
+its embedding passes and its training, :mod:`proteus.distributed`); only rank 0 writes config.yaml,
+split.json, log.txt, the KB and results.json, and the other ranks wait for its commits at a barrier.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from typing import Any
 import torch
 
 from proteus import __version__
+from proteus import distributed as dist
 from proteus.benchmarks import TaskStream, build_benchmark
 from proteus.config import ConfigError, RunConfig, load_yaml, merge, parse_set
+from proteus.faults import crash_point
 from proteus.kb import KBError, KnowledgeBase
 from proteus.learner import ContinualLearner
 from proteus.methods import apply_method
@@ -213,9 +219,23 @@ def learn_and_commit(
     if evaluator is not None:
         ev = evaluator.evaluate(k)
         evaluation = evaluation[:k] + [ev]
+    crash_point("evaluate")
     stats["seconds_task"] = time.perf_counter() - t0
-    commit_learner(kb, learner, evaluation)
+    if dist.is_main():  # under torchrun rank 0 writes; the others read its commit back
+        commit_learner(kb, learner, evaluation)
+    dist.barrier()
+    if not dist.is_main():
+        kb.manifest = KnowledgeBase.open(kb.root, verify=False).manifest
     return stats
+
+
+def create_kb(root: str | Path, header: dict[str, Any]) -> KnowledgeBase:
+    """Create a knowledge base. Under torchrun rank 0 creates it, after every rank has checked that none
+    existed, and the other ranks open it."""
+    dist.barrier()
+    kb = KnowledgeBase.create(root, header) if dist.is_main() else None
+    dist.barrier()
+    return kb if kb is not None else KnowledgeBase.open(root, verify=False)
 
 
 # ====================================================================== results
@@ -280,14 +300,18 @@ def _setup_log(out: Path) -> logging.Handler:
 
 
 def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any]:
-    """The whole continual loop in one process; writes config.yaml, split.json, log.txt, kb/, results.json."""
+    """The whole continual loop in one process; writes config.yaml, split.json, log.txt, kb/, results.json,
+    analysis.json and (``report.figures``) report.md with figures/ (:mod:`proteus.report`)."""
     out = Path(out)
-    handler = _setup_log(out)
+    main = dist.is_main()  # under torchrun only rank 0 writes files (proteus.distributed)
+    handler = _setup_log(out) if main else None
     try:
         t0 = time.perf_counter()
-        (out / "config.yaml").write_text(cfg.to_yaml())
+        if main:
+            (out / "config.yaml").write_text(cfg.to_yaml())
         stream = build_benchmark(cfg.benchmark)
-        stream.write_manifest(out / "split.json")
+        if main:
+            stream.write_manifest(out / "split.json")
         log.info("run %s on %s: %d tasks", cfg.method, stream.name, len(stream.tasks))
         learner = ContinualLearner(cfg, progress=progress)
         kb_dir = out / "kb"
@@ -295,7 +319,7 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
             raise KBError(
                 f"{kb_dir}: exists already; choose a new --out (runs never overwrite a knowledge base)"
             )
-        kb = KnowledgeBase.create(kb_dir, kb_header(learner, stream))
+        kb = create_kb(kb_dir, kb_header(learner, stream))
         evaluator = Evaluator(learner, stream)
         per_task = []
         for k in range(len(stream.tasks)):
@@ -303,7 +327,7 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
             ev = kb.manifest["evaluation"][-1] if kb.manifest["evaluation"] else None
             log.info("task %d: %s", k + 1, json.dumps({"stats": stats, "eval": ev}, default=str))
             per_task.append(stats)
-            if progress and ev:
+            if progress and ev and main:
                 ret = ev["retrieval_acc"]
                 print(
                     f"task {k + 1}/{len(stream.tasks)}: accuracy per task {[round(a, 1) for a in ev['row']]}"
@@ -312,8 +336,24 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
                 )
         evaluation = [e for e in kb.manifest["evaluation"] if e]
         extra = {"tasks": per_task, "kb_bytes": kb.nbytes()}
-        res = build_results(cfg, stream, evaluation, time.perf_counter() - t0, extra)
-        (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
+        seconds, t1 = time.perf_counter() - t0, time.perf_counter()
+        # theory checks, S / cosine analyses, latency (proteus.report); every rank takes part in any
+        # embedding pass the theory needs, rank 0 alone times and writes
+        from proteus.report.analysis import analyse_run
+
+        keys, bulky = analyse_run(learner, evaluator, stream, cfg.report, latency=main)
+        extra.update(keys)
+        res = build_results(cfg, stream, evaluation, seconds, extra)
+        if main:
+            (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
+            (out / "analysis.json").write_text(json.dumps(bulky))
+            if cfg.report.figures:
+                from proteus.report import write_report
+
+                res["figures"] = write_report(out, res, bulky)
+            res["seconds_report"] = time.perf_counter() - t1
+            (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
         return res
     finally:
-        logging.getLogger("proteus").removeHandler(handler)
+        if handler is not None:
+            logging.getLogger("proteus").removeHandler(handler)

@@ -344,48 +344,56 @@ class RanPACHead:
         phi = self.features(H)
         m = phi.shape[1]
 
+        # The new statistics are built aside and assigned at the end: an update that raises (a non-finite
+        # gamma search or ridge solve) leaves the head exactly as it was, so a learner can roll back a task.
         if self.G_ is None:
-            self.G_ = torch.zeros(m, m, dtype=self.dtype, device=device)
-            self.Q_ = torch.zeros(m, 0, dtype=self.dtype, device=device)
-            self.counts_ = torch.zeros(0, dtype=torch.long, device=device)
-        assert self.Q_ is not None and self.counts_ is not None
-        if total > self.Q_.shape[1]:
-            grow = total - self.Q_.shape[1]
-            self.Q_ = torch.cat([self.Q_, self.Q_.new_zeros(m, grow)], dim=1)
-            self.counts_ = torch.cat([self.counts_, self.counts_.new_zeros(grow)])
+            G_old = torch.zeros(m, m, dtype=self.dtype, device=device)
+            Q_old = torch.zeros(m, 0, dtype=self.dtype, device=device)
+            counts_old = torch.zeros(0, dtype=torch.long, device=device)
+        else:
+            assert self.Q_ is not None and self.counts_ is not None
+            G_old, Q_old, counts_old = self.G_, self.Q_, self.counts_
+        if total > Q_old.shape[1]:
+            grow = total - Q_old.shape[1]
+            Q_old = torch.cat([Q_old, Q_old.new_zeros(m, grow)], dim=1)
+            counts_old = torch.cat([counts_old, counts_old.new_zeros(grow)])
 
         y_dev = y.to(device)
-        G_prev, Q_prev = (self.G_.clone(), self.Q_.clone()) if self.n_updates_ else (None, None)
-        self.G_ += phi.T @ phi
-        self.Q_.index_add_(1, y_dev, phi.T)  # column c += sum of phi over samples of class c: e_S(c)
-        self.counts_ += torch.bincount(y_dev, minlength=total)
-        self.n_samples_ += int(H.shape[0])
-        self.n_updates_ += 1
+        G_new = G_old + phi.T @ phi
+        Q_new = Q_old.clone()
+        Q_new.index_add_(1, y_dev, phi.T)  # column c += sum of phi over samples of class c: e_S(c)
+        counts_new = counts_old + torch.bincount(y_dev, minlength=total)
 
+        gamma, selection = self.gamma_, self.gamma_selection_
         if self.gamma is not None:
-            self.gamma_ = self.gamma
+            gamma = self.gamma
         elif self._split(H.shape[0], device) is not None:
             Y = self._one_hot(y, total, device)
-            if self.selection == "accumulated" and G_prev is not None:
-                self.gamma_selection_ = self._select_gamma_accumulated(phi, Y, G_prev, Q_prev)
+            if self.selection == "accumulated" and self.n_updates_:
+                selection = self._select_gamma_accumulated(phi, Y, G_old, Q_old)
             else:
-                self.gamma_selection_ = self._select_gamma_fast(phi, Y)
-            self.gamma_ = self.gamma_selection_.gamma
+                selection = self._select_gamma_fast(phi, Y)
+            gamma = selection.gamma
             log.info(
                 "RanPAC head: gamma=%.0e selected (%s, %d candidates, held-out MSE %.4g)",
-                self.gamma_,
-                self.gamma_selection_.method,
-                len(self.gamma_selection_.losses),
-                float(self.gamma_selection_.losses.min()),
+                gamma,
+                selection.method,
+                len(selection.losses),
+                float(selection.losses.min()),
             )
-        elif self.gamma_ is None:
-            self.gamma_ = 1.0
+        elif gamma is None:
+            gamma = 1.0
             log.warning(
                 "RanPAC head: %d sample(s) cannot be split for the gamma search; using gamma=1", len(y)
             )
         else:
-            log.warning("RanPAC head: update too small for the gamma search; keeping gamma=%g", self.gamma_)
-        self.refit()
+            log.warning("RanPAC head: update too small for the gamma search; keeping gamma=%g", gamma)
+        W_out = self._ridge_solve(G_new, Q_new, gamma)
+
+        self.G_, self.Q_, self.counts_ = G_new, Q_new, counts_new
+        self.gamma_, self.gamma_selection_, self.W_out_ = gamma, selection, W_out
+        self.n_samples_ += int(H.shape[0])
+        self.n_updates_ += 1
         return self
 
     def refit(self, gamma: float | None = None) -> RanPACHead:

@@ -3,10 +3,11 @@
 * Separation factor (Definition 3.3, Eq. delta / A2-2): ``E_{x ~ D_k^t}[Z_i^s(x)] = (1 + delta) d`` with
   ``Z_i^s(x) = (h_i(x) - m_i^s)^T (Lambda_i^s)^{-1} (h_i(x) - m_i^s)``, so ``delta = E[Z] / d - 1``.
 * ``kappa = min_{(i, s): i != k} log(|Lambda_i^s| / |Lambda_k^t|)`` (Eq. bound).
-* Theorem 3.5: for ``delta >= max(0, -2 kappa / d)``,
+* Theorem 3.5 ("Bounding Retrieval Error Rate"): for ``delta >= max(0, -2 kappa / d)``,
   ``Pr(E_k^t) <= exp(-d delta^2 / (4 delta + 16))
   + (n - 1) tau exp(-(d delta / 2 + kappa)^2 / (2 sigma^2 d + (2/3)(d delta / 2 + kappa)))``.
-* Theorem 3.6 (Eq. epsrate, proof Eq. a10-a16): ``Pr(E_k^t) <= eps`` when
+* Theorem 3.6 ("Keeping Error Rate Arbitrarily Low", Eq. epsrate, proof Eq. a10-a16): ``Pr(E_k^t) <= eps``
+  when
   ``delta >= (2 / d) max{ (M + (M^2 - 24 d sigma^2 kappa)^(1/2)) / 4 - kappa,
   log(N / eps) (1 + (1 + 4 d / log(N / eps))^(1/2)) }`` with ``M = 3 d sigma^2 - kappa`` and
   ``N = (n - 1) tau + 1``.

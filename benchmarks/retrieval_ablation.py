@@ -1,0 +1,156 @@
+"""Retrieval ablation (issue 6): learn a sequence once, then score many retrieval variants on the same
+adapters, head and test embeddings, so that every variant is compared on identical models.
+
+    python benchmarks/retrieval_ablation.py --benchmark cifar10 --data ../shared/data/cifar10-subset \
+        --config mobilenet_cpu --out runs/retrieval-cifar10.json
+
+For each variant it reports retrieval accuracy, final average accuracy (head on the retrieved
+adapter's embedding) and the oracle accuracy (true task's adapter). Variants only change how a task is
+retrieved; the adapters and the head are the learner's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from proteus.config import SignatureConfig
+from proteus.learner import ContinualLearner
+from proteus.runner import Evaluator, resolve_config
+from proteus.signatures import fit_signature, retrieve
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--benchmark", required=True)
+    ap.add_argument("--data")
+    ap.add_argument("--tasks", dest="tasks_file")
+    ap.add_argument("--config", action="append", default=[])
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    over = {"seed": args.seed, "benchmark": {k: v for k, v in (("data", args.data), ("tasks_file", args.tasks_file)) if v}}
+    cfg = resolve_config(args.benchmark, "proteus", args.config, args.set, over)
+    from proteus.benchmarks import build_benchmark
+
+    stream = build_benchmark(cfg.benchmark)
+    learner = ContinualLearner(cfg, progress=False)
+    ev = Evaluator(learner, stream)
+    m = len(stream.tasks)
+    own_train: list[torch.Tensor] = []
+    frozen_train: list[torch.Tensor] = []
+    t0 = time.time()
+    for k in range(m):
+        learner.learn_task(stream.tasks[k])
+        z, _ = learner.prefix_dataset(stream.tasks[k].train)
+        own_train.append(learner.embed_prefix(z, [k])[0])
+        frozen_train.append(learner.embed_prefix(z, None)[0])
+        print(f"task {k + 1} learned ({time.time() - t0:.0f} s)", flush=True)
+    ys = [ev.labels(t) for t in range(m)]
+    E = [[ev.embedding(t, "task", j) for j in range(m)] for t in range(m)]  # E[tau][j]
+    F = [ev.embedding(t, "task", None) if False else learner.embed_prefix(ev._prefix(t), None)[0] for t in range(m)]
+    head = learner.head_
+    logits_all = [[head.decision_function(E[t][j]).float() for j in range(m)] for t in range(m)]
+    task_classes = [torch.as_tensor(t["classes"]) for t in learner.tasks_]
+
+    def evaluate(task_of: list[torch.Tensor]) -> dict:
+        rows, ret_ok, n = [], 0, 0
+        for t in range(m):
+            r = task_of[t]
+            logits = torch.stack(logits_all[t])[r, torch.arange(len(r))]
+            rows.append(100.0 * float((logits.argmax(1) == ys[t]).float().mean()))
+            ret_ok += int((r == t).sum())
+            n += len(r)
+        return {"final_avg_acc": sum(rows) / m, "retrieval_acc": 100.0 * ret_ok / n, "acc": rows}
+
+    oracle = evaluate([torch.full((len(ys[t]),), t) for t in range(m)])
+    results: dict[str, dict] = {"oracle (true task)": oracle}
+
+    def sig_scores(base: SignatureConfig, train: list[torch.Tensor], test_under) -> list[torch.Tensor]:
+        sigs = [fit_signature(train[j], base, seed=j) for j in range(m)]
+        out = []
+        for t in range(m):
+            out.append([sigs[j].score(test_under(t, j)) for j in range(m)])
+        return out
+
+    def task_from(scores: list[list[torch.Tensor]], top_k: int = 1) -> list[torch.Tensor]:
+        return [retrieve(scores[t], top_k=top_k).task for t in range(m)]
+
+    def reduced(scores: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        return [torch.stack([s.min(1).values for s in scores[t]], 1) for t in range(m)]  # (N, m)
+
+    base = cfg.signature
+    variants = {
+        "paper: raw, full cov, NLL": replace(base, normalize="none", covariance="full", calibrate="none"),
+        "raw, full cov, NLL, standardized": replace(base, normalize="none", covariance="full",
+                                                    calibrate="standardize"),
+        "l2, full cov, NLL": replace(base, normalize="l2", covariance="full", calibrate="none"),
+        "raw, full cov, Mahalanobis": replace(base, normalize="none", covariance="full", score="mahalanobis",
+                                              calibrate="none"),
+        "raw, full cov, 1 Gaussian": replace(base, normalize="none", covariance="full", method="gaussian",
+                                             calibrate="none"),
+        "raw, ppca-64, NLL": replace(base, normalize="none", covariance="ppca", calibrate="none"),
+    }
+    adapter_scores: dict[str, list] = {}
+    for name, sc in variants.items():
+        t1 = time.time()
+        try:
+            s = sig_scores(sc, own_train, lambda t, j: E[t][j])
+        except Exception as e:  # report, keep going
+            results[name] = {"error": str(e)}
+            continue
+        adapter_scores[name] = s
+        results[name] = {**evaluate(task_from(s)), "fit_seconds": time.time() - t1}
+        print(name, {k: round(v, 2) for k, v in results[name].items() if k != "acc"}, flush=True)
+
+    # keys on the frozen backbone's features: every task's score lives in the same space
+    fz = sig_scores(replace(base, normalize="none", covariance="full", calibrate="none"), frozen_train,
+                    lambda t, j: F[t])
+    results["frozen keys: raw, full cov, NLL"] = evaluate(task_from(fz))
+    fz_std = sig_scores(replace(base, normalize="none", covariance="full", calibrate="standardize"), frozen_train,
+                        lambda t, j: F[t])
+    results["frozen keys, standardized"] = evaluate(task_from(fz_std))
+
+    # head consistency: class score of each task's classes under that task's own adapter
+    def head_task(t: int) -> torch.Tensor:
+        cols = [logits_all[t][j][:, task_classes[j]].max(1).values for j in range(m)]
+        return torch.stack(cols, 1)  # (N, m) higher = better
+
+    results["head margin (own classes, own adapter)"] = evaluate([head_task(t).argmax(1) for t in range(m)])
+
+    def zs(x: torch.Tensor) -> torch.Tensor:  # per-input standardisation across tasks
+        return (x - x.mean(1, keepdim=True)) / (x.std(1, keepdim=True) + 1e-9)
+
+    best_adapter = "paper: raw, full cov, NLL" if "paper: raw, full cov, NLL" in adapter_scores else None
+    if best_adapter:
+        a = reduced(adapter_scores[best_adapter])
+        f = reduced(fz)
+        results["adapter + frozen"] = evaluate([(a[t] + f[t]).argmin(1) for t in range(m)])
+        results["adapter + frozen (z-scored)"] = evaluate([(zs(a[t]) + zs(f[t])).argmin(1) for t in range(m)])
+        results["adapter + frozen - head (z-scored)"] = evaluate(
+            [(zs(a[t]) + zs(f[t]) - zs(head_task(t))).argmin(1) for t in range(m)]
+        )
+        results["frozen - head (z-scored)"] = evaluate([(zs(f[t]) - zs(head_task(t))).argmin(1) for t in range(m)])
+        results["adapter - head (z-scored)"] = evaluate([(zs(a[t]) - zs(head_task(t))).argmin(1) for t in range(m)])
+
+    for name in list(results)[len(variants) + 1 :]:
+        print(name, {k: round(v, 2) for k, v in results[name].items() if k != "acc"}, flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"benchmark": args.benchmark, "config": cfg.to_dict(), "results": results},
+                                         indent=1))
+    print(f"{'variant':<42} {'retrieval':>9} {'final acc':>9}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<42} error: {r['error'][:60]}")
+        else:
+            print(f"{name:<42} {r['retrieval_acc']:>9.2f} {r['final_avg_acc']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Data-parallel runs on PyTorch's own engine (``torch.distributed``, launched by ``torchrun``).
+
+The paper trains on 2 GPUs (App. "Datasets, Hyperparameters"). ``torchrun --nproc_per_node=N -m proteus run
+...`` starts N processes; :func:`init_from_env` reads torchrun's variables (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and joins the default process group: NCCL with
+``cuda:LOCAL_RANK`` when CUDA is available, gloo on the CPU. Without those variables (a plain ``proteus``
+process) every helper here is a no-op for a world of one, so single-process code pays nothing.
+
+How the learner uses it (:mod:`proteus.learner`, :mod:`proteus.runner`):
+
+* **Embedding passes** (the frozen prefix of a dataset, the suffix under one or more adapters, i.e. the
+  training-set embeddings for the signature and the head, and every evaluation pass) are sharded by whole
+  batches: rank r takes the contiguous block :func:`shard_range` of the batch list, and
+  :func:`all_gather_rows` concatenates the ranks' outputs in rank order, which is the original order. Each
+  batch is the same batch a single process would run, so the gathered tensor is bit-identical to the
+  single-process one (given the same per-process thread count).
+* **Adapter training** (Eq. 15): every rank draws the same permutation and the same batches; rank r runs
+  the forward and backward on its contiguous shard of each batch, with its cross-entropy weighted by
+  ``len(shard) / len(batch)``; the gradients of all trainable tensors (new LoRA directions, S, the
+  temporary classifier) are summed across ranks in one flat ``all_reduce``. The sum is exactly the
+  gradient of the full batch's mean loss (a DistributedDataParallel average would be off when the last
+  batch does not split evenly), so Adam, and the proximal elastic-net step on S, get identical inputs and
+  take identical steps on every rank. The trained tensors are broadcast from rank 0 once at the end of
+  the task, so every rank freezes bit-identical adapters whatever the hardware.
+  A manual all-reduce was chosen over DistributedDataParallel because the trainable tensors are not the
+  parameters of one module (they are created per task inside the LoRA units, and S is updated outside the
+  optimiser), DDP would broadcast the whole frozen backbone at construction, and DDP averages per-rank
+  means instead of weighting them by shard size.
+* **Signature fit and head update** run on every rank on the gathered (identical) embeddings: they are
+  cheap next to the embedding passes, and every rank then holds the same learner without a broadcast.
+* **Writes**: only rank 0 writes the knowledge base, results.json and logs; the others wait at a
+  :func:`barrier` and read the committed manifest back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_rows",
+    "all_reduce_sum_",
+    "barrier",
+    "broadcast_",
+    "device_for_rank",
+    "env_world_size",
+    "init_from_env",
+    "is_distributed",
+    "is_main",
+    "local_rank",
+    "rank",
+    "shard_range",
+    "shutdown",
+    "world_size",
+]
+
+
+# ---------------------------------------------------------------------------------------------- setup
+def env_world_size() -> int:
+    """``WORLD_SIZE`` as torchrun sets it (1 when absent)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def local_rank() -> int:
+    """``LOCAL_RANK`` as torchrun sets it (0 when absent): this process's GPU on its node."""
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> bool:
+    """Join the default process group from torchrun's environment; True when running distributed.
+
+    ``backend=None`` picks ``nccl`` when CUDA is available (and binds this process to ``cuda:LOCAL_RANK``),
+    else ``gloo``. Does nothing (returns False) for a world of one, and nothing more when already joined.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if env_world_size() <= 1 or not dist.is_available():
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank())
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_world_size() > 1
+
+
+def shutdown() -> None:
+    """Leave the process group (safe to call when not distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main() -> bool:
+    """True on rank 0 (and in a plain single process): the process that writes files."""
+    return rank() == 0
+
+
+def device_for_rank(name: str) -> torch.device:
+    """``auto``/``cuda`` become ``cuda:LOCAL_RANK`` under torchrun with CUDA; other names are kept."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and is_distributed():
+        return torch.device(f"cuda:{local_rank()}")
+    return torch.device(name)
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if not is_distributed():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------- sharding
+def shard_range(n: int, r: int | None = None, w: int | None = None) -> range:
+    """Rank r's contiguous block of ``range(n)``: ``[n r / w, n (r + 1) / w)``. The blocks of ranks
+    0..w-1 concatenate to ``range(n)`` in order; their sizes differ by at most one."""
+    r = rank() if r is None else r
+    w = world_size() if w is None else w
+    return range(n * r // w, n * (r + 1) // w)
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Concatenate every rank's ``t`` along dim 0, in rank order (row counts may differ).
+
+    A rank with no rows passes ``None`` (its trailing shape and dtype are taken from the others). Returns
+    ``None`` only when every rank passed ``None``. In a single process returns ``t`` unchanged.
+    """
+    if not is_distributed():
+        return t
+    meta = None if t is None else (int(t.shape[0]), tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."))
+    metas: list = [None] * world_size()
+    dist.all_gather_object(metas, meta)
+    shapes = {(m[1], m[2]) for m in metas if m is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise RuntimeError(f"all_gather_rows: ranks disagree on trailing shape or dtype: {sorted(shapes)}")
+    trail, dtype_name = next(iter(shapes))
+    dtype = getattr(torch, dtype_name)
+    counts = [0 if m is None else m[0] for m in metas]
+    out_device = t.device if t is not None else torch.device("cpu")
+    dev = _comm_device()
+    n_max = max(counts)
+    buf = torch.zeros((n_max, *trail), dtype=dtype, device=dev)
+    if t is not None and t.shape[0]:
+        buf[: t.shape[0]] = t.to(dev)
+    parts = [torch.empty_like(buf) for _ in counts]
+    dist.all_gather(parts, buf)
+    return torch.cat([p[:c] for p, c in zip(parts, counts)]).to(out_device)
+
+
+def all_reduce_sum_(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks, in place (through the backend's device); returns ``t``."""
+    if not is_distributed():
+        return t
+    dev = _comm_device()
+    buf = t.to(dev)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    if buf is not t:
+        t.copy_(buf)
+    return t
+
+
+def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values (one flat broadcast)."""
+    if not is_distributed() or not tensors:
+        return
+    dev = _comm_device()
+    flat = torch.cat([t.detach().reshape(-1).to(dev, torch.float64) for t in tensors])
+    dist.broadcast(flat, src=src)
+    i = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[i : i + n].view_as(t).to(t.dtype))
+            i += n

@@ -1,0 +1,49 @@
+"""Named crash points for the crash-safety tests (GitHub issue 4, "Reliability and scale").
+
+A test sets ``PROTEUS_TEST_KILL_AT=<point>`` in the environment of a ``proteus`` process; when that process
+reaches :func:`crash_point` with the same name it sends itself SIGKILL: no ``finally`` block, no atexit
+handler and no buffered write runs, exactly as if the machine had lost power at that line (minus the page
+cache). Without the variable a crash point is one dictionary lookup. The points, in the order a task passes
+them (``proteus learn --task K``):
+
+=====================  ===================================================================================
+``learn:prefix``        frozen-prefix outputs of the task's training set computed (learner)
+``learn:train``         adapter trained, not yet frozen into the KB (learner)
+``learn:signature``     signature fitted (learner)
+``learn:head``          head statistics G, e(c) updated in memory (learner)
+``evaluate``            evaluation after the task done (runner)
+``commit:tmp``          first object written to its temporary name, not yet renamed (kb)
+``commit:objects``      every object of the new state written, manifest not yet (kb)
+``commit:manifest-tmp`` new manifest written and fsynced to its temporary name, not yet renamed (kb)
+``commit:manifest``     new manifest renamed into place, unreferenced files not yet swept (kb)
+=====================  ===================================================================================
+
+Every point before ``commit:manifest`` must leave the knowledge base in its old state; ``commit:manifest``
+leaves the new one (tested in ``tests/test_crash_safety.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+#: environment variable naming the crash point at which the process kills itself
+ENV = "PROTEUS_TEST_KILL_AT"
+
+POINTS = (
+    "learn:prefix",
+    "learn:train",
+    "learn:signature",
+    "learn:head",
+    "evaluate",
+    "commit:tmp",
+    "commit:objects",
+    "commit:manifest-tmp",
+    "commit:manifest",
+)
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process if ``$PROTEUS_TEST_KILL_AT == name`` (tests only; a no-op otherwise)."""
+    if os.environ.get(ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,318 @@
+"""What a finished run measures besides accuracy: the paper's diagnostics, computed from the live learner.
+
+* :func:`theory_analysis` -- Sec. 3.2 on the test sets after the final task: per (task k, component t)
+  the empirical separation factor delta (Def. 3.3, Eq. delta), kappa and sigma^2 (Assumption A2), the
+  bound of Theorem 3.5 and the minimum delta Theorem 3.6 requires for the measured retrieval error
+  (Eq. epsrate); Fig. 2 and the Appendix table of the 50-task delta. Inputs are the evaluator's cached
+  test embeddings ``h_i(x)`` for every (test set k, adapter i), so the cost is ``n^2`` Mahalanobis
+  evaluations of the test sets, no new forward pass. ``sigma^2 = max_i trace(Var[h_i(x)]) / d`` over
+  the other tasks' adapters i, as Assumption A2-3 states it, in the signature's space (after its L2
+  normalisation where it normalises). The ``*_varz`` fields repeat sigma^2, the bound and the minimum
+  delta with ``sigma^2 = max Var[Z_i^s] / d``, the variance bound ``V[Z] <= sigma^2 d`` that the proof
+  of Theorem 3.5 actually uses (see :func:`proteus.signatures.theory.theory_report`). The
+  sub-distribution ``D_k^t`` of an input is its nearest own component (Mahalanobis), and the error of
+  Theorem 3.6 is the measured retrieval error of the component, floored at half an error.
+* :func:`retrieval_confusion` -- true task x retrieved task counts of the final evaluation.
+* :func:`transfer_matrices` -- the learned S per task and adapted map (Fig. 8 heatmaps).
+* :func:`cosine_analysis` -- pairwise cosine of the tasks' own updates ``B_tau A_tau^T`` per map
+  (Figs. 9-10) and the largest off-diagonal magnitude (the orthogonality check of Eq. 15).
+* :func:`measure_latency` -- wall time of ``predict`` on one batch as a function of the number of tasks m
+  (Appendix "Complexity of PROTEUS Inference", latency tables).
+
+:func:`analyse_run` gathers them into results.json keys and the bulkier ``analysis.json`` content.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from proteus.config import ReportConfig
+from proteus.metrics import confusion_matrix
+from proteus.signatures.theory import theory_report
+
+log = logging.getLogger("proteus")
+
+__all__ = [
+    "analyse_run",
+    "cosine_analysis",
+    "finite",
+    "latency_points",
+    "measure_latency",
+    "retrieval_confusion",
+    "theory_analysis",
+    "transfer_matrices",
+]
+
+
+def finite(v: Any) -> Any:
+    """JSON-safe number: non-finite floats become None (strict JSON has no NaN or Infinity)."""
+    if isinstance(v, bool) or v is None:
+        return v
+    if isinstance(v, (float, np.floating)):
+        return float(v) if math.isfinite(float(v)) else None
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    return v
+
+
+def _mean(values: list[float], weights: list[float] | None = None) -> float | None:
+    vals = [(v, 1.0 if weights is None else w) for v, w in zip(values, weights or values) if v is not None]
+    vals = [(v, w) for v, w in vals if math.isfinite(v)]
+    if not vals:
+        return None
+    return float(sum(v * w for v, w in vals) / sum(w for _, w in vals))
+
+
+# ====================================================================== Sec. 3.2
+def _retrieved(learner: Any, evaluator: Any, k: int) -> torch.Tensor:
+    res = evaluator.last_retrieval.get(k)
+    if res is None or res.task.numel() != evaluator.labels(k).numel():
+        H = torch.stack([evaluator.embedding(k, "task", j) for j in range(learner.num_adapters)])
+        res = learner.retrieve_embeddings(H)
+    return res.task.cpu()
+
+
+class _SignatureSpace:
+    """Rows of a cached embedding matrix in the signature's space (L2-normalised where it normalises),
+    normalised only when selected, so the n^2 cached test embeddings are not copied."""
+
+    def __init__(self, H: torch.Tensor, sig: Any) -> None:
+        self.H, self.l2 = H, getattr(sig, "normalize", "none") == "l2"
+
+    @property
+    def device(self) -> torch.device:
+        return self.H.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.H.shape
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        rows = self.H.index_select(dim, index)
+        return torch.nn.functional.normalize(rows, dim=1) if self.l2 else rows
+
+
+@torch.no_grad()
+def theory_analysis(learner: Any, evaluator: Any) -> dict[str, Any] | None:
+    """Theorem 3.5 / 3.6 quantities per (task, component) on the test sets; None without retrieval.
+
+    Returns ``{"components": [...], "per_task": [...], "summary": {...}}``; tasks and components are
+    0-based, ``min_delta`` / ``delta_ok`` are None where Theorem 3.6 gives no finite value.
+    """
+    if not learner.uses_retrieval:
+        return None
+    n = learner.num_tasks
+    sigs = learner.signatures_[:n]
+    if n != learner.num_adapters or any(s is None for s in sigs):
+        return None
+    d = int(sigs[0].d)
+    maha = [
+        [sigs[i].mahalanobis(evaluator.embedding(k, "task", i)).double().cpu() for i in range(n)]
+        for k in range(n)
+    ]
+    logdets = [s.logdets().double().cpu() for s in sigs]
+    retrieved = [_retrieved(learner, evaluator, k) for k in range(n)]
+    emb = [[_SignatureSpace(evaluator.embedding(k, "task", i), sigs[i]) for i in range(n)] for k in range(n)]
+    rep = theory_report(maha, logdets, d, retrieved=retrieved, embeddings=emb)  # type: ignore[arg-type]
+    rep_z = theory_report(maha, logdets, d, retrieved=retrieved)
+    comps = []
+    for (k, t), r in sorted(rep.items()):
+        rz = rep_z[(k, t)]
+        row = {"task": k, "component": t, **{key: finite(v) for key, v in r.items()}}
+        row.update({f"{key}_varz": finite(rz[key]) for key in ("sigma2", "bound", "min_delta", "delta_ok")})
+        comps.append(row)
+    per_task = []
+    for k in range(n):
+        rows = [c for c in comps if c["task"] == k]
+        if not rows:
+            continue
+        w = [float(c["n"]) for c in rows]
+        ok = [c["delta_ok"] for c in rows if c["delta_ok"] is not None]
+        per_task.append(
+            {
+                "task": k,
+                "n_components": len(rows),
+                "delta_mean": _mean([c["delta"] for c in rows], w),
+                "delta_min": min((c["delta"] for c in rows if c["delta"] is not None), default=None),
+                "min_delta_mean": _mean([c["min_delta"] for c in rows], w),
+                "min_delta_max": max(
+                    (c["min_delta"] for c in rows if c["min_delta"] is not None), default=None
+                ),
+                "error": _mean([c["error"] for c in rows], w),
+                "frac_delta_ok": sum(ok) / len(ok) if ok else None,
+            }
+        )
+    ok = [c["delta_ok"] for c in comps if c["delta_ok"] is not None]
+    okz = [c["delta_ok_varz"] for c in comps if c["delta_ok_varz"] is not None]
+    summary = {
+        "d": d,
+        "num_tasks": n,
+        "n_components": len(comps),
+        "n_delta_ok": int(sum(ok)),
+        "frac_delta_ok": sum(ok) / len(ok) if ok else None,
+        "delta_median": finite(float(np.median([c["delta"] for c in comps]))) if comps else None,
+        "min_delta_median": finite(
+            float(np.median([c["min_delta"] for c in comps if c["min_delta"] is not None]))
+        )
+        if any(c["min_delta"] is not None for c in comps)
+        else None,
+        "bound_mean": _mean([c["bound"] for c in comps], [float(c["n"]) for c in comps]),
+        "error_mean": _mean([c["error"] for c in comps], [float(c["n"]) for c in comps]),
+        "frac_a21": sum(c["a21"] for c in comps) / len(comps) if comps else None,
+        "frac_delta_ok_varz": sum(okz) / len(okz) if okz else None,
+        "sigma2": "A2-3: max over other tasks i of trace(Var[h_i(x)]) / d, in the signature's space",
+        "sigma2_varz": "*_varz fields: max Var[Z_i^s] / d over other-task components (the proof of Thm. 3.5)",
+        "components_of_inputs": "nearest own component (Mahalanobis)",
+        "eps": "measured retrieval error of the component, floored at 0.5 / n",
+    }
+    return {"components": comps, "per_task": per_task, "summary": summary}
+
+
+# ====================================================================== retrieval
+def retrieval_confusion(learner: Any, evaluator: Any) -> list[list[int]] | None:
+    """(m, m) counts of the final evaluation: row = true task, column = retrieved task; None without
+    retrieval."""
+    if not learner.uses_retrieval:
+        return None
+    n = learner.num_tasks
+    retrieved = [_retrieved(learner, evaluator, k) for k in range(n)]
+    true = [torch.full_like(r, k) for k, r in enumerate(retrieved)]
+    cm = confusion_matrix(torch.cat(retrieved), torch.cat(true), n)
+    return cm.tolist()
+
+
+# ====================================================================== adapters
+def transfer_matrices(learner: Any) -> dict[str, Any] | None:
+    """Fig. 8: per task k >= 2 (1-based) and adapted map, the S coefficients over older directions."""
+    model = learner.model_
+    if not model.units or model.num_tasks < 2:
+        return None
+    names = list(model.units)
+    per_task = []
+    for k in range(1, model.num_tasks):
+        S = model.transfer_matrix(k)
+        per_task.append({"task": k, "S": [[float(v) for v in S[n].tolist()] for n in names]})
+    ranks = {n: list(map(int, u.ranks)) for n, u in model.units.items()}
+    return {"units": names, "ranks": ranks, "tasks": per_task}
+
+
+def cosine_analysis(learner: Any) -> tuple[dict[str, Any] | None, dict[str, list[list[float]]] | None]:
+    """Figs. 9-10: ``(summary, per-map (m, m) cosine matrices)``; (None, None) without adapters."""
+    model = learner.model_
+    if not model.units or model.num_tasks < 1:
+        return None, None
+    cos = model.unit_cosines()
+    mats = {n: [[float(v) for v in row] for row in c.tolist()] for n, c in cos.items()}
+    m = model.num_tasks
+    per_unit: dict[str, float | None] = {}
+    for n, c in cos.items():
+        off = c[~torch.eye(m, dtype=torch.bool)] if m > 1 else c.new_zeros(0)
+        per_unit[n] = float(off.abs().max()) if off.numel() else None
+    vals = [v for v in per_unit.values() if v is not None]
+    summary = {"max_abs_offdiag": max(vals) if vals else None, "per_unit_max_abs_offdiag": per_unit}
+    return summary, mats
+
+
+# ====================================================================== latency
+def latency_points(n: int, points: int) -> list[int]:
+    """Up to ``points`` values of m in 1..n, evenly spaced, always including 1 and n."""
+    if n < 1:
+        return []
+    k = max(2, int(points)) if n > 1 else 1
+    return sorted({int(round(v)) for v in np.linspace(1, n, min(k, n))})
+
+
+def _batch(stream: Any, learner: Any, size: int) -> torch.Tensor:
+    images = []
+    for task in stream.tasks:
+        for i in range(len(task.test)):
+            images.append(task.test[i][0])
+            if len(images) >= size:
+                return learner.transform_images(images)
+    return learner.transform_images(images)
+
+
+#: seconds of repetitions per m after which no further repetition is timed
+_LATENCY_BUDGET_S = 2.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_latency(learner: Any, stream: Any, rc: ReportConfig) -> dict[str, Any] | None:
+    """Seconds per ``predict`` on one batch with the first m tasks: the median of ``rc.latency_repeats``
+    calls, fewer when they add up to more than 2 s (at least one), after one warm-up call."""
+    n = learner.num_tasks
+    if n == 0 or learner.head_ is None:
+        return None
+    x = _batch(stream, learner, rc.latency_batch)
+    ms = latency_points(n, rc.latency_points)
+    learner.predict(x, num_tasks=ms[-1])  # warm-up (allocations, kernels)
+    seconds = []
+    for m in ms:
+        times: list[float] = []
+        # repeat while cheap: slow calls (a ViT-B on a CPU) are timed fewer times, at least once
+        while len(times) < max(1, rc.latency_repeats) and sum(times) < _LATENCY_BUDGET_S:
+            _sync(learner.device)
+            t0 = time.perf_counter()
+            learner.predict(x, num_tasks=m)
+            _sync(learner.device)
+            times.append(time.perf_counter() - t0)
+        seconds.append(float(np.median(times)))
+    return {
+        "batch_size": int(x.shape[0]),
+        "device": str(learner.device),
+        "threads": torch.get_num_threads(),
+        "retrieval": bool(learner.uses_retrieval),
+        "m": ms,
+        "seconds": seconds,
+    }
+
+
+# ====================================================================== all of it
+def analyse_run(
+    learner: Any, evaluator: Any, stream: Any, rc: ReportConfig, latency: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(results.json keys, analysis.json content)`` for a finished run.
+
+    results.json gets ``theory``, ``retrieval_confusion``, ``orthogonality`` and ``latency`` (each None
+    where it does not apply or was switched off); analysis.json gets the per-map S vectors (``transfer``)
+    and cosine matrices (``unit_cosines``). A failing part is logged and reported in ``report_errors``
+    instead of losing the run.
+    """
+    keys: dict[str, Any] = dict.fromkeys(("theory", "retrieval_confusion", "orthogonality", "latency"))
+    bulky: dict[str, Any] = {"transfer": None, "unit_cosines": None}
+    errors: list[str] = []
+
+    def attempt(name: str, fn: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not lose a finished run
+            log.warning("report: %s failed: %s", name, e, exc_info=True)
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+            return None
+        finally:
+            log.info("report: %s took %.2f s", name, time.perf_counter() - t0)
+
+    if rc.theory:
+        keys["theory"] = attempt("theory", lambda: theory_analysis(learner, evaluator))
+    keys["retrieval_confusion"] = attempt("confusion", lambda: retrieval_confusion(learner, evaluator))
+    bulky["transfer"] = attempt("transfer matrices", lambda: transfer_matrices(learner))
+    cos = attempt("unit cosines", lambda: cosine_analysis(learner))
+    if cos is not None:
+        keys["orthogonality"], bulky["unit_cosines"] = cos
+    if rc.latency and latency:
+        keys["latency"] = attempt("latency", lambda: measure_latency(learner, stream, rc))
+    if errors:
+        keys["report_errors"] = errors
+    return keys, bulky

@@ -1,0 +1,96 @@
+"""Packaged configs: every file resolves, and the benchmark presets carry the paper's hyper-parameters
+(Appendix "Datasets, Hyperparameters, and Pre-Trained Models")."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from proteus.backbones import BACKBONES
+from proteus.backbones.vit import VIT_TAGS
+from proteus.benchmarks import BENCHMARKS
+from proteus.config import RunConfig
+from proteus.runner import resolve_config
+
+CONFIGS = sorted(p.name[: -len(".yaml")] for p in resources.files("proteus").joinpath("configs").iterdir()
+                 if p.name.endswith(".yaml"))  # fmt: skip
+
+#: benchmark preset -> (benchmark, num_tasks, rank, lr, batch size), from the paper's appendix
+PAPER = {
+    "cifar100": ("cifar100", 10, 4, 1e-3, 32),
+    "imagenet-r": ("imagenet-r", 10, 4, 1e-3, 32),
+    "imagenet-a": ("imagenet-a", 10, 16, 5e-4, 16),
+    "vtab5t": ("vtab5t", 5, 16, 5e-4, 16),
+    "vtab-sim50": ("vtab-sim50", None, 4, 1e-4, 24),
+    "cifar10": ("cifar10", 5, 4, 1e-3, 32),
+    "cifar100-50": ("cifar100", 50, 4, 1e-3, 32),
+    "imagenet-r-100": ("imagenet-r", 100, 4, 1e-3, 32),
+    "cifar100-budget": ("cifar100", 20, 10, 1e-3, 32),
+    "imagenet-r-budget": ("imagenet-r", 50, 10, 1e-3, 32),
+}
+ADD_ON = {"mobilenet_cpu"}  # applied on top of a benchmark with --config
+
+
+def test_every_config_is_known() -> None:
+    assert set(CONFIGS) == set(PAPER) | ADD_ON | {"quickstart"}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_packaged_config_resolves(name: str) -> None:
+    if name in ADD_ON:
+        cfg = resolve_config("quickstart", config_files=[name])
+    else:
+        cfg = resolve_config(name)  # picked up by benchmark name (runner.packaged_config)
+    assert cfg.benchmark.name in BENCHMARKS
+    assert cfg.backbone.name in BACKBONES
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_hyperparameters(name: str) -> None:
+    bench, tasks, rank, lr, bs = PAPER[name]
+    cfg = resolve_config(name)
+    assert (cfg.benchmark.name, cfg.benchmark.num_tasks) == (bench, tasks)
+    assert (cfg.adapter.rank, cfg.train.lr, cfg.train.batch_size) == (rank, pytest.approx(lr), bs)
+    assert cfg.backbone.name == "vit_b16"
+    assert VIT_TAGS["vit_b16"] == "vit_base_patch16_224.augreg2_in21k_ft_in1k"
+    assert cfg.backbone.adapt_last is None and cfg.backbone.img_size is None  # q, v of every block, 224 px
+    assert (cfg.adapter.lam, cfg.adapter.lam_decay, cfg.adapter.alpha) == (0.006, 0.8, 0.8)
+    assert cfg.train.augment is True and cfg.head.rp_dim == 10000
+    assert cfg.adapter.budget_decay is None  # the budget schedule belongs to --method proteus-budget
+    assert resolve_config(name, method="proteus-budget").adapter.budget_decay == 0.05
+
+
+def test_long_presets_equal_their_base_but_for_the_tasks() -> None:
+    for preset, base in (("cifar100-50", "cifar100"), ("imagenet-r-100", "imagenet-r")):
+        a, b = resolve_config(preset).to_dict(), resolve_config(base).to_dict()
+        a["benchmark"].pop("num_tasks"), b["benchmark"].pop("num_tasks")
+        assert a == b
+
+
+def test_mobilenet_cpu_on_top_of_a_vit_benchmark_config() -> None:
+    cfg = resolve_config("cifar10", config_files=["mobilenet_cpu"])
+    assert (cfg.backbone.name, cfg.backbone.img_size, cfg.backbone.adapt_last) == ("mobilenet_v2", 96, 6)
+    assert cfg.train.augment is False and cfg.train.batch_size == 64  # the prefix cache stays on
+    assert cfg.head.rp_dim == 5000 and cfg.signature.max_components == 10
+    # the same as before cifar10.yaml existed: defaults + mobilenet_cpu
+    plain = resolve_config(None, config_files=["mobilenet_cpu"])
+    for section in ("backbone", "adapter", "train", "signature", "head", "retrieval"):
+        assert getattr(cfg, section) == getattr(plain, section), section
+
+
+def test_quickstart_config_is_unchanged() -> None:
+    text = (Path(str(resources.files("proteus"))) / "configs" / "quickstart.yaml").read_text()
+    assert "backbone: {name: mobilenet_v2, img_size: 64, adapt_last: 6}" in text
+    cfg = resolve_config("quickstart")
+    assert (cfg.backbone.name, cfg.backbone.img_size, cfg.backbone.adapt_last) == ("mobilenet_v2", 64, 6)
+    assert (cfg.train.epochs, cfg.train.batch_size, cfg.train.augment) == (3, 32, False)
+    assert (cfg.signature.max_components, cfg.signature.max_iter, cfg.head.rp_dim) == (5, 50, 2000)
+
+
+def test_report_section_defaults() -> None:
+    r = RunConfig().report
+    assert (r.figures, r.theory, r.latency, r.latency_batch) == (True, True, True, 32)
+    assert resolve_config("quickstart", sets=["report.latency=false"]).report.latency is False

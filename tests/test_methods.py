@@ -1,0 +1,212 @@
+"""Every registered method end to end on a tiny quickstart (Sec. 5 and the Appendix ablations), the run
+report (theory checks of Sec. 3.2, Figs. 2, 3, 8-10, latency) and ``proteus compare`` (Table 1, Fig. 3).
+
+Tiny settings: a randomly initialised ViT-Ti/16 at 32 px (no download), 2 tasks of 5 digits, 15 training
+images per class, one epoch. Torch runs single-threaded here: on a shared 2-core machine OpenMP's spinning
+threads make small LAPACK calls hundreds of times slower.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from proteus.cli import main
+from proteus.kb import KnowledgeBase
+from proteus.methods import METHODS
+
+TINY = [
+    "--set", "backbone.name=vit_ti16",
+    "--set", "backbone.pretrained=false",
+    "--set", "backbone.img_size=32",
+    "--set", "backbone.adapt_last=2",
+    "--set", "train.epochs=1",
+    "--set", "head.rp_dim=128",
+    "--set", "signature.max_components=2",
+    "--set", "signature.max_iter=20",
+    "--set", "signature.rank=8",
+    "--set", "benchmark.num_tasks=2",
+    "--set", "benchmark.max_train_per_class=15",
+    "--set", "report.latency_points=2",
+    "--set", "report.latency_repeats=1",
+    "--set", "report.latency_batch=8",
+]  # fmt: skip
+
+#: per-method extra settings (the budget schedule needs a rank that visibly shrinks within 2 tasks)
+EXTRA: dict[str, list[str]] = {"proteus-budget": ["--set", "adapter.rank=20"]}
+NO_RETRIEVAL = {"frozen", "ranpac", "last-lora", "proteus-all-units"}
+WITH_FIGURES = "proteus"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def run_method(tmp_path_factory) -> Callable[[str], Path]:
+    """Run a method once per module (cached) and return its run directory."""
+    cache: dict[str, Path] = {}
+
+    def go(method: str) -> Path:
+        if method not in cache:
+            out = tmp_path_factory.mktemp("runs") / method
+            figs = "true" if method == WITH_FIGURES else "false"
+            argv = ["run", "--benchmark", "quickstart", "--method", method, "--out", str(out), "-q"]
+            assert main([*argv, *TINY, *EXTRA.get(method, []), "--set", f"report.figures={figs}"]) == 0
+            cache[method] = out
+        return cache[method]
+
+    return go
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _learner(run_dir: Path) -> Any:
+    from proteus.runner import learner_from_kb
+
+    return learner_from_kb(KnowledgeBase.open(run_dir / "kb"), progress=False)
+
+
+def _all_s(analysis: dict[str, Any]) -> list[float]:
+    return [v for t in analysis["transfer"]["tasks"] for row in t["S"] for v in row]
+
+
+@pytest.mark.parametrize("method", sorted(METHODS.names()))
+def test_every_method_runs(method: str, run_method: Callable[[str], Path]) -> None:
+    out = run_method(method)
+    res = _json(out / "results.json")
+    analysis = _json(out / "analysis.json")
+    manifest = KnowledgeBase.open(out / "kb").manifest
+    assert res["method"] == method and res["num_tasks"] == 2
+    assert len(res["avg_acc"]) == 2 and all(0 <= a <= 100 for a in res["avg_acc"])
+    assert math.isfinite(res["final_avg_acc"])
+    has_adapter = [t["has_adapter"] for t in manifest["tasks"]]
+    ranks = [(t.get("train") or {}).get("rank") for t in res["tasks"]]
+
+    if method in NO_RETRIEVAL:
+        assert res["retrieval_acc"] is None and res["oracle_avg_acc"] is None
+        assert res["theory"] is None and res["retrieval_confusion"] is None
+        assert all(t.get("signature") is None for t in manifest["tasks"])
+    else:
+        assert len(res["retrieval_acc"]) == 2 and res["retrieval_acc"][0] == 100.0
+        assert len(res["oracle_avg_acc"]) == 2
+        cm = res["retrieval_confusion"]
+        assert len(cm) == 2 and all(len(row) == 2 for row in cm)
+        assert 100.0 * (cm[0][0] + cm[1][1]) / sum(map(sum, cm)) == pytest.approx(res["retrieval_acc"][-1])
+        th = res["theory"]
+        assert th["components"] and 0.0 <= th["summary"]["frac_delta_ok"] <= 1.0
+        assert all(has_adapter)
+
+    if method == "frozen":
+        assert not any(has_adapter) and res["orthogonality"] is None and analysis["transfer"] is None
+    elif method == "ranpac":  # the first task trains the only adapter; the head uses it ever after
+        assert has_adapter == [True, False] and ranks == [4, None]
+        assert _learner(out).num_adapters == 1
+    else:
+        assert has_adapter == [True, True]
+    if method in ("proteus-s0", "proteus-all-units"):
+        assert set(_all_s(analysis)) == {0.0}  # S = 0 exactly
+    if method == "proteus-si":
+        assert set(_all_s(analysis)) == {1.0}  # S = I exactly
+        S = _learner(out).model_.transfer_matrix(1)
+        assert all(bool((v == 1.0).all()) for v in S.values())
+    if method == "proteus-s0":  # no orthogonality constraint: the tasks' updates overlap
+        assert res["orthogonality"]["max_abs_offdiag"] > 1e-4
+    if method in ("proteus", "proteus-si", "proteus-lambda0", "proteus-budget", "last-lora"):
+        assert res["orthogonality"]["max_abs_offdiag"] < 1e-5  # Eq. 15 holds to float precision
+    if method == "proteus-lambda0":  # no penalty: the proximal step never zeroes S
+        assert res["tasks"][1]["train"]["s_nonzero_frac"] == 1.0
+    if method == "proteus-budget":
+        assert ranks == [20, 19]  # r_m = round(r_0 exp(-0.05 (m - 1)))
+    if method == "proteus-kmeans":
+        assert {t["signature"]["method"] for t in manifest["tasks"]} == {"kmeans"}
+    if method == "proteus-paper":
+        sig = manifest["tasks"][0]["signature"]
+        assert (sig["covariance"], sig["normalize"], sig["score"]) == ("full", "none", "nll")
+    if method in ("proteus-top3", "proteus-top5"):
+        assert manifest["config"]["retrieval"]["top_k"] == int(method[-1])
+    if method == "proteus-all-units":
+        assert manifest["config"]["retrieval"]["mode"] == "all-units"
+
+
+def test_run_report(run_method: Callable[[str], Path]) -> None:
+    out = run_method(WITH_FIGURES)
+    res = _json(out / "results.json")
+    md = (out / "report.md").read_text()
+    for key in ("accuracy", "acc_matrix", "delta_boxplot", "retrieval_confusion", "s_heatmaps",
+                "unit_cosines", "latency"):  # fmt: skip
+        assert f"figures/{key}.png" in res["figures"], key
+        png = out / "figures" / f"{key}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", key
+    for link in re.findall(r"\]\(([^)]+)\)", md):
+        assert (out / link).is_file(), link
+    assert "Theorem 3.6" in md and "| 1 |" in md
+    assert "report_errors" not in res
+    # theory: one row per (task, component) with inputs; the summary counts them
+    th = res["theory"]
+    assert th["summary"]["n_components"] == len(th["components"]) > 0
+    for c in th["components"]:
+        assert c["task"] in (0, 1) and c["n"] > 0
+        if c["min_delta"] is not None:
+            assert c["delta_ok"] == (c["delta"] >= c["min_delta"])
+        assert 0.0 <= c["bound"] <= 1.0 and 0.0 <= c["error"] <= 1.0
+    assert [r["task"] for r in th["per_task"]] == [0, 1]
+    # latency: predict with the first m tasks, m = 1..num_tasks
+    lat = res["latency"]
+    assert lat["m"] == [1, 2] and len(lat["seconds"]) == 2 and all(s > 0 for s in lat["seconds"])
+    # results.json is strict JSON (no NaN / Infinity)
+    json.loads((out / "results.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
+
+
+def test_predict_with_the_first_m_tasks(run_method: Callable[[str], Path]) -> None:
+    from proteus.benchmarks import build_benchmark
+
+    out = run_method(WITH_FIGURES)
+    learner = _learner(out)
+    stream = build_benchmark(learner.cfg.benchmark)
+    x = learner.transform_images([stream.tasks[1].test[i][0] for i in range(6)])
+    assert set(learner.predict(x, num_tasks=1).task.tolist()) == {0}
+    full = learner.predict(x)
+    assert torch.equal(learner.predict(x, num_tasks=2).label, full.label)
+
+
+def test_compare_two_methods(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "cmp"
+    quick = ["--set", "report.figures=false", "--set", "report.latency=false"]
+    argv = ["compare", "--benchmark", "quickstart", "--methods", "proteus,frozen", "--seeds", "0",
+            "--out", str(out), "-q", *TINY, *quick]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| proteus |" in printed and "| frozen |" in printed
+    rep = _json(out / "compare.json")
+    assert rep["methods"] == ["proteus", "frozen"] and rep["seeds"] == [0] and rep["num_tasks"] == 2
+    for m in ("proteus", "frozen"):
+        res = _json(out / m / "seed0" / "results.json")
+        s = rep["summary"][m]
+        assert s["final_avg_acc"]["mean"] == pytest.approx(res["final_avg_acc"])
+        assert s["final_avg_acc"]["n"] == 1 and s["final_avg_acc"]["std"] is None
+        assert s["avg_acc_mean"] == pytest.approx(res["avg_acc"])
+    assert rep["summary"]["frozen"]["retrieval_acc"]["mean"] is None
+    assert (out / "compare_accuracy.png").read_bytes()[:4] == b"\x89PNG"
+    md = (out / "compare.md").read_text()
+    assert "final avg acc" in md and "compare_accuracy.png" in md
+    # a rerun reuses the finished runs; a changed configuration in the same place is refused
+    stamp = (out / "proteus" / "seed0" / "results.json").stat().st_mtime_ns
+    assert main(argv) == 0
+    assert (out / "proteus" / "seed0" / "results.json").stat().st_mtime_ns == stamp
+    capsys.readouterr()
+    assert main([*argv, "--set", "train.lr=0.5"]) == 2
+    assert "different configuration" in capsys.readouterr().err
