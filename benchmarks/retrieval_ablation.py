@@ -35,7 +35,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    over = {"seed": args.seed, "benchmark": {k: v for k, v in (("data", args.data), ("tasks_file", args.tasks_file)) if v}}
+    over = {
+        "seed": args.seed,
+        "benchmark": {k: v for k, v in (("data", args.data), ("tasks_file", args.tasks_file)) if v},
+    }
     cfg = resolve_config(args.benchmark, "proteus", args.config, args.set, over)
     from proteus.benchmarks import build_benchmark
 
@@ -54,7 +57,10 @@ def main() -> None:
         print(f"task {k + 1} learned ({time.time() - t0:.0f} s)", flush=True)
     ys = [ev.labels(t) for t in range(m)]
     E = [[ev.embedding(t, "task", j) for j in range(m)] for t in range(m)]  # E[tau][j]
-    F = [ev.embedding(t, "task", None) if False else learner.embed_prefix(ev._prefix(t), None)[0] for t in range(m)]
+    F = [
+        ev.embedding(t, "task", None) if False else learner.embed_prefix(ev._prefix(t), None)[0]
+        for t in range(m)
+    ]
     head = learner.head_
     logits_all = [[head.decision_function(E[t][j]).float() for j in range(m)] for t in range(m)]
     task_classes = [torch.as_tensor(t["classes"]) for t in learner.tasks_]
@@ -88,14 +94,13 @@ def main() -> None:
     base = cfg.signature
     variants = {
         "paper: raw, full cov, NLL": replace(base, normalize="none", covariance="full", calibrate="none"),
-        "raw, full cov, NLL, standardized": replace(base, normalize="none", covariance="full",
-                                                    calibrate="standardize"),
+        "raw, full cov, NLL, standardized": replace(
+            base, normalize="none", covariance="full", calibrate="standardize"
+        ),
         "l2, full cov, NLL": replace(base, normalize="l2", covariance="full", calibrate="none"),
-        "raw, full cov, Mahalanobis": replace(base, normalize="none", covariance="full", score="mahalanobis",
-                                              calibrate="none"),
-        "raw, full cov, 1 Gaussian": replace(base, normalize="none", covariance="full", method="gaussian",
-                                             calibrate="none"),
-        "raw, ppca-64, NLL": replace(base, normalize="none", covariance="ppca", calibrate="none"),
+        "raw, full cov, 1 Gaussian": replace(
+            base, normalize="none", covariance="full", method="gaussian", calibrate="none"
+        ),
     }
     adapter_scores: dict[str, list] = {}
     for name, sc in variants.items():
@@ -110,11 +115,15 @@ def main() -> None:
         print(name, {k: round(v, 2) for k, v in results[name].items() if k != "acc"}, flush=True)
 
     # keys on the frozen backbone's features: every task's score lives in the same space
-    fz = sig_scores(replace(base, normalize="none", covariance="full", calibrate="none"), frozen_train,
-                    lambda t, j: F[t])
+    fz = sig_scores(
+        replace(base, normalize="none", covariance="full", calibrate="none"), frozen_train, lambda t, j: F[t]
+    )
     results["frozen keys: raw, full cov, NLL"] = evaluate(task_from(fz))
-    fz_std = sig_scores(replace(base, normalize="none", covariance="full", calibrate="standardize"), frozen_train,
-                        lambda t, j: F[t])
+    fz_std = sig_scores(
+        replace(base, normalize="none", covariance="full", calibrate="standardize"),
+        frozen_train,
+        lambda t, j: F[t],
+    )
     results["frozen keys, standardized"] = evaluate(task_from(fz_std))
 
     # head consistency: class score of each task's classes under that task's own adapter
@@ -136,14 +145,19 @@ def main() -> None:
         results["adapter + frozen - head (z-scored)"] = evaluate(
             [(zs(a[t]) + zs(f[t]) - zs(head_task(t))).argmin(1) for t in range(m)]
         )
-        results["frozen - head (z-scored)"] = evaluate([(zs(f[t]) - zs(head_task(t))).argmin(1) for t in range(m)])
-        results["adapter - head (z-scored)"] = evaluate([(zs(a[t]) - zs(head_task(t))).argmin(1) for t in range(m)])
+        results["frozen - head (z-scored)"] = evaluate(
+            [(zs(f[t]) - zs(head_task(t))).argmin(1) for t in range(m)]
+        )
+        results["adapter - head (z-scored)"] = evaluate(
+            [(zs(a[t]) - zs(head_task(t))).argmin(1) for t in range(m)]
+        )
 
     for name in list(results)[len(variants) + 1 :]:
         print(name, {k: round(v, 2) for k, v in results[name].items() if k != "acc"}, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"benchmark": args.benchmark, "config": cfg.to_dict(), "results": results},
-                                         indent=1))
+    Path(args.out).write_text(
+        json.dumps({"benchmark": args.benchmark, "config": cfg.to_dict(), "results": results}, indent=1)
+    )
     print(f"{'variant':<42} {'retrieval':>9} {'final acc':>9}")
     for name, r in results.items():
         if "error" in r:

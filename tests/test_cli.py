@@ -61,7 +61,8 @@ def test_run_writes_the_contract(run_dir: Path) -> None:
 def test_learn_task_by_task_equals_run(run_dir: Path, tmp_path: Path) -> None:
     kb = tmp_path / "kb"
     for k in range(1, 6):
-        assert main(["learn", "--kb", str(kb), "--benchmark", "quickstart", "--task", str(k), "-q", *TINY]) == 0
+        argv = ["learn", "--kb", str(kb), "--benchmark", "quickstart", "--task", str(k), "-q", *TINY]
+        assert main(argv) == 0
     a = KnowledgeBase.open(run_dir / "kb").manifest
     b = KnowledgeBase.open(kb).manifest
     assert [t["sha256"] for t in a["tasks"]] == [t["sha256"] for t in b["tasks"]]

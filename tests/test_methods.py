@@ -164,6 +164,19 @@ def test_run_report(run_method: Callable[[str], Path]) -> None:
             assert c["delta_ok"] == (c["delta"] >= c["min_delta"])
         assert 0.0 <= c["bound"] <= 1.0 and 0.0 <= c["error"] <= 1.0
     assert [r["task"] for r in th["per_task"]] == [0, 1]
+    # delta by hand (Def. 3.3): test inputs of task 1 nearest to own component t, under task 2's adapter
+    from proteus.benchmarks import build_benchmark
+
+    learner = _learner(out)
+    z, _ = learner.prefix_dataset(build_benchmark(learner.cfg.benchmark).tasks[0].test)
+    H = learner.embed_prefix(z, [0, 1])
+    own = learner.signatures_[0].mahalanobis(H[0]).argmin(1).cpu()
+    Z = learner.signatures_[1].mahalanobis(H[1]).double().cpu()
+    d = learner.signatures_[1].d
+    for c in (c for c in th["components"] if c["task"] == 0):
+        sel = own == c["component"]
+        assert c["n"] == int(sel.sum())
+        assert c["delta"] == pytest.approx(float(Z[sel].mean(0).min()) / d - 1.0, rel=1e-4, abs=1e-6)
     # latency: predict with the first m tasks, m = 1..num_tasks
     lat = res["latency"]
     assert lat["m"] == [1, 2] and len(lat["seconds"]) == 2 and all(s > 0 for s in lat["seconds"])

@@ -290,3 +290,128 @@ def test_gaussian_components_storage_select_and_move() -> None:
     bad[1] = -torch.eye(d, dtype=torch.float64)
     with pytest.raises(SignatureFitError, match="singular covariance"):
         GaussianComponents(w, means, bad, kind="full")
+
+
+# ---------------------------------------------------------------------- "shared" covariances
+def _rel_nll_error(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    return (got - ref).abs() / ref.abs().clamp_min(1.0)
+
+
+@pytest.mark.parametrize("method", ["dpgmm", "kmeans", "gaussian"])
+@pytest.mark.parametrize("n", [25, 300])
+def test_shared_equals_full_when_the_factors_fit(method: str, n: int) -> None:
+    # n = 25: every factor has r_k <= N_k + 1 <= 26 rows, stored as is (rank 32 >= r_k);
+    # n = 300: r_k > d = 32, so the budget (capped at d) keeps all d eigenpairs: exact as well
+    train, test, _ = _tasks(seed=8)
+    X = torch.cat(test)
+    full = fit_signature(train[0][:n], _cfg(method=method), seed=3)
+    shared = fit_signature(train[0][:n], _cfg(method=method, covariance="shared", rank=D), seed=3)
+    assert shared.components.kind == "shared" and shared.n_active == full.n_active
+    assert _rel_nll_error(full.score(X), shared.score(X)).max().item() < 1e-4
+    torch.testing.assert_close(shared.logdets(), full.logdets(), rtol=1e-5, atol=1e-3)
+    ref_maha = full.mahalanobis(X)
+    assert ((shared.mahalanobis(X) - ref_maha).abs() / (ref_maha + D)).max().item() < 1e-4
+
+
+def test_dpgmm_posterior_factors_rebuild_the_covariances() -> None:
+    from proteus.signatures import DPGMM
+
+    train, _, _ = _tasks(seed=9)
+    X = train[0][:120].double()
+    gm = DPGMM(n_components=5, covariance_prior=torch.cov(X.T) + 0.1 * torch.eye(D, dtype=torch.float64))
+    gm.fit(X)
+    pf = gm.posterior_factors([0, 2])
+    V, e = pf.prior_evecs, pf.prior_evals
+    torch.testing.assert_close(V @ torch.diag(e) @ V.T, gm.covariance_prior_)
+    torch.testing.assert_close(pf.sizes, gm.component_sizes_[[0, 2]])
+    eye = torch.eye(D, dtype=torch.float64)
+    for i, k in enumerate([0, 2]):
+        F = pf.factors[i]  # (support + 1, d): weighted centred points and the mean-shrinkage row
+        cov = pf.scale[i] * (gm.covariance_prior_ + pf.ridge[i] * eye + V @ F.T @ F @ V.T)
+        torch.testing.assert_close(cov, gm.covariances_[k], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(1.0 / pf.scale, gm.degrees_of_freedom_[[0, 2]])
+
+
+def test_shared_approximation_beyond_the_budget() -> None:
+    train, test, _ = _tasks(seed=10)
+    X = torch.cat(test)
+    full = [fit_signature(h, _cfg(), seed=k) for k, h in enumerate(train)]
+    ref = retrieve([f.score(X) for f in full]).task
+    errs = []
+    for q in (4, 16):
+        sigs = [fit_signature(h, _cfg(covariance="shared", rank=q), seed=k) for k, h in enumerate(train)]
+        assert all(int(s.components.ranks.sum()) <= s.n_active * q for s in sigs)  # the row budget
+        assert _accuracy(sigs, test) > 0.95
+        assert (retrieve([s.score(X) for s in sigs]).task == ref).float().mean().item() > 0.95
+        for f, s in zip(full, sigs):  # log-determinants stay exact
+            torch.testing.assert_close(s.logdets(), f.logdets(), rtol=1e-5, atol=1e-3)
+        errs.append(torch.cat([_rel_nll_error(f.score(X), s.score(X)).flatten() for f, s in zip(full, sigs)]))
+    assert errs[1].median() < errs[0].median()  # a larger budget is closer to "full"
+
+
+def test_shared_float16_storage_and_bit_exact_round_trip(tmp_path: Path) -> None:
+    train, test, _ = _tasks(seed=11)
+    X = torch.cat(test)
+    for kw in ({"calibrate": "standardize", "normalize": "l2"}, {"method": "kmeans"}, {"rank": 4}):
+        sig = fit_signature(train[1], _cfg(covariance="shared", **kw), seed=7)
+        tensors, meta = sig.to_tensors()
+        assert meta["covariance"] == "shared" and meta["rank"] == sig.components.rank
+        save_file(tensors, str(tmp_path / "sig.safetensors"))
+        (tmp_path / "sig.json").write_text(json.dumps(meta))
+        loaded = Signature.from_tensors(
+            load_file(str(tmp_path / "sig.safetensors")), json.loads((tmp_path / "sig.json").read_text())
+        )
+        assert torch.equal(loaded.score(X), sig.score(X))
+        t2, m2 = loaded.to_tensors()
+        assert m2 == meta and t2.keys() == tensors.keys()
+        assert all(torch.equal(t2[k], tensors[k]) for k in tensors)
+        assert loaded.nbytes() == sig.nbytes() == sum(v.numel() * v.element_size() for v in tensors.values())
+        # float16 storage: only the low-rank rows shrink (the d x d prior stays float32)
+        sig.storage_dtype = "float16"
+        t16, m16 = sig.to_tensors()
+        assert t16["lowrank"].dtype == torch.float16 and t16["prior_evecs"].dtype == torch.float32
+        half = Signature.from_tensors(t16, m16)
+        ref, got = sig.raw_score(X), half.raw_score(X)
+        assert got.dtype == torch.float32
+        assert ((got - ref).abs() / (sig.mahalanobis(X) + D)).max().item() < 5e-3
+        assert (got.argmin(1) == ref.argmin(1)).float().mean().item() > 0.98  # near-ties may flip
+        assert half.nbytes() < sig.components.nbytes()
+
+
+def test_shared_components_select_move_and_errors() -> None:
+    from proteus.signatures.gaussian import _allocate_ranks
+
+    assert _allocate_ranks([10, 200, 50], 150, 1000) == [10, 90, 50]
+    assert _allocate_ranks([10, 200, 50], 500, 1000) == [10, 200, 50]
+    assert _allocate_ranks([10, 200, 50], 500, 64) == [10, 64, 50]
+    assert sum(_allocate_ranks([7, 9, 9], 20, 100)) == 20
+    train, test, _ = _tasks(seed=12)
+    sig = fit_signature(train[2], _cfg(covariance="shared", rank=8), seed=1)
+    gc = sig.components
+    assert gc.n_components >= 2
+    X = test[2]
+    idx = [gc.n_components - 1, 0]
+    sub = gc.select(idx)
+    assert sub.kind == "shared" and sub.ranks.tolist() == gc.ranks[idx].tolist()
+    torch.testing.assert_close(sub.nll(X), gc.nll(X)[:, idx])
+    assert gc.to("cpu") is gc and "shared" in repr(gc)
+    w, m = torch.ones(2) / 2, torch.zeros(2, D)
+    with pytest.raises(ValueError, match="GaussianComponents.shared"):
+        GaussianComponents(w, m, torch.eye(D).expand(2, D, D), kind="shared")
+    e, V = torch.ones(D), torch.eye(D)
+    with pytest.raises(SignatureFitError, match="singular shared covariance"):
+        GaussianComponents.shared(w, m, 0.0 * e, V, torch.ones(2), torch.zeros(2), [torch.ones(1, D)] * 2)
+    gs = GaussianComponents.shared(w, m, e, V, torch.ones(2), torch.zeros(2), [torch.zeros(0, D)] * 2)
+    torch.testing.assert_close(gs.mahalanobis(X), (X * X).sum(1, keepdim=True).expand(-1, 2))
+
+
+def test_config_accepts_shared_covariance() -> None:
+    from proteus.config import RunConfig
+    from proteus.runner import validate
+
+    cfg = RunConfig()
+    cfg.signature.covariance = "shared"
+    validate(cfg)
+    cfg.signature.covariance = "diag"
+    with pytest.raises(Exception, match="signature.covariance"):
+        validate(cfg)

@@ -72,8 +72,11 @@ class SignatureConfig:
     #: "dpgmm" (Eq. 18), "kmeans" (ablation), "gaussian" (one component, Eq. 2)
     method: str = "dpgmm"
     max_components: int = 20
-    #: component covariance kept for scoring: "full" or "ppca" (low-rank + isotropic, Woodbury scoring)
+    #: component covariance kept for scoring: "full", "ppca" (low-rank + isotropic, Woodbury scoring) or
+    #: "shared" (one full matrix per task, the fit's covariance prior, + per-component low rank; exact
+    #: for the DP-GMM posterior while the rank budget holds its data terms, Woodbury scoring)
     covariance: str = "full"
+    #: q: the "ppca" rank; for "shared" the mean factor rows per component (a budget of T * rank rows)
     rank: int = 64
     #: embedding normalisation before fitting and scoring: "none" or "l2"
     normalize: str = "none"
@@ -81,6 +84,10 @@ class SignatureConfig:
     score: str = "nll"
     #: per-task score calibration: "none" or "standardize" (by the task's own training scores)
     calibrate: str = "none"
+    #: where a task's keys live: "adapter" (the paper: h_k(x) under the task's own adapter), "frozen"
+    #: (the frozen backbone's features, the same space for every task), or "adapter+frozen" (both
+    #: signatures; a task's score is the sum of its two best negative log-likelihoods)
+    keys: str = "adapter"
     max_iter: int = 100
     tol: float = 1e-3
     reg_covar: float = 1e-6

@@ -12,6 +12,9 @@ directory. Objects are never overwritten (their names carry their hash), so a pr
 moment leaves either the old manifest with all its objects, or the new one. Unreferenced objects and
 temporary files are swept on the next commit. Every object's sha256 is recorded in the manifest and
 verified when it is read: a truncated or edited file is detected, never loaded.
+
+Crash points (:func:`proteus.faults.crash_point`) mark the commit's steps for the crash-safety tests
+(``tests/test_crash_safety.py`` kills ``proteus learn`` at each of them and at random times).
 """
 
 from __future__ import annotations

@@ -107,6 +107,8 @@ class ContinualLearner:
         )
         self.tasks_: list[dict[str, Any]] = []
         self.signatures_: list[Signature | None] = []
+        #: signatures on the frozen backbone's features (``signature.keys`` "frozen" / "adapter+frozen")
+        self.frozen_signatures_: list[Signature | None] = []
         self.head_: RanPACHead | None = None
         self.amp = self.device.type == "cuda"
 
@@ -424,6 +426,14 @@ class ContinualLearner:
             except SignatureFitError as e:
                 raise TaskError(f"task {k + 1}: signature fit failed: {e}") from None
             stats["signature"] = {"n_active": int(sig.n_active)}
+        fsig = None
+        if self.cfg.retrieval.mode == "signature" and self.uses_frozen_keys:
+            h_frozen = self.embed_prefix(z_train, None)[0]
+            try:
+                fsig = fit_signature(h_frozen.to(self.device), self.cfg.signature, seed=self.task_seed(k) + 1)
+            except SignatureFitError as e:
+                raise TaskError(f"task {k + 1}: frozen-key signature fit failed: {e}") from None
+            stats.setdefault("signature", {})["n_active_frozen"] = int(fsig.n_active)
         stats["seconds_signature"] = time.perf_counter() - t0
         crash_point("learn:signature")
 
@@ -444,6 +454,7 @@ class ContinualLearner:
         stats["gamma"] = float(head.gamma_)
         crash_point("learn:head")
         self.signatures_.append(sig)
+        self.frozen_signatures_.append(fsig)
         self.tasks_.append(
             {
                 "index": k,
@@ -472,11 +483,42 @@ class ContinualLearner:
         return self.model_
 
     # ================================================================== inference (Algorithm 2)
-    def retrieve_embeddings(self, H: torch.Tensor) -> Any:
-        """H: (m, N, d), embeddings under the first m tasks' adapters -> RetrievalResult over those tasks."""
-        sigs = self.signatures_[: H.shape[0]]
-        scores = [sig.score(H[j].to(sig_device(sig))).cpu() for j, sig in enumerate(sigs) if sig]
-        return retrieve(scores, top_k=self.cfg.retrieval.top_k)
+    @property
+    def uses_frozen_keys(self) -> bool:
+        return self.cfg.signature.keys in ("frozen", "adapter+frozen")
+
+    def retrieve_embeddings(self, H: torch.Tensor, F: torch.Tensor | None = None) -> Any:
+        """H: (m, N, d), embeddings under the first m tasks' adapters; F: (N, d) frozen-backbone features
+        (needed with ``signature.keys`` "frozen" or "adapter+frozen") -> RetrievalResult over those tasks.
+
+        With two keys a task's score is the sum of its adapter-key and frozen-key scores (each reduced
+        over its components as the retrieval rule says); the component reported is the adapter key's."""
+        m = H.shape[0]
+        top_k = self.cfg.retrieval.top_k
+        keys = self.cfg.signature.keys
+        res = None
+        if keys != "frozen":
+            sigs = self.signatures_[:m]
+            res = retrieve([s.score(H[j].to(sig_device(s))).cpu() for j, s in enumerate(sigs) if s], top_k)
+        if keys == "adapter":
+            return res
+        if F is None:
+            raise ValueError(f"signature.keys={keys!r} needs the frozen-backbone features F")
+        fsigs = self.frozen_signatures_[:m]
+        fres = retrieve([s.score(F.to(sig_device(s))).cpu() for s in fsigs if s], top_k)
+        if res is None:
+            return fres
+        total = res.task_scores + fres.task_scores
+        task = total.argmin(1)
+        rows = torch.arange(len(task))
+        res.task, res.score, res.task_scores = task, total[rows, task], total
+        component = torch.zeros_like(task)  # the chosen task's best adapter-key component
+        for t in task.unique().tolist():
+            idx = (task == t).nonzero().flatten()
+            sig = self.signatures_[t]
+            component[idx] = sig.score(H[t, idx].to(sig_device(sig))).cpu().argmin(1)
+        res.component = component
+        return res
 
     def classify(self, h: torch.Tensor) -> torch.Tensor:
         assert self.head_ is not None, "no task learned yet"
@@ -495,7 +537,8 @@ class ContinualLearner:
         z = self.model_.prefix(x.to(self.device))
         if self.uses_retrieval:
             H = self.embed_prefix(z, list(range(min(m, self.num_adapters))), shard=False)
-            res = self.retrieve_embeddings(H)
+            F = self.embed_prefix(z, None, shard=False)[0] if self.uses_frozen_keys else None
+            res = self.retrieve_embeddings(H, F)
             h = H[res.task, torch.arange(H.shape[1])]
             logits = self.classify(h)
             return Prediction(logits.argmax(1), res.task, res.component, res.score, logits)
@@ -522,7 +565,14 @@ class ContinualLearner:
             if sig is not None:
                 st, sig_meta = sig.to_tensors()
                 tensors.update({f"signature/{n}": v for n, v in st.items()})
-            out["tasks"].append({"meta": {**t, "signature": sig_meta}, "tensors": tensors})
+            fsig_meta = None
+            fsig = self.frozen_signatures_[k] if k < len(self.frozen_signatures_) else None
+            if fsig is not None:
+                st, fsig_meta = fsig.to_tensors()
+                tensors.update({f"frozen_signature/{n}": v for n, v in st.items()})
+            out["tasks"].append(
+                {"meta": {**t, "signature": sig_meta, "frozen_signature": fsig_meta}, "tensors": tensors}
+            )
         if self.head_ is not None:
             out["head"] = {"meta": self.head_.meta(), "tensors": self.head_.state_tensors()}
         return out
@@ -544,7 +594,14 @@ class ContinualLearner:
             st = {n[len("signature/") :]: v for n, v in tensors.items() if n.startswith("signature/")}
             sig = Signature.from_tensors(st, meta["signature"]).to(self.device)
         self.signatures_.append(sig)
-        self.tasks_.append({key: v for key, v in meta.items() if key != "signature"})
+        fsig = None
+        if meta.get("frozen_signature") is not None:
+            pre = "frozen_signature/"
+            st = {n[len(pre) :]: v for n, v in tensors.items() if n.startswith(pre)}
+            fsig = Signature.from_tensors(st, meta["frozen_signature"]).to(self.device)
+        self.frozen_signatures_.append(fsig)
+        keys = ("signature", "frozen_signature")
+        self.tasks_.append({key: v for key, v in meta.items() if key not in keys})
 
     def _new_head(self) -> RanPACHead:
         h = self.cfg.head

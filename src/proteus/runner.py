@@ -75,10 +75,11 @@ def validate(cfg: RunConfig) -> None:
         "train.tasks": (cfg.train.tasks, ("all", "first", "none")),
         "retrieval.mode": (cfg.retrieval.mode, ("signature", "first", "last", "all-units", "none")),
         "signature.method": (cfg.signature.method, ("dpgmm", "kmeans", "gaussian")),
-        "signature.covariance": (cfg.signature.covariance, ("full", "ppca")),
+        "signature.covariance": (cfg.signature.covariance, ("full", "ppca", "shared")),
         "signature.normalize": (cfg.signature.normalize, ("none", "l2")),
         "signature.score": (cfg.signature.score, ("nll", "mahalanobis")),
         "signature.calibrate": (cfg.signature.calibrate, ("none", "standardize")),
+        "signature.keys": (cfg.signature.keys, ("adapter", "frozen", "adapter+frozen")),
     }
     for key, (val, ok) in choices.items():
         if val not in ok:
@@ -135,7 +136,8 @@ class Evaluator:
             if retrieval_used:
                 m = L.num_adapters
                 H = torch.stack([self.embedding(tau, "task", j) for j in range(m)])
-                res = L.retrieve_embeddings(H)
+                F = self.embedding(tau, "task", None) if L.uses_frozen_keys else None
+                res = L.retrieve_embeddings(H, F)
                 self.last_retrieval[tau] = res
                 h = H[res.task, torch.arange(H.shape[1])]
                 n_correct_ret += int((res.task == tau).sum())
@@ -169,6 +171,15 @@ def kb_header(learner: ContinualLearner, stream: TaskStream) -> dict[str, Any]:
     }
 
 
+def _without_timings(d: Any) -> Any:
+    """``d`` without the keys that hold wall-clock seconds (recursively)."""
+    if isinstance(d, dict):
+        return {k: _without_timings(v) for k, v in d.items() if "seconds" not in k}
+    if isinstance(d, list):
+        return [_without_timings(v) for v in d]
+    return d
+
+
 def commit_learner(kb: KnowledgeBase, learner: ContinualLearner, evaluation: list[dict]) -> None:
     """Write the learner's state as the KB's new state (atomic)."""
     state = learner.state()
@@ -176,7 +187,8 @@ def commit_learner(kb: KnowledgeBase, learner: ContinualLearner, evaluation: lis
     tasks = []
     for t in state["tasks"]:
         rel, sha = kb.write_object(f"task{t['meta']['index']:03d}", t["tensors"])
-        tasks.append({**t["meta"], "object": rel, "sha256": sha})
+        # wall-clock timings stay out of the KB (they are in results.json): same seed, same bytes
+        tasks.append({**_without_timings(t["meta"]), "object": rel, "sha256": sha})
     manifest["tasks"] = tasks
     if state["head"] is not None:
         rel, sha = kb.write_object("head", state["head"]["tensors"])

@@ -103,7 +103,8 @@ def write_report(out: Path, res: dict[str, Any], bulky: dict[str, Any] | None = 
         draw("retrieval_confusion", F.plot_confusion, res["retrieval_confusion"])
     if bulky.get("transfer"):
         draw("s_heatmaps", F.plot_transfer, bulky["transfer"])
-    if bulky.get("unit_cosines") and res.get("num_tasks", 0) > 1:
+    cos = bulky.get("unit_cosines")
+    if cos and len(next(iter(cos.values()))) > 1:  # at least two adapters to compare
         draw("unit_cosines", F.plot_cosines, bulky["unit_cosines"])
     if res.get("latency"):
         draw("latency", F.plot_latency, res["latency"])

@@ -74,7 +74,10 @@ def _retrieved(learner: Any, evaluator: Any, k: int) -> torch.Tensor:
     res = evaluator.last_retrieval.get(k)
     if res is None or res.task.numel() != evaluator.labels(k).numel():
         H = torch.stack([evaluator.embedding(k, "task", j) for j in range(learner.num_adapters)])
-        res = learner.retrieve_embeddings(H)
+        if getattr(learner, "uses_frozen_keys", False):  # signature.keys "frozen" / "adapter+frozen"
+            res = learner.retrieve_embeddings(H, evaluator.embedding(k, "task", None))
+        else:
+            res = learner.retrieve_embeddings(H)
     return res.task.cpu()
 
 
@@ -103,7 +106,10 @@ def theory_analysis(learner: Any, evaluator: Any) -> dict[str, Any] | None:
     """Theorem 3.5 / 3.6 quantities per (task, component) on the test sets; None without retrieval.
 
     Returns ``{"components": [...], "per_task": [...], "summary": {...}}``; tasks and components are
-    0-based, ``min_delta`` / ``delta_ok`` are None where Theorem 3.6 gives no finite value.
+    0-based, ``min_delta`` / ``delta_ok`` are None where Theorem 3.6 gives no finite value. The theorems
+    are about the adapter keys ``h_i(x)`` (``learner.signatures_``); None when a task has none. With
+    ``signature.keys`` other than "adapter", delta, kappa and sigma^2 are still those of the adapter keys
+    while the error is the measured one of the rule that retrieved.
     """
     if not learner.uses_retrieval:
         return None

@@ -93,14 +93,21 @@ def plot_compare(curves: dict[str, list[list[float]]], path: Path, title: str = 
     """Fig. 3: per method, ACC after each task; mean over seeds with a +-std band."""
     fig = _figure(6.5, 4.0)
     ax = fig.add_subplot()
+    n = 0
     for method, runs in curves.items():
-        a = np.array([_nan(r) for r in runs], dtype=float)
+        if not runs:
+            continue
+        width = min(len(r) for r in runs)
+        a = np.array([_nan(r[:width]) for r in runs], dtype=float)
         mean = np.nanmean(a, 0)
         x = np.arange(1, a.shape[1] + 1)
+        n = max(n, len(x))
         ax.plot(x, mean, "o-", ms=3, label=method)
         if a.shape[0] > 1:
             std = np.nanstd(a, 0)
             ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+    ticks = np.arange(1, n + 1)
+    ax.set_xticks(ticks if n <= 20 else ticks[:: int(math.ceil(n / 20))])
     ax.set_xlabel("tasks learned")
     ax.set_ylabel("average accuracy (%)")
     ax.set_title(title or "average accuracy after each task")

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["DPGMM", "SignatureFitError", "kmeans"]
+__all__ = ["DPGMM", "PosteriorFactors", "SignatureFitError", "kmeans"]
 
 #: responsibilities below this are left out of the scatter matrices (not out of N_k or the means)
 _SUPPORT_EPS = 1e-12
@@ -236,6 +236,26 @@ class _Factors:
     marg: tuple[Tensor, Tensor, Tensor] | None = None  # marginal factors, offsets, block sums (_marginal)
 
 
+@dataclass
+class PosteriorFactors:
+    """The DP-GMM posterior's expected covariances of K components, in factored form.
+
+    ``covariance_k = scale_k (C0 + ridge_k I + V F_k^T F_k V^T)`` where ``C0 = V diag(prior_evals) V^T``
+    is the covariance prior (scikit-learn's ``W0^{-1}``, shared by every component), ``scale_k = 1 /
+    nu_k`` (degrees of freedom), ``ridge_k = N_k reg_covar`` and ``F_k`` (r_k, d), in the prior's
+    eigenbasis, stacks the component's data term: one row ``sqrt(resp_nk) (x_n - xbar_k)`` per point
+    with responsibility above ``_SUPPORT_EPS`` and the mean-shrinkage row ``sqrt(beta0 N_k / beta_k)
+    (xbar_k - m0)``, so ``r_k <= N_k + 1`` (support + 1).
+    """
+
+    prior_evals: Tensor  # (d,) e, ascending
+    prior_evecs: Tensor  # (d, d) V, columns
+    scale: Tensor  # (K,) 1 / nu_k
+    ridge: Tensor  # (K,) N_k reg_covar
+    factors: list[Tensor]  # K tensors (r_k, d), prior eigenbasis
+    sizes: Tensor  # (K,) N_k
+
+
 class DPGMM:
     """Variational DP-GMM with full covariances, equal to scikit-learn's ``BayesianGaussianMixture``
     (``weight_concentration_prior_type="dirichlet_process"``, ``covariance_type="full"``), in torch.
@@ -250,7 +270,10 @@ class DPGMM:
     Fitted attributes: ``weights_ (T,)``, ``means_ (T, d)``, ``covariances_ (T, d, d)``,
     ``precisions_cholesky_ (T, d, d)`` (scikit-learn's convention: upper triangular ``U`` with
     ``precision = U U^T``), ``converged_``, ``n_iter_``, ``lower_bound_``, ``lower_bounds_``,
-    ``weight_concentration_``, ``mean_precision_``, ``degrees_of_freedom_``, ``n_components_``.
+    ``weight_concentration_``, ``mean_precision_``, ``degrees_of_freedom_``, ``n_components_``,
+    ``covariance_prior_`` (the prior used, ``W0^{-1}``), ``component_sizes_`` (``N_k``).
+    :meth:`posterior_factors` gives the covariances in factored form (shared prior + per-component data
+    term of rank ``<= N_k + 1``), from which :meth:`GaussianComponents.shared` stores compact signatures.
     ``covariances_`` and ``precisions_cholesky_`` are computed on first access. ``last_labels_`` is the
     argmax of the last E-step's responsibilities (those the final M-step used); :meth:`fit_predict`
     recomputes labels with the final parameters, as scikit-learn (``fit`` skips that extra E-step).
@@ -362,6 +385,31 @@ class DPGMM:
             return torch.zeros((0, d, d), dtype=V.dtype, device=V.device)
         cov = torch.stack(out)
         return 0.5 * (cov + cov.mT)
+
+    @property
+    def component_sizes_(self) -> Tensor:
+        """``N_k``: each component's summed responsibilities (T,) from the last M-step (scikit-learn's
+        ``nk``, including its ``10 eps``)."""
+        self._check_fitted()
+        return self._nk
+
+    def posterior_factors(self, index: Tensor | list[int] | None = None) -> PosteriorFactors:
+        """The structure of the expected covariances of the selected components (see
+        :class:`PosteriorFactors`): ``covariance_k = scale_k (C0 + ridge_k I + V F_k^T F_k V^T)`` with the
+        covariance prior ``C0 = V diag(e) V^T`` shared by every component. Same numbers as
+        :meth:`component_covariances`, which forms that sum densely."""
+        self._check_fitted()
+        ks = list(range(self.n_components_)) if index is None else [int(i) for i in index]
+        idx = torch.tensor(ks, dtype=torch.long, device=self._e.device)
+        nk = self._nk.index_select(0, idx)
+        return PosteriorFactors(
+            prior_evals=self._e,
+            prior_evecs=self._V,
+            scale=1.0 / self.degrees_of_freedom_.index_select(0, idx),
+            ridge=nk * self.reg_covar,
+            factors=[self._B[k] for k in ks],
+            sizes=nk,
+        )
 
     # ------------------------------------------------------------------ fitting
     def _fit(self, X: Tensor | np.ndarray, init_resp: Tensor | np.ndarray | None) -> DPGMM:
@@ -494,6 +542,7 @@ class DPGMM:
         tail = torch.flip(torch.cumsum(torch.flip(nk, [0]), 0), [0])
         tail = torch.cat([tail[1:], tail.new_zeros(1)])
         self.weight_concentration_ = (1.0 + nk, self.weight_concentration_prior_ + tail)
+        self._nk = nk
         # means
         kappa0 = self.mean_precision_prior_
         self.mean_precision_ = kappa0 + nk

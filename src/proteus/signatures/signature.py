@@ -20,7 +20,13 @@
 3. inactive components are dropped (weight < ``1e-3`` or fewer than 2 assigned training points; if none
    survives, the heaviest one is kept) and ``n_active`` is reported;
 4. the survivors become :class:`~proteus.signatures.gaussian.GaussianComponents` of kind
-   ``cfg.covariance`` with rank ``min(cfg.rank, d - 1, N - 1)``;
+   ``cfg.covariance`` with rank ``min(cfg.rank, d - 1, N - 1)``. Kind ``"shared"`` is built from the
+   factored covariances instead (:meth:`GaussianComponents.shared`, a budget of ``cfg.rank`` factor rows
+   per component on average, at most d): for ``"dpgmm"`` the posterior's own structure
+   (:meth:`DPGMM.posterior_factors`: covariance prior shared, data term per component); for ``"kmeans"``
+   the same identity with the pooled covariance as the shared matrix, ``(n_k S_k + d S_pool) / (n_k + d)
+   + reg I = d / (n_k + d) (S_pool + reg (n_k + d) / d I + n_k S_k / d)``; for ``"gaussian"`` the one
+   covariance itself (no low-rank part). All three are exact while the budget holds every factor;
 5. with ``cfg.calibrate == "standardize"`` the median and robust scale (1.4826 x MAD, floored at
    ``1e-6 (1 + |median|)``) of the training inputs' best-component scores are stored and every later
    score is standardised with them.
@@ -40,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from proteus.config import SignatureConfig
-from proteus.signatures.dpgmm import DPGMM, SignatureFitError, check_finite_rows, kmeans
+from proteus.signatures.dpgmm import DPGMM, PosteriorFactors, SignatureFitError, check_finite_rows, kmeans
 from proteus.signatures.gaussian import GaussianComponents
 
 __all__ = ["Signature", "fit_signature"]
@@ -56,6 +62,7 @@ _NORMALIZE = ("none", "l2")
 _SCORES = ("nll", "mahalanobis")
 _CALIBRATE = ("none", "standardize")
 _STORAGE = ("float32", "float16")
+_COVARIANCES = ("full", "ppca", "shared")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -160,7 +167,7 @@ class Signature:
             "calibrate": self.calibrate,
             "calibration": None if self.calibration is None else [float(v) for v in self.calibration],
             "covariance": self.components.kind,
-            "rank": int(getattr(self.components, "rank", 0)) if self.components.kind == "ppca" else None,
+            "rank": int(self.components.rank) if self.components.kind in ("ppca", "shared") else None,
             "n_active": self.n_active,
             "d": self.d,
             "n_train": self.n_train,
@@ -242,6 +249,7 @@ def _fit_dpgmm(X: Tensor, cfg: SignatureConfig, seed: int, C: Tensor, lam: float
         "counts": counts,
         "means": gm.means_,
         "cov_fn": gm.component_covariances,
+        "shared_fn": gm.posterior_factors,
         "labels": labels,
         "lower_bound": gm.lower_bound_,
         "n_iter": gm.n_iter_,
@@ -271,11 +279,20 @@ def _fit_kmeans(X: Tensor, cfg: SignatureConfig, seed: int, lam: float) -> dict[
     def cov_fn(index: Tensor | list[int] | None = None) -> Tensor:
         return covs if index is None else covs[torch.as_tensor(index, dtype=torch.long, device=covs.device)]
 
+    def shared_fn(index: Tensor | list[int]) -> PosteriorFactors:
+        # covs_k = d / (n_k + d) * (pooled + reg (n_k + d) / d I + Xc_k^T Xc_k / d): pooled is the shared part
+        ks = [int(i) for i in index]
+        e, V = torch.linalg.eigh(0.5 * (pooled + pooled.T))
+        sel = nk[ks]
+        factors = [((X[labels == k] - means[k]) @ V) / d**0.5 for k in ks]
+        return PosteriorFactors(e, V, d / (sel + d), float(cfg.reg_covar) * (sel + d) / d, factors, sel)
+
     return {
         "weights": nk / N,
         "counts": counts,
         "means": means,
         "cov_fn": cov_fn,
+        "shared_fn": shared_fn,
         "labels": labels,
         "lower_bound": None,
         "n_iter": n_iter,
@@ -286,11 +303,18 @@ def _fit_kmeans(X: Tensor, cfg: SignatureConfig, seed: int, lam: float) -> dict[
 def _fit_gaussian(X: Tensor, C: Tensor, lam: float) -> dict[str, Any]:
     N, d = X.shape
     cov = (C + lam * torch.eye(d, dtype=X.dtype, device=X.device))[None]
+
+    def shared_fn(index: Tensor | list[int]) -> PosteriorFactors:
+        e, V = torch.linalg.eigh(cov[0])
+        one = torch.ones(1, dtype=X.dtype, device=X.device)
+        return PosteriorFactors(e, V, one, 0.0 * one, [X.new_zeros((0, d))], N * one)
+
     return {
         "weights": torch.ones(1, dtype=X.dtype, device=X.device),
         "counts": torch.tensor([N], device=X.device),
         "means": X.mean(0, keepdim=True),
         "cov_fn": lambda index=None: cov,
+        "shared_fn": shared_fn,
         "labels": torch.zeros(N, dtype=torch.long, device=X.device),
         "lower_bound": None,
         "n_iter": 0,
@@ -308,7 +332,7 @@ def fit_signature(H: Tensor, cfg: SignatureConfig, seed: int = 0) -> Signature:
     _check_choice("normalize", cfg.normalize, _NORMALIZE)
     _check_choice("score", cfg.score, _SCORES)
     _check_choice("calibrate", cfg.calibrate, _CALIBRATE)
-    _check_choice("covariance", cfg.covariance, ("full", "ppca"))
+    _check_choice("covariance", cfg.covariance, _COVARIANCES)
     _check_choice("storage_dtype", cfg.storage_dtype, _STORAGE)
     if not isinstance(H, Tensor) or H.ndim != 2:
         raise SignatureFitError(
@@ -342,16 +366,30 @@ def fit_signature(H: Tensor, cfg: SignatureConfig, seed: int = 0) -> Signature:
         active = ((weights >= _MIN_WEIGHT) & (counts >= _MIN_POINTS)).nonzero().flatten()
         if active.numel() == 0:
             active = weights.argmax().reshape(1)
-        covs = fit["cov_fn"](active)
-        rank = max(0, min(int(cfg.rank), d - 1, N - 1))
-        comps = GaussianComponents(
-            weights.index_select(0, active),
-            fit["means"].index_select(0, active),
-            covs,
-            kind=cfg.covariance,
-            rank=rank,
-            dtype=torch.float32,
-        )
+        if cfg.covariance == "shared":
+            pf = fit["shared_fn"](active)
+            comps = GaussianComponents.shared(
+                weights.index_select(0, active),
+                fit["means"].index_select(0, active),
+                pf.prior_evals,
+                pf.prior_evecs,
+                pf.scale,
+                pf.ridge,
+                pf.factors,
+                rank=max(1, min(int(cfg.rank), d)),
+                dtype=torch.float32,
+            )
+        else:
+            covs = fit["cov_fn"](active)
+            rank = max(0, min(int(cfg.rank), d - 1, N - 1))
+            comps = GaussianComponents(
+                weights.index_select(0, active),
+                fit["means"].index_select(0, active),
+                covs,
+                kind=cfg.covariance,
+                rank=rank,
+                dtype=torch.float32,
+            )
         sig = Signature(
             comps,
             method=cfg.method,

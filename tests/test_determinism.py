@@ -1,0 +1,80 @@
+"""Determinism (issue 4): the same seed and configuration give the same results.json on the CPU.
+
+Two runs of the tiny 5-task quickstart, one in this process and one in a fresh ``python -m proteus run``
+process (so no import-time or cached state can hide a difference), both with one intra-op thread
+(``torch.set_num_threads(1)`` here, ``OMP_NUM_THREADS=1`` there: BLAS results are reproducible for a
+fixed thread count, and one thread keeps MKL fast on a busy 2-core machine). Only wall-clock timings may
+differ: every key containing ``seconds`` is dropped; everything else -- accuracy matrix, retrieval and
+oracle accuracies, per-task statistics (losses, S sparsity, gamma, signature components) and
+``kb_bytes`` -- must be equal, and so must every KB object hash and the KB manifest apart from its
+``created``/``updated`` time stamps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from proteus.cli import main
+
+pytestmark = pytest.mark.slow
+
+ARGS = [
+    "run", "--benchmark", "quickstart", "--backbone", "vit_ti16", "--seed", "3", "--device", "cpu", "-q",
+    "--set", "backbone.pretrained=false",
+    "--set", "backbone.img_size=32",
+    "--set", "backbone.adapt_last=2",
+    "--set", "train.epochs=1",
+    "--set", "head.rp_dim=256",
+    "--set", "signature.max_components=2",
+    "--set", "signature.max_iter=20",
+    "--set", "signature.rank=8",
+    "--set", "benchmark.max_train_per_class=40",
+]  # fmt: skip
+
+
+def _strip(d):
+    if isinstance(d, dict):
+        return {k: _strip(v) for k, v in d.items() if "seconds" not in k and k not in ("created", "updated")}
+    if isinstance(d, list):
+        return [_strip(v) for v in d]
+    return d
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_same_seed_same_results(tmp_path: Path, one_thread) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main([*ARGS, "--out", str(a)]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "proteus", *ARGS, "--out", str(b)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ra = json.loads((a / "results.json").read_text())
+    rb = json.loads((b / "results.json").read_text())
+    assert "kb_bytes" in ra and ra["tasks"][1]["train"]["loss_last"] is not None
+    assert _strip(ra) == _strip(rb)
+    ma = json.loads((a / "kb" / "manifest.json").read_text())
+    mb = json.loads((b / "kb" / "manifest.json").read_text())
+    assert _strip(ma) == _strip(mb)  # includes every object's sha256
+    assert sorted(p.name for p in (a / "kb" / "objects").iterdir()) == sorted(
+        p.name for p in (b / "kb" / "objects").iterdir()
+    )
+    assert (a / "split.json").read_text() == (b / "split.json").read_text()

@@ -1,0 +1,143 @@
+"""Data-parallel runs (issue 4): ``torchrun --nproc_per_node=2 -m proteus run`` with gloo on the CPU.
+
+The 2-process run must equal the single-process run:
+
+* exactly (results.json minus wall-clock timings, and every KB object hash) when no gradient step is
+  taken (``train.epochs=0``: adapters are still created, signatures fitted, the head accumulated and
+  every embedding and evaluation pass sharded across the ranks and gathered back), because each rank runs
+  whole batches that a single process would run, in the same order;
+* within a tolerance when the adapters are trained: each rank's forward and backward covers its half of
+  every batch and the gradients are summed, so the gradient equals the single-process one up to the
+  summation order (float32 round-off, ~1e-7 relative). We allow |accuracy difference| <= 2 points per
+  entry of the accuracy matrix and of the retrieval accuracies, and 1e-3 on the logged losses.
+
+The settings make the sharding non-trivial: an eval batch of 8 gives 25 prefix batches of task data and
+two embedding chunks (one per rank), and a training batch of 25 splits 12/13 between the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from proteus.cli import main
+from proteus.kb import KnowledgeBase
+
+pytestmark = pytest.mark.slow
+
+ARGS = [
+    "--benchmark", "quickstart", "--num-tasks", "2", "--backbone", "vit_ti16", "-q",
+    "--set", "backbone.pretrained=false",
+    "--set", "backbone.img_size=32",
+    "--set", "backbone.adapt_last=2",
+    "--set", "head.rp_dim=256",
+    "--set", "signature.max_components=2",
+    "--set", "signature.max_iter=20",
+    "--set", "signature.rank=8",
+    "--set", "benchmark.max_train_per_class=40",
+    "--set", "eval.batch_size=8",
+    "--set", "train.batch_size=25",
+]  # fmt: skip
+
+ACC_TOL = 2.0  # percentage points
+LOSS_TOL = 1e-3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(out: Path, extra: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+        "-m", "proteus", "run", "--out", str(out), "--device", "cpu", *ARGS, *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # one table: ranks other than 0 print nothing
+    assert proc.stdout.count("final average accuracy") == 1, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torchrun gives each worker one thread; the single-process reference uses one as well."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _single(out: Path, extra: list[str]) -> None:
+    assert main(["run", "--out", str(out), "--device", "cpu", *ARGS, *extra]) == 0
+
+
+def _strip(d):
+    if isinstance(d, dict):
+        return {k: _strip(v) for k, v in d.items() if "seconds" not in k}
+    if isinstance(d, list):
+        return [_strip(v) for v in d]
+    return d
+
+
+def _hashes(out: Path) -> tuple[list[str], str]:
+    m = KnowledgeBase.open(out / "kb").manifest
+    return [t["sha256"] for t in m["tasks"]], m["head"]["sha256"]
+
+
+def _files(out: Path) -> set[str]:
+    return {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.parent.name != "objects"}
+
+
+def test_two_ranks_equal_one_without_training(tmp_path: Path, one_thread) -> None:
+    extra = ["--set", "train.epochs=0"]
+    _single(tmp_path / "one", extra)
+    _torchrun(tmp_path / "two", extra)
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert _strip(one) == _strip(two)
+    assert _hashes(tmp_path / "one") == _hashes(tmp_path / "two")
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")  # rank 1 wrote nothing extra
+
+
+def test_two_ranks_match_one_when_training(tmp_path: Path, one_thread) -> None:
+    extra = ["--set", "train.epochs=1"]
+    _single(tmp_path / "one", extra)
+    _torchrun(tmp_path / "two", extra)
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    for k, (r1, r2) in enumerate(zip(one["acc_matrix"], two["acc_matrix"])):
+        for a, b in zip(r1, r2):
+            assert (a is None) == (b is None)
+            assert a is None or abs(a - b) <= ACC_TOL, (k, r1, r2)
+    for a, b in zip(one["retrieval_acc"], two["retrieval_acc"]):
+        assert abs(a - b) <= ACC_TOL
+    for t1, t2 in zip(one["tasks"], two["tasks"]):
+        assert t1["train"]["steps"] == t2["train"]["steps"] > 0
+        for key in ("loss_first", "loss_last"):
+            assert abs(t1["train"][key] - t2["train"][key]) <= LOSS_TOL, (key, t1["train"], t2["train"])
+    assert one["kb_bytes"] == two["kb_bytes"]
+
+
+def test_helpers_in_a_single_process() -> None:
+    from proteus import distributed as dist
+
+    assert not dist.is_distributed() and dist.rank() == 0 and dist.world_size() == 1 and dist.is_main()
+    assert dist.init_from_env() is False  # no torchrun variables here
+    dist.barrier()
+    t = torch.arange(6.0).reshape(3, 2)
+    assert dist.all_gather_rows(t) is t and dist.all_reduce_sum_(t) is t
+    blocks = [dist.shard_range(10, r, 3) for r in range(3)]
+    assert [list(b) for b in blocks] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    assert [len(dist.shard_range(1, r, 2)) for r in range(2)] == [0, 1]
+    assert dist.device_for_rank("cpu") == torch.device("cpu")
