@@ -167,3 +167,25 @@ def test_conv1x1_wrapper_matches_linear_math() -> None:
 def test_base_layer_untouched(vit: AdaptedBackbone) -> None:
     for wr in vit.wrappers.values():
         assert not any(p.requires_grad for p in wr.base.parameters())
+
+
+def test_grouped_conv_forward_equals_per_task_forward() -> None:
+    torch.manual_seed(0)
+    w = LoRAWrapper(nn.Conv2d(6, 5, 1), {}, 0.5)
+    unit = w.units["w"]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        unit.begin_task(2, "learned", True, g)
+        with torch.no_grad():
+            unit.B_new.normal_()
+            if unit.s is not None:
+                unit.s.normal_()
+        unit.end_task()
+    x = torch.randn(4, 6, 3, 3)
+    unit.coef, w.groups = unit.coefficients([0, 1, 2]), 3
+    grouped = w(x.repeat(3, 1, 1, 1)).unflatten(0, (3, 4))
+    for k in range(3):
+        dW = unit.B @ torch.diag(unit.C[k]) @ unit.A.T
+        expected = w.base(x) + 0.5 * torch.einsum("oi,nihw->nohw", dW, x)
+        assert torch.allclose(grouped[k], expected, atol=1e-5)
+    unit.coef, w.groups = None, 1

@@ -74,7 +74,7 @@ def test_mobilenet_cpu_on_top_of_a_vit_benchmark_config() -> None:
     cfg = resolve_config("cifar10", config_files=["mobilenet_cpu"])
     assert (cfg.backbone.name, cfg.backbone.img_size, cfg.backbone.adapt_last) == ("mobilenet_v2", 96, 6)
     assert cfg.train.augment is False and cfg.train.batch_size == 64  # the prefix cache stays on
-    assert cfg.head.rp_dim == 5000 and cfg.signature.max_components == 10
+    assert cfg.head.rp_dim == 2000 and cfg.signature.max_components == 10
     # the same as before cifar10.yaml existed: defaults + mobilenet_cpu
     plain = resolve_config(None, config_files=["mobilenet_cpu"])
     for section in ("backbone", "adapter", "train", "signature", "head", "retrieval"):

@@ -75,9 +75,10 @@ class SignatureConfig:
     #: component covariance kept for scoring: "full", "ppca" (low-rank + isotropic, Woodbury scoring) or
     #: "shared" (one full matrix per task, the fit's covariance prior, + per-component low rank; exact
     #: for the DP-GMM posterior while the rank budget holds its data terms, Woodbury scoring)
-    covariance: str = "full"
-    #: q: the "ppca" rank; for "shared" the mean factor rows per component (a budget of T * rank rows)
-    rank: int = 64
+    covariance: str = "shared"
+    #: q: the "ppca" rank; for "shared" the mean factor rows per component (a budget of T * rank rows;
+    #: exact while rank >= (N + T) / T for N training inputs and T components)
+    rank: int = 128
     #: embedding normalisation before fitting and scoring: "none" or "l2"
     normalize: str = "none"
     #: score per (input, component): "nll" (Gaussian NLL incl. log-det) or "mahalanobis" (Eq. 2)
@@ -86,7 +87,8 @@ class SignatureConfig:
     calibrate: str = "none"
     #: where a task's keys live: "adapter" (the paper: h_k(x) under the task's own adapter), "frozen"
     #: (the frozen backbone's features, the same space for every task), or "adapter+frozen" (both
-    #: signatures; a task's score is the sum of its two best negative log-likelihoods)
+    #: signatures; a task's score is the sum of its two best negative log-likelihoods), or "frozen-lda"
+    #: (an LDA head over all classes on the frozen features, accumulated like G: docs/retrieval.md)
     keys: str = "adapter"
     max_iter: int = 100
     tol: float = 1e-3

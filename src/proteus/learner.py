@@ -45,7 +45,7 @@ from proteus.backbones.transforms import build_transform
 from proteus.config import RunConfig
 from proteus.faults import crash_point
 from proteus.heads import RanPACHead
-from proteus.signatures import Signature, fit_signature, retrieve
+from proteus.signatures import RetrievalResult, Signature, fit_signature, retrieve
 from proteus.signatures.dpgmm import SignatureFitError
 
 log = logging.getLogger("proteus")
@@ -109,6 +109,9 @@ class ContinualLearner:
         self.signatures_: list[Signature | None] = []
         #: signatures on the frozen backbone's features (``signature.keys`` "frozen" / "adapter+frozen")
         self.frozen_signatures_: list[Signature | None] = []
+        #: ``signature.keys = "frozen-lda"``: an LDA (ridge) head over all classes on the frozen backbone's
+        #: features, accumulated like G; a task's key is its classes' scores (parameter-free, Eq. 23 form)
+        self.task_head_: RanPACHead | None = None
         self.head_: RanPACHead | None = None
         self.amp = self.device.type == "cuda"
 
@@ -186,8 +189,9 @@ class ContinualLearner:
         in the original order; every rank must then call this with the same ``z``."""
         bs = batch_size or self.cfg.eval.batch_size
         groups = tasks if tasks is not None else [None]
-        # keep G * batch bounded so that many tasks do not blow up memory
-        per = max(1, bs * 16 // max(1, len(groups)))
+        # about one evaluation batch per forward in total (G groups x per images): large batches run
+        # slower per image on CPU caches, and memory stays bounded for many tasks
+        per = max(1, bs // max(1, len(groups)))
         starts = range(0, z.shape[0], per)
         sharded = shard and dist.is_distributed()
         if sharded:
@@ -394,12 +398,13 @@ class ContinualLearner:
         # Transactional: if anything below raises (bad data, a failed fit, KeyboardInterrupt), the adapter
         # opened or appended for this task and the head update are undone, so the learner is exactly the
         # one that held k tasks (signatures_ and tasks_ are only appended after the last step that can fail).
-        m0, head0 = self.num_adapters, self.head_
+        m0, head0, thead0 = self.num_adapters, self.head_, self.task_head_
         try:
             return self._learn_task(task, k)
         except BaseException:
             self._rollback_adapter(m0)
             self.head_ = head0  # RanPACHead.update is atomic: it raises before changing the head
+            self.task_head_ = thead0
             raise
 
     def _learn_task(self, task: Any, k: int) -> dict[str, Any]:
@@ -419,7 +424,18 @@ class ContinualLearner:
         # line 6: signature of the task's embeddings under its own adapter
         t0 = time.perf_counter()
         sig = None
-        if self.cfg.retrieval.mode == "signature" and self.num_adapters > 0:
+        if self.cfg.retrieval.mode == "signature" and self.cfg.signature.keys == "frozen-lda":
+            thead = self.task_head_ if self.task_head_ is not None else self._new_head(rp_dim=0)
+            try:
+                thead.update(
+                    self.embed_prefix(z_train, None)[0].to(self.device),
+                    y_train.to(self.device),
+                    num_classes=max(task.classes) + 1,
+                )
+            except (ValueError, FloatingPointError) as e:
+                raise TaskError(f"task {k + 1}: frozen-LDA key update failed: {e}") from None
+            self.task_head_ = thead
+        elif self.cfg.retrieval.mode == "signature" and self.num_adapters > 0:
             h_own = self.embed_prefix(z_train, [min(k, self.num_adapters - 1)])[0]
             try:
                 sig = fit_signature(h_own.to(self.device), self.cfg.signature, seed=self.task_seed(k))
@@ -485,7 +501,7 @@ class ContinualLearner:
     # ================================================================== inference (Algorithm 2)
     @property
     def uses_frozen_keys(self) -> bool:
-        return self.cfg.signature.keys in ("frozen", "adapter+frozen")
+        return self.cfg.signature.keys in ("frozen", "adapter+frozen", "frozen-lda")
 
     def retrieve_embeddings(self, H: torch.Tensor, F: torch.Tensor | None = None) -> Any:
         """H: (m, N, d), embeddings under the first m tasks' adapters; F: (N, d) frozen-backbone features
@@ -496,6 +512,8 @@ class ContinualLearner:
         m = H.shape[0]
         top_k = self.cfg.retrieval.top_k
         keys = self.cfg.signature.keys
+        if keys == "frozen-lda":
+            return self._retrieve_frozen_lda(m, F)
         res = None
         if keys != "frozen":
             sigs = self.signatures_[:m]
@@ -519,6 +537,20 @@ class ContinualLearner:
             component[idx] = sig.score(H[t, idx].to(sig_device(sig))).cpu().argmin(1)
         res.component = component
         return res
+
+    def _retrieve_frozen_lda(self, m: int, F: torch.Tensor | None) -> Any:
+        """Task retrieval by the frozen-feature LDA: a task's score is minus its best class score."""
+        if F is None or self.task_head_ is None:
+            raise ValueError("signature.keys='frozen-lda' needs the frozen features and a fitted key head")
+        logits = self.task_head_.decision_function(F.to(self.device)).float().cpu()
+        scores = torch.full((F.shape[0], m), float("inf"))
+        for j, t in enumerate(self.tasks_[:m]):
+            scores[:, j] = -logits[:, t["classes"]].max(1).values
+        task = scores.argmin(1)
+        rows = torch.arange(len(task))
+        return RetrievalResult(
+            task=task, component=torch.zeros_like(task), score=scores[rows, task], task_scores=scores
+        )
 
     def classify(self, h: torch.Tensor) -> torch.Tensor:
         assert self.head_ is not None, "no task learned yet"
@@ -574,7 +606,14 @@ class ContinualLearner:
                 {"meta": {**t, "signature": sig_meta, "frozen_signature": fsig_meta}, "tensors": tensors}
             )
         if self.head_ is not None:
-            out["head"] = {"meta": self.head_.meta(), "tensors": self.head_.state_tensors()}
+            meta, tensors = self.head_.meta(), self.head_.state_tensors()
+            if self.task_head_ is not None:  # the frozen-LDA keys travel in the head's object
+                meta = {**meta, "task_head": self.task_head_.meta()}
+                tensors = {
+                    **tensors,
+                    **{f"task_head/{n}": v for n, v in self.task_head_.state_tensors().items()},
+                }
+            out["head"] = {"meta": meta, "tensors": tensors}
         return out
 
     def load_task(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -603,11 +642,11 @@ class ContinualLearner:
         keys = ("signature", "frozen_signature")
         self.tasks_.append({key: v for key, v in meta.items() if key not in keys})
 
-    def _new_head(self) -> RanPACHead:
+    def _new_head(self, rp_dim: int | None = None) -> RanPACHead:
         h = self.cfg.head
         return RanPACHead(
             self.model_.embed_dim,
-            rp_dim=h.rp_dim,
+            rp_dim=h.rp_dim if rp_dim is None else rp_dim,
             gamma_min_exp=h.gamma_min_exp,
             gamma_max_exp=h.gamma_max_exp,
             holdout=h.holdout,
@@ -617,8 +656,14 @@ class ContinualLearner:
         )
 
     def load_head(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        pre = "task_head/"
+        own = {k: v.to(self.device) for k, v in tensors.items() if not k.startswith(pre)}
         self.head_ = self._new_head()
-        self.head_.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)
+        self.head_.load_state_tensors(own, {k: v for k, v in meta.items() if k != "task_head"})
+        if "task_head" in meta:
+            th = {k[len(pre) :]: v.to(self.device) for k, v in tensors.items() if k.startswith(pre)}
+            self.task_head_ = self._new_head(rp_dim=0)
+            self.task_head_.load_state_tensors(th, meta["task_head"])
 
 
 def sig_device(sig: Signature) -> torch.device:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 TRANSFER_MODES = ("learned", "zero", "identity")
@@ -167,7 +168,7 @@ class LoRAUnit(nn.Module):
             if self.total_rank == 0:
                 return x.new_zeros(*x.shape[:-1], self.out_features)
             u = (x @ self.A.to(x.dtype)) * self.coef.to(x.dtype)[:, None, :]
-            return (u @ self.B.to(x.dtype).T) * self.scaling
+            return self._scale(u @ self.B.to(x.dtype).T)
         if not self.training_task:  # no composition set and nothing being trained: frozen backbone
             return x.new_zeros(*x.shape[:-1], self.out_features)
         a_new = self.projected_A_new()
@@ -176,8 +177,21 @@ class LoRAUnit(nn.Module):
             B = torch.cat([self.B, self.B_new], 1)
             c = torch.cat([self.transfer_coefficients(), torch.ones_like(a_new[0])])
             u = (x @ A.to(x.dtype)) * c.to(x.dtype)
-            return (u @ B.to(x.dtype).T) * self.scaling
-        return ((x @ a_new.to(x.dtype)) @ self.B_new.to(x.dtype).T) * self.scaling
+            return self._scale(u @ B.to(x.dtype).T)
+        return self._scale((x @ a_new.to(x.dtype)) @ self.B_new.to(x.dtype).T)
+
+    def _scale(self, d: torch.Tensor) -> torch.Tensor:
+        return d if self.scaling == 1.0 else d * self.scaling
+
+    def delta_conv(self, x: torch.Tensor, groups: int) -> torch.Tensor | None:
+        """Grouped update for a 1x1 convolution on NCHW input, as two 1x1 convolutions (no layout
+        copies): (G*n, q, H, W) -> (G*n, p, H, W). Returns None when nothing is composed."""
+        if self.coef is None or self.total_rank == 0:
+            return None
+        dt = x.dtype
+        u = F.conv2d(x, self.A.T.to(dt)[:, :, None, None])  # (G*n, R, H, W)
+        u = u.unflatten(0, (groups, -1)) * self.coef.to(dt)[:, None, :, None, None]
+        return self._scale(F.conv2d(u.flatten(0, 1), self.B.to(dt)[:, :, None, None]))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
@@ -217,6 +231,9 @@ class LoRAWrapper(nn.Module):
         units = list(self.units.values())
         if all(u.coef is None and not u.training_task for u in units):
             return out
+        if self.is_conv and len(units) == 1 and units[0].coef is not None:  # inference on a 1x1 conv
+            d = units[0].delta_conv(x, self.groups)
+            return out if d is None else out + d
         xl = x.movedim(1, -1) if self.is_conv else x  # channels last
         lead = xl.shape[:-1]
         xg = xl.reshape(self.groups, -1, xl.shape[-1])

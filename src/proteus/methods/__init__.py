@@ -38,6 +38,13 @@ def proteus_paper(cfg: RunConfig) -> None:
     _paper_signature(cfg)
 
 
+@METHODS.register(
+    "proteus-flda", help="PROTEUS with frozen-feature LDA task retrieval (beyond the paper)"
+)
+def proteus_flda(cfg: RunConfig) -> None:
+    cfg.signature.keys = "frozen-lda"
+
+
 @METHODS.register("ranpac", help="RanPAC: adapter trained on the first task only, LDA head, no retrieval")
 def ranpac(cfg: RunConfig) -> None:
     cfg.train.tasks = "first"
