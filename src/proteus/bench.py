@@ -943,7 +943,6 @@ def section_kb(dev: torch.device, s: Settings, log: Callable[[str], None]) -> di
                 for k in range(s.kb_tasks)]  # fmt: skip
     adapter = float(np.mean(per_task))
     total_small, total_full = (sig_small + adapter) / mb, (sig_full + adapter) / mb
-    log(f"  per task: {total_small:.2f} MB (float16 PPCA) vs {total_full:.2f} MB (float32 full covariance)")
 
     # retrieval accuracy with compressed vs full signatures (both from the same DP-GMM fit: same seed)
     train, test, y = _retrieval_problem(s, gen)
@@ -974,6 +973,7 @@ def section_kb(dev: torch.device, s: Settings, log: Callable[[str], None]) -> di
         what = f"fitted default signatures ({default.covariance}, rank {default.rank}, float16 factors)"
     else:
         what = f"PPCA rank {s.kb_rank}, float16 factors (synthetic)"
+    log(f"  per task: {total_small:.2f} MB ({what}) vs {total_full:.2f} MB (float32 full covariance)")
     log(f"  retrieval accuracy: full {acc['full']:.2f} %, compressed {acc['compressed']:.2f} % "
         f"(PPCA before the float16 round trip: {acc['ppca_float32']:.2f} %)")  # fmt: skip
     return {
