@@ -40,20 +40,12 @@ from proteus.config import RunConfig
 from proteus.kb import KnowledgeBase
 from proteus.learner import ContinualLearner, TaskError
 from proteus.runner import resolve_config
+from tiny import TINY_SETS, sets
 
 pytestmark = pytest.mark.slow
 
-SETS = [
-    "backbone.pretrained=false",
-    "backbone.img_size=32",
-    "backbone.adapt_last=2",
-    "train.epochs=1",
-    "head.rp_dim=256",
-    "signature.max_components=2",
-    "signature.max_iter=20",
-    "signature.rank=8",
-]
-TINY = ["--backbone", "vit_ti16", "--device", "cpu", "-q"] + [a for s in SETS for a in ("--set", s)]
+SETS = TINY_SETS
+TINY = ["--backbone", "vit_ti16", "--device", "cpu", "-q", *sets()]
 
 
 # ---------------------------------------------------------------------------------------------- data

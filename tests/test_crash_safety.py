@@ -43,21 +43,13 @@ from PIL import Image
 from proteus.cli import main
 from proteus.faults import ENV, POINTS
 from proteus.kb import KnowledgeBase
+from tiny import sets
 
 pytestmark = pytest.mark.slow
 
-TINY = [
-    "--benchmark", "quickstart", "--backbone", "vit_ti16", "-q",
-    "--set", "backbone.pretrained=false",
-    "--set", "backbone.img_size=32",
-    "--set", "backbone.adapt_last=2",
-    "--set", "train.epochs=1",
-    "--set", "head.rp_dim=256",
-    "--set", "signature.max_components=2",
-    "--set", "signature.max_iter=20",
-    "--set", "signature.rank=8",
-    "--set", "benchmark.max_train_per_class=40",
-]  # fmt: skip
+TINY = ["--benchmark", "quickstart", "--backbone", "vit_ti16", "-q"]
+TINY += sets("benchmark.max_train_per_class=40")
+
 
 N_RANDOM = 12  # seeded random kill times, in chains of 4
 N_LITERAL = 1  # kills of a literal `python -m proteus learn`

@@ -22,20 +22,13 @@ import pytest
 import torch
 
 from proteus.cli import main
+from tiny import sets
 
 pytestmark = pytest.mark.slow
 
 ARGS = [
     "run", "--benchmark", "quickstart", "--backbone", "vit_ti16", "--seed", "3", "--device", "cpu", "-q",
-    "--set", "backbone.pretrained=false",
-    "--set", "backbone.img_size=32",
-    "--set", "backbone.adapt_last=2",
-    "--set", "train.epochs=1",
-    "--set", "head.rp_dim=256",
-    "--set", "signature.max_components=2",
-    "--set", "signature.max_iter=20",
-    "--set", "signature.rank=8",
-    "--set", "benchmark.max_train_per_class=40",
+    *sets("benchmark.max_train_per_class=40"),
 ]  # fmt: skip
 
 

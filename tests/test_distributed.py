@@ -29,21 +29,14 @@ import torch
 
 from proteus.cli import main
 from proteus.kb import KnowledgeBase
+from tiny import TINY_SETS, sets
 
 pytestmark = pytest.mark.slow
 
 ARGS = [
     "--benchmark", "quickstart", "--num-tasks", "2", "--backbone", "vit_ti16", "-q",
-    "--set", "backbone.pretrained=false",
-    "--set", "backbone.img_size=32",
-    "--set", "backbone.adapt_last=2",
-    "--set", "head.rp_dim=256",
-    "--set", "signature.max_components=2",
-    "--set", "signature.max_iter=20",
-    "--set", "signature.rank=8",
-    "--set", "benchmark.max_train_per_class=40",
-    "--set", "eval.batch_size=8",
-    "--set", "train.batch_size=25",
+    *sets("benchmark.max_train_per_class=40", "eval.batch_size=8", "train.batch_size=25",
+           base=[s for s in TINY_SETS if not s.startswith("train.epochs")]),
 ]  # fmt: skip
 
 ACC_TOL = 2.0  # percentage points
