@@ -517,13 +517,13 @@ class ContinualLearner:
         res = None
         if keys != "frozen":
             sigs = self.signatures_[:m]
-            res = retrieve([s.score(H[j].to(sig_device(s))).cpu() for j, s in enumerate(sigs) if s], top_k)
+            res = retrieve([s.score(H[j].to(s.device)).cpu() for j, s in enumerate(sigs) if s], top_k)
         if keys == "adapter":
             return res
         if F is None:
             raise ValueError(f"signature.keys={keys!r} needs the frozen-backbone features F")
         fsigs = self.frozen_signatures_[:m]
-        fres = retrieve([s.score(F.to(sig_device(s))).cpu() for s in fsigs if s], top_k)
+        fres = retrieve([s.score(F.to(s.device)).cpu() for s in fsigs if s], top_k)
         if res is None:
             return fres
         total = res.task_scores + fres.task_scores
@@ -534,7 +534,7 @@ class ContinualLearner:
         for t in task.unique().tolist():
             idx = (task == t).nonzero().flatten()
             sig = self.signatures_[t]
-            component[idx] = sig.score(H[t, idx].to(sig_device(sig))).cpu().argmin(1)
+            component[idx] = sig.score(H[t, idx].to(sig.device)).cpu().argmin(1)
         res.component = component
         return res
 
@@ -664,7 +664,3 @@ class ContinualLearner:
             th = {k[len(pre) :]: v.to(self.device) for k, v in tensors.items() if k.startswith(pre)}
             self.task_head_ = self._new_head(rp_dim=0)
             self.task_head_.load_state_tensors(th, meta["task_head"])
-
-
-def sig_device(sig: Signature) -> torch.device:
-    return getattr(sig, "device", torch.device("cpu"))
