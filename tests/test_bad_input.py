@@ -119,13 +119,6 @@ def _assert_same(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory) -> Path:

@@ -37,7 +37,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from proteus.cli import main
@@ -167,16 +166,9 @@ def _state(kb: Path) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, one_thread) -> dict:
+def world(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("crash")
     zyg = Zygote(root)
     base = root / "base"  # the state before the interrupted task: task 1 learned

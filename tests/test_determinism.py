@@ -2,7 +2,7 @@
 
 Two runs of the tiny 5-task quickstart, one in this process and one in a fresh ``python -m proteus run``
 process (so no import-time or cached state can hide a difference), both with one intra-op thread
-(``torch.set_num_threads(1)`` here, ``OMP_NUM_THREADS=1`` there: BLAS results are reproducible for a
+(tests/conftest.py here, ``OMP_NUM_THREADS=1`` there: BLAS results are reproducible for a
 fixed thread count, and one thread keeps MKL fast on a busy 2-core machine). Only wall-clock timings may
 differ: every key containing ``seconds`` is dropped; everything else -- accuracy matrix, retrieval and
 oracle accuracies, per-task statistics (losses, S sparsity, gamma, signature components) and
@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from proteus.cli import main
 from tiny import sets
@@ -40,15 +39,7 @@ def _strip(d):
     return d
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def test_same_seed_same_results(tmp_path: Path, one_thread) -> None:
+def test_same_seed_same_results(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     assert main([*ARGS, "--out", str(a)]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

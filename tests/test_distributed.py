@@ -62,15 +62,6 @@ def _torchrun(out: Path, extra: list[str]) -> None:
     assert proc.stdout.count("final average accuracy") == 1, proc.stdout
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """torchrun gives each worker one thread; the single-process reference uses one as well."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _single(out: Path, extra: list[str]) -> None:
     assert main(["run", "--out", str(out), "--device", "cpu", *ARGS, *extra]) == 0
 
@@ -92,7 +83,7 @@ def _files(out: Path) -> set[str]:
     return {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.parent.name != "objects"}
 
 
-def test_two_ranks_equal_one_without_training(tmp_path: Path, one_thread) -> None:
+def test_two_ranks_equal_one_without_training(tmp_path: Path) -> None:
     extra = ["--set", "train.epochs=0"]
     _single(tmp_path / "one", extra)
     _torchrun(tmp_path / "two", extra)
@@ -103,7 +94,7 @@ def test_two_ranks_equal_one_without_training(tmp_path: Path, one_thread) -> Non
     assert _files(tmp_path / "one") == _files(tmp_path / "two")  # rank 1 wrote nothing extra
 
 
-def test_two_ranks_match_one_when_training(tmp_path: Path, one_thread) -> None:
+def test_two_ranks_match_one_when_training(tmp_path: Path) -> None:
     extra = ["--set", "train.epochs=1"]
     _single(tmp_path / "one", extra)
     _torchrun(tmp_path / "two", extra)

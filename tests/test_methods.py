@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +43,6 @@ TINY = [
 EXTRA: dict[str, list[str]] = {"proteus-budget": ["--set", "adapter.rank=20"]}
 NO_RETRIEVAL = {"frozen", "ranpac", "last-lora", "proteus-all-units"}
 WITH_FIGURES = "proteus"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
