@@ -34,7 +34,13 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--groups",
+        default="signatures,lda",
+        help="comma-separated variant groups: signatures (Gaussian keys, fusions), lda (LDA keys, TTA)",
+    )
     args = ap.parse_args()
+    groups = set(args.groups.split(","))
     over = {
         "seed": args.seed,
         "benchmark": {k: v for k, v in (("data", args.data), ("tasks_file", args.tasks_file)) if v},
@@ -48,12 +54,16 @@ def main() -> None:
     m = len(stream.tasks)
     own_train: list[torch.Tensor] = []
     frozen_train: list[torch.Tensor] = []
+    first_train: list[torch.Tensor] = []  # every task's training inputs under the first task's adapter
+    y_train: list[torch.Tensor] = []
     t0 = time.time()
     for k in range(m):
         learner.learn_task(stream.tasks[k])
-        z, _ = learner.prefix_dataset(stream.tasks[k].train)
+        z, y = learner.prefix_dataset(stream.tasks[k].train)
         own_train.append(learner.embed_prefix(z, [k])[0])
         frozen_train.append(learner.embed_prefix(z, None)[0])
+        first_train.append(learner.embed_prefix(z, [0])[0])
+        y_train.append(y)
         print(f"task {k + 1} learned ({time.time() - t0:.0f} s)", flush=True)
     ys = [ev.labels(t) for t in range(m)]
     E = [[ev.embedding(t, "task", j) for j in range(m)] for t in range(m)]  # E[tau][j]
@@ -102,6 +112,8 @@ def main() -> None:
             base, normalize="none", covariance="full", method="gaussian", calibrate="none"
         ),
     }
+    if "signatures" not in groups:
+        variants = {}
     adapter_scores: dict[str, list] = {}
     for name, sc in variants.items():
         t1 = time.time()
@@ -113,6 +125,15 @@ def main() -> None:
         adapter_scores[name] = s
         results[name] = {**evaluate(task_from(s)), "fit_seconds": time.time() - t1}
         print(name, {k: round(v, 2) for k, v in results[name].items() if k != "acc"}, flush=True)
+
+    n_before = len(results)
+    if "lda" in groups:
+        results.update(
+            lda_variants(learner, stream, E, F, own_train, frozen_train, first_train, y_train, evaluate)
+        )
+    if "signatures" not in groups:
+        _finish(args, cfg, results, n_before)
+        return
 
     # keys on the frozen backbone's features: every task's score lives in the same space
     fz = sig_scores(
@@ -152,7 +173,11 @@ def main() -> None:
             [(zs(a[t]) - zs(head_task(t))).argmin(1) for t in range(m)]
         )
 
-    for name in list(results)[len(variants) + 1 :]:
+    _finish(args, cfg, results, n_before)
+
+
+def _finish(args: argparse.Namespace, cfg, results: dict[str, dict], n_before: int) -> None:
+    for name in list(results)[n_before:]:
         print(name, {k: round(v, 2) for k, v in results[name].items() if k != "acc"}, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
@@ -164,6 +189,74 @@ def main() -> None:
             print(f"{name:<42} error: {r['error'][:60]}")
         else:
             print(f"{name:<42} {r['retrieval_acc']:>9.2f} {r['final_avg_acc']:>9.2f}")
+
+
+def lda_variants(learner, stream, E, F, own_train, frozen_train, first_train, y_train, evaluate) -> dict:
+    """LDA keys (a ridge head over all classes, accumulated like G) in a fixed key space, the effect of
+    L2 normalisation and of flip test-time augmentation, and class keys under each task's own adapter
+    with one covariance tied across all tasks (Mahalanobis; the negative control: own-adapter spaces are
+    not comparable even with a shared metric)."""
+    import torch.nn.functional as nnf
+    import torchvision.transforms.functional as TF
+
+    from proteus.heads import RanPACHead
+
+    m = len(stream.tasks)
+    classes = [t["classes"] for t in learner.tasks_]
+    base_tf = learner.eval_transform
+    learner.eval_transform = lambda im: TF.hflip(base_tf(im))
+    zflip = [learner.prefix_dataset(stream.tasks[t].test)[0] for t in range(m)]
+    learner.eval_transform = base_tf
+    F_flip = [learner.embed_prefix(z, None)[0] for z in zflip]
+    A_flip = [learner.embed_prefix(z, [0])[0] for z in zflip]
+
+    def lda(train: list[torch.Tensor], test: list[torch.Tensor], l2: bool) -> list[torch.Tensor]:
+        norm = (lambda x: nnf.normalize(x.double(), dim=1)) if l2 else (lambda x: x.double())
+        head = RanPACHead(train[0].shape[1], rp_dim=0, seed=0)
+        for k in range(m):
+            head.update(norm(train[k]), y_train[k], num_classes=max(classes[k]) + 1)
+        out = []
+        for t in range(m):
+            logits = head.decision_function(norm(test[t])).double()
+            out.append(torch.stack([logits[:, classes[k]].max(1).values for k in range(m)], 1).argmax(1))
+        return out
+
+    res: dict[str, dict] = {}
+    A = [E[t][0] for t in range(m)]
+    mean = lambda a, b: [(x + y) / 2 for x, y in zip(a, b)]  # noqa: E731
+    for label, train, test, flip in (
+        ("frozen", frozen_train, F, F_flip),
+        ("first adapter", first_train, A, A_flip),
+    ):
+        res[f"LDA keys, {label}, raw"] = evaluate(lda(train, test, False))
+        res[f"LDA keys, {label}, l2"] = evaluate(lda(train, test, True))
+        res[f"LDA keys, {label}, l2, flip TTA"] = evaluate(lda(train, mean(test, flip), True))
+
+    # class keys under each task's own adapter, one covariance tied across all tasks (shrunk 10%)
+    mus: dict[int, torch.Tensor] = {}
+    d = own_train[0].shape[1]
+    S = torch.zeros(d, d, dtype=torch.float64)
+    n = 0
+    for k in range(m):
+        X = nnf.normalize(own_train[k].double(), dim=1)
+        for c in classes[k]:
+            Xc = X[y_train[k] == c]
+            mus[c] = Xc.mean(0)
+            R = Xc - mus[c]
+            S += R.T @ R
+            n += len(Xc)
+    S /= n
+    P = torch.linalg.inv(0.9 * S + 0.1 * S.trace() / d * torch.eye(d, dtype=S.dtype))
+    ret = []
+    for t in range(m):
+        cols = []
+        for k in range(m):
+            X = nnf.normalize(E[t][k].double(), dim=1)
+            M = torch.stack([((X - mus[c]) @ P * (X - mus[c])).sum(1) for c in classes[k]], 1)
+            cols.append(M.min(1).values)
+        ret.append(torch.stack(cols, 1).argmin(1))
+    res["class keys, own adapter, l2, tied covariance"] = evaluate(ret)
+    return res
 
 
 if __name__ == "__main__":

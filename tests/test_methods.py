@@ -42,6 +42,7 @@ TINY = [
 #: per-method extra settings (the budget schedule needs a rank that visibly shrinks within 2 tasks)
 EXTRA: dict[str, list[str]] = {"proteus-budget": ["--set", "adapter.rank=20"]}
 NO_RETRIEVAL = {"frozen", "ranpac", "last-lora", "proteus-all-units"}
+LDA_METHODS = {"proteus-flda", "proteus-lda"}
 WITH_FIGURES = "proteus"
 
 
@@ -99,7 +100,7 @@ def test_every_method_runs(method: str, run_method: Callable[[str], Path]) -> No
         assert len(cm) == 2 and all(len(row) == 2 for row in cm)
         assert 100.0 * (cm[0][0] + cm[1][1]) / sum(map(sum, cm)) == pytest.approx(res["retrieval_acc"][-1])
         th = res["theory"]
-        if method == "proteus-flda":  # frozen-feature LDA keys: no Gaussian signatures, no theory report
+        if method in LDA_METHODS:  # LDA keys: no Gaussian signatures, no theory report
             assert th is None and all(t.get("signature") is None for t in manifest["tasks"])
             assert "task_head" in manifest["head"]["meta"]
         else:
@@ -219,3 +220,21 @@ def test_compare_two_methods(tmp_path: Path, capsys) -> None:
     capsys.readouterr()
     assert main([*argv, "--set", "train.lr=0.5"]) == 2
     assert "different configuration" in capsys.readouterr().err
+
+
+def test_lda_keys_live_in_the_first_adapters_space(run_method: Callable[[str], Path]) -> None:
+    """proteus-lda: one key space for every task (the first adapter's, fixed after task 1), so a task's
+    score never depends on any other adapter's embedding, and no frozen forward is needed."""
+    learner = _learner(run_method("proteus-lda"))  # loaded back from the KB
+    assert learner.cfg.signature.keys == "first-adapter-lda" and not learner.uses_frozen_keys
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 32, 32)
+    H = learner.embed_prefix(learner.model_.prefix(x), list(range(learner.num_adapters)), shard=False)
+    res = learner.retrieve_embeddings(H)
+    logits = learner.task_head_.decision_function(torch.nn.functional.normalize(H[0], dim=1)).float()
+    expect = torch.stack([logits[:, t["classes"]].max(1).values for t in learner.tasks_], 1).argmax(1)
+    assert torch.equal(res.task, expect)
+    H2 = H.clone()
+    H2[1:] = torch.randn_like(H2[1:])  # other adapters' embeddings do not enter the keys
+    assert torch.equal(learner.retrieve_embeddings(H2).task, res.task)
+    assert torch.equal(learner.predict(x).task, res.task)

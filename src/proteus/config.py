@@ -87,8 +87,10 @@ class SignatureConfig:
     calibrate: str = "none"
     #: where a task's keys live: "adapter" (the paper: h_k(x) under the task's own adapter), "frozen"
     #: (the frozen backbone's features, the same space for every task), or "adapter+frozen" (both
-    #: signatures; a task's score is the sum of its two best negative log-likelihoods), or "frozen-lda"
-    #: (an LDA head over all classes on the frozen features, accumulated like G: docs/retrieval.md)
+    #: signatures; a task's score is the sum of its two best negative log-likelihoods), "frozen-lda" (an
+    #: LDA head over all classes on the frozen features, accumulated like G: docs/retrieval.md) or
+    #: "first-adapter-lda" (the same head on the embeddings under the first task's adapter, which stays
+    #: fixed after task 1). ``normalize`` applies to the LDA keys' features too.
     keys: str = "adapter"
     max_iter: int = 100
     tol: float = 1e-3

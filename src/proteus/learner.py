@@ -51,6 +51,9 @@ from proteus.signatures.dpgmm import SignatureFitError
 log = logging.getLogger("proteus")
 
 
+#: ``signature.keys`` whose keys are an LDA head over all classes in one fixed space (docs/retrieval.md)
+LDA_KEYS = ("frozen-lda", "first-adapter-lda")
+
 class TaskError(ValueError):
     """Bad task input (names the task or class at fault)."""
 
@@ -109,8 +112,9 @@ class ContinualLearner:
         self.signatures_: list[Signature | None] = []
         #: signatures on the frozen backbone's features (``signature.keys`` "frozen" / "adapter+frozen")
         self.frozen_signatures_: list[Signature | None] = []
-        #: ``signature.keys = "frozen-lda"``: an LDA (ridge) head over all classes on the frozen backbone's
-        #: features, accumulated like G; a task's key is its classes' scores (parameter-free, Eq. 23 form)
+        #: ``signature.keys`` "frozen-lda" / "first-adapter-lda": an LDA (ridge) head over all classes in
+        #: one fixed key space (the frozen backbone's features, or the first task's adapter, which never
+        #: changes after task 1), accumulated like G; a task's key is its classes' scores (Eq. 23 form)
         self.task_head_: RanPACHead | None = None
         self.head_: RanPACHead | None = None
         self.amp = self.device.type == "cuda"
@@ -424,16 +428,16 @@ class ContinualLearner:
         # line 6: signature of the task's embeddings under its own adapter
         t0 = time.perf_counter()
         sig = None
-        if self.cfg.retrieval.mode == "signature" and self.cfg.signature.keys == "frozen-lda":
+        if self.cfg.retrieval.mode == "signature" and self.cfg.signature.keys in LDA_KEYS:
             thead = self.task_head_ if self.task_head_ is not None else self._new_head(rp_dim=0)
             try:
                 thead.update(
-                    self.embed_prefix(z_train, None)[0].to(self.device),
+                    self._lda_key_features(z_train).to(self.device),
                     y_train.to(self.device),
                     num_classes=max(task.classes) + 1,
                 )
             except (ValueError, FloatingPointError) as e:
-                raise TaskError(f"task {k + 1}: frozen-LDA key update failed: {e}") from None
+                raise TaskError(f"task {k + 1}: LDA key update failed: {e}") from None
             self.task_head_ = thead
         elif self.cfg.retrieval.mode == "signature" and self.num_adapters > 0:
             h_own = self.embed_prefix(z_train, [min(k, self.num_adapters - 1)])[0]
@@ -443,7 +447,7 @@ class ContinualLearner:
                 raise TaskError(f"task {k + 1}: signature fit failed: {e}") from None
             stats["signature"] = {"n_active": int(sig.n_active)}
         fsig = None
-        if self.cfg.retrieval.mode == "signature" and self.uses_frozen_keys:
+        if self.cfg.retrieval.mode == "signature" and self.cfg.signature.keys in ("frozen", "adapter+frozen"):
             h_frozen = self.embed_prefix(z_train, None)[0]
             try:
                 fsig = fit_signature(h_frozen.to(self.device), self.cfg.signature, seed=self.task_seed(k) + 1)
@@ -513,7 +517,9 @@ class ContinualLearner:
         top_k = self.cfg.retrieval.top_k
         keys = self.cfg.signature.keys
         if keys == "frozen-lda":
-            return self._retrieve_frozen_lda(m, F)
+            return self._retrieve_lda(m, F)
+        if keys == "first-adapter-lda":
+            return self._retrieve_lda(m, H[0])
         res = None
         if keys != "frozen":
             sigs = self.signatures_[:m]
@@ -538,12 +544,27 @@ class ContinualLearner:
         res.component = component
         return res
 
-    def _retrieve_frozen_lda(self, m: int, F: torch.Tensor | None) -> Any:
-        """Task retrieval by the frozen-feature LDA: a task's score is minus its best class score."""
-        if F is None or self.task_head_ is None:
-            raise ValueError("signature.keys='frozen-lda' needs the frozen features and a fitted key head")
-        logits = self.task_head_.decision_function(F.to(self.device)).float().cpu()
-        scores = torch.full((F.shape[0], m), float("inf"))
+    def _lda_key_features(self, z: torch.Tensor) -> torch.Tensor:
+        """Training inputs (cached prefix outputs) in the LDA key space, normalised as
+        ``signature.normalize`` says."""
+        if self.cfg.signature.keys == "frozen-lda":
+            X = self.embed_prefix(z, None)[0]
+        else:  # "first-adapter-lda": the space of the first task's adapter, frozen since task 1
+            if self.num_adapters == 0:
+                raise TaskError("signature.keys='first-adapter-lda' needs the first task to train an adapter")
+            X = self.embed_prefix(z, [0])[0]
+        return F.normalize(X, dim=1) if self.cfg.signature.normalize == "l2" else X
+
+    def _retrieve_lda(self, m: int, X: torch.Tensor | None) -> Any:
+        """Task retrieval by the LDA keys: X holds the inputs in the key space (frozen features, or the
+        embeddings under the first adapter); a task's score is minus its best class score."""
+        keys = self.cfg.signature.keys
+        if X is None or self.task_head_ is None:
+            raise ValueError(f"signature.keys={keys!r} needs its key-space features and a fitted key head")
+        if self.cfg.signature.normalize == "l2":
+            X = F.normalize(X.float(), dim=1)
+        logits = self.task_head_.decision_function(X.to(self.device)).float().cpu()
+        scores = torch.full((X.shape[0], m), float("inf"))
         for j, t in enumerate(self.tasks_[:m]):
             scores[:, j] = -logits[:, t["classes"]].max(1).values
         task = scores.argmin(1)

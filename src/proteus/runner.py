@@ -79,7 +79,10 @@ def validate(cfg: RunConfig) -> None:
         "signature.normalize": (cfg.signature.normalize, ("none", "l2")),
         "signature.score": (cfg.signature.score, ("nll", "mahalanobis")),
         "signature.calibrate": (cfg.signature.calibrate, ("none", "standardize")),
-        "signature.keys": (cfg.signature.keys, ("adapter", "frozen", "adapter+frozen", "frozen-lda")),
+        "signature.keys": (
+            cfg.signature.keys,
+            ("adapter", "frozen", "adapter+frozen", "frozen-lda", "first-adapter-lda"),
+        ),
     }
     for key, (val, ok) in choices.items():
         if val not in ok:

@@ -45,6 +45,15 @@ def proteus_flda(cfg: RunConfig) -> None:
     cfg.signature.keys = "frozen-lda"
 
 
+@METHODS.register(
+    "proteus-lda",
+    help="PROTEUS with LDA task keys on L2-normalised first-adapter embeddings (beyond the paper)",
+)
+def proteus_lda(cfg: RunConfig) -> None:
+    cfg.signature.keys = "first-adapter-lda"
+    cfg.signature.normalize = "l2"
+
+
 @METHODS.register("ranpac", help="RanPAC: adapter trained on the first task only, LDA head, no retrieval")
 def ranpac(cfg: RunConfig) -> None:
     cfg.train.tasks = "first"
