@@ -55,14 +55,16 @@ def main() -> None:
     own_train: list[torch.Tensor] = []
     frozen_train: list[torch.Tensor] = []
     first_train: list[torch.Tensor] = []  # every task's training inputs under the first task's adapter
+    cross_train: list[torch.Tensor] = []  # task k's training inputs under adapters 0..k: (k + 1, N, d)
     y_train: list[torch.Tensor] = []
     t0 = time.time()
     for k in range(m):
         learner.learn_task(stream.tasks[k])
         z, y = learner.prefix_dataset(stream.tasks[k].train)
-        own_train.append(learner.embed_prefix(z, [k])[0])
+        cross_train.append(learner.embed_prefix(z, list(range(k + 1))))
+        own_train.append(cross_train[k][k])
+        first_train.append(cross_train[k][0])
         frozen_train.append(learner.embed_prefix(z, None)[0])
-        first_train.append(learner.embed_prefix(z, [0])[0])
         y_train.append(y)
         print(f"task {k + 1} learned ({time.time() - t0:.0f} s)", flush=True)
     ys = [ev.labels(t) for t in range(m)]
@@ -127,12 +129,16 @@ def main() -> None:
         print(name, {k: round(v, 2) for k, v in results[name].items() if k != "acc"}, flush=True)
 
     n_before = len(results)
+    diagnostics: dict[str, float] = {}
     if "lda" in groups:
+        diagnostics = key_space_diagnostics(learner, E, F, frozen_train, cross_train, y_train, ys)
+        for name, v in diagnostics.items():
+            print(f"diagnostic: {name}: {v:.2f}", flush=True)
         results.update(
             lda_variants(learner, stream, E, F, own_train, frozen_train, first_train, y_train, evaluate)
         )
     if "signatures" not in groups:
-        _finish(args, cfg, results, n_before)
+        _finish(args, cfg, results, n_before, diagnostics)
         return
 
     # keys on the frozen backbone's features: every task's score lives in the same space
@@ -173,15 +179,25 @@ def main() -> None:
             [(zs(a[t]) - zs(head_task(t))).argmin(1) for t in range(m)]
         )
 
-    _finish(args, cfg, results, n_before)
+    _finish(args, cfg, results, n_before, diagnostics)
 
 
-def _finish(args: argparse.Namespace, cfg, results: dict[str, dict], n_before: int) -> None:
+def _finish(
+    args: argparse.Namespace, cfg, results: dict[str, dict], n_before: int, diagnostics: dict[str, float]
+) -> None:
     for name in list(results)[n_before:]:
         print(name, {k: round(v, 2) for k, v in results[name].items() if k != "acc"}, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
-        json.dumps({"benchmark": args.benchmark, "config": cfg.to_dict(), "results": results}, indent=1)
+        json.dumps(
+            {
+                "benchmark": args.benchmark,
+                "config": cfg.to_dict(),
+                "results": results,
+                "diagnostics": diagnostics,
+            },
+            indent=1,
+        )
     )
     print(f"{'variant':<42} {'retrieval':>9} {'final acc':>9}")
     for name, r in results.items():
@@ -189,6 +205,68 @@ def _finish(args: argparse.Namespace, cfg, results: dict[str, dict], n_before: i
             print(f"{name:<42} error: {r['error'][:60]}")
         else:
             print(f"{name:<42} {r['retrieval_acc']:>9.2f} {r['final_avg_acc']:>9.2f}")
+
+
+def _tied_lda(Xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Class means and the precision of one within-class covariance tied across classes (shrunk 10%
+    towards its mean eigenvalue), on L2-normalised rows."""
+    import torch.nn.functional as nnf
+
+    X = nnf.normalize(torch.cat(Xs).double(), dim=1)
+    Y = torch.cat(ys)
+    labels = sorted(Y.unique().tolist())
+    mus = torch.stack([X[Y == c].mean(0) for c in labels])
+    R = X - mus[torch.searchsorted(torch.tensor(labels), Y)]
+    S = R.T @ R / len(X)
+    d = S.shape[0]
+    return labels, mus, torch.linalg.inv(0.9 * S + 0.1 * S.trace() / d * torch.eye(d, dtype=S.dtype))
+
+
+def _tied_lda_predict(model: tuple[list[int], torch.Tensor, torch.Tensor], Z: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as nnf
+
+    labels, mus, P = model
+    Z = nnf.normalize(Z.double(), dim=1)
+    W = Z @ P
+    M = (W * Z).sum(1, keepdim=True) - 2 * W @ mus.T + ((mus @ P) * mus).sum(1)[None]
+    return torch.tensor(labels)[M.argmin(1)]
+
+
+def key_space_diagnostics(learner, E, F, frozen_train, cross_train, y_train, ys) -> dict[str, float]:
+    """Two upper-bound checks on what adapters can add to retrieval (docs/retrieval.md):
+
+    - within-task accuracy of a frozen-feature LDA when the true task is given, next to the adapters'
+      oracle: what the adapters add once the task is known;
+    - task-vs-task accuracy for every pair j < k, from an LDA fitted on both tasks' training data in
+      the frozen space, and in adapter j's space (task k's data embedded under adapter j when task k was
+      learned): how much more an adapter's space separates its task from another one."""
+    m = len(E)
+    classes = [t["classes"] for t in learner.tasks_]
+    labels, mus, P = _tied_lda(frozen_train, y_train)  # over all classes, restricted per task below
+    within_ok = n = 0
+    for t in range(m):
+        idx = [labels.index(c) for c in classes[t]]
+        pred = _tied_lda_predict((classes[t], mus[idx], P), F[t])
+        within_ok += int((pred == ys[t]).sum())
+        n += len(pred)
+    out = {"frozen LDA, true task given: within-task accuracy": 100.0 * within_ok / n}
+    ok = {"frozen": 0, "adapter": 0}
+    n = 0
+    for j in range(m):
+        for k in range(j + 1, m):
+            spaces = {
+                "frozen": ([frozen_train[j], frozen_train[k]], [F[j], F[k]]),
+                "adapter": ([cross_train[j][j], cross_train[k][j]], [E[j][j], E[k][j]]),
+            }
+            for name, (train, test) in spaces.items():
+                model = _tied_lda(train, [y_train[j], y_train[k]])
+                for t, Z in zip((j, k), test):
+                    in_j = torch.isin(_tied_lda_predict(model, Z), torch.as_tensor(classes[j]))
+                    ok[name] += int((in_j == (t == j)).sum())
+            n += len(ys[j]) + len(ys[k])
+    out["task-vs-task accuracy, frozen space"] = 100.0 * ok["frozen"] / n
+    out["task-vs-task accuracy, the earlier task's adapter space"] = 100.0 * ok["adapter"] / n
+    return out
 
 
 def lda_variants(learner, stream, E, F, own_train, frozen_train, first_train, y_train, evaluate) -> dict:

@@ -1,0 +1,102 @@
+"""How far can fixed-space task keys go on this backbone? (issue 6, docs/retrieval.md)
+
+Learns nothing: embeds every task's training and test images with the frozen backbone at each input
+size, fits one LDA over all classes (class means, one covariance tied across classes and shrunk 10%
+towards its mean eigenvalue, on L2-normalised features) and reports the 10-class accuracy and the task
+retrieval accuracy (the predicted class's task), with and without flip test-time augmentation (the
+test embedding averaged with its mirror's, the statistics fitted on both). Retrieval with any key in
+the frozen space is bounded by how well this space separates classes of different tasks.
+
+    python benchmarks/frozen_keys.py --benchmark cifar10 --data ../shared/data/cifar10-subset \\
+        --config mobilenet_cpu --sizes 96,128,160
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as nnf
+import torchvision.transforms.functional as TF
+
+from proteus.benchmarks import build_benchmark
+from proteus.learner import ContinualLearner
+from proteus.runner import resolve_config
+
+
+def features(learner: ContinualLearner, ds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    base = learner.eval_transform
+    out = []
+    try:
+        for tf in (base, lambda im: TF.hflip(base(im))):
+            learner.eval_transform = tf
+            z, y = learner.prefix_dataset(ds)
+            out.append(learner.embed_prefix(z, None)[0].double())
+    finally:
+        learner.eval_transform = base
+    return out[0], out[1], y
+
+
+def lda_scores(train: list, test: list, classes: list[list[int]], tta: bool) -> dict[str, float]:
+    X = torch.cat([torch.cat([f, ff]) if tta else f for f, ff, _ in train])
+    Y = torch.cat([torch.cat([y, y]) if tta else y for _, _, y in train])
+    X = nnf.normalize(X, dim=1)
+    labels = sorted(Y.unique().tolist())
+    mus = torch.stack([X[Y == c].mean(0) for c in labels])
+    R = X - mus[torch.searchsorted(torch.tensor(labels), Y)]
+    S = R.T @ R / len(X)
+    d = S.shape[0]
+    P = torch.linalg.inv(0.9 * S + 0.1 * S.trace() / d * torch.eye(d, dtype=S.dtype))
+    task_of = torch.zeros(max(labels) + 1, dtype=torch.long)
+    for k, cs in enumerate(classes):
+        task_of[cs] = k
+    right_class = right_task = n = 0
+    for t, (f, ff, y) in enumerate(test):
+        Z = nnf.normalize((f + ff) / 2 if tta else f, dim=1)
+        W = Z @ P
+        M = (W * Z).sum(1, keepdim=True) - 2 * W @ mus.T + ((mus @ P) * mus).sum(1)[None]
+        pred = torch.tensor(labels)[M.argmin(1)]
+        right_class += int((pred == y).sum())
+        right_task += int((task_of[pred] == t).sum())
+        n += len(y)
+    return {"class_acc": 100.0 * right_class / n, "task_retrieval": 100.0 * right_task / n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--benchmark", required=True)
+    ap.add_argument("--data")
+    ap.add_argument("--tasks", dest="tasks_file")
+    ap.add_argument("--config", action="append", default=[])
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--sizes", default="96", help="comma-separated input sizes (px)")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args()
+    over = {"benchmark": {k: v for k, v in (("data", args.data), ("tasks_file", args.tasks_file)) if v}}
+    rows = []
+    for px in (int(s) for s in args.sizes.split(",")):
+        sets = [*args.set, f"backbone.img_size={px}"]
+        cfg = resolve_config(args.benchmark, "frozen", args.config, sets, over)
+        stream = build_benchmark(cfg.benchmark)
+        learner = ContinualLearner(cfg, progress=False)
+        t0 = time.time()
+        train = [features(learner, t.train) for t in stream.tasks]
+        test = [features(learner, t.test) for t in stream.tasks]
+        classes = [sorted(y.unique().tolist()) for _, _, y in test]
+        for tta in (False, True):
+            r = {"img_size": px, "flip_tta": tta, **lda_scores(train, test, classes, tta)}
+            rows.append(r)
+            print(
+                f"{px:>4} px  flip TTA {str(tta):<5}  class acc {r['class_acc']:6.2f}  "
+                f"task retrieval {r['task_retrieval']:6.2f}  ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
