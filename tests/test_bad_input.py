@@ -105,6 +105,9 @@ def _snapshot(learner: ContinualLearner) -> dict:
     h = learner.head_
     snap["head"] = None if h is None else {k: v.clone() for k, v in h.state_tensors().items()}
     snap["gamma"] = None if h is None else (h.gamma_, h.n_updates_, h.n_samples_)
+    th = learner.task_head_  # LDA task keys (signature.keys frozen-lda / first-adapter-lda)
+    snap["task_head"] = None if th is None else {k: v.clone() for k, v in th.state_tensors().items()}
+    snap["task_gamma"] = None if th is None else (th.gamma_, th.n_updates_, th.n_samples_)
     return snap
 
 
@@ -338,3 +341,31 @@ def test_failed_task_rolls_back_exactly(tree: Path, tmp_path: Path, monkeypatch)
     for ta, tb in zip(sa["tasks"], sb["tasks"]):
         assert ta["tensors"].keys() == tb["tensors"].keys()
         assert all(torch.equal(ta["tensors"][k], tb["tensors"][k]) for k in ta["tensors"])
+
+
+@pytest.mark.parametrize("keys", ["first-adapter-lda", "frozen-lda"])
+def test_failure_after_the_lda_keys_update_rolls_them_back(tree: Path, tmp_path: Path, keys: str) -> None:
+    """The LDA keys are updated before the head: an interruption between the two leaves the keys as
+    they were, and a retry gives what an uninterrupted learner gives."""
+    spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]])
+    cfg = _cfg(tree, spec, f"signature.keys={keys}", "signature.normalize=l2")
+    stream = _stream(cfg)
+    ref = ContinualLearner(cfg, progress=False)
+    for t in stream.tasks:
+        ref.learn_task(t)
+
+    learner = ContinualLearner(cfg, progress=False)
+    learner.learn_task(stream.tasks[0])
+    snap = _snapshot(learner)
+    assert snap["task_head"] is not None
+
+    def interrupted(k: int):  # runs after the key update, before the head update
+        raise KeyboardInterrupt
+
+    learner.head_composition = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        learner.learn_task(stream.tasks[1])
+    del learner.head_composition
+    _assert_same(snap, _snapshot(learner))
+    learner.learn_task(stream.tasks[1])
+    _assert_same(_snapshot(ref), _snapshot(learner))

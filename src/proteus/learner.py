@@ -24,6 +24,7 @@ marks the phases that the crash-safety tests kill.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -429,7 +430,10 @@ class ContinualLearner:
         t0 = time.perf_counter()
         sig = None
         if self.cfg.retrieval.mode == "signature" and self.cfg.signature.keys in LDA_KEYS:
-            thead = self.task_head_ if self.task_head_ is not None else self._new_head(rp_dim=0)
+            # a copy (d x d statistics, cheap): a later step of this task may still fail, and the rollback
+            # must find the key head as it was before the task
+            old = self.task_head_
+            thead = copy.deepcopy(old) if old is not None else self._new_head(rp_dim=0)
             try:
                 thead.update(
                     self._lda_key_features(z_train).to(self.device),
@@ -628,7 +632,7 @@ class ContinualLearner:
             )
         if self.head_ is not None:
             meta, tensors = self.head_.meta(), self.head_.state_tensors()
-            if self.task_head_ is not None:  # the frozen-LDA keys travel in the head's object
+            if self.task_head_ is not None:  # the LDA keys travel in the head's object
                 meta = {**meta, "task_head": self.task_head_.meta()}
                 tensors = {
                     **tensors,
