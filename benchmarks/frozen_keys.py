@@ -18,8 +18,7 @@ import json
 import time
 
 import torch
-import torch.nn.functional as nnf
-import torchvision.transforms.functional as TF
+from keyspace import TiedLDA, mirrored_prefix
 
 from proteus.benchmarks import build_benchmark
 from proteus.learner import ContinualLearner
@@ -27,37 +26,23 @@ from proteus.runner import resolve_config
 
 
 def features(learner: ContinualLearner, ds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    base = learner.eval_transform
-    out = []
-    try:
-        for tf in (base, lambda im: TF.hflip(base(im))):
-            learner.eval_transform = tf
-            z, y = learner.prefix_dataset(ds)
-            out.append(learner.embed_prefix(z, None)[0].double())
-    finally:
-        learner.eval_transform = base
-    return out[0], out[1], y
+    """Frozen features of ``ds`` and of its mirrored images, and the labels."""
+    z, y = learner.prefix_dataset(ds)
+    f = learner.embed_prefix(z, None)[0]
+    return f, learner.embed_prefix(mirrored_prefix(learner, ds), None)[0], y
 
 
 def lda_scores(train: list, test: list, classes: list[list[int]], tta: bool) -> dict[str, float]:
-    X = torch.cat([torch.cat([f, ff]) if tta else f for f, ff, _ in train])
-    Y = torch.cat([torch.cat([y, y]) if tta else y for _, _, y in train])
-    X = nnf.normalize(X, dim=1)
-    labels = sorted(Y.unique().tolist())
-    mus = torch.stack([X[Y == c].mean(0) for c in labels])
-    R = X - mus[torch.searchsorted(torch.tensor(labels), Y)]
-    S = R.T @ R / len(X)
-    d = S.shape[0]
-    P = torch.linalg.inv(0.9 * S + 0.1 * S.trace() / d * torch.eye(d, dtype=S.dtype))
-    task_of = torch.zeros(max(labels) + 1, dtype=torch.long)
+    lda = TiedLDA().fit(
+        [torch.cat([f, ff]) if tta else f for f, ff, _ in train],
+        [torch.cat([y, y]) if tta else y for _, _, y in train],
+    )
+    task_of = torch.zeros(int(lda.labels_.max()) + 1, dtype=torch.long)
     for k, cs in enumerate(classes):
         task_of[cs] = k
     right_class = right_task = n = 0
     for t, (f, ff, y) in enumerate(test):
-        Z = nnf.normalize((f + ff) / 2 if tta else f, dim=1)
-        W = Z @ P
-        M = (W * Z).sum(1, keepdim=True) - 2 * W @ mus.T + ((mus @ P) * mus).sum(1)[None]
-        pred = torch.tensor(labels)[M.argmin(1)]
+        pred = lda.predict((f.double() + ff.double()) / 2 if tta else f)
         right_class += int((pred == y).sum())
         right_task += int((task_of[pred] == t).sum())
         n += len(y)

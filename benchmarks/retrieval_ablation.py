@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from keyspace import TiedLDA, mirrored_prefix
 
 from proteus.config import SignatureConfig
 from proteus.learner import ContinualLearner
@@ -207,31 +208,6 @@ def _finish(
             print(f"{name:<42} {r['retrieval_acc']:>9.2f} {r['final_avg_acc']:>9.2f}")
 
 
-def _tied_lda(Xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Class means and the precision of one within-class covariance tied across classes (shrunk 10%
-    towards its mean eigenvalue), on L2-normalised rows."""
-    import torch.nn.functional as nnf
-
-    X = nnf.normalize(torch.cat(Xs).double(), dim=1)
-    Y = torch.cat(ys)
-    labels = sorted(Y.unique().tolist())
-    mus = torch.stack([X[Y == c].mean(0) for c in labels])
-    R = X - mus[torch.searchsorted(torch.tensor(labels), Y)]
-    S = R.T @ R / len(X)
-    d = S.shape[0]
-    return labels, mus, torch.linalg.inv(0.9 * S + 0.1 * S.trace() / d * torch.eye(d, dtype=S.dtype))
-
-
-def _tied_lda_predict(model: tuple[list[int], torch.Tensor, torch.Tensor], Z: torch.Tensor) -> torch.Tensor:
-    import torch.nn.functional as nnf
-
-    labels, mus, P = model
-    Z = nnf.normalize(Z.double(), dim=1)
-    W = Z @ P
-    M = (W * Z).sum(1, keepdim=True) - 2 * W @ mus.T + ((mus @ P) * mus).sum(1)[None]
-    return torch.tensor(labels)[M.argmin(1)]
-
-
 def key_space_diagnostics(learner, E, F, frozen_train, cross_train, y_train, ys) -> dict[str, float]:
     """Two upper-bound checks on what adapters can add to retrieval (docs/retrieval.md):
 
@@ -242,11 +218,10 @@ def key_space_diagnostics(learner, E, F, frozen_train, cross_train, y_train, ys)
       learned): how much more an adapter's space separates its task from another one."""
     m = len(E)
     classes = [t["classes"] for t in learner.tasks_]
-    labels, mus, P = _tied_lda(frozen_train, y_train)  # over all classes, restricted per task below
+    frozen = TiedLDA().fit(frozen_train, y_train)  # over all classes, restricted to the true task's
     within_ok = n = 0
     for t in range(m):
-        idx = [labels.index(c) for c in classes[t]]
-        pred = _tied_lda_predict((classes[t], mus[idx], P), F[t])
+        pred = frozen.predict(F[t], classes[t])
         within_ok += int((pred == ys[t]).sum())
         n += len(pred)
     out = {"frozen LDA, true task given: within-task accuracy": 100.0 * within_ok / n}
@@ -259,9 +234,9 @@ def key_space_diagnostics(learner, E, F, frozen_train, cross_train, y_train, ys)
                 "adapter": ([cross_train[j][j], cross_train[k][j]], [E[j][j], E[k][j]]),
             }
             for name, (train, test) in spaces.items():
-                model = _tied_lda(train, [y_train[j], y_train[k]])
+                model = TiedLDA().fit(train, [y_train[j], y_train[k]])
                 for t, Z in zip((j, k), test):
-                    in_j = torch.isin(_tied_lda_predict(model, Z), torch.as_tensor(classes[j]))
+                    in_j = torch.isin(model.predict(Z), torch.as_tensor(classes[j]))
                     ok[name] += int((in_j == (t == j)).sum())
             n += len(ys[j]) + len(ys[k])
     out["task-vs-task accuracy, frozen space"] = 100.0 * ok["frozen"] / n
@@ -275,16 +250,12 @@ def lda_variants(learner, stream, E, F, own_train, frozen_train, first_train, y_
     with one covariance tied across all tasks (Mahalanobis; the negative control: own-adapter spaces are
     not comparable even with a shared metric)."""
     import torch.nn.functional as nnf
-    import torchvision.transforms.functional as TF
 
     from proteus.heads import RanPACHead
 
     m = len(stream.tasks)
     classes = [t["classes"] for t in learner.tasks_]
-    base_tf = learner.eval_transform
-    learner.eval_transform = lambda im: TF.hflip(base_tf(im))
-    zflip = [learner.prefix_dataset(stream.tasks[t].test)[0] for t in range(m)]
-    learner.eval_transform = base_tf
+    zflip = [mirrored_prefix(learner, stream.tasks[t].test) for t in range(m)]
     F_flip = [learner.embed_prefix(z, None)[0] for z in zflip]
     A_flip = [learner.embed_prefix(z, [0])[0] for z in zflip]
 
@@ -310,29 +281,12 @@ def lda_variants(learner, stream, E, F, own_train, frozen_train, first_train, y_
         res[f"LDA keys, {label}, l2"] = evaluate(lda(train, test, True))
         res[f"LDA keys, {label}, l2, flip TTA"] = evaluate(lda(train, mean(test, flip), True))
 
-    # class keys under each task's own adapter, one covariance tied across all tasks (shrunk 10%)
-    mus: dict[int, torch.Tensor] = {}
-    d = own_train[0].shape[1]
-    S = torch.zeros(d, d, dtype=torch.float64)
-    n = 0
-    for k in range(m):
-        X = nnf.normalize(own_train[k].double(), dim=1)
-        for c in classes[k]:
-            Xc = X[y_train[k] == c]
-            mus[c] = Xc.mean(0)
-            R = Xc - mus[c]
-            S += R.T @ R
-            n += len(Xc)
-    S /= n
-    P = torch.linalg.inv(0.9 * S + 0.1 * S.trace() / d * torch.eye(d, dtype=S.dtype))
-    ret = []
-    for t in range(m):
-        cols = []
-        for k in range(m):
-            X = nnf.normalize(E[t][k].double(), dim=1)
-            M = torch.stack([((X - mus[c]) @ P * (X - mus[c])).sum(1) for c in classes[k]], 1)
-            cols.append(M.min(1).values)
-        ret.append(torch.stack(cols, 1).argmin(1))
+    # class keys under each task's own adapter, one covariance tied across all tasks
+    own = TiedLDA().fit(own_train, y_train)
+    ret = [
+        torch.stack([own.distances(E[t][k], classes[k]).min(1).values for k in range(m)], 1).argmin(1)
+        for t in range(m)
+    ]
     res["class keys, own adapter, l2, tied covariance"] = evaluate(ret)
     return res
 
