@@ -557,7 +557,10 @@ class ContinualLearner:
             if self.num_adapters == 0:
                 raise TaskError("signature.keys='first-adapter-lda' needs the first task to train an adapter")
             X = self.embed_prefix(z, [0])[0]
-        return F.normalize(X, dim=1) if self.cfg.signature.normalize == "l2" else X
+        return self._normalise_keys(X)
+
+    def _normalise_keys(self, X: torch.Tensor) -> torch.Tensor:
+        return F.normalize(X.float(), dim=1) if self.cfg.signature.normalize == "l2" else X
 
     def _retrieve_lda(self, m: int, X: torch.Tensor | None) -> Any:
         """Task retrieval by the LDA keys: X holds the inputs in the key space (frozen features, or the
@@ -565,8 +568,7 @@ class ContinualLearner:
         keys = self.cfg.signature.keys
         if X is None or self.task_head_ is None:
             raise ValueError(f"signature.keys={keys!r} needs its key-space features and a fitted key head")
-        if self.cfg.signature.normalize == "l2":
-            X = F.normalize(X.float(), dim=1)
+        X = self._normalise_keys(X)
         logits = self.task_head_.decision_function(X.to(self.device)).float().cpu()
         scores = torch.full((X.shape[0], m), float("inf"))
         for j, t in enumerate(self.tasks_[:m]):
