@@ -13,16 +13,14 @@ the frozen space is bounded by how well this space separates classes of differen
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
-from keyspace import TiedLDA, mirrored_prefix
+from study import TiedLDA, mirrored_prefix, parser, resolve
 
 from proteus.benchmarks import build_benchmark
 from proteus.learner import ContinualLearner
-from proteus.runner import resolve_config
 
 
 def features(learner: ContinualLearner, ds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,20 +48,13 @@ def lda_scores(train: list, test: list, classes: list[list[int]], tta: bool) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--benchmark", required=True)
-    ap.add_argument("--data")
-    ap.add_argument("--tasks", dest="tasks_file")
-    ap.add_argument("--config", action="append", default=[])
-    ap.add_argument("--set", action="append", default=[])
+    ap = parser(__doc__)
     ap.add_argument("--sizes", default="96", help="comma-separated input sizes (px)")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
-    over = {"benchmark": {k: v for k, v in (("data", args.data), ("tasks_file", args.tasks_file)) if v}}
     rows = []
     for px in (int(s) for s in args.sizes.split(",")):
-        sets = [*args.set, f"backbone.img_size={px}"]
-        cfg = resolve_config(args.benchmark, "frozen", args.config, sets, over)
+        cfg = resolve(args, "frozen", (f"backbone.img_size={px}",))
         stream = build_benchmark(cfg.benchmark)
         learner = ContinualLearner(cfg, progress=False)
         t0 = time.time()

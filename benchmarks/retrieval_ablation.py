@@ -18,22 +18,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from keyspace import TiedLDA, mirrored_prefix
+from study import TiedLDA, mirrored_prefix, parser, resolve
 
 from proteus.config import SignatureConfig
 from proteus.learner import ContinualLearner
-from proteus.runner import Evaluator, resolve_config
+from proteus.runner import Evaluator
 from proteus.signatures import fit_signature, retrieve
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--benchmark", required=True)
-    ap.add_argument("--data")
-    ap.add_argument("--tasks", dest="tasks_file")
-    ap.add_argument("--config", action="append", default=[])
-    ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--seed", type=int, default=0)
+    ap = parser(__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--groups",
@@ -42,11 +36,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     groups = set(args.groups.split(","))
-    over = {
-        "seed": args.seed,
-        "benchmark": {k: v for k, v in (("data", args.data), ("tasks_file", args.tasks_file)) if v},
-    }
-    cfg = resolve_config(args.benchmark, "proteus", args.config, args.set, over)
+    cfg = resolve(args, "proteus")
     from proteus.benchmarks import build_benchmark
 
     stream = build_benchmark(cfg.benchmark)

@@ -1,12 +1,36 @@
-"""Shared pieces of the retrieval studies (retrieval_ablation.py, frozen_keys.py): a tied-covariance
-LDA on L2-normalised features, and the frozen prefix of mirrored images for flip test-time augmentation.
+"""Shared pieces of the retrieval studies (retrieval_ablation.py, frozen_keys.py): their command-line
+arguments and config, a tied-covariance LDA on L2-normalised features, and the frozen prefix of mirrored
+images for flip test-time augmentation.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.nn.functional as nnf
 import torchvision.transforms.functional as TF
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """The data and config arguments of ``proteus run`` that the studies share."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--benchmark", required=True)
+    ap.add_argument("--data")
+    ap.add_argument("--tasks", dest="tasks_file")
+    ap.add_argument("--config", action="append", default=[])
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def resolve(args: argparse.Namespace, method: str, extra_sets: tuple[str, ...] = ()):
+    """The run config for ``method`` from the parsed arguments (as ``proteus run`` resolves it)."""
+    from proteus.runner import resolve_config
+
+    data = {k: v for k, v in (("data", args.data), ("tasks_file", args.tasks_file)) if v}
+    over = {"seed": args.seed, "benchmark": data}
+    return resolve_config(args.benchmark, method, args.config, [*args.set, *extra_sets], over)
 
 
 class TiedLDA:
