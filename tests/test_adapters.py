@@ -189,3 +189,26 @@ def test_grouped_conv_forward_equals_per_task_forward() -> None:
         expected = w.base(x) + 0.5 * torch.einsum("oi,nihw->nohw", dW, x)
         assert torch.allclose(grouped[k], expected, atol=1e-5)
     unit.coef, w.groups = None, 1
+
+
+@pytest.mark.parametrize("transfer", ["learned", "zero"])
+def test_learned_tasks_embed_the_same_forever(transfer: str) -> None:
+    """A finished task's adapter never changes: later tasks (their new directions, S rows and training)
+    leave every earlier task's embedding as it was, to float32 rounding (the product now runs over more,
+    zero-weighted columns; measured 1e-6 on embeddings of size ~3, which training moved by ~5).
+    Signatures and LDA keys rely on it (the keys of `proteus-lda` live in the first adapter's space)."""
+    torch.manual_seed(0)
+    model = AdaptedBackbone(build_backbone("vit_ti16", pretrained=False, img_size=32, adapt_last=2))
+    x = torch.randn(4, 3, 32, 32)
+    before: list[torch.Tensor] = []
+    with torch.no_grad():
+        for k in range(3):
+            with torch.enable_grad():
+                model.begin_task(4, transfer, True, seed=k)
+                _train_units(model, x)
+            model.end_task()
+            before.append(model.suffix(model.prefix(x), [k])[0].clone())
+        later = model.suffix(model.prefix(x), [0, 1, 2])
+    for k in range(3):
+        diff = (later[k] - before[k]).abs().max().item()
+        assert diff < 1e-5, f"task {k + 1}'s embedding changed by {diff:g} after later tasks"
