@@ -83,23 +83,24 @@ def _files(out: Path) -> set[str]:
     return {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.parent.name != "objects"}
 
 
-def test_two_ranks_equal_one_without_training(tmp_path: Path) -> None:
-    extra = ["--set", "train.epochs=0"]
+def _one_and_two_ranks(tmp_path: Path, epochs: int) -> tuple[dict, dict]:
+    """results.json of the same run in one process and under torchrun with two ranks."""
+    extra = ["--set", f"train.epochs={epochs}"]
     _single(tmp_path / "one", extra)
     _torchrun(tmp_path / "two", extra)
-    one = json.loads((tmp_path / "one" / "results.json").read_text())
-    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    return one, two
+
+
+def test_two_ranks_equal_one_without_training(tmp_path: Path) -> None:
+    one, two = _one_and_two_ranks(tmp_path, epochs=0)
     assert _strip(one) == _strip(two)
     assert _hashes(tmp_path / "one") == _hashes(tmp_path / "two")
     assert _files(tmp_path / "one") == _files(tmp_path / "two")  # rank 1 wrote nothing extra
 
 
 def test_two_ranks_match_one_when_training(tmp_path: Path) -> None:
-    extra = ["--set", "train.epochs=1"]
-    _single(tmp_path / "one", extra)
-    _torchrun(tmp_path / "two", extra)
-    one = json.loads((tmp_path / "one" / "results.json").read_text())
-    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    one, two = _one_and_two_ranks(tmp_path, epochs=1)
     for k, (r1, r2) in enumerate(zip(one["acc_matrix"], two["acc_matrix"])):
         for a, b in zip(r1, r2):
             assert (a is None) == (b is None)

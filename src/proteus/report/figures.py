@@ -116,23 +116,33 @@ def plot_compare(curves: dict[str, list[list[float]]], path: Path, title: str = 
     return _save(fig, path)
 
 
+def _task_heatmap(
+    P: np.ndarray, cells: np.ndarray, cmap: str, dark: float, labels: tuple[str, str, str], cbar: str | None
+) -> Figure:
+    """A task x task percentage heatmap: cells where ``cells`` is true carry their value (white on
+    values above ``dark``); labels = (x label, y label, title)."""
+    n = P.shape[0]
+    fig = _figure(max(4.8, min(3 + 0.35 * n, 12)), min(2.6 + 0.3 * n, 10))  # wide enough for the title
+    ax = fig.add_subplot()
+    im = ax.imshow(P, vmin=0, vmax=100, cmap=cmap)
+    if n <= 12:
+        for i, j in zip(*np.nonzero(cells)):
+            ax.text(j, i, f"{P[i, j]:.0f}", ha="center", va="center", fontsize=7,
+                    color="w" if P[i, j] > dark else "k")  # fmt: skip
+    _task_ticks(ax, n, "x")
+    _task_ticks(ax, n, "y")
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
+    ax.set_title(labels[2])
+    fig.colorbar(im, ax=ax, shrink=0.8, label=cbar)
+    return fig
+
+
 def plot_acc_matrix(res: dict[str, Any], path: Path) -> Path:
     """acc(tau, kappa): rows = after task kappa, columns = test set of task tau."""
     M = np.array([_nan(r) for r in res["acc_matrix"]], dtype=float)
-    n = M.shape[0]
-    fig = _figure(min(3 + 0.35 * n, 12), min(2.6 + 0.3 * n, 10))
-    ax = fig.add_subplot()
-    im = ax.imshow(M, vmin=0, vmax=100, cmap="viridis")
-    if n <= 12:
-        for i in range(n):
-            for j in range(i + 1):
-                ax.text(j, i, f"{M[i, j]:.0f}", ha="center", va="center", fontsize=7, color="w")
-    _task_ticks(ax, n, "x")
-    _task_ticks(ax, n, "y")
-    ax.set_xlabel("test set of task")
-    ax.set_ylabel("after learning task")
-    ax.set_title("accuracy matrix acc(task, after task) %")
-    fig.colorbar(im, ax=ax, shrink=0.8)
+    labels = ("test set of task", "after learning task", "accuracy matrix acc(task, after task) %")
+    fig = _task_heatmap(M, np.tril(np.ones_like(M, dtype=bool)), "viridis", -1.0, labels, None)
     return _save(fig, path)
 
 
@@ -262,23 +272,9 @@ def plot_confusion(cm: list[list[int]], path: Path) -> Path:
     """Row-normalised true task x retrieved task (percent)."""
     C = np.array(cm, dtype=float)
     P = 100.0 * C / np.maximum(C.sum(1, keepdims=True), 1.0)
-    n = C.shape[0]
-    fig = _figure(min(3 + 0.35 * n, 12), min(2.6 + 0.3 * n, 10))
-    ax = fig.add_subplot()
-    im = ax.imshow(P, vmin=0, vmax=100, cmap="Blues")
-    if n <= 12:
-        for i in range(n):
-            for j in range(n):
-                if C[i, j]:
-                    ax.text(j, i, f"{P[i, j]:.0f}", ha="center", va="center", fontsize=7,
-                            color="w" if P[i, j] > 50 else "k")  # fmt: skip
-    _task_ticks(ax, n, "x")
-    _task_ticks(ax, n, "y")
-    ax.set_xlabel("retrieved task")
-    ax.set_ylabel("true task")
     acc = 100.0 * np.trace(C) / max(C.sum(), 1.0)
-    ax.set_title(f"task retrieval after the last task ({acc:.1f}% correct)")
-    fig.colorbar(im, ax=ax, shrink=0.8, label="% of the true task's test inputs")
+    labels = ("retrieved task", "true task", f"task retrieval after the last task ({acc:.1f}% correct)")
+    fig = _task_heatmap(P, C != 0, "Blues", 50.0, labels, "% of the true task's test inputs")
     return _save(fig, path)
 
 
