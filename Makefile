@@ -24,10 +24,10 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests tools
 
 bench: $(VENV)/.installed
-	$(PY) -m proteus bench --out runs/bench.json
+	$(PY) tools/perf/run.py --out runs/bench.json
 
 clean-venv:
 	rm -rf $(VENV)

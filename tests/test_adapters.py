@@ -60,7 +60,7 @@ def test_without_orthogonality_directions_overlap() -> None:
 
 def test_S_receives_gradient_and_prox_makes_it_sparse() -> None:
     from proteus.config import RunConfig
-    from proteus.learner import ContinualLearner
+    from proteus.engine.trainer import S_UPDATES
 
     torch.manual_seed(0)
     unit = LoRAUnit(16, 16)
@@ -81,25 +81,22 @@ def test_S_receives_gradient_and_prox_makes_it_sparse() -> None:
 
     # the learner's proximal step: a strong penalty zeroes most coefficients, none keeps them dense
     cfg = RunConfig()
-    learner = ContinualLearner.__new__(ContinualLearner)
-    learner.cfg = cfg
-    learner.model_ = type("M", (), {"transfer_parameters": lambda self: [s]})()
     with torch.no_grad():
         s.copy_(torch.tensor([0.5, -0.002, 0.001, -0.8]))
     s.grad = torch.zeros_like(s)
     cfg.adapter.s_lr = 1.0
-    learner._prox(lam=0.01)
+    S_UPDATES.get("prox")(cfg.adapter).after_step([s], lam=0.01)
     assert (s == 0).sum() == 2, f"small coefficients must be exactly zero after the prox step: {s}"
     assert s[0] > 0 and s[3] < 0
 
 
 def test_lambda_decays_twenty_percent_per_task() -> None:
     from proteus.config import RunConfig
-    from proteus.learner import ContinualLearner
+    from proteus.engine.trainer import AdapterTrainer
 
-    learner = ContinualLearner.__new__(ContinualLearner)
-    learner.cfg = RunConfig()
-    lams = [learner.lam_for(k) for k in range(4)]
+    cfg = RunConfig()
+    trainer = AdapterTrainer(None, cfg.adapter, cfg.train, None)  # type: ignore[arg-type]
+    lams = [trainer.lam_for(k) for k in range(4)]
     assert lams[0] == pytest.approx(0.006)
     for a, b in zip(lams, lams[1:]):
         assert b == pytest.approx(0.8 * a)
@@ -107,13 +104,13 @@ def test_lambda_decays_twenty_percent_per_task() -> None:
 
 def test_budget_schedule() -> None:
     from proteus.config import RunConfig
-    from proteus.learner import ContinualLearner
+    from proteus.engine.trainer import AdapterTrainer
 
-    learner = ContinualLearner.__new__(ContinualLearner)
-    learner.cfg = RunConfig()
-    learner.cfg.adapter.rank = 10
-    learner.cfg.adapter.budget_decay = 0.1
-    ranks = [learner._rank_for(k) for k in range(30)]
+    cfg = RunConfig()
+    cfg.adapter.rank = 10
+    cfg.adapter.budget_decay = 0.1
+    trainer = AdapterTrainer(None, cfg.adapter, cfg.train, None)  # type: ignore[arg-type]
+    ranks = [trainer.rank_for(k) for k in range(30)]
     assert ranks[0] == 10 and ranks == sorted(ranks, reverse=True) and ranks[-1] >= 1
     assert ranks[10] == round(10 * torch.exp(torch.tensor(-1.0)).item())
 

@@ -34,12 +34,14 @@ import torch
 import yaml
 from PIL import Image
 
-from proteus.benchmarks import Task, build_benchmark
+from proteus import Proteus
 from proteus.cli import main
 from proteus.config import RunConfig
+from proteus.engine.keys import LDAKeys
+from proteus.estimator import TaskError
+from proteus.experiment import resolve_config
 from proteus.kb import KnowledgeBase
-from proteus.learner import ContinualLearner, TaskError
-from proteus.runner import resolve_config
+from proteus.streams import Task, build_benchmark
 from tiny import TINY_SETS, sets
 
 pytestmark = pytest.mark.slow
@@ -94,18 +96,21 @@ def _kb_state(kb: Path) -> dict:
             "evaluation": m["evaluation"]}  # fmt: skip
 
 
-def _snapshot(learner: ContinualLearner) -> dict:
+def _snapshot(learner: Proteus) -> dict:
     """Everything a failed task could have touched: adapter buffers, head, signatures, task list."""
-    tasks = [{**t, "stats": {k: v for k, v in t.get("stats", {}).items() if "seconds" not in k}}
-             for t in learner.tasks_]  # fmt: skip
-    snap: dict = {"tasks": json.dumps(tasks, default=str), "n_sig": len(learner.signatures_)}
+    tasks = [{**t.to_dict(), "learned": None,
+              "stats": {k: v for k, v in t.stats.to_dict().items() if "seconds" not in k}}
+             for t in learner.records_]  # fmt: skip
+    n_sig = len(getattr(learner.keys_, "signatures", []))
+    snap: dict = {"tasks": json.dumps(tasks, default=str), "n_sig": n_sig}
     for name, u in learner.model_.units.items():
         assert not u.training_task, name
         snap[name] = (u.A.clone(), u.B.clone(), u.C.clone(), list(u.ranks))
     h = learner.head_
     snap["head"] = None if h is None else {k: v.clone() for k, v in h.state_tensors().items()}
     snap["gamma"] = None if h is None else (h.gamma_, h.n_updates_, h.n_samples_)
-    th = learner.task_head_  # LDA task keys (signature.keys frozen-lda / first-adapter-lda)
+    # LDA task keys (signature.keys frozen-lda / first-adapter-lda)
+    th = learner.keys_.head if isinstance(learner.keys_, LDAKeys) else None
     snap["task_head"] = None if th is None else {k: v.clone() for k, v in th.state_tensors().items()}
     snap["task_gamma"] = None if th is None else (th.gamma_, th.n_updates_, th.n_samples_)
     return snap
@@ -213,26 +218,26 @@ def test_class_in_two_tasks(tree: Path, tmp_path: Path, capsys) -> None:
     # the learner refuses it too (a stream built by other code), naming class and task, unchanged
     cfg = _cfg(tree, write_spec(tmp_path / "ok.yaml", [["a", "b"], ["c", "d"]]))
     stream = _stream(cfg)
-    learner = ContinualLearner(cfg, progress=False)
-    learner.learn_task(stream.tasks[0])
+    learner = Proteus(cfg, progress=False)
+    learner.fit_task(stream.tasks[0])
     snap = _snapshot(learner)
     t1 = stream.tasks[1]
     clash = Task(1, [t1.classes[0], 1], [t1.class_names[0], "b"], t1.train, t1.test)
     with pytest.raises(TaskError, match=r"task 2: classes \['b'\] already belong to an earlier task"):
-        learner.learn_task(clash)
+        learner.fit_task(clash)
     _assert_same(snap, _snapshot(learner))
 
 
 def test_empty_task_and_out_of_order_task(tree: Path, tmp_path: Path) -> None:
     cfg = _cfg(tree, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]]))
     stream = _stream(cfg)
-    learner = ContinualLearner(cfg, progress=False)
+    learner = Proteus(cfg, progress=False)
     t0 = stream.tasks[0]
     with pytest.raises(TaskError, match="task 2: the learner holds 0 tasks, so task 1 comes next"):
-        learner.learn_task(stream.tasks[1])
+        learner.fit_task(stream.tasks[1])
     empty = Task(0, t0.classes, t0.class_names, t0.train.select([]), t0.test)  # type: ignore[attr-defined]
     with pytest.raises(TaskError, match="task 1: the training set is empty"):
-        learner.learn_task(empty)
+        learner.fit_task(empty)
     assert learner.num_tasks == 0 and learner.num_adapters == 0 and learner.head_ is None
 
 
@@ -242,13 +247,13 @@ def test_single_class_and_tiny_tasks_are_learned(tree: Path, tmp_path: Path) -> 
     cfg = _cfg(tree, spec, "signature.max_components=20", "benchmark.max_train_per_class=2")
     stream = _stream(cfg)
     assert len(stream.tasks[1].train) == 4
-    learner = ContinualLearner(cfg, progress=False)
-    s1 = learner.learn_task(stream.tasks[0])
-    assert s1["train"]["loss_first"] == 0.0  # cross-entropy over one class: nothing to learn
+    learner = Proteus(cfg, progress=False)
+    s1 = learner.fit_task(stream.tasks[0])
+    assert s1.train is not None and s1.train.loss_first == 0.0  # one class: nothing to learn
     for u in learner.model_.units.values():
         assert torch.all(u.B == 0)  # so the adapter is exactly zero
-    s2 = learner.learn_task(stream.tasks[1])
-    assert 1 <= s2["signature"]["n_active"] <= 3
+    s2 = learner.fit_task(stream.tasks[1])
+    assert s2.signature is not None and 1 <= s2.signature["n_active"] <= 3
     x = learner.transform_images([img for t in stream.tasks for img, _ in [t.test[0], t.test[1]]])
     p = learner.predict(x)
     assert torch.isfinite(p.score).all() and torch.isfinite(p.logits).all()
@@ -263,15 +268,15 @@ def test_singular_covariance(tree: Path, tmp_path: Path) -> None:
         _image(f, 6 + i % 2)
     cfg = _cfg(data, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c"], ["d"]]))
     stream = _stream(cfg)
-    learner = ContinualLearner(cfg, progress=False)
-    learner.learn_task(stream.tasks[0])
+    learner = Proteus(cfg, progress=False)
+    learner.fit_task(stream.tasks[0])
     snap = _snapshot(learner)
     with pytest.raises(TaskError, match="task 2: signature fit failed: singular covariance: all 6 embedd"):
-        learner.learn_task(stream.tasks[1])
+        learner.fit_task(stream.tasks[1])
     _assert_same(snap, _snapshot(learner))
     # a rank-deficient covariance (two distinct embeddings) is fitted and scores finitely
     d_task = stream.tasks[2]
-    learner.learn_task(Task(1, d_task.classes, d_task.class_names, d_task.train, d_task.test))
+    learner.fit_task(Task(1, d_task.classes, d_task.class_names, d_task.train, d_task.test))
     x = learner.transform_images([img for img, _ in d_task.train] + [stream.tasks[0].test[0][0]])
     p = learner.predict(x)
     assert torch.isfinite(p.score).all() and torch.isfinite(p.logits).all()
@@ -286,19 +291,19 @@ def test_singular_covariance(tree: Path, tmp_path: Path) -> None:
 def test_nan_or_inf_embeddings_name_the_task(tree: Path, tmp_path: Path, mode, value, pattern) -> None:
     cfg = _cfg(tree, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]]), f"retrieval.mode={mode}")
     stream = _stream(cfg)
-    learner = ContinualLearner(cfg, progress=False)
-    learner.learn_task(stream.tasks[0])
+    learner = Proteus(cfg, progress=False)
+    learner.fit_task(stream.tasks[0])
     snap = _snapshot(learner)
     clean = learner.embed_prefix
 
-    def poisoned(z, tasks, kind="task", batch_size=None, shard=True):
-        h = clean(z, tasks, kind, batch_size, shard)
+    def poisoned(z, tasks, kind="task", shard=True):
+        h = clean(z, tasks, kind, shard=shard)
         h[:, [0, 4, 7]] = value
         return h
 
     learner.embed_prefix = poisoned  # type: ignore[method-assign]
     with pytest.raises(TaskError, match=pattern):
-        learner.learn_task(stream.tasks[1])
+        learner.fit_task(stream.tasks[1])
     _assert_same(snap, _snapshot(learner))
 
 
@@ -309,21 +314,22 @@ def test_failed_task_rolls_back_exactly(tree: Path, tmp_path: Path, monkeypatch)
 
     cfg = _cfg(tree, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"], ["e", "f"]]))
     stream = _stream(cfg)
-    ref = ContinualLearner(cfg, progress=False)
+    ref = Proteus(cfg, progress=False)
     for t in stream.tasks[:2]:
-        ref.learn_task(t)
+        ref.fit_task(t)
 
-    learner = ContinualLearner(cfg, progress=False)
-    learner.learn_task(stream.tasks[0])
+    learner = Proteus(cfg, progress=False)
+    learner.fit_task(stream.tasks[0])
     snap = _snapshot(learner)
 
-    def interrupted(lam):  # the proximal S step runs once per training step of task 2
+    def interrupted(s_params, lam):  # the proximal S step runs once per training step of task 2
         raise KeyboardInterrupt
 
-    learner._prox = interrupted  # type: ignore[method-assign]
+    s_update = learner.trainer_.s_update
+    s_update.after_step = interrupted  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
-        learner.learn_task(stream.tasks[1])
-    del learner._prox
+        learner.fit_task(stream.tasks[1])
+    del s_update.after_step
     _assert_same(snap, _snapshot(learner))
 
     def bad_solve(G, Q, gamma):
@@ -331,16 +337,16 @@ def test_failed_task_rolls_back_exactly(tree: Path, tmp_path: Path, monkeypatch)
 
     monkeypatch.setattr(RanPACHead, "_ridge_solve", staticmethod(bad_solve))
     with pytest.raises(TaskError, match="task 2: head update failed: ridge solve"):
-        learner.learn_task(stream.tasks[1])
+        learner.fit_task(stream.tasks[1])
     monkeypatch.undo()
     _assert_same(snap, _snapshot(learner))
 
-    learner.learn_task(stream.tasks[1])
+    learner.fit_task(stream.tasks[1])
     _assert_same(_snapshot(ref), _snapshot(learner))
-    sa, sb = ref.state(), learner.state()
-    for ta, tb in zip(sa["tasks"], sb["tasks"]):
-        assert ta["tensors"].keys() == tb["tensors"].keys()
-        assert all(torch.equal(ta["tensors"][k], tb["tensors"][k]) for k in ta["tensors"])
+    for k in range(ref.num_tasks):
+        ta, tb = ref.task_state(k)[1], learner.task_state(k)[1]
+        assert ta.keys() == tb.keys()
+        assert all(torch.equal(ta[n], tb[n]) for n in ta)
 
 
 @pytest.mark.parametrize("keys", ["first-adapter-lda", "frozen-lda"])
@@ -350,12 +356,12 @@ def test_failure_after_the_lda_keys_update_rolls_them_back(tree: Path, tmp_path:
     spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]])
     cfg = _cfg(tree, spec, f"signature.keys={keys}", "signature.normalize=l2")
     stream = _stream(cfg)
-    ref = ContinualLearner(cfg, progress=False)
+    ref = Proteus(cfg, progress=False)
     for t in stream.tasks:
-        ref.learn_task(t)
+        ref.fit_task(t)
 
-    learner = ContinualLearner(cfg, progress=False)
-    learner.learn_task(stream.tasks[0])
+    learner = Proteus(cfg, progress=False)
+    learner.fit_task(stream.tasks[0])
     snap = _snapshot(learner)
     assert snap["task_head"] is not None
 
@@ -364,8 +370,8 @@ def test_failure_after_the_lda_keys_update_rolls_them_back(tree: Path, tmp_path:
 
     learner.head_composition = interrupted  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
-        learner.learn_task(stream.tasks[1])
+        learner.fit_task(stream.tasks[1])
     del learner.head_composition
     _assert_same(snap, _snapshot(learner))
-    learner.learn_task(stream.tasks[1])
+    learner.fit_task(stream.tasks[1])
     _assert_same(_snapshot(ref), _snapshot(learner))

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 
-from proteus.bench import FIGURES, format_table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "perf"))
+from harness import FIGURES, format_table  # noqa: E402
+
 from proteus.cli import main
 
 

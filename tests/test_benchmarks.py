@@ -12,7 +12,8 @@ import pytest
 import yaml
 from PIL import Image
 
-from proteus.benchmarks import (
+from proteus.config import BenchmarkConfig
+from proteus.streams import (
     BENCHMARKS,
     ArrayImageDataset,
     BenchmarkError,
@@ -26,8 +27,7 @@ from proteus.benchmarks import (
     build_benchmark,
     load_image,
 )
-from proteus.benchmarks.vtab import sim50_partition
-from proteus.config import BenchmarkConfig
+from proteus.streams.vtab import sim50_partition
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CIFAR_SUBSET = SHARED / "data" / "cifar10-subset"

@@ -71,25 +71,27 @@ def test_learn_refuses_to_skip_a_task(tmp_path: Path, capsys) -> None:
 
 
 def test_kb_roundtrip_is_bit_exact(run_dir: Path) -> None:
-    from proteus.runner import learner_from_kb
+    from proteus import Proteus
 
     kb = KnowledgeBase.open(run_dir / "kb")
-    learner = learner_from_kb(kb, progress=False)
-    state = learner.state()
-    for t, entry in zip(state["tasks"], kb.manifest["tasks"]):
+    clf = Proteus.load(run_dir / "kb")
+    for k, entry in enumerate(kb.manifest["tasks"]):
+        tensors = clf.task_state(k)[1]
         stored = kb.read(entry["object"], entry["sha256"])
-        assert set(stored) == set(t["tensors"])
-        for k, v in t["tensors"].items():
-            assert torch.equal(stored[k], v.cpu()), k
+        assert set(stored) == set(tensors)
+        for n, v in tensors.items():
+            assert torch.equal(stored[n], v.cpu()), n
     head = kb.read(kb.manifest["head"]["object"], kb.manifest["head"]["sha256"])
-    for k, v in state["head"]["tensors"].items():
+    head_state = clf.head_state()
+    assert head_state is not None
+    for k, v in head_state[1].items():
         assert torch.equal(head[k], v.cpu()), k
 
 
 def test_evaluate_reproduces_the_final_row(run_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "eval.json"
+    out = tmp_path / "eval"
     assert main(["evaluate", "--kb", str(run_dir / "kb"), "--out", str(out), "-q"]) == 0
-    res = json.loads(out.read_text())
+    res = json.loads((out / "results.json").read_text())
     assert res["acc_matrix"][-1] == _results(run_dir)["acc_matrix"][-1]
     assert res["retrieval_acc"][-1] == _results(run_dir)["retrieval_acc"][-1]
 

@@ -10,9 +10,9 @@ import pytest
 
 from proteus.backbones import BACKBONES
 from proteus.backbones.vit import VIT_TAGS
-from proteus.benchmarks import BENCHMARKS
 from proteus.config import RunConfig
-from proteus.runner import resolve_config
+from proteus.experiment import resolve_config
+from proteus.streams import BENCHMARKS
 
 CONFIGS = sorted(p.name[: -len(".yaml")] for p in resources.files("proteus").joinpath("configs").iterdir()
                  if p.name.endswith(".yaml"))  # fmt: skip

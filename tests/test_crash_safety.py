@@ -55,7 +55,7 @@ N_LITERAL = 1  # kills of a literal `python -m proteus learn`
 
 ZYGOTE = r"""
 import json, os, sys, traceback
-import proteus.cli, proteus.runner, proteus.benchmarks, proteus.benchmarks.builtin  # the slow imports
+import proteus.cli, proteus.experiment, proteus.streams, proteus.streams.builtin  # the slow imports
 import sklearn.datasets  # noqa
 for line in sys.stdin:
     req = json.loads(line)

@@ -7,7 +7,8 @@ fixed thread count, and one thread keeps MKL fast on a busy 2-core machine). Onl
 differ: every key containing ``seconds`` is dropped; everything else -- accuracy matrix, retrieval and
 oracle accuracies, per-task statistics (losses, S sparsity, gamma, signature components) and
 ``kb_bytes`` -- must be equal, and so must every KB object hash and the KB manifest apart from its
-``created``/``updated`` time stamps.
+time stamps (``created``, ``updated``, each task's ``learned``) and the manifest checksum, which covers
+the ``learned`` stamps.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ ARGS = [
 ]  # fmt: skip
 
 
+TIME_STAMPS = ("created", "updated", "learned", "checksum")
+
+
 def _strip(d):
     if isinstance(d, dict):
-        return {k: _strip(v) for k, v in d.items() if "seconds" not in k and k not in ("created", "updated")}
+        return {k: _strip(v) for k, v in d.items() if "seconds" not in k and k not in TIME_STAMPS}
     if isinstance(d, list):
         return [_strip(v) for v in d]
     return d

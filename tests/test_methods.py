@@ -68,9 +68,9 @@ def _json(path: Path) -> Any:
 
 
 def _learner(run_dir: Path) -> Any:
-    from proteus.runner import learner_from_kb
+    from proteus import Proteus
 
-    return learner_from_kb(KnowledgeBase.open(run_dir / "kb"), progress=False)
+    return Proteus.load(run_dir / "kb")
 
 
 def _all_s(analysis: dict[str, Any]) -> list[float]:
@@ -162,14 +162,14 @@ def test_run_report(run_method: Callable[[str], Path]) -> None:
         assert 0.0 <= c["bound"] <= 1.0 and 0.0 <= c["error"] <= 1.0
     assert [r["task"] for r in th["per_task"]] == [0, 1]
     # delta by hand (Def. 3.3): test inputs of task 1 nearest to own component t, under task 2's adapter
-    from proteus.benchmarks import build_benchmark
+    from proteus.streams import build_benchmark
 
     learner = _learner(out)
-    z, _ = learner.prefix_dataset(build_benchmark(learner.cfg.benchmark).tasks[0].test)
+    z, _ = learner.prefix_dataset(build_benchmark(learner.config.benchmark).tasks[0].test)
     H = learner.embed_prefix(z, [0, 1])
-    own = learner.signatures_[0].mahalanobis(H[0]).argmin(1).cpu()
-    Z = learner.signatures_[1].mahalanobis(H[1]).double().cpu()
-    d = learner.signatures_[1].d
+    own = learner.keys_.signatures[0].mahalanobis(H[0]).argmin(1).cpu()
+    Z = learner.keys_.signatures[1].mahalanobis(H[1]).double().cpu()
+    d = learner.keys_.signatures[1].d
     for c in (c for c in th["components"] if c["task"] == 0):
         sel = own == c["component"]
         assert c["n"] == int(sel.sum())
@@ -182,11 +182,11 @@ def test_run_report(run_method: Callable[[str], Path]) -> None:
 
 
 def test_predict_with_the_first_m_tasks(run_method: Callable[[str], Path]) -> None:
-    from proteus.benchmarks import build_benchmark
+    from proteus.streams import build_benchmark
 
     out = run_method(WITH_FIGURES)
     learner = _learner(out)
-    stream = build_benchmark(learner.cfg.benchmark)
+    stream = build_benchmark(learner.config.benchmark)
     x = learner.transform_images([stream.tasks[1].test[i][0] for i in range(6)])
     assert set(learner.predict(x, num_tasks=1).task.tolist()) == {0}
     full = learner.predict(x)
@@ -226,15 +226,15 @@ def test_lda_keys_live_in_the_first_adapters_space(run_method: Callable[[str], P
     """proteus-lda: one key space for every task (the first adapter's, fixed after task 1), so a task's
     score never depends on any other adapter's embedding, and no frozen forward is needed."""
     learner = _learner(run_method("proteus-lda"))  # loaded back from the KB
-    assert learner.cfg.signature.keys == "first-adapter-lda" and not learner.uses_frozen_keys
+    assert learner.config.signature.keys == "first-adapter-lda" and not learner.needs_frozen
     torch.manual_seed(0)
     x = torch.randn(6, 3, 32, 32)
     H = learner.embed_prefix(learner.model_.prefix(x), list(range(learner.num_adapters)), shard=False)
-    res = learner.retrieve_embeddings(H)
-    logits = learner.task_head_.decision_function(torch.nn.functional.normalize(H[0], dim=1)).float()
-    expect = torch.stack([logits[:, t["classes"]].max(1).values for t in learner.tasks_], 1).argmax(1)
+    res = learner.retrieve(H)
+    logits = learner.keys_.head.decision_function(torch.nn.functional.normalize(H[0], dim=1)).float()
+    expect = torch.stack([logits[:, t.classes].max(1).values for t in learner.records_], 1).argmax(1)
     assert torch.equal(res.task, expect)
     H2 = H.clone()
     H2[1:] = torch.randn_like(H2[1:])  # other adapters' embeddings do not enter the keys
-    assert torch.equal(learner.retrieve_embeddings(H2).task, res.task)
+    assert torch.equal(learner.retrieve(H2).task, res.task)
     assert torch.equal(learner.predict(x).task, res.task)

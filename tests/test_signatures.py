@@ -407,7 +407,7 @@ def test_shared_components_select_move_and_errors() -> None:
 
 def test_config_accepts_shared_covariance() -> None:
     from proteus.config import RunConfig
-    from proteus.runner import validate
+    from proteus.experiment import validate
 
     cfg = RunConfig()
     cfg.signature.covariance = "shared"

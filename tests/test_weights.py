@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from proteus.backbones import weights as W
+from proteus.backbones.checkpoints import load_state_dict_file
 from proteus.backbones.weights import (
     PRETRAINED,
     PretrainedFile,
@@ -19,7 +20,6 @@ from proteus.backbones.weights import (
     ensure_weights,
     fetch,
     hub_checkpoint_dir,
-    load_state_dict_file,
     sha256_file,
 )
 

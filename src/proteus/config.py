@@ -136,6 +136,8 @@ class BenchmarkConfig:
 @dataclass
 class EvalConfig:
     batch_size: int = 64
+    #: images above this many pixels are refused before they are decoded (``predict --max-pixels``)
+    max_image_pixels: int = 64_000_000
 
 
 @dataclass
@@ -187,6 +189,38 @@ class RunConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
+#: config keys that may differ from task to task (recorded in each task's record); every other key
+#: defines the model and is fixed when a knowledge base is created (``report.`` covers a whole section)
+PER_TASK_KEYS = (
+    "device",
+    "train.epochs",
+    "train.lr",
+    "train.batch_size",
+    "train.num_workers",
+    "eval.batch_size",
+    "eval.max_image_pixels",
+    "benchmark.data",
+    "benchmark.tasks_file",
+    "report.",
+)
+
+
+def per_task(key: str) -> bool:
+    """Whether a dotted config key may change between tasks (:data:`PER_TASK_KEYS`)."""
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in PER_TASK_KEYS)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict as one level of dotted keys."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 class ConfigError(ValueError):
     """A configuration key or value that does not fit the schema."""
 
@@ -201,6 +235,8 @@ def _coerce(value: Any, current: Any, key: str) -> Any:
             return value.lower() in {"true", "1", "yes"}
         raise ConfigError(f"{key}: expected true/false, got {value!r}")
     if isinstance(current, int) and not isinstance(current, bool):
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
         try:
             return int(value)
         except (TypeError, ValueError):

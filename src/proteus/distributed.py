@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DeviceError",
     "all_gather_rows",
     "all_reduce_sum_",
     "barrier",
@@ -117,13 +118,82 @@ def is_main() -> bool:
     return rank() == 0
 
 
+class DeviceError(ValueError):
+    """A requested device that does not exist on this machine; the message says what to use instead."""
+
+
+#: the device names :func:`device_for_rank` accepts (``mps`` too, where torch has an Apple GPU)
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
+def _cuda_build() -> str:
+    return f"yes, CUDA {torch.version.cuda}" if torch.version.cuda else "no"
+
+
+def _torch_version() -> str:
+    return torch.__version__.split("+")[0]
+
+
 def device_for_rank(name: str) -> torch.device:
-    """``auto``/``cuda`` become ``cuda:LOCAL_RANK`` under torchrun with CUDA; other names are kept."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and is_distributed():
-        return torch.device(f"cuda:{local_rank()}")
-    return torch.device(name)
+    """The device ``name`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``, or ``mps`` where available) denotes.
+
+    ``auto`` is CUDA when torch sees a GPU, else the CPU; under torchrun, ``auto``/``cuda`` mean
+    ``cuda:LOCAL_RANK``. A device that does not exist here raises :class:`DeviceError` (a ``ValueError``):
+
+    * ``"device 'cuda' was requested but no CUDA GPU is visible to torch (torch X.Y, CUDA build: yes/no);
+      use --device cpu"``;
+    * ``"device 'cuda:N' was requested but torch sees only K CUDA GPU(s) (cuda:0 .. cuda:K-1); ..."``;
+    * ``"unknown device 'tpu'; use auto, cpu, cuda or cuda:N"`` for any other name.
+    """
+    raw = name
+    key = str(name).strip().lower()
+    if key == "auto":
+        key = "cuda" if torch.cuda.is_available() else "cpu"
+    if key == "cpu":
+        return torch.device("cpu")
+    if key.startswith("cpu:") and key[len("cpu:") :].isdigit():
+        return torch.device(key)
+    if key == "mps" or key.startswith("mps:"):
+        mps = getattr(torch.backends, "mps", None)
+        if key in ("mps", "mps:0") and mps is not None and mps.is_available():
+            return torch.device("mps")
+        raise DeviceError(
+            f"device {raw!r} (Apple GPU) is not available to torch {_torch_version()} on this machine; "
+            f"use {DEVICE_CHOICES}"
+        )
+    if key == "cuda" or key.startswith("cuda:"):
+        index: int | None = None
+        if key != "cuda":
+            suffix = key[len("cuda:") :]
+            if not suffix.isdigit():
+                raise DeviceError(f"unknown device {raw!r}; use {DEVICE_CHOICES} (N = 0, 1, ...)")
+            index = int(suffix)
+        if not torch.cuda.is_available():
+            hint = ""
+            if torch.version.cuda and os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+                hint = f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r})"
+            raise DeviceError(
+                f"device {raw!r} was requested but no CUDA GPU is visible to torch (torch "
+                f"{_torch_version()}, CUDA build: {_cuda_build()}){hint}; use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if index is None and is_distributed():
+            index = local_rank()
+            if index >= count:
+                raise DeviceError(
+                    f"device {raw!r} under torchrun means cuda:LOCAL_RANK = cuda:{index}, but torch sees "
+                    f"only {count} CUDA GPU(s) on this node; start at most {count} processes per node "
+                    "(--nproc_per_node) or use --device cpu"
+                )
+        if index is None:
+            return torch.device("cuda")
+        if index >= count:
+            raise DeviceError(
+                f"device {raw!r} was requested but torch sees only {count} CUDA GPU(s) "
+                f"(cuda:0 .. cuda:{count - 1}); use one of those, or --device cuda"
+            )
+        return torch.device("cuda", index)
+    raise DeviceError(f"unknown device {raw!r}; use {DEVICE_CHOICES}")
 
 
 def barrier() -> None:

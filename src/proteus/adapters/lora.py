@@ -28,8 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TRANSFER_MODES = ("learned", "zero", "identity")
-
 
 class LoRAUnit(nn.Module):
     """The adapter state of one adapted map (one weight matrix, or one output slice of a fused matrix)."""
@@ -73,8 +71,8 @@ class LoRAUnit(nn.Module):
     # ------------------------------------------------------------------ task life cycle
     def begin_task(self, rank: int, transfer: str, orthogonal: bool, generator: torch.Generator) -> int:
         """Open task k+1: r new directions (orthogonal to the old ones) and S over the old ones."""
-        if transfer not in TRANSFER_MODES:
-            raise ValueError(f"transfer must be one of {TRANSFER_MODES}, got {transfer!r}")
+        if transfer not in TRANSFER_INIT:
+            raise ValueError(f"transfer must be one of {tuple(TRANSFER_INIT)}, got {transfer!r}")
         if self.training_task:
             raise RuntimeError("begin_task called twice without end_task")
         dev, dt = self.A.device, self.A.dtype
@@ -91,13 +89,13 @@ class LoRAUnit(nn.Module):
         a = (torch.rand(self.in_features, rank, generator=generator, dtype=torch.float64) * 2 - 1) * bound
         self.A_new = nn.Parameter(a.to(device=dev, dtype=dt))
         self.B_new = nn.Parameter(torch.zeros(self.out_features, rank, device=dev, dtype=dt))
-        if transfer == "learned" and R:
+        fill = TRANSFER_INIT[transfer]
+        if fill is None and R:
             self.s = nn.Parameter(torch.zeros(R, device=dev, dtype=dt))
             self.s_fixed = torch.zeros(0, device=dev, dtype=dt)
         else:
             self.s = None
-            fill = 1.0 if transfer == "identity" else 0.0
-            self.s_fixed = torch.full((R,), fill, device=dev, dtype=dt)
+            self.s_fixed = torch.full((R,), fill or 0.0, device=dev, dtype=dt)
         return rank
 
     def projected_A_new(self) -> torch.Tensor:
@@ -118,9 +116,25 @@ class LoRAUnit(nn.Module):
         b_k = self.B_new.detach().clone()
         s_k = self.transfer_coefficients().detach().clone()
         self.append_task(a_k, b_k, s_k)
+        self.abort_task()
+
+    def abort_task(self) -> None:
+        """Close a task still being trained without keeping anything of it."""
+        dev, dt = self.A.device, self.A.dtype
         self.A_new = self.B_new = self.s = None
-        self.s_fixed = torch.zeros(0, device=self.A.device, dtype=self.A.dtype)
-        self.basis = torch.zeros(self.in_features, 0, device=self.A.device, dtype=self.A.dtype)
+        self.s_fixed = torch.zeros(0, device=dev, dtype=dt)
+        self.basis = torch.zeros(self.in_features, 0, device=dev, dtype=dt)
+
+    @torch.no_grad()
+    def truncate(self, m: int) -> None:
+        """Keep the first ``m`` tasks only (abort an open task first): the rollback of a failed task."""
+        if self.training_task:
+            self.abort_task()
+        if self.num_tasks > m:
+            start = self.columns(m).start
+            self.A, self.B = self.A[:, :start], self.B[:, :start]
+            self.C = self.C[:m, :start]
+            self.ranks = self.ranks[:m]
 
     @torch.no_grad()
     def append_task(self, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor) -> None:
@@ -150,16 +164,13 @@ class LoRAUnit(nn.Module):
 
     # ------------------------------------------------------------------ compositions
     def coefficients(self, tasks: list[int], kind: str = "task") -> torch.Tensor:
-        """(G, R) coefficients: ``task`` = Eq. 9 for each task; ``all-units`` = every unit up to it summed."""
-        R = self.total_rank
-        if kind == "task":
-            return self.C[torch.as_tensor(tasks, device=self.C.device)]
-        if kind == "all-units":
-            ends = torch.as_tensor([sum(self.ranks[: t + 1]) for t in tasks], device=self.A.device)
-            return (torch.arange(R, device=self.A.device)[None, :] < ends[:, None]).to(self.A.dtype)
-        if kind == "none":
-            return torch.zeros(len(tasks), R, device=self.A.device, dtype=self.A.dtype)
-        raise ValueError(f"unknown composition kind {kind!r}")
+        """(G, R) coefficients of a composition ``kind`` (:data:`COMPOSITION_KINDS`) for each task."""
+        try:
+            fn = COMPOSITION_KINDS[kind]
+        except KeyError:
+            known = sorted(COMPOSITION_KINDS)
+            raise ValueError(f"unknown composition kind {kind!r}; one of {known}") from None
+        return fn(self, tasks)
 
     # ------------------------------------------------------------------ forward
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,6 +206,28 @@ class LoRAUnit(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
+
+
+def _task_rows(u: LoRAUnit, tasks: list[int]) -> torch.Tensor:
+    """Eq. 9 for each task: its row of C."""
+    return u.C[torch.as_tensor(tasks, device=u.C.device)]
+
+
+def _all_units(u: LoRAUnit, tasks: list[int]) -> torch.Tensor:
+    """Every unit up to the task, summed with weight 1 (the O-LoRA-like ablation)."""
+    ends = torch.as_tensor([sum(u.ranks[: t + 1]) for t in tasks], device=u.A.device)
+    return (torch.arange(u.total_rank, device=u.A.device)[None, :] < ends[:, None]).to(u.A.dtype)
+
+
+def _no_units(u: LoRAUnit, tasks: list[int]) -> torch.Tensor:
+    return torch.zeros(len(tasks), u.total_rank, device=u.A.device, dtype=u.A.dtype)
+
+
+#: composition kinds: (unit, tasks) -> (G, R) coefficients
+COMPOSITION_KINDS = {"task": _task_rows, "all-units": _all_units, "none": _no_units}
+
+#: how the old directions enter a new task: S learned (Eq. 15), S = 0, or S = I
+TRANSFER_INIT = {"learned": None, "zero": 0.0, "identity": 1.0}
 
 
 class LoRAWrapper(nn.Module):

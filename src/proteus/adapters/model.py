@@ -57,6 +57,11 @@ class AdaptedBackbone(nn.Module):
         for u in self.units.values():
             u.end_task()
 
+    def truncate(self, m: int) -> None:
+        """Keep the first ``m`` tasks' adapters and close any open task (rollback of a failed task)."""
+        for u in self.units.values():
+            u.truncate(m)
+
     def lora_parameters(self) -> list[nn.Parameter]:
         out = []
         for u in self.units.values():

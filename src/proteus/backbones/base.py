@@ -9,6 +9,7 @@ last L blocks lets the frozen prefix be computed once for all tasks (an option b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -112,6 +113,43 @@ class Backbone(nn.Module):
 BACKBONES: Registry = Registry("backbone")
 
 
+def _load_error_summary(exc: BaseException) -> str:
+    """A one-line digest of torch's ``load_state_dict`` error (counts, a few names), else its first line."""
+    text = str(exc)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    sizes = [ln for ln in lines if ln.startswith("size mismatch for ")]
+    if sizes:
+        names = [ln[len("size mismatch for ") :].split(":", 1)[0] for ln in sizes]
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        return f"{len(sizes)} shape mismatch(es) (e.g. {shown}); {sizes[0]}"
+    return lines[0] if lines else type(exc).__name__
+
+
+def _call_factory(
+    factory: Callable[..., Backbone], name: str, pretrained: bool, weights: str | None
+) -> Backbone:
+    """``factory(pretrained=..., weights=...)``; weight failures become a WeightsError naming ``name``."""
+    from proteus.backbones.weights import WeightsError
+
+    try:
+        return factory(pretrained=pretrained, weights=weights)
+    except WeightsError as exc:
+        if name in str(exc):
+            raise
+        raise type(exc)(f"backbone {name}: {exc}") from exc
+    except (RuntimeError, ValueError) as exc:
+        # a family that loads a --weights file itself reports a misfit as torch's RuntimeError (shapes)
+        # or its own ValueError (missing keys); either way the file does not fit this backbone
+        if weights is None:
+            raise
+        detail = _load_error_summary(exc).removeprefix(f"{weights}: ")
+        raise WeightsError(
+            f"weights file {weights} does not fit backbone {name}: {detail}. Pass a "
+            "checkpoint of this architecture, or pick the backbone the file belongs to (--backbone; "
+            "`proteus list backbones`)"
+        ) from exc
+
+
 def build_backbone(
     name: str,
     *,
@@ -120,10 +158,15 @@ def build_backbone(
     img_size: int | None = None,
     adapt_last: int | None = None,
 ) -> Backbone:
-    """Build a registered backbone, frozen, with its data config resolved."""
+    """Build a registered backbone, frozen, with its data config resolved.
+
+    A weights problem (``weights`` file missing, unreadable or not fitting; preset weights neither cached
+    nor downloadable) raises :class:`~proteus.backbones.weights.WeightsError` (a ``ValueError``) whose
+    message names the backbone and, for a file, the file.
+    """
     factory = BACKBONES.get(name)
     if pretrained or weights is not None:
-        bb: Backbone = factory(pretrained=pretrained, weights=weights)
+        bb: Backbone = _call_factory(factory, name, pretrained, weights)
     else:  # random weights (timing, tests): seeded, so that every process builds the same network
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)

@@ -21,7 +21,8 @@ class MobileNetV2Backbone(Backbone):
         super().__init__()
         net = mobilenet_v2(weights=None)
         if weights is not None or pretrained:
-            from proteus.backbones.weights import ensure_weights, load_state_dict_file, sha256_file
+            from proteus.backbones.checkpoints import load_state_dict_file
+            from proteus.backbones.weights import ensure_weights, sha256_file
 
             path = weights if weights is not None else ensure_weights("mobilenet_v2.tv_in1k")
             state = load_state_dict_file(path)

@@ -5,9 +5,19 @@ timm's fused ``qkv`` linear). Embedding: timm's pre-logits feature (the class to
 Pretrained tags are data: the paper's backbone is ViT-B/16 pre-trained on ImageNet-21k and fine-tuned on
 ImageNet-1k; timm >= 0.9 maps the bare ``vit_base_patch16_224`` to ``augreg2_in21k_ft_in1k``, older
 versions to ``augreg_in21k_ft_in1k``, so configs always name the full tag.
+
+Weights, in order: a local ``--weights FILE`` (checked tensor by tensor against the architecture); else,
+for a pretrained preset, the file in the Hugging Face hub cache (loaded without any network access);
+else, when the hub answers within a couple of seconds, timm's own download; else a
+:class:`~proteus.backbones.weights.WeightsError` that names the backbone, the expected cache path and
+repo, ``--weights FILE`` and the MobileNetV2 alternative (instead of a minute of hub retries).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -22,6 +32,10 @@ VIT_TAGS: dict[str, str] = {
 }
 
 
+#: files timm tries, in order, in a hub repo that names none (``load_state_dict_from_hf``)
+_HUB_FILES: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin")
+
+
 class TimmViTBackbone(Backbone):
     def __init__(self, tag: str, name: str, pretrained: bool = True, weights: str | None = None) -> None:
         super().__init__()
@@ -29,20 +43,15 @@ class TimmViTBackbone(Backbone):
 
         self.name = name
         self.tag = tag
-        use_hub = pretrained and weights is None
-        self.vit = timm.create_model(tag, pretrained=use_hub, num_classes=0)
+        self.vit = timm.create_model(tag, pretrained=False, num_classes=0)
         if weights is not None:
-            from timm.models.vision_transformer import checkpoint_filter_fn
+            from proteus.backbones.weights import sha256_file
 
-            from proteus.backbones.weights import load_state_dict_file, sha256_file
-
-            state = checkpoint_filter_fn(load_state_dict_file(weights), self.vit)
-            missing, _ = self.vit.load_state_dict(state, strict=False)
-            if missing:
-                raise ValueError(f"{weights}: does not fit {tag} (missing keys such as {missing[:3]})")
+            self._load_file(weights)
             self.weights_id = f"file:{weights}"
             self.weights_sha256 = sha256_file(weights)
-        elif use_hub:
+        elif pretrained:
+            self._load_pretrained()
             self.weights_id = f"timm:{tag}"
         self.embed_dim = int(self.vit.num_features)
         cfg = timm.data.resolve_data_config({}, model=self.vit)
@@ -53,6 +62,88 @@ class TimmViTBackbone(Backbone):
             interpolation=str(cfg.get("interpolation", "bicubic")),
             crop_pct=float(cfg.get("crop_pct", 0.9)),
         )
+
+    # -- weights -------------------------------------------------------------------------------
+    def _load_file(self, path: str | Path) -> None:
+        """Load a local state dict (timm's checkpoint filter, then an exact key and shape check)."""
+        from timm.models.vision_transformer import checkpoint_filter_fn
+
+        from proteus.backbones.checkpoints import load_checked, load_state_dict_file
+        from proteus.backbones.weights import WeightsError
+
+        where = f"{self.name} (timm {self.tag})"
+        state = load_state_dict_file(path, backbone=f"{self.name}, timm {self.tag}")
+        try:
+            state = checkpoint_filter_fn(state, self.vit)
+        except Exception as exc:  # timm reshapes/resamples: any failure means the file is not such a ViT
+            raise WeightsError(
+                f"weights file {path} does not fit backbone {where}: timm cannot adapt it "
+                f"({type(exc).__name__}: {exc}); pass a checkpoint of {self.tag}"
+            ) from exc
+        # the classifier of an ImageNet checkpoint is unused: the backbone has no head (num_classes=0)
+        load_checked(self.vit, state, path=path, backbone=where, ignore_unexpected=("head.",))
+
+    def _load_pretrained(self) -> None:
+        """The preset's published weights: from the local caches, else downloaded when the host answers."""
+        from proteus.backbones.hub import (
+            find_cached_hub_file,
+            hf_endpoint,
+            hub_unreachable_reason,
+            hub_weights_missing_message,
+        )
+        from proteus.backbones.weights import WeightsError, hub_checkpoint_dir
+
+        cfg = dict(getattr(self.vit, "pretrained_cfg", None) or {})
+        hub_id = cfg.get("hf_hub_id")
+        url = cfg.get("url")
+        model = f"timm {self.tag}"
+        if hub_id:
+            repo, _, revision = str(hub_id).partition("@")
+            files = (cfg["hf_hub_filename"],) if cfg.get("hf_hub_filename") else _HUB_FILES
+            cached = find_cached_hub_file(repo, files, revision or None)
+            if cached is not None:
+                self._load_file(cached)
+                return
+            reason = hub_unreachable_reason(hf_endpoint())
+            if reason is not None:
+                raise WeightsError(
+                    hub_weights_missing_message(self.name, model, repo, files, reason, revision or None)
+                )
+        elif url:
+            cached = hub_checkpoint_dir() / os.path.basename(urlsplit(str(url)).path)
+            if cached.is_file():
+                self._load_file(cached)
+                return
+            reason = hub_unreachable_reason(str(url))
+            if reason is not None:
+                raise WeightsError(
+                    f"backbone {self.name}: the pre-trained weights of {model} are not in {cached} and "
+                    f"cannot be downloaded from {url}: {reason}. Download that url elsewhere and place "
+                    "the file there, pass --weights FILE, or use --config mobilenet_cpu (MobileNetV2, "
+                    "whose weights `proteus weights fetch mobilenet_v2` obtains offline)"
+                )
+        else:
+            raise WeightsError(
+                f"backbone {self.name}: timm publishes no pre-trained weights for {self.tag}; pass "
+                "--weights FILE or set backbone.pretrained to false"
+            )
+        self._download_with_timm()
+
+    def _download_with_timm(self) -> None:
+        """timm's own download (the host answered); failures become a WeightsError naming the backbone."""
+        import timm
+
+        from proteus.backbones.weights import WeightsError
+
+        try:
+            net = timm.create_model(self.tag, pretrained=True, num_classes=0)
+        except Exception as exc:  # hub/http/timeouts/corrupt downloads: too many types to list
+            raise WeightsError(
+                f"backbone {self.name}: downloading the pre-trained weights of timm {self.tag} failed "
+                f"({type(exc).__name__}: {exc}). Retry, pass --weights FILE, or use --config mobilenet_cpu "
+                "(MobileNetV2, whose weights `proteus weights fetch mobilenet_v2` obtains offline)"
+            ) from exc
+        self.vit.load_state_dict(net.state_dict(), strict=True)
 
     @property
     def num_blocks(self) -> int:

@@ -15,7 +15,13 @@ torch's hub cache (``$TORCH_HOME/hub/checkpoints``, the directory torchvision it
 5. otherwise :class:`WeightsError` lists what was tried and the exact path to place the file by hand.
 
 It also loads state dicts safely (:func:`load_state_dict_file`: safetensors, or ``torch.load`` with
-``weights_only=True``).
+``weights_only=True``), checks that one fits a backbone before loading it (:func:`load_checked`: counts
+and names of missing, unexpected and mis-shaped tensors), and, for presets whose weights live on the
+Hugging Face hub (timm ViTs), finds them in the local hub cache (:func:`find_cached_hub_file`) and tells
+within seconds whether the hub can be reached at all (:func:`hub_unreachable_reason`), so an offline
+machine gets instructions (:func:`hub_weights_missing_message`) instead of a minute of retries.
+
+Every error is a :class:`WeightsError`, a ``ValueError`` (the CLI prints ``error: <message>``, exit 2).
 """
 
 from __future__ import annotations
@@ -29,24 +35,21 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch import Tensor
 
 __all__ = [
-    "FRIENDLY_NAMES",
-    "PRETRAINED",
+    "ENV_SEARCH_DIRS",
     "PretrainedFile",
     "WeightsError",
+    "WeightsNotFoundError",
     "cached_path",
     "ensure_weights",
     "fetch",
     "hub_checkpoint_dir",
-    "load_state_dict_file",
     "resolve_weight_id",
     "sha256_file",
 ]
@@ -60,8 +63,16 @@ _MOBILENET_V2_FILE = "mobilenet_v2-b0353104.pth"
 _MOBILENET_V2_SHA256 = "b03531047ffacf1e2488318dcd2aba1126cde36e3bfe1aa5cb07700aeeee9889"
 
 
-class WeightsError(RuntimeError):
-    """Pre-trained weights are missing, corrupt, unverifiable or unreadable."""
+class WeightsError(ValueError, RuntimeError):
+    """Pre-trained weights are missing, corrupt, unverifiable, unreadable or do not fit the backbone.
+
+    A ``ValueError`` (so the CLI reports it as bad input); also a ``RuntimeError``, its historical base,
+    so older ``except RuntimeError`` clauses keep catching it.
+    """
+
+
+class WeightsNotFoundError(WeightsError, FileNotFoundError):
+    """A weights file that does not exist (also a ``FileNotFoundError``)."""
 
 
 @dataclass(frozen=True)
@@ -341,66 +352,3 @@ def ensure_weights(
 def fetch(name: str) -> Path:
     """CLI helper for ``proteus weights fetch NAME``: ``NAME`` is a backbone name or a weight id."""
     return ensure_weights(resolve_weight_id(name))
-
-
-_WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
-
-
-def load_state_dict_file(path: str | Path) -> dict[str, Tensor]:
-    """Load a state dict safely: ``.safetensors``, or a ``.pth``/``.pt``/``.bin`` pickle (``weights_only``).
-
-    Common wrappers (``{"state_dict": ...}``, ``{"model": ...}``) and a DataParallel ``module.`` prefix
-    are removed. Raises :class:`WeightsError` naming the file for an unknown format, a corrupt file,
-    a pickle that needs arbitrary code (refused by ``weights_only=True``) or non-tensor entries.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"weights file not found: {path}")
-    suffix = path.suffix.lower()
-    obj: Any
-    if suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            obj = load_file(str(path), device="cpu")
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise WeightsError(f"{path}: not a readable safetensors file ({exc})") from exc
-    elif suffix in (".pth", ".pt", ".bin", ".ckpt"):
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            text = str(exc)
-            first = text.splitlines()[0] if text else type(exc).__name__
-            if "weights_only" in text or "Unsupported global" in text or "Weights only load failed" in text:
-                raise WeightsError(
-                    f"{path}: refused by torch.load(weights_only=True): the pickle holds Python objects "
-                    "other than tensors and plain containers, so loading it could run arbitrary code. "
-                    f"Convert it to a plain state_dict or .safetensors. ({first})"
-                ) from exc
-            raise WeightsError(
-                f"{path}: corrupt or unreadable checkpoint ({type(exc).__name__}: {exc})"
-            ) from exc
-    else:
-        raise WeightsError(
-            f"{path}: unsupported weights format {suffix or '(no suffix)'!r}; "
-            "use .safetensors, .pth, .pt or .bin"
-        )
-
-    for _ in range(3):  # unwrap e.g. {"model": {"state_dict": ...}}
-        if isinstance(obj, Mapping) and not all(isinstance(v, Tensor) for v in obj.values()):
-            inner = next((obj[k] for k in _WRAPPER_KEYS if isinstance(obj.get(k), Mapping)), None)
-            if inner is None:
-                break
-            obj = inner
-    if not isinstance(obj, Mapping):
-        raise WeightsError(
-            f"{path}: expected a state dict (a mapping of names to tensors), got {type(obj).__name__}"
-        )
-    bad = [k for k, v in obj.items() if not isinstance(v, Tensor)]
-    if bad:
-        raise WeightsError(f"{path}: not a state dict: non-tensor entries such as {bad[:3]}")
-    state = {str(k): v for k, v in obj.items()}
-    if state and all(k.startswith("module.") for k in state):
-        state = {k[len("module.") :]: v for k, v in state.items()}
-    return state

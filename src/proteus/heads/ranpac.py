@@ -51,6 +51,10 @@ _FORMAT = "proteus.heads.ranpac"
 _FORMAT_VERSION = 1
 
 
+#: how gamma is chosen after an update: on all statistics so far, or RanPAC's rule (this task alone)
+GAMMA_SELECTIONS = ("accumulated", "task")
+
+
 @dataclass(frozen=True)
 class GammaSelection:
     """Result of a ridge-parameter search: the chosen ``gamma`` and the held-out loss of every candidate."""
@@ -116,8 +120,8 @@ class RanPACHead:
         self.gamma_min_exp = int(gamma_min_exp)
         self.gamma_max_exp = int(gamma_max_exp)
         self.holdout = float(holdout)
-        if selection not in ("accumulated", "task"):
-            raise ValueError(f"selection must be 'accumulated' or 'task', got {selection!r}")
+        if selection not in GAMMA_SELECTIONS:
+            raise ValueError(f"selection must be one of {GAMMA_SELECTIONS}, got {selection!r}")
         self.selection = selection
         self.seed = int(seed)
         self.dtype = dtype

@@ -1,121 +1,120 @@
 """Registered methods: PROTEUS, its ablations and the baselines of Sec. 5 and the Appendix.
 
-A method is configuration over the same parts (adapters, signatures, head, retrieval), so every
-ablation is a few lines here rather than a copy of the learner (Mammoth style: methods register
-themselves with a name; ``proteus run --method NAME``).
+A method is a declaration: which strategies it uses and which settings it overrides, as dotted config
+keys (the strategies are resolved from their registries when the estimator is built:
+``retrieval.mode`` -> :data:`~proteus.engine.compositions.COMPOSITIONS`, ``signature.keys`` ->
+:data:`~proteus.engine.keys.KEYS`, ``adapter.s_update`` -> :data:`~proteus.engine.trainer.S_UPDATES`,
+``train.tasks`` -> :data:`~proteus.engine.compositions.TRAIN_SCHEDULES`). ``proteus run --method NAME``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from proteus.config import RunConfig
+from proteus.config import RunConfig, merge
 from proteus.registry import Registry
 
-METHODS: Registry[Callable[[RunConfig], None]] = Registry("method")
+__all__ = ["METHODS", "Method", "apply_method", "declare"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method: its name, a one-line description and its config overrides (dotted keys)."""
+
+    name: str
+    help: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def nested(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in self.overrides.items():
+            section, _, name = key.partition(".")
+            out.setdefault(section, {})[name] = value
+        return out
+
+
+METHODS: Registry[Method] = Registry("method")
+
+
+def declare(name: str, help: str, **overrides: Any) -> Method:
+    """Register a method; keyword names are config keys with ``__`` for the dot (``train__tasks``)."""
+    m = Method(name, help, {k.replace("__", "."): v for k, v in overrides.items()})
+    METHODS.register(name, help=help)(m)
+    return m
 
 
 def apply_method(cfg: RunConfig, name: str) -> RunConfig:
-    METHODS.get(name)(cfg)
+    merge(cfg, METHODS.get(name).nested())
     cfg.method = name
     return cfg
 
 
-def _paper_signature(cfg: RunConfig) -> None:
-    s = cfg.signature
-    s.method, s.covariance, s.normalize, s.score, s.calibrate = "dpgmm", "full", "none", "nll", "none"
+_PAPER_SIGNATURE = dict(
+    signature__method="dpgmm", signature__covariance="full", signature__normalize="none",
+    signature__score="nll", signature__calibrate="none",
+)  # fmt: skip
 
-
-@METHODS.register("proteus", help="PROTEUS (Alg. 1-2): adaptive LoRA + DP-GMM signatures + LDA head")
-def proteus(cfg: RunConfig) -> None:
-    pass
-
-
-@METHODS.register(
-    "proteus-paper", help="PROTEUS exactly as the paper: raw embeddings, full-covariance DP-GMM NLL"
+declare("proteus", "PROTEUS (Alg. 1-2): adaptive LoRA + DP-GMM signatures + LDA head")
+declare(
+    "proteus-paper",
+    "PROTEUS exactly as the paper: raw embeddings, full-covariance DP-GMM NLL",
+    **_PAPER_SIGNATURE,
 )
-def proteus_paper(cfg: RunConfig) -> None:
-    _paper_signature(cfg)
-
-
-@METHODS.register(
-    "proteus-flda", help="PROTEUS with frozen-feature LDA task retrieval (beyond the paper)"
+declare(
+    "proteus-flda",
+    "PROTEUS with frozen-feature LDA task retrieval (beyond the paper)",
+    signature__keys="frozen-lda",
 )
-def proteus_flda(cfg: RunConfig) -> None:
-    cfg.signature.keys = "frozen-lda"
-
-
-@METHODS.register(
+declare(
     "proteus-lda",
-    help="PROTEUS with LDA task keys on L2-normalised first-adapter embeddings (beyond the paper)",
+    "PROTEUS with LDA task keys on L2-normalised first-adapter embeddings (beyond the paper)",
+    signature__keys="first-adapter-lda",
+    signature__normalize="l2",
 )
-def proteus_lda(cfg: RunConfig) -> None:
-    cfg.signature.keys = "first-adapter-lda"
-    cfg.signature.normalize = "l2"
-
-
-@METHODS.register("ranpac", help="RanPAC: adapter trained on the first task only, LDA head, no retrieval")
-def ranpac(cfg: RunConfig) -> None:
-    cfg.train.tasks = "first"
-    cfg.adapter.transfer = "zero"
-    cfg.retrieval.mode = "first"
-
-
-@METHODS.register(
-    "last-lora", help="PROTEUS adapters without retrieval: the most recent adapter (InfLoRA/SD-LoRA)"
+declare(
+    "ranpac",
+    "RanPAC: adapter trained on the first task only, LDA head, no retrieval",
+    train__tasks="first",
+    adapter__transfer="zero",
+    retrieval__mode="first",
 )
-def last_lora(cfg: RunConfig) -> None:
-    cfg.retrieval.mode = "last"
-
-
-@METHODS.register("frozen", help="frozen backbone + LDA head (lower reference)")
-def frozen(cfg: RunConfig) -> None:
-    cfg.adapter.enabled = False
-    cfg.train.tasks = "none"
-    cfg.retrieval.mode = "none"
-
-
-@METHODS.register(
-    "proteus-s0", help="ablation: S = 0 and no orthogonality (no knowledge transfer; MELO-like)"
+declare(
+    "last-lora",
+    "PROTEUS adapters without retrieval: the most recent adapter (InfLoRA/SD-LoRA)",
+    retrieval__mode="last",
 )
-def proteus_s0(cfg: RunConfig) -> None:
-    cfg.adapter.transfer = "zero"
-    cfg.adapter.orthogonal = False
-
-
-@METHODS.register("proteus-si", help="ablation: S = I (every old direction reused in full)")
-def proteus_si(cfg: RunConfig) -> None:
-    cfg.adapter.transfer = "identity"
-
-
-@METHODS.register("proteus-lambda0", help="ablation: no elastic-net penalty on S (lambda = 0)")
-def proteus_lambda0(cfg: RunConfig) -> None:
-    cfg.adapter.lam = 0.0
-
-
-@METHODS.register("proteus-kmeans", help="ablation: K-means signatures (K = 20) instead of the DP-GMM")
-def proteus_kmeans(cfg: RunConfig) -> None:
-    cfg.signature.method = "kmeans"
-    cfg.signature.max_components = 20
-
-
-@METHODS.register("proteus-top3", help="ablation: top-3 Gaussian retrieval")
-def proteus_top3(cfg: RunConfig) -> None:
-    cfg.retrieval.top_k = 3
-
-
-@METHODS.register("proteus-top5", help="ablation: top-5 Gaussian retrieval")
-def proteus_top5(cfg: RunConfig) -> None:
-    cfg.retrieval.top_k = 5
-
-
-@METHODS.register("proteus-all-units", help="ablation: S = 0, all units summed, no retrieval (O-LoRA-like)")
-def proteus_all_units(cfg: RunConfig) -> None:
-    cfg.adapter.transfer = "zero"
-    cfg.retrieval.mode = "all-units"
-
-
-@METHODS.register("proteus-budget", help="budget-constrained rank schedule r_m = r_0 exp(-0.05 (m-1))")
-def proteus_budget(cfg: RunConfig) -> None:
-    if cfg.adapter.budget_decay is None:
-        cfg.adapter.budget_decay = 0.05
+declare(
+    "frozen",
+    "frozen backbone + LDA head (lower reference)",
+    adapter__enabled=False,
+    train__tasks="none",
+    retrieval__mode="none",
+)
+declare(
+    "proteus-s0",
+    "ablation: S = 0 and no orthogonality (no knowledge transfer; MELO-like)",
+    adapter__transfer="zero",
+    adapter__orthogonal=False,
+)
+declare("proteus-si", "ablation: S = I (every old direction reused in full)", adapter__transfer="identity")
+declare("proteus-lambda0", "ablation: no elastic-net penalty on S (lambda = 0)", adapter__lam=0.0)
+declare(
+    "proteus-kmeans",
+    "ablation: K-means signatures (K = 20) instead of the DP-GMM",
+    signature__method="kmeans",
+    signature__max_components=20,
+)
+declare("proteus-top3", "ablation: top-3 Gaussian retrieval", retrieval__top_k=3)
+declare("proteus-top5", "ablation: top-5 Gaussian retrieval", retrieval__top_k=5)
+declare(
+    "proteus-all-units",
+    "ablation: S = 0, all units summed, no retrieval (O-LoRA-like)",
+    adapter__transfer="zero",
+    retrieval__mode="all-units",
+)
+declare(
+    "proteus-budget",
+    "budget-constrained rank schedule r_m = r_0 exp(-0.05 (m-1))",
+    adapter__budget_decay=0.05,
+)

@@ -27,16 +27,29 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from proteus.config import ReportConfig
+from proteus.estimator import Proteus
 from proteus.metrics import confusion_matrix
 from proteus.signatures.theory import theory_report
+from proteus.streams import TaskStream
 
 log = logging.getLogger("proteus")
+
+
+class Evaluator(Protocol):
+    """What the analyses read of an evaluation (:class:`proteus.experiment.evaluate.Evaluator`): cached
+    test embeddings and the last retrieval."""
+
+    def embedding(self, tau: int, kind: str, j: int | None) -> torch.Tensor: ...
+
+    def labels(self, tau: int) -> torch.Tensor: ...
+
+    def retrieved(self, tau: int) -> torch.Tensor: ...
 
 __all__ = [
     "analyse_run",
@@ -70,17 +83,6 @@ def _mean(values: list[float], weights: list[float] | None = None) -> float | No
 
 
 # ====================================================================== Sec. 3.2
-def _retrieved(learner: Any, evaluator: Any, k: int) -> torch.Tensor:
-    res = evaluator.last_retrieval.get(k)
-    if res is None or res.task.numel() != evaluator.labels(k).numel():
-        H = torch.stack([evaluator.embedding(k, "task", j) for j in range(learner.num_adapters)])
-        if getattr(learner, "uses_frozen_keys", False):  # signature.keys "frozen" / "adapter+frozen"
-            res = learner.retrieve_embeddings(H, evaluator.embedding(k, "task", None))
-        else:
-            res = learner.retrieve_embeddings(H)
-    return res.task.cpu()
-
-
 class _SignatureSpace:
     """Rows of a cached embedding matrix in the signature's space (L2-normalised where it normalises),
     normalised only when selected, so the n^2 cached test embeddings are not copied."""
@@ -102,20 +104,20 @@ class _SignatureSpace:
 
 
 @torch.no_grad()
-def theory_analysis(learner: Any, evaluator: Any) -> dict[str, Any] | None:
+def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None:
     """Theorem 3.5 / 3.6 quantities per (task, component) on the test sets; None without retrieval.
 
     Returns ``{"components": [...], "per_task": [...], "summary": {...}}``; tasks and components are
     0-based, ``min_delta`` / ``delta_ok`` are None where Theorem 3.6 gives no finite value. The theorems
-    are about the adapter keys ``h_i(x)`` (``learner.signatures_``); None when a task has none. With
+    are about the adapter keys ``h_i(x)`` (``clf.keys_.adapter_signatures``); None when a task has none. With
     ``signature.keys`` other than "adapter", delta, kappa and sigma^2 are still those of the adapter keys
     while the error is the measured one of the rule that retrieved.
     """
-    if not learner.uses_retrieval:
+    if not clf.uses_retrieval:
         return None
-    n = learner.num_tasks
-    sigs = learner.signatures_[:n]
-    if n != learner.num_adapters or any(s is None for s in sigs):
+    n = clf.num_tasks
+    sigs = clf.keys_.adapter_signatures[:n]
+    if n != clf.num_adapters or len(sigs) != n or any(s is None for s in sigs):
         return None
     d = int(sigs[0].d)
     maha = [
@@ -123,7 +125,7 @@ def theory_analysis(learner: Any, evaluator: Any) -> dict[str, Any] | None:
         for k in range(n)
     ]
     logdets = [s.logdets().double().cpu() for s in sigs]
-    retrieved = [_retrieved(learner, evaluator, k) for k in range(n)]
+    retrieved = [evaluator.retrieved(k) for k in range(n)]
     emb = [[_SignatureSpace(evaluator.embedding(k, "task", i), sigs[i]) for i in range(n)] for k in range(n)]
     rep = theory_report(maha, logdets, d, retrieved=retrieved, embeddings=emb)  # type: ignore[arg-type]
     rep_z = theory_report(maha, logdets, d, retrieved=retrieved)
@@ -181,22 +183,22 @@ def theory_analysis(learner: Any, evaluator: Any) -> dict[str, Any] | None:
 
 
 # ====================================================================== retrieval
-def retrieval_confusion(learner: Any, evaluator: Any) -> list[list[int]] | None:
+def retrieval_confusion(clf: Proteus, evaluator: Evaluator) -> list[list[int]] | None:
     """(m, m) counts of the final evaluation: row = true task, column = retrieved task; None without
     retrieval."""
-    if not learner.uses_retrieval:
+    if not clf.uses_retrieval:
         return None
-    n = learner.num_tasks
-    retrieved = [_retrieved(learner, evaluator, k) for k in range(n)]
+    n = clf.num_tasks
+    retrieved = [evaluator.retrieved(k) for k in range(n)]
     true = [torch.full_like(r, k) for k, r in enumerate(retrieved)]
     cm = confusion_matrix(torch.cat(retrieved), torch.cat(true), n)
     return cm.tolist()
 
 
 # ====================================================================== adapters
-def transfer_matrices(learner: Any) -> dict[str, Any] | None:
+def transfer_matrices(clf: Proteus) -> dict[str, Any] | None:
     """Fig. 8: per task k >= 2 (1-based) and adapted map, the S coefficients over older directions."""
-    model = learner.model_
+    model = clf.model_
     if not model.units or model.num_tasks < 2:
         return None
     names = list(model.units)
@@ -208,9 +210,9 @@ def transfer_matrices(learner: Any) -> dict[str, Any] | None:
     return {"units": names, "ranks": ranks, "tasks": per_task}
 
 
-def cosine_analysis(learner: Any) -> tuple[dict[str, Any] | None, dict[str, list[list[float]]] | None]:
+def cosine_analysis(clf: Proteus) -> tuple[dict[str, Any] | None, dict[str, list[list[float]]] | None]:
     """Figs. 9-10: ``(summary, per-map (m, m) cosine matrices)``; (None, None) without adapters."""
-    model = learner.model_
+    model = clf.model_
     if not model.units or model.num_tasks < 1:
         return None, None
     cos = model.unit_cosines()
@@ -234,14 +236,14 @@ def latency_points(n: int, points: int) -> list[int]:
     return sorted({int(round(v)) for v in np.linspace(1, n, min(k, n))})
 
 
-def _batch(stream: Any, learner: Any, size: int) -> torch.Tensor:
+def _batch(stream: TaskStream, clf: Proteus, size: int) -> torch.Tensor:
     images = []
     for task in stream.tasks:
         for i in range(len(task.test)):
             images.append(task.test[i][0])
             if len(images) >= size:
-                return learner.transform_images(images)
-    return learner.transform_images(images)
+                return clf.transform_images(images)
+    return clf.transform_images(images)
 
 
 #: seconds of repetitions per m after which no further repetition is timed
@@ -254,31 +256,31 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def measure_latency(learner: Any, stream: Any, rc: ReportConfig) -> dict[str, Any] | None:
+def measure_latency(clf: Proteus, stream: TaskStream, rc: ReportConfig) -> dict[str, Any] | None:
     """Seconds per ``predict`` on one batch with the first m tasks: the median of ``rc.latency_repeats``
     calls, fewer when they add up to more than 2 s (at least one), after one warm-up call."""
-    n = learner.num_tasks
-    if n == 0 or learner.head_ is None:
+    n = clf.num_tasks
+    if n == 0 or clf.head_ is None:
         return None
-    x = _batch(stream, learner, rc.latency_batch)
+    x = _batch(stream, clf, rc.latency_batch)
     ms = latency_points(n, rc.latency_points)
-    learner.predict(x, num_tasks=ms[-1])  # warm-up (allocations, kernels)
+    clf.predict(x, num_tasks=ms[-1])  # warm-up (allocations, kernels)
     seconds = []
     for m in ms:
         times: list[float] = []
         # repeat while cheap: slow calls (a ViT-B on a CPU) are timed fewer times, at least once
         while len(times) < max(1, rc.latency_repeats) and sum(times) < _LATENCY_BUDGET_S:
-            _sync(learner.device)
+            _sync(clf.device_)
             t0 = time.perf_counter()
-            learner.predict(x, num_tasks=m)
-            _sync(learner.device)
+            clf.predict(x, num_tasks=m)
+            _sync(clf.device_)
             times.append(time.perf_counter() - t0)
         seconds.append(float(np.median(times)))
     return {
         "batch_size": int(x.shape[0]),
-        "device": str(learner.device),
+        "device": str(clf.device_),
         "threads": torch.get_num_threads(),
-        "retrieval": bool(learner.uses_retrieval),
+        "retrieval": bool(clf.uses_retrieval),
         "m": ms,
         "seconds": seconds,
     }
@@ -286,7 +288,7 @@ def measure_latency(learner: Any, stream: Any, rc: ReportConfig) -> dict[str, An
 
 # ====================================================================== all of it
 def analyse_run(
-    learner: Any, evaluator: Any, stream: Any, rc: ReportConfig, latency: bool = True
+    clf: Proteus, evaluator: Evaluator, stream: TaskStream, rc: ReportConfig, latency: bool = True
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(results.json keys, analysis.json content)`` for a finished run.
 
@@ -311,14 +313,14 @@ def analyse_run(
             log.info("report: %s took %.2f s", name, time.perf_counter() - t0)
 
     if rc.theory:
-        keys["theory"] = attempt("theory", lambda: theory_analysis(learner, evaluator))
-    keys["retrieval_confusion"] = attempt("confusion", lambda: retrieval_confusion(learner, evaluator))
-    bulky["transfer"] = attempt("transfer matrices", lambda: transfer_matrices(learner))
-    cos = attempt("unit cosines", lambda: cosine_analysis(learner))
+        keys["theory"] = attempt("theory", lambda: theory_analysis(clf, evaluator))
+    keys["retrieval_confusion"] = attempt("confusion", lambda: retrieval_confusion(clf, evaluator))
+    bulky["transfer"] = attempt("transfer matrices", lambda: transfer_matrices(clf))
+    cos = attempt("unit cosines", lambda: cosine_analysis(clf))
     if cos is not None:
         keys["orthogonality"], bulky["unit_cosines"] = cos
     if rc.latency and latency:
-        keys["latency"] = attempt("latency", lambda: measure_latency(learner, stream, rc))
+        keys["latency"] = attempt("latency", lambda: measure_latency(clf, stream, rc))
     if errors:
         keys["report_errors"] = errors
     return keys, bulky

@@ -49,7 +49,7 @@ from proteus.config import SignatureConfig
 from proteus.signatures.dpgmm import DPGMM, PosteriorFactors, SignatureFitError, check_finite_rows, kmeans
 from proteus.signatures.gaussian import GaussianComponents
 
-__all__ = ["Signature", "fit_signature"]
+__all__ = ["CHOICES", "Signature", "fit_signature"]
 
 _PRIOR_RIDGE = 1e-3
 _MIN_WEIGHT = 1e-3
@@ -63,6 +63,15 @@ _SCORES = ("nll", "mahalanobis")
 _CALIBRATE = ("none", "standardize")
 _STORAGE = ("float32", "float16")
 _COVARIANCES = ("full", "ppca", "shared")
+#: allowed values of the ``signature.*`` config keys, declared once
+CHOICES = {
+    "method": _METHODS,
+    "normalize": _NORMALIZE,
+    "score": _SCORES,
+    "calibrate": _CALIBRATE,
+    "storage_dtype": _STORAGE,
+    "covariance": _COVARIANCES,
+}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

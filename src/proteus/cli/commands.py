@@ -1,0 +1,325 @@
+"""The ``proteus`` subcommands: each turns its arguments into library calls and prints the outcome."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from proteus.config import RunConfig
+
+
+class UsageError(ValueError):
+    """A command line that cannot be carried out (exit code 2)."""
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    o: dict[str, Any] = {"benchmark": {}, "backbone": {}}
+    for key, dest in (("data", "data"), ("tasks_file", "tasks_file"), ("num_tasks", "num_tasks")):
+        if getattr(args, key, None) is not None:
+            o["benchmark"][dest] = getattr(args, key)
+    if getattr(args, "backbone", None):
+        o["backbone"]["name"] = args.backbone
+    if getattr(args, "weights", None):
+        o["backbone"]["weights"] = args.weights
+    if getattr(args, "seed", None) is not None:
+        o["seed"] = args.seed
+    if getattr(args, "device", None):
+        o["device"] = args.device
+    return o
+
+
+def _config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
+    from proteus.presets import resolve_config
+
+    return resolve_config(
+        benchmark=args.benchmark,
+        method=method or getattr(args, "method", "proteus") or "proteus",
+        config_files=args.config,
+        sets=args.set,
+        overrides=_overrides(args),
+    )
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The config keys this command line sets explicitly (flat, dotted): what ``learn`` checks against an
+    existing knowledge base. A packaged preset given as --benchmark only names the benchmark."""
+    from proteus.config import flatten, load_yaml, parse_set
+    from proteus.presets import packaged_config
+
+    given: dict[str, Any] = {}
+    if args.benchmark:
+        preset = packaged_config(args.benchmark)
+        name = (load_yaml(preset).get("benchmark") or {}).get("name") if preset else None
+        given["benchmark.name"] = name or args.benchmark
+    for f in args.config:
+        path = Path(f) if Path(f).is_file() else packaged_config(f)
+        given.update(flatten(load_yaml(path if path is not None else f)))
+    given.update(flatten(parse_set(args.set)))
+    given.update(flatten(_overrides(args)))
+    if args.method:
+        given["method"] = args.method
+    return given
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from proteus.experiment import format_table, run
+
+    cfg = _config(args)
+    out = Path(args.out or f"runs/{cfg.benchmark.name}-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+    _check_out_dir(out, "--out", allow_existing_dir=True)
+    res = run(cfg, out, progress=not args.quiet)
+    if _is_main():
+        print(format_table(res))
+        print(f"results: {out / 'results.json'}")
+    return 0
+
+
+def _check_out_dir(out: Path, flag: str, allow_existing_dir: bool = False) -> None:
+    """Refuse an output path that is a file, or (unless allowed) an existing non-empty directory, before
+    any work starts."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{flag} {out}: is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()) and not allow_existing_dir:
+        raise UsageError(f"{flag} {out}: exists and is not empty; choose a new directory")
+
+
+def _is_main() -> bool:
+    """False on the non-zero ranks of a torchrun launch (they print nothing)."""
+    from proteus.distributed import is_main
+
+    return is_main()
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    args.benchmark = "quickstart"
+    for k in ("data", "tasks_file", "num_tasks", "backbone", "weights", "seed", "device"):
+        setattr(args, k, getattr(args, k, None))
+    args.config, args.set = getattr(args, "config", []), getattr(args, "set", [])
+    if args.out and Path(args.out, "kb", "manifest.json").exists():
+        import shutil
+
+        shutil.rmtree(args.out)  # the quickstart is a demo: rerunning it replaces its own output
+    return cmd_run(args)
+
+
+def cmd_learn(args: argparse.Namespace) -> int:
+    from proteus.experiment.learn import learn_task
+
+    kb_dir = Path(args.kb)
+    out = learn_task(
+        kb_dir,
+        args.task,
+        lambda: _config(args),
+        _given(args),
+        evaluate=not args.no_eval,
+        progress=not args.quiet,
+    )
+    if not _is_main():
+        return 0
+    if out.already:
+        print(
+            f"{kb_dir}: task {args.task} is already learned ({out.kb_tasks} tasks in the KB); nothing to do"
+        )
+        return 0
+    msg = f"learned task {args.task}/{out.num_tasks} into {kb_dir}"
+    if out.evaluation is not None:
+        msg += f"; accuracy per task {[round(a, 2) for a in out.evaluation.row]}"
+        if out.evaluation.retrieval_acc is not None:
+            msg += f", retrieval {out.evaluation.retrieval_acc:.2f}%"
+    else:
+        msg += " (not evaluated: --no-eval)"
+    print(msg)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from proteus.estimator import Proteus
+    from proteus.experiment import Evaluator, build_results, format_table
+    from proteus.experiment.learn import check_learned_tasks
+    from proteus.kb import KBError, KnowledgeBase
+    from proteus.streams import build_benchmark
+
+    if args.out:
+        _check_out_dir(Path(args.out), "--out")
+    kb = KnowledgeBase.open(args.kb)
+    clf = Proteus.from_kb(kb, progress=not args.quiet, device=args.device)
+    cfg = clf.config
+    if args.benchmark and args.benchmark != cfg.benchmark.name:
+        raise KBError(
+            f"{args.kb}: knowledge base was built on benchmark {cfg.benchmark.name!r}, not {args.benchmark!r}"
+        )
+    if args.data:
+        cfg.benchmark.data = args.data
+    if args.tasks_file:
+        cfg.benchmark.tasks_file = args.tasks_file
+    stream = build_benchmark(cfg.benchmark)
+    check_learned_tasks(kb, stream)
+    t0 = time.perf_counter()
+    n = clf.num_tasks
+    ev = Evaluator(clf, stream).evaluate(n - 1).to_dict()
+    stored = list(kb.manifest.get("evaluation", []))
+    complete = len(stored) >= n - 1
+    evaluation = (stored[: n - 1] if complete else []) + [ev]
+    res = build_results(cfg, stream, evaluation, time.perf_counter() - t0)
+    res["num_tasks_learned"] = n
+    res["evaluated_after"] = list(range(1, n + 1)) if complete else [n]
+    print(format_table(res))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        path = Path(args.out) / "results.json"
+        path.write_text(json.dumps(res, indent=1))
+        print(f"results: {path}")
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    import torch
+
+    from proteus.estimator import Proteus
+    from proteus.images import describe_skipped, load_images
+    from proteus.kb import KBError
+
+    clf = Proteus.load(args.kb, device=args.device)
+    if clf.num_tasks == 0:
+        raise KBError(f"{args.kb}: the knowledge base holds no task yet; learn task 1 first (proteus learn)")
+    max_pixels = args.max_pixels or clf.config.eval.max_image_pixels
+    images, kept, skipped = load_images(
+        args.images, max_pixels=max_pixels, skip_unreadable=args.skip_unreadable
+    )
+    if skipped:
+        print(describe_skipped(skipped), file=sys.stderr)
+    names = clf.class_names()
+    rows = []
+    bs = clf.config.eval.batch_size
+    for i in range(0, len(images), bs):
+        x = clf.transform_images(images[i : i + bs])
+        p = clf.predict(x)
+        probs = torch.softmax(p.logits, 1)
+        for j in range(len(x)):
+            c = int(p.label[j])
+            rows.append(
+                {
+                    "file": kept[i + j],
+                    "class": names[c],
+                    "label": c,
+                    "head_score": float(p.logits[j, c]),
+                    "head_softmax": float(probs[j, c]),
+                    "task": None if p.task is None else int(p.task[j]) + 1,
+                    "component": None if p.component is None else int(p.component[j]),
+                    "signature_score": None if p.score is None else float(p.score[j]),
+                }
+            )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            ret = (
+                ""
+                if r["task"] is None
+                else f"  task {r['task']} component {r['component']} "
+                f"(signature score {r['signature_score']:.2f})"
+            )
+            print(f"{r['file']}: {r['class']}{ret}")
+    return 0 if images or not skipped else 2
+
+
+def cmd_kb(args: argparse.Namespace) -> int:
+    """``proteus kb verify | info | list KB``."""
+    import proteus.kb as kbmod
+
+    if args.action == "verify":
+        problems = kbmod.problems(args.kb)
+        for p in problems:
+            print(p)
+        print(f"{args.kb}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        return 0 if not problems else 1
+    info = kbmod.info(kbmod.KnowledgeBase.open(args.kb))
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    mb = info["total_bytes"] / 1e6
+    print(
+        f"{info['root']}: {info['method']} on {info['benchmark']}, backbone {info['backbone_name']}, "
+        f"{info['num_tasks']} task(s), {mb:.2f} MB (format {info['format_version']})"
+    )
+    for t in info["tasks"]:
+        settings = ", ".join(f"{k}={v}" for k, v in (t.get("settings") or {}).items())
+        line = (
+            f"  task {t['index'] + 1}: {len(t['classes'])} classes {t['class_names']}, {t['n_train']} images"
+        )
+        line += f", learned {t['learned']}" if t.get("learned") else ""
+        print(line + (f"; {settings}" if settings and args.action == "info" else ""))
+    if args.action == "info":
+        print(f"  created {info['created']}, updated {info['updated']}, proteus {info['proteus_version']}")
+        print(f"  backbone {json.dumps(info['backbone'])}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from proteus.experiment.compare import compare
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    seeds = [int(s) for s in str(args.seeds).split(",")]
+    out = Path(args.out or f"runs/compare-{args.benchmark}-{time.strftime('%Y%m%d-%H%M%S')}")
+    compare(
+        lambda method, seed: _config(_with(args, method=method, seed=seed), method),
+        methods,
+        seeds,
+        out,
+        progress=not args.quiet,
+    )
+    return 0
+
+
+def _with(args: argparse.Namespace, **kw: Any) -> argparse.Namespace:
+    d = dict(vars(args))
+    d.update(kw)
+    return argparse.Namespace(**d)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """A thin entry into the performance harness, which lives outside the package (tools/perf/)."""
+    perf = Path(__file__).resolve().parents[3] / "tools" / "perf"
+    if not (perf / "harness.py").is_file():
+        raise UsageError(
+            "proteus bench runs the performance harness of a source checkout (tools/perf/), which this "
+            "installation does not have: clone the repository and run `python tools/perf/run.py`"
+        )
+    sys.path.insert(0, str(perf))
+    from harness import main as bench_main  # type: ignore[import-not-found]
+
+    return int(bench_main(args))
+
+
+def cmd_weights(args: argparse.Namespace) -> int:
+    from proteus.backbones.weights import fetch
+
+    path = fetch(args.name)
+    print(f"{args.name}: {path}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from proteus.streams.abrupt import build_abrupt_sequence
+
+    out = build_abrupt_sequence(Path(args.cifar), Path(args.out), seed=args.seed)
+    print(f"abrupt sequence written to {out}: use --benchmark folder --data {out} --tasks {out}/tasks.yaml")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from proteus.backbones import BACKBONES
+    from proteus.methods import METHODS
+    from proteus.streams import BENCHMARKS
+
+    reg = {"backbones": BACKBONES, "benchmarks": BENCHMARKS, "methods": METHODS}
+    for kind in [args.what] if args.what else list(reg):
+        print(f"{kind}:")
+        for name, doc in reg[kind].describe().items():
+            print(f"  {name:<22} {doc}")
+    return 0

@@ -1,0 +1,175 @@
+"""The ``proteus`` argument parser: every command, flag and example."""
+
+from __future__ import annotations
+
+import argparse
+
+from proteus.cli.commands import (
+    cmd_bench,
+    cmd_compare,
+    cmd_data,
+    cmd_evaluate,
+    cmd_kb,
+    cmd_learn,
+    cmd_list,
+    cmd_predict,
+    cmd_quickstart,
+    cmd_run,
+    cmd_weights,
+)
+
+EPILOG = """\
+examples:
+  proteus quickstart                                   # offline demo: digits, 5 tasks, MobileNetV2
+  proteus run --benchmark cifar10 --data ../shared/data/cifar10-subset --config mobilenet_cpu
+  proteus run --benchmark cifar100 --data ~/data --method ranpac --set adapter.rank=16
+  proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 1      # one task per process
+  proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 2 --wait   # wait for another writer
+  proteus predict --kb kb/ img1.jpg img2.png --json
+  proteus kb verify kb/ && proteus kb info kb/
+  proteus compare --benchmark quickstart --methods proteus,ranpac,frozen --seeds 0,1,2
+  proteus list methods
+"""
+
+
+def _add_run_args(p: argparse.ArgumentParser, benchmark_required: bool = True) -> None:
+    p.add_argument(
+        "--benchmark",
+        required=benchmark_required,
+        help="benchmark name (see `proteus list benchmarks`) or a packaged preset such as cifar100-50 "
+        "(docs/experiments.md)",
+    )
+    p.add_argument("--data", help="dataset root (for `folder`: an ImageFolder root with train/ and test/)")
+    p.add_argument("--tasks", dest="tasks_file", help="task spec YAML for the `folder` benchmark")
+    p.add_argument("--num-tasks", type=int, help="number of tasks (where the benchmark allows several)")
+    p.add_argument("--backbone", help="backbone name (see `proteus list backbones`)")
+    p.add_argument(
+        "--weights", help="local backbone weights (.safetensors or .pth, loaded with weights_only)"
+    )
+    p.add_argument(
+        "--config", action="append", default=[], help="YAML config file or packaged preset (repeatable)"
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--seed", type=int, help="seed (class order stays benchmark.class_order_seed)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: auto)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="proteus",
+        description="Continual fine-tuning of pre-trained vision backbones with provably accurate, "
+        "parameter-free task retrieval (PROTEUS).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="run a method over a whole task stream in one process")
+    _add_run_args(r)
+    r.add_argument("--method", default="proteus", help="method name (see `proteus list methods`)")
+    r.add_argument("--out", help="run directory (default runs/<benchmark>-<method>-<time>)")
+    r.set_defaults(func=cmd_run)
+
+    q = sub.add_parser("quickstart", help="offline demo: digits in 5 tasks on MobileNetV2 (ImageNet weights)")
+    q.add_argument("--out", default="runs/quickstart")
+    q.add_argument("--method", default="proteus")
+    q.add_argument("--config", action="append", default=[])
+    q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    q.add_argument("-q", "--quiet", action="store_true")
+    q.set_defaults(func=cmd_quickstart)
+
+    lr = sub.add_parser("learn", help="learn task K into a knowledge base left by task K-1 (fresh process)")
+    _add_run_args(lr)
+    lr.add_argument("--kb", required=True, help="knowledge base directory")
+    lr.add_argument("--task", type=int, required=True, help="task number, 1-based")
+    lr.add_argument("--method", default=None, help="method (only when creating the knowledge base)")
+    lr.add_argument("--no-eval", action="store_true", help="skip the evaluation after the task")
+    lr.add_argument(
+        "--wait",
+        nargs="?",
+        type=float,
+        const=-1.0,
+        default=0.0,
+        metavar="SECONDS",
+        help="when another process is writing to the KB, wait for it (as long as it takes, or SECONDS) "
+        "instead of failing at once",
+    )
+    lr.set_defaults(func=cmd_learn)
+
+    ev = sub.add_parser("evaluate", help="evaluate a knowledge base on the test sets of its tasks")
+    ev.add_argument("--kb", required=True)
+    ev.add_argument("--benchmark", help="(checked against the knowledge base)")
+    ev.add_argument("--data")
+    ev.add_argument("--tasks", dest="tasks_file")
+    ev.add_argument("--out", help="write results.json here")
+    ev.add_argument("--device")
+    ev.add_argument("-q", "--quiet", action="store_true")
+    ev.set_defaults(func=cmd_evaluate)
+
+    pr = sub.add_parser("predict", help="classify image files: class, retrieved task and component, scores")
+    pr.add_argument("--kb", required=True)
+    pr.add_argument("images", nargs="+", help="image files")
+    pr.add_argument("--json", action="store_true", help="print JSON")
+    pr.add_argument("--device")
+    pr.add_argument(
+        "--skip-unreadable", action="store_true", help="report unreadable files and go on with the rest"
+    )
+    pr.add_argument(
+        "--max-pixels", type=int, help="refuse larger images before decoding (default eval.max_image_pixels)"
+    )
+    pr.set_defaults(func=cmd_predict)
+
+    c = sub.add_parser(
+        "compare", help="run several methods on one split and print a Table-1-style comparison"
+    )
+    _add_run_args(c)
+    c.add_argument("--methods", required=True, help="comma-separated method names")
+    c.add_argument("--seeds", default="0", help="comma-separated seeds (mean and std over them)")
+    c.add_argument("--out", help="output directory")
+    c.set_defaults(func=cmd_compare)
+
+    b = sub.add_parser("bench", help="performance harness: ratios measured side by side in one process")
+    b.add_argument("--out", help="write the JSON report here")
+    b.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
+    b.add_argument("--device", default="auto")
+    b.set_defaults(func=cmd_bench)
+
+    w = sub.add_parser("weights", help="provision pretrained weights into the torch hub cache")
+    wsub = w.add_subparsers(dest="action", required=True)
+    wf = wsub.add_parser("fetch", help="download (or obtain offline) and verify weights")
+    wf.add_argument("name", help="backbone name, e.g. mobilenet_v2")
+    wf.set_defaults(func=cmd_weights)
+
+    d = sub.add_parser("data", help="build datasets from local material")
+    dsub = d.add_subparsers(dest="action", required=True)
+    da = dsub.add_parser("abrupt", help="CIFAR-10 classes alternating with handwritten digits (5 tasks)")
+    da.add_argument(
+        "--cifar", required=True, help="CIFAR-10 ImageFolder root (e.g. ../shared/data/cifar10-subset)"
+    )
+    da.add_argument("--out", required=True)
+    da.add_argument("--seed", type=int, default=0)
+    da.set_defaults(func=cmd_data)
+
+    k = sub.add_parser(
+        "kb",
+        help="inspect a knowledge base: verify every checksum, show its tasks and settings",
+        epilog="examples:\n  proteus kb verify kb/\n  proteus kb info kb/\n  proteus kb list kb/ --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ksub = k.add_subparsers(dest="action", required=True)
+    for action, text in (
+        ("verify", "check the manifest and every object's checksum; list every problem (exit 1 if any)"),
+        ("info", "backbone, method, tasks, classes, sizes and per-task settings"),
+        ("list", "one line per learned task"),
+    ):
+        kp = ksub.add_parser(action, help=text)
+        kp.add_argument("kb", help="knowledge base directory")
+        kp.add_argument("--json", action="store_true", help="print JSON (info, list)")
+        kp.set_defaults(func=cmd_kb)
+
+    ls = sub.add_parser("list", help="list backbones, benchmarks or methods")
+    ls.add_argument("what", nargs="?", choices=["backbones", "benchmarks", "methods"])
+    ls.set_defaults(func=cmd_list)
+    return p

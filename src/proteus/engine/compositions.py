@@ -1,0 +1,57 @@
+"""Which adapters a method trains, and which composition of them embeds an input (Eq. 9, Alg. 2).
+
+Two registries, one per config key:
+
+* :data:`TRAIN_SCHEDULES` (``train.tasks``): ``all`` (PROTEUS: every task trains its adapter),
+  ``first`` (RanPAC: only task 1), ``none`` (a frozen backbone);
+* :data:`COMPOSITIONS` (``retrieval.mode``): ``signature`` (PROTEUS: the retrieved task's own adapter),
+  ``first`` (RanPAC), ``last`` (InfLoRA / SD-LoRA style: the most recent adapter), ``all-units`` (every
+  unit up to the task summed, O-LoRA-like), ``none`` (the frozen backbone).
+
+A composition answers two questions: whether inputs are routed by task retrieval, and which
+``(tasks, kind)`` embeds the inputs of the head after task k (the ``kind`` is a
+:meth:`~proteus.adapters.lora.LoRAUnit.coefficients` kind).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proteus.registry import Registry
+
+__all__ = ["COMPOSITIONS", "TRAIN_SCHEDULES", "Composition"]
+
+TRAIN_SCHEDULES: Registry[Callable[[int], bool]] = Registry("train.tasks")
+TRAIN_SCHEDULES.register("all", help="every task trains its adapter")(lambda k: True)
+TRAIN_SCHEDULES.register("first", help="only the first task trains an adapter (RanPAC)")(lambda k: k == 0)
+TRAIN_SCHEDULES.register("none", help="no adapter (frozen backbone)")(lambda k: False)
+
+
+@dataclass(frozen=True)
+class Composition:
+    """How inputs are embedded for the head. ``retrieves``: by the retrieved task's own adapter;
+    otherwise ``fixed`` names the adapter: ``first``, ``last`` (the newest) or ``none`` (frozen)."""
+
+    retrieves: bool
+    fixed: str = "last"
+    kind: str = "task"
+
+    def head_tasks(self, k: int, m: int) -> tuple[list[int] | None, str]:
+        """``(tasks, kind)`` embedding the head's inputs as of task k (0-based) with m adapters learned
+        (``tasks=None``: the frozen backbone). With retrieval, task k's own adapter (or the newest)."""
+        if m == 0 or self.fixed == "none":
+            return None, "task"
+        if self.fixed == "first":
+            return [0], self.kind
+        return [min(k, m - 1)], self.kind
+
+
+COMPOSITIONS: Registry[Composition] = Registry("retrieval.mode")
+COMPOSITIONS.register("signature", help="the retrieved task's adapter (Alg. 2)")(Composition(retrieves=True))
+COMPOSITIONS.register("first", help="the first task's adapter (RanPAC)")(Composition(False, "first"))
+COMPOSITIONS.register("last", help="the newest adapter (InfLoRA / SD-LoRA style)")(Composition(False, "last"))
+COMPOSITIONS.register("all-units", help="all units summed (O-LoRA-like)")(
+    Composition(False, "last", "all-units")
+)
+COMPOSITIONS.register("none", help="the frozen backbone")(Composition(False, "none"))

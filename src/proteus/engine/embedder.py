@@ -1,0 +1,139 @@
+"""Embedding passes: the frozen prefix h_0(x) once per image, then the adapted suffix under any set of
+task compositions in one batched forward (Algorithm 2's "embed every input under every adapter").
+
+Under ``torchrun`` the passes are sharded by whole batches across ranks and gathered back in the
+original order (:mod:`proteus.distributed`); every rank then holds the same result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+from tqdm.auto import tqdm
+
+from proteus import distributed as dist
+from proteus.adapters import AdaptedBackbone
+
+__all__ = ["Embedder", "ImageDataset"]
+
+
+class ImageDataset(Dataset):
+    """Applies a transform to a (PIL image, label) dataset and returns (tensor, label)."""
+
+    def __init__(self, ds: Dataset, transform: Callable) -> None:
+        self.ds, self.transform = ds, transform
+
+    def __len__(self) -> int:
+        return len(self.ds)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        img, y = self.ds[i]
+        return self.transform(img), int(y)
+
+
+class Embedder:
+    """Runs the adapted backbone over datasets and cached prefix outputs.
+
+    Args:
+        model: the backbone with its adapters.
+        device: where the forward passes run (bfloat16 autocast on CUDA).
+        batch_size: images per forward in evaluation passes (split across the requested compositions).
+        num_workers: data-loader workers.
+        transform: the evaluation transform (PIL image -> tensor).
+        progress: show progress bars (only rank 0 shows them under torchrun).
+    """
+
+    def __init__(
+        self,
+        model: AdaptedBackbone,
+        device: torch.device,
+        batch_size: int,
+        num_workers: int,
+        transform: Callable,
+        progress: bool = True,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.transform = transform
+        self.progress = progress and dist.is_main()
+        self.amp = device.type == "cuda"
+
+    def loader(self, ds: Dataset, shuffle: bool, seed: int, batch_size: int) -> DataLoader:
+        g = torch.Generator().manual_seed(seed)
+        return DataLoader(
+            ds, batch_size=batch_size, shuffle=shuffle, generator=g, num_workers=self.num_workers
+        )
+
+    def bar(self, it: Iterable, desc: str, total: int | None = None) -> Iterable:
+        return tqdm(it, desc=desc, total=total, disable=not self.progress, leave=False, dynamic_ncols=True)
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
+
+    @torch.no_grad()
+    def prefix(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen prefix h_0(x) of a batch of transformed images (shared by every task)."""
+        return self.model.prefix(x.to(self.device))
+
+    @torch.no_grad()
+    def prefix_dataset(self, ds: Dataset, desc: str = "prefix") -> tuple[torch.Tensor, torch.Tensor]:
+        """Frozen-prefix outputs (float32, CPU) and labels of a dataset under the evaluation transform."""
+        if len(ds) == 0:  # type: ignore[arg-type]
+            raise ValueError(f"{desc}: empty dataset")
+        zs, ys = [], []
+        bs = self.batch_size
+        images: Dataset = ImageDataset(ds, self.transform)
+        n = len(images)  # type: ignore[arg-type]
+        if dist.is_distributed():  # this rank's block of whole batches (proteus.distributed)
+            mine = dist.shard_range(math.ceil(n / bs))
+            images = Subset(images, range(mine.start * bs, min(mine.stop * bs, n)))
+        for x, y in self.bar(self.loader(images, False, 0, bs), desc):
+            with self.autocast():
+                z = self.model.prefix(x.to(self.device))
+            zs.append(z.float())
+            ys.append(y)
+        z_all = dist.all_gather_rows(torch.cat(zs) if zs else None)
+        y_all = dist.all_gather_rows(torch.cat(ys) if ys else None)
+        assert z_all is not None and y_all is not None
+        return z_all, y_all
+
+    @torch.no_grad()
+    def embed_prefix(
+        self,
+        z: torch.Tensor,
+        tasks: list[int] | None,
+        kind: str = "task",
+        batch_size: int | None = None,
+        shard: bool = True,
+    ) -> torch.Tensor:
+        """Embed prefix outputs: (G, N, d) for the compositions of ``tasks`` (None: the frozen backbone,
+        (1, N, d)). About one evaluation batch per forward in total (G groups x per images): large
+        batches run slower per image on CPU caches, and memory stays bounded for many tasks.
+
+        Under torchrun (and ``shard``) each rank embeds its block of whole chunks and the result is
+        gathered in the original order; every rank must then call this with the same ``z``."""
+        bs = batch_size or self.batch_size
+        groups = tasks if tasks is not None else [None]
+        per = max(1, bs // max(1, len(groups)))
+        starts = range(0, z.shape[0], per)
+        sharded = shard and dist.is_distributed()
+        if sharded:
+            mine = dist.shard_range(len(starts))
+            starts = starts[mine.start : mine.stop]
+        out = []
+        for i in starts:
+            zb = z[i : i + per].to(self.device)
+            with self.autocast():
+                h = self.model.suffix(zb)[None] if tasks is None else self.model.suffix(zb, tasks, kind)
+            out.append(h.float().cpu())
+        if sharded:
+            local = torch.cat(out, 1).transpose(0, 1) if out else None
+            gathered = dist.all_gather_rows(local)  # (N, G, d), rows in the original order
+            assert gathered is not None
+            return gathered.transpose(0, 1).contiguous()
+        return torch.cat(out, 1)

@@ -1,0 +1,137 @@
+"""Typed records of the continual learner: what a learned task leaves behind, and what a prediction says.
+
+:class:`TaskRecord` is what the knowledge base keeps of a task besides its tensors (Algorithm 1 line 7:
+the key-value entry's description); :class:`TaskStats` and :class:`TrainStats` are what ``fit_task``
+measured; :class:`Prediction` is the answer of Algorithm 2 for a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Prediction", "TaskRecord", "TaskStats", "TrainStats"]
+
+
+@dataclass
+class TrainStats:
+    """The adapter training of one task (Eq. 15)."""
+
+    rank: int
+    ranks_min: int
+    #: the elastic-net weight lambda of this task (decayed per task)
+    lam: float
+    loss_first: float | None
+    loss_last: float | None
+    steps: int
+    s_mean_abs: float | None
+    s_nonzero_frac: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["lambda"] = d.pop("lam")
+        # the order results.json has always had
+        keys = ("rank", "ranks_min", "lambda", "loss_first", "loss_last", "steps", "s_mean_abs",
+                "s_nonzero_frac")  # fmt: skip
+        return {k: d[k] for k in keys}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainStats:
+        d = dict(d)
+        d["lam"] = d.pop("lambda")
+        return cls(**d)
+
+
+@dataclass
+class TaskStats:
+    """What learning one task measured (results.json ``tasks[k]``; the KB keeps it without timings)."""
+
+    task: int
+    train: TrainStats | None = None
+    #: the retrieval keys' own numbers (for Gaussian signatures: active components)
+    signature: dict[str, int] | None = None
+    gamma: float | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"task": self.task}
+        for key in ("prefix", "train", "signature", "head", "task"):
+            if key == "train" and self.train is not None:
+                out["train"] = self.train.to_dict()
+            if key == "signature" and self.signature is not None:
+                out["signature"] = dict(self.signature)
+            if key in self.seconds:
+                out[f"seconds_{key}"] = self.seconds[key]
+            if key == "head" and self.gamma is not None:
+                out["gamma"] = self.gamma
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TaskStats:
+        seconds = {k[len("seconds_") :]: v for k, v in d.items() if k.startswith("seconds_")}
+        train = TrainStats.from_dict(d["train"]) if d.get("train") else None
+        return cls(int(d["task"]), train, d.get("signature"), d.get("gamma"), seconds)
+
+
+@dataclass
+class TaskRecord:
+    """A learned task: its index (0-based), its classes (global labels) and names, and how it was learned.
+
+    ``settings`` holds the options that may change from task to task (epochs, learning rate, batch size,
+    device) as they were when this task was learned; ``learned`` is when (UTC, ISO 8601).
+    """
+
+    index: int
+    classes: list[int]
+    class_names: list[str]
+    n_train: int
+    has_adapter: bool
+    stats: TaskStats
+    settings: dict[str, Any] = field(default_factory=dict)
+    learned: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "index": self.index,
+            "classes": list(self.classes),
+            "class_names": list(self.class_names),
+            "n_train": self.n_train,
+            "has_adapter": self.has_adapter,
+            "stats": self.stats.to_dict(),
+        }
+        if self.settings:
+            out["settings"] = dict(self.settings)
+        if self.learned is not None:
+            out["learned"] = self.learned
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TaskRecord:
+        return cls(
+            index=int(d["index"]),
+            classes=[int(c) for c in d["classes"]],
+            class_names=[str(c) for c in d["class_names"]],
+            n_train=int(d["n_train"]),
+            has_adapter=bool(d["has_adapter"]),
+            stats=TaskStats.from_dict(d.get("stats") or {"task": d["index"]}),
+            settings=dict(d.get("settings") or {}),
+            learned=d.get("learned"),
+        )
+
+
+@dataclass
+class Prediction:
+    """Algorithm 2's answer for a batch of N inputs.
+
+    ``label`` (N,) global class; ``task`` / ``component`` (N,) retrieved task and signature component
+    (0-based; None for a method without retrieval); ``score`` (N,) the retrieved task's key score (lower
+    is better); ``logits`` (N, C) the head's scores over every class learned so far.
+    """
+
+    label: torch.Tensor
+    task: torch.Tensor | None
+    component: torch.Tensor | None
+    score: torch.Tensor | None
+    logits: torch.Tensor

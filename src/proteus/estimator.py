@@ -1,0 +1,324 @@
+"""The public face of proteus: :class:`Proteus`, a continual learner in the scikit-learn manner.
+
+For each task k (Algorithm 1): the frozen prefix once per image, the adapter by Eq. 15
+(:mod:`proteus.engine.trainer`), the task's retrieval keys (Eq. 18, :mod:`proteus.engine.keys`), and the
+head's statistics G and e(c) (lines 8-12, :class:`~proteus.heads.RanPACHead`). At test time (Algorithm 2)
+every input is embedded under every task's adapter in one batched forward, the best key is retrieved and
+Eq. 23 classifies the embedding under the retrieved adapter -- in three public steps that prediction,
+evaluation, analysis and the performance harness all use::
+
+    H = clf.embed(x)                       # (m, N, d): every task's adapter (Alg. 2 line 2)
+    res = clf.retrieve(H, F)               # (k*, t*) per input (Sec. 3.1); F = frozen features if needed
+    logits = clf.classify(H[res.task, range(N)])   # Eq. 23
+
+:meth:`Proteus.fit_task` is transactional: when it raises (bad data, a failed fit, Ctrl-C) the adapters,
+keys and head are exactly those before the task.
+
+Example (the test suite runs it)::
+
+    >>> from proteus import Proteus
+    >>> from proteus.streams import build_benchmark
+    >>> clf = Proteus.from_method("proteus", backbone="mobilenet_v2", progress=False,
+    ...                           **{"backbone.pretrained": False, "backbone.img_size": 32,
+    ...                              "backbone.adapt_last": 2, "train.epochs": 1, "head.rp_dim": 256,
+    ...                              "signature.max_components": 2})
+    >>> stream = build_benchmark(clf.config.benchmark)          # quickstart: digits, 5 tasks
+    >>> for task in stream.tasks[:2]:
+    ...     _ = clf.fit_task(task)
+    >>> pred = clf.predict(clf.transform_images([stream.tasks[1].test[0][0]]))
+    >>> pred.label.shape, clf.num_tasks
+    (torch.Size([1]), 2)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from PIL import Image
+
+from proteus import distributed as dist
+from proteus.adapters import AdaptedBackbone
+from proteus.backbones import Backbone, build_backbone
+from proteus.backbones.transforms import build_transform
+from proteus.config import RunConfig, flatten, per_task
+from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES, Composition
+from proteus.engine.embedder import Embedder
+from proteus.engine.errors import TaskError
+from proteus.engine.keys import KEYS, KeyFit, NoKeys, RetrievalKeys
+from proteus.engine.records import Prediction, TaskRecord, TaskStats
+from proteus.engine.state import KnowledgeBaseState
+from proteus.engine.trainer import AdapterTrainer
+from proteus.faults import crash_point
+from proteus.heads import RanPACHead
+from proteus.presets import resolve_config
+from proteus.signatures import RetrievalResult
+from proteus.streams import Task
+
+__all__ = ["Prediction", "Proteus", "TaskError"]
+
+
+class Proteus(KnowledgeBaseState):
+    """A PROTEUS continual learner (a method is a configuration: :meth:`from_method`).
+
+    Args:
+        config: the hyper-parameters (:class:`~proteus.config.RunConfig`); default: ``proteus`` on
+            MobileNetV2.
+        progress: show progress bars.
+
+    Fitted attributes (after the first :meth:`fit_task` or :meth:`load`): ``backbone_``, ``model_``
+    (the backbone with every task's adapter), ``keys_`` (the retrieval keys), ``head_`` (the LDA head),
+    ``records_`` (one :class:`TaskRecord` per learned task).
+    """
+
+    def __init__(self, config: RunConfig | None = None, *, progress: bool = True) -> None:
+        self.config = config if config is not None else RunConfig()
+        self.progress = progress
+        self.records_: list[TaskRecord] = []
+        self.head_: RanPACHead | None = None
+
+    @classmethod
+    def from_method(
+        cls, method: str = "proteus", backbone: str | None = None, *, progress: bool = True, **overrides: Any
+    ) -> Proteus:
+        """A learner for a registered method; ``overrides`` are dotted config keys (``"train.epochs": 5``)."""
+
+        sets = {"backbone.name": backbone} if backbone else {}
+        return cls(resolve_config(method=method, dotted={**sets, **overrides}), progress=progress)
+
+    # ------------------------------------------------------------------ set-up (lazy: built on first use)
+    def _build(self) -> None:
+        if hasattr(self, "model_"):
+            return
+        cfg = self.config
+        self.device_ = dist.device_for_rank(cfg.device)
+        b = cfg.backbone
+        self.backbone_: Backbone = build_backbone(
+            b.name, pretrained=b.pretrained, weights=b.weights, img_size=b.img_size, adapt_last=b.adapt_last
+        )
+        self.model_ = AdaptedBackbone(
+            self.backbone_, scaling=cfg.adapter.scaling, enabled=cfg.adapter.enabled
+        )
+        self.model_.to(self.device_)
+        self.eval_transform_ = build_transform(self.backbone_.data_config, train=False)
+        train_tf = build_transform(self.backbone_.data_config, train=True, augment=cfg.train.augment)
+        self.embedder_ = Embedder(
+            self.model_, self.device_, cfg.eval.batch_size, cfg.train.num_workers, self.eval_transform_,
+            progress=self.progress,
+        )  # fmt: skip
+        self.trainer_ = AdapterTrainer(self.embedder_, cfg.adapter, cfg.train, train_tf)
+        keys_cls = KEYS.get(cfg.signature.keys) if self.composition.retrieves else NoKeys
+        self.keys_: RetrievalKeys = keys_cls(cfg.signature, cfg.retrieval.top_k, self.device_, self._new_head)
+
+    def _new_head(self, rp_dim: int | None = None) -> RanPACHead:
+        h = self.config.head
+        return RanPACHead(
+            self.model_.embed_dim,
+            rp_dim=h.rp_dim if rp_dim is None else rp_dim,
+            gamma_min_exp=h.gamma_min_exp,
+            gamma_max_exp=h.gamma_max_exp,
+            holdout=h.holdout,
+            selection=h.gamma_selection,
+            seed=self.config.seed,
+            device=self.device_,
+        )
+
+    def backbone_identity(self) -> dict[str, Any]:
+        """Backbone name, weights and adapted split: what a knowledge base must match."""
+        self._build()
+        return self.backbone_.identity()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def composition(self) -> Composition:
+        return COMPOSITIONS.get(self.config.retrieval.mode)
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.records_)
+
+    @property
+    def num_adapters(self) -> int:
+        return self.model_.num_tasks if hasattr(self, "model_") else 0
+
+    @property
+    def num_classes(self) -> int:
+        return 1 + max((max(t.classes) for t in self.records_), default=-1)
+
+    @property
+    def uses_retrieval(self) -> bool:
+        return self.composition.retrieves and self.num_adapters > 0
+
+    @property
+    def needs_frozen(self) -> bool:
+        """Retrieval reads the frozen backbone's features (frozen-space keys)."""
+        return self.uses_retrieval and self.keys_.needs_frozen
+
+    def task_seed(self, k: int) -> int:
+        return int(self.config.seed) * 100_003 + 7919 * (k + 1)
+
+    def class_names(self) -> list[str]:
+        names: dict[int, str] = {}
+        for t in self.records_:
+            names.update(zip(t.classes, t.class_names))
+        return [names.get(c, str(c)) for c in range(self.num_classes)]
+
+    def head_composition(self, k: int) -> tuple[list[int] | None, str]:
+        """Which composition embeds inputs for the head as of task k (0-based)."""
+        return self.composition.head_tasks(k, self.num_adapters)
+
+    def trains_adapter(self, k: int) -> bool:
+        return self.config.adapter.enabled and TRAIN_SCHEDULES.get(self.config.train.tasks)(k)
+
+    # ------------------------------------------------------------------ Algorithm 1
+    def fit_task(self, task: Task) -> TaskStats:
+        """Learn one task (Algorithm 1, lines 5-12); transactional. Returns what it measured."""
+        self._build()
+        k = self.num_tasks
+        if task.index != k:
+            raise TaskError(f"task {task.index + 1}: the learner holds {k} tasks, so task {k + 1} comes next")
+        if len(task.train) == 0:
+            raise TaskError(f"task {task.index + 1}: the training set is empty")
+        seen = {c for t in self.records_ for c in t.classes}
+        dup = sorted(seen & set(task.classes))
+        if dup:
+            names = [task.class_names[task.classes.index(c)] for c in dup]
+            raise TaskError(f"task {k + 1}: classes {names} already belong to an earlier task")
+        m0, head0 = self.num_adapters, self.head_
+        try:
+            return self._fit_task(task, k)
+        except BaseException:
+            self.model_.truncate(m0)
+            self.keys_.truncate(k)
+            self.head_ = head0  # RanPACHead.update is atomic: it raises before changing the head
+            raise
+
+    def _fit_task(self, task: Task, k: int) -> TaskStats:
+        stats = TaskStats(task=k)
+        sec = stats.seconds
+        t0 = time.perf_counter()
+        z, y = self.embedder_.prefix_dataset(task.train, f"task {k + 1}: prefix")
+        sec["prefix"] = time.perf_counter() - t0
+        crash_point("learn:prefix")
+        t0 = time.perf_counter()
+        if self.trains_adapter(k):
+            cache = self.config.train.cache_prefix in ("auto", "true", True) and not self.config.train.augment
+            stats.train = self.trainer_.fit(task, k, self.task_seed(k), z if cache else None, y)
+        sec["train"] = time.perf_counter() - t0
+        crash_point("learn:train")
+
+        t0 = time.perf_counter()  # line 6: the task's retrieval keys
+        num_classes = max(task.classes) + 1
+        fit = KeyFit(
+            k, z, y, num_classes, self.task_seed(k), self.num_adapters, lambda t: self.embed_prefix(z, t)
+        )
+        stats.signature = self.keys_.add_task(fit)
+        sec["signature"] = time.perf_counter() - t0
+        crash_point("learn:signature")
+
+        t0 = time.perf_counter()  # lines 8-12: head statistics from the embeddings the method predicts with
+        tasks, kind = self.head_composition(k)
+        h = self.embed_prefix(z, tasks, kind)[0]
+        if not torch.isfinite(h).all():
+            n_bad = int((~torch.isfinite(h)).any(1).sum())
+            raise TaskError(f"task {k + 1}: embeddings contain NaN or inf ({n_bad} of {len(h)} images)")
+        head = self.head_ if self.head_ is not None else self._new_head()
+        try:
+            head.update(h.to(self.device_), y.to(self.device_), num_classes=num_classes)
+        except (ValueError, FloatingPointError) as e:
+            raise TaskError(f"task {k + 1}: head update failed: {e}") from None
+        self.head_ = head
+        sec["head"] = time.perf_counter() - t0
+        stats.gamma = float(head.gamma_)
+        crash_point("learn:head")
+        settings = {
+            key: v for key, v in flatten(self.config.to_dict()).items() if per_task(key) and "." in key
+        }
+        settings = {key: v for key, v in settings.items() if not key.startswith(("report.", "benchmark."))}
+        settings["device"] = str(self.device_)
+        self.records_.append(
+            TaskRecord(
+                k,
+                [int(c) for c in task.classes],
+                list(task.class_names),
+                int(len(task.train)),
+                self.trains_adapter(k),
+                stats,
+                settings,
+                time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            )  # fmt: skip
+        )
+        return stats
+
+    # ------------------------------------------------------------------ Algorithm 2, in public steps
+    def transform_images(self, images: Sequence[Image.Image]) -> torch.Tensor:
+        """PIL images -> a batch under the backbone's evaluation transform."""
+        self._build()
+        return torch.stack([self.eval_transform_(im) for im in images])
+
+    def prefix_dataset(self, ds: Any, desc: str = "prefix") -> tuple[torch.Tensor, torch.Tensor]:
+        """Frozen-prefix outputs and labels of a (PIL image, label) dataset (cacheable for all tasks)."""
+        self._build()
+        return self.embedder_.prefix_dataset(ds, desc)
+
+    def embed_prefix(
+        self, z: torch.Tensor, tasks: list[int] | None, kind: str = "task", shard: bool = True
+    ) -> torch.Tensor:
+        """(G, N, d) embeddings of prefix outputs under the compositions of ``tasks`` (None: frozen)."""
+        return self.embedder_.embed_prefix(z, tasks, kind, shard=shard)
+
+    @torch.no_grad()
+    def embed(
+        self, x: torch.Tensor, num_tasks: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Alg. 2 line 2 for a batch of transformed images: ``(H, F)``, H (m, N, d) under each of the first
+        m tasks' adapters (one batched forward), F (N, d) the frozen features where the keys need them."""
+        self._check_fitted()
+        m = self._m(num_tasks)
+        z = self.embedder_.prefix(x)
+        H = self.embed_prefix(z, list(range(min(m, self.num_adapters))), shard=False)
+        F = self.embed_prefix(z, None, shard=False)[0] if self.needs_frozen else None
+        return H, F
+
+    def retrieve(self, H: torch.Tensor, F: torch.Tensor | None = None) -> RetrievalResult:
+        """Task retrieval (Sec. 3.1) among the first ``H.shape[0]`` tasks."""
+        return self.keys_.retrieve(H, F, [t.classes for t in self.records_])
+
+    def classify(self, h: torch.Tensor) -> torch.Tensor:
+        """Eq. 23: the head's scores (N, C) for embeddings (N, d)."""
+        self._check_fitted()
+        assert self.head_ is not None
+        return self.head_.decision_function(h.to(self.device_)).float().cpu()
+
+    def predict_embedded(self, H: torch.Tensor, F: torch.Tensor | None = None) -> Prediction:
+        """Retrieve, gather each input's embedding under its retrieved adapter, classify."""
+        res = self.retrieve(H, F)
+        logits = self.classify(H[res.task, torch.arange(H.shape[1])])
+        return Prediction(logits.argmax(1), res.task, res.component, res.score, logits)
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, num_tasks: int | None = None) -> Prediction:
+        """Algorithm 2 on a batch of transformed images (:meth:`transform_images`).
+
+        ``num_tasks = m`` retrieves among the first m tasks only (the head stays the full one): the
+        inference latency as a function of m (App. "Complexity of PROTEUS Inference")."""
+        self._check_fitted()
+        if self.uses_retrieval:
+            return self.predict_embedded(*self.embed(x, num_tasks))
+        tasks, kind = self.head_composition(self._m(num_tasks) - 1)
+        h = self.embed_prefix(self.embedder_.prefix(x), tasks, kind, shard=False)[0]
+        logits = self.classify(h)
+        return Prediction(logits.argmax(1), None, None, None, logits)
+
+    def _m(self, num_tasks: int | None) -> int:
+        return self.num_tasks if num_tasks is None else max(1, min(int(num_tasks), self.num_tasks))
+
+    def _check_fitted(self) -> None:
+        if self.head_ is None:
+            raise RuntimeError("this Proteus has learned no task yet: call fit_task or Proteus.load first")
+
+    def __repr__(self) -> str:
+        c = self.config
+        return f"Proteus(method={c.method!r}, backbone={c.backbone.name!r}, tasks={self.num_tasks})"

@@ -1,0 +1,207 @@
+"""``proteus compare``: several methods x seeds on one split, summarised like the paper's Table 1 and Fig. 3.
+
+Each (method, seed) is an ordinary ``proteus run`` into ``<out>/<method>/seed<k>`` (results.json, KB,
+figures, report.md). The comparison reports, per method, the mean +- sample std over seeds of the final
+average accuracy ACC_m (Table 1), the final forgetting F_m (Appendix forgetting table), the final retrieval
+accuracy (Table "matching comparison") and the oracle accuracy with the true task's adapter, and draws the
+average accuracy after each task for all methods (Fig. 3). Outputs: ``compare.md``, ``compare.json`` and
+``compare_accuracy.png`` in ``<out>``; the table is also printed.
+
+A (method, seed) directory that already holds a finished run of the same configuration (``report.*`` keys
+aside) is reused, so an interrupted comparison resumes where it stopped; one with a different
+configuration or an unfinished knowledge base is an error naming the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from proteus import distributed as dist
+from proteus.config import ConfigError, RunConfig
+from proteus.experiment.loop import run
+from proteus.report import fmt
+from proteus.report.figures import plot_compare
+
+__all__ = ["COLUMNS", "compare", "compare_markdown", "summarise"]
+
+#: (results.json value, column title, higher is better)
+COLUMNS: list[tuple[str, str, bool]] = [
+    ("final_avg_acc", "final avg acc (%)", True),
+    ("forgetting", "forgetting", False),
+    ("retrieval_acc", "retrieval (%)", True),
+    ("oracle_acc", "oracle (%)", True),
+    ("seconds", "seconds", False),
+]
+
+
+def _final(v: Any) -> float | None:
+    if isinstance(v, list):
+        v = v[-1] if v else None
+    return None if v is None else float(v)
+
+
+def _row(res: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "final_avg_acc": _final(res.get("final_avg_acc")),
+        "forgetting": _final(res.get("forgetting")),
+        "retrieval_acc": _final(res.get("retrieval_acc")),
+        "oracle_acc": _final(res.get("oracle_avg_acc")),
+        "seconds": _final(res.get("seconds")),
+        "avg_acc": list(res.get("avg_acc") or []),
+    }
+
+
+def _stat(values: Sequence[float | None]) -> dict[str, Any]:
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not vals:
+        return {"mean": None, "std": None, "n": 0}
+    std = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
+    return {"mean": float(np.mean(vals)), "std": std, "n": len(vals)}
+
+
+def summarise(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per method: mean / std / n over seeds of every column, and the mean ACC curve."""
+    out: dict[str, dict[str, Any]] = {}
+    for method, by_seed in runs.items():
+        rows = list(by_seed.values())
+        s = {key: _stat([r[key] for r in rows]) for key, _, _ in COLUMNS}
+        curves = [r["avg_acc"] for r in rows if r["avg_acc"]]
+        n = min((len(c) for c in curves), default=0)
+        s["avg_acc_mean"] = [float(np.mean([c[i] for c in curves])) for i in range(n)]
+        out[method] = s
+    return out
+
+
+def _cell(st: dict[str, Any], bold: bool) -> str:
+    if st["mean"] is None:
+        return "-"
+    txt = fmt(st["mean"]) + ("" if st["std"] is None else f" ± {fmt(st['std'])}")
+    return f"**{txt}**" if bold else txt
+
+
+def compare_markdown(summary: dict[str, dict[str, Any]], title: str, seeds: Sequence[int]) -> str:
+    """Table 1 style: mean ± std over seeds per method (best mean in bold), then ACC after each task."""
+    best: dict[str, float | None] = {}
+    for key, _, higher in COLUMNS:
+        means = [s[key]["mean"] for s in summary.values() if s[key]["mean"] is not None]
+        best[key] = (max(means) if higher else min(means)) if len(means) > 1 else None
+    lines = [
+        f"# {title}",
+        "",
+        f"Mean ± sample std over seeds {', '.join(map(str, seeds))} (best mean in bold). Final values after "
+        "the last task; retrieval = task retrieval accuracy, oracle = accuracy with the true task's adapter.",
+        "",
+        "| method | " + " | ".join(t for _, t, _ in COLUMNS) + " |",
+        "| --- | " + " | ".join("---:" for _ in COLUMNS) + " |",
+    ]
+    for method, s in summary.items():
+        cells = [_cell(s[k], best[k] is not None and s[k]["mean"] == best[k]) for k, _, _ in COLUMNS]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    n = max((len(s["avg_acc_mean"]) for s in summary.values()), default=0)
+    if n:
+        lines += [
+            "",
+            "Average accuracy (%) after each task, mean over seeds (Fig. 3):",
+            "",
+            "| method | " + " | ".join(str(i + 1) for i in range(n)) + " |",
+            "| --- | " + " | ".join("---:" for _ in range(n)) + " |",
+        ]
+        for method, s in summary.items():
+            cells = [fmt(v, 1) for v in s["avg_acc_mean"]] + ["-"] * (n - len(s["avg_acc_mean"]))
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _comparable(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in cfg_dict.items() if k != "report"}
+
+
+def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
+    """The results of a finished run of ``cfg`` in ``run_dir``; None when there is none yet."""
+    res_file, cfg_file = run_dir / "results.json", run_dir / "config.yaml"
+    if not res_file.is_file():
+        if (run_dir / "kb" / "manifest.json").is_file():
+            raise ConfigError(
+                f"{run_dir}: holds an unfinished run (a knowledge base but no results.json); remove the "
+                "directory to run it again"
+            )
+        return None
+    old = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else None
+    if not isinstance(old, dict) or _comparable(old) != _comparable(cfg.to_dict()):
+        raise ConfigError(
+            f"{run_dir}: holds a run with a different configuration; choose a new --out or remove it"
+        )
+    return json.loads(res_file.read_text())
+
+
+def compare(
+    make_config: Callable[[str, int], RunConfig],
+    methods: Sequence[str],
+    seeds: Sequence[int],
+    out: str | Path,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every method with every seed into ``out/<method>/seed<k>`` and write the comparison."""
+
+    if not methods:
+        raise ConfigError("compare: no methods given")
+    if not seeds:
+        raise ConfigError("compare: no seeds given")
+    out = Path(out)
+    main = dist.is_main()
+    # resolve every configuration first: a misspelt method fails before hours of runs
+    cfgs = {(m, s): make_config(m, s) for m in methods for s in seeds}
+    runs: dict[str, dict[int, dict[str, Any]]] = {m: {} for m in methods}
+    for (m, s), cfg in cfgs.items():
+        run_dir = out / m / f"seed{s}"
+        res = _finished(run_dir, cfg)
+        if res is None:
+            if progress and main:
+                print(f"== {m}, seed {s} -> {run_dir}", flush=True)
+            res = run(cfg, run_dir, progress=progress)
+        elif progress and main:
+            print(f"== {m}, seed {s}: reusing the finished run in {run_dir}", flush=True)
+        runs[m][s] = {**_row(res), "dir": str(run_dir.relative_to(out))}
+    first = next(iter(cfgs.values()))
+    num_tasks = max((len(r["avg_acc"]) for by in runs.values() for r in by.values()), default=0)
+    title = f"{first.benchmark.name} ({num_tasks} tasks, {first.backbone.name}): methods compared"
+    summary = summarise(runs)
+    md = compare_markdown(summary, title, seeds)
+    report: dict[str, Any] = {
+        "benchmark": first.benchmark.name,
+        "backbone": first.backbone.name,
+        "num_tasks": num_tasks,
+        "methods": list(methods),
+        "seeds": list(seeds),
+        "runs": {m: {str(s): r for s, r in by.items()} for m, by in runs.items()},
+        "summary": summary,
+    }
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        curves = {m: [r["avg_acc"] for r in by.values() if r["avg_acc"]] for m, by in runs.items()}
+        try:
+            plot_compare(curves, out / "compare_accuracy.png", title=title)
+            report["figure"] = "compare_accuracy.png"
+            md += "\n\n![average accuracy after each task](compare_accuracy.png)\n"
+        except Exception as e:  # noqa: BLE001 - the table matters more than the figure
+            report["figure_error"] = f"{type(e).__name__}: {e}"
+        links = [
+            f"[{m} seed {s}]({r['dir']}/report.md)"
+            for m, by in runs.items()
+            for s, r in by.items()
+            if (out / r["dir"] / "report.md").is_file()
+        ]
+        if links:
+            md += "\nPer-run reports: " + ", ".join(links) + "\n"
+        (out / "compare.md").write_text(md + "\n")
+        (out / "compare.json").write_text(json.dumps(report, indent=1))
+        print(md.split("\n\n![")[0])
+        print(f"comparison: {out / 'compare.md'}")
+    return report

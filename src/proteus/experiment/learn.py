@@ -1,0 +1,163 @@
+"""``proteus learn``: one task into a knowledge base, in its own process (add a task today, another next
+month).
+
+The options given on the command line are checked against the knowledge base before any work starts:
+
+* keys that define the model (backbone, method, adapter, signature, head, retrieval settings, seed,
+  benchmark) must equal what the KB was built with; a conflict is refused with every conflicting key,
+  the KB's value and the given one;
+* keys that may change from task to task (:data:`PER_TASK_KEYS`: epochs, learning rate, batch sizes,
+  workers, device) are applied to this task and recorded in its record (``settings``);
+* the stream's already-learned tasks must have the same classes in the same order as the KB's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proteus import distributed as dist
+from proteus.config import PER_TASK_KEYS, ConfigError, RunConfig, flatten, per_task
+from proteus.estimator import Proteus
+from proteus.experiment.evaluate import Evaluation, Evaluator
+from proteus.experiment.loop import create_kb, learn_and_commit
+from proteus.experiment.store import kb_header
+from proteus.kb import KBError, KnowledgeBase, write_lock
+from proteus.presets import validate
+from proteus.streams import TaskStream, build_benchmark
+
+__all__ = ["PER_TASK_KEYS", "LearnOutcome", "check_learned_tasks", "config_conflicts", "learn_task"]
+
+
+def config_conflicts(kb_config: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    """``"key: knowledge base has A, given B"`` for every model-defining key of ``given`` (flat, dotted)
+    whose value differs from the knowledge base's config."""
+    have = flatten(kb_config)
+    return [
+        f"{key}: knowledge base has {have.get(key)!r}, given {value!r}"
+        for key, value in given.items()
+        if not per_task(key) and have.get(key) != value
+    ]
+
+
+def check_learned_tasks(kb: KnowledgeBase, stream: TaskStream) -> None:
+    """The stream must be the KB's benchmark, with the learned tasks' classes in the same order."""
+    split = kb.manifest.get("split") or {}
+    if split.get("benchmark") not in (None, stream.name):
+        raise KBError(
+            f"{kb.root}: knowledge base was built on benchmark {split.get('benchmark')!r}, "
+            f"but the data given is {stream.name!r}"
+        )
+    for t in kb.manifest["tasks"]:
+        k = t["index"]
+        if k >= len(stream.tasks):
+            raise KBError(
+                f"{kb.root}: the data given has {len(stream.tasks)} tasks; the KB holds task {k + 1}"
+            )
+        s = stream.tasks[k]
+        if list(s.classes) != t["classes"] or list(s.class_names) != t["class_names"]:
+            raise KBError(
+                f"{kb.root}: task {k + 1} was learned with classes {t['class_names']}, but the data given "
+                f"makes task {k + 1} {list(s.class_names)} (the class order of learned tasks cannot change; "
+                "restore the tasks file or start a new knowledge base)"
+            )
+
+
+@dataclass
+class LearnOutcome:
+    task: int  # 1-based
+    num_tasks: int  # tasks in the stream
+    kb_tasks: int  # tasks in the KB afterwards
+    evaluation: Evaluation | None
+    already: bool = False
+
+
+def learn_task(
+    kb_dir: str | Path,
+    task: int,
+    new_config: Callable[[], RunConfig],
+    given: dict[str, Any],
+    *,
+    evaluate: bool = True,
+    progress: bool = True,
+    wait: float | None = 0.0,
+) -> LearnOutcome:
+    """Learn task ``task`` (1-based) into ``kb_dir`` under the KB's write lock (held from before the KB is
+    read until after the commit; ``wait``: seconds to wait for another writer, None = as long as it takes).
+
+    ``new_config`` resolves the config when the KB does not exist yet; ``given`` holds the flat dotted
+    keys set explicitly on the command line (checked against an existing KB, per-task keys applied)."""
+    kb_dir = Path(kb_dir)
+    if task < 1:
+        raise ConfigError(f"--task must be 1 or more (tasks are numbered from 1), got {task}")
+    if kb_dir.exists() and not kb_dir.is_dir():
+        raise KBError(f"{kb_dir}: is a file, not a knowledge-base directory; choose another --kb")
+    lock = write_lock(kb_dir, wait=wait) if dist.is_main() else contextlib.nullcontext()
+    with lock:
+        if dist.is_main():
+            KnowledgeBase.check_writable(kb_dir)
+        return _learn_locked(kb_dir, task, new_config, given, evaluate, progress)
+
+
+def _learn_locked(
+    kb_dir: Path,
+    task: int,
+    new_config: Callable[[], RunConfig],
+    given: dict[str, Any],
+    evaluate: bool,
+    progress: bool,
+) -> LearnOutcome:
+    k = task - 1
+    kb = KnowledgeBase.open(kb_dir) if KnowledgeBase.exists(kb_dir) else None
+    empty = kb is not None and not kb.manifest["tasks"]  # left by an earlier release's failed first task
+    if kb is not None and not empty:
+        n = len(kb.manifest["tasks"])
+        if k < n:
+            return LearnOutcome(task, -1, n, None, already=True)
+        if k > n:
+            raise KBError(f"{kb_dir}: holds {n} tasks; learn task {n + 1} before task {task}")
+        conflicts = config_conflicts(kb.manifest["config"], given)
+        if conflicts:
+            raise KBError(
+                f"{kb_dir}: the options given conflict with the knowledge base:\n  "
+                + "\n  ".join(conflicts)
+                + "\n(options that define the model cannot change between tasks: drop them or use a new --kb)"
+            )
+        clf = Proteus.from_kb(kb, progress=progress, device=given.get("device"))
+        for key, value in given.items():
+            if per_task(key):
+                _set(clf.config, key, value)
+        validate(clf.config)
+    else:
+        if k != 0:
+            raise KBError(f"{kb_dir}: no knowledge base here; learn task 1 first")
+        clf = Proteus(new_config(), progress=progress)
+    stream = build_benchmark(clf.config.benchmark)
+    if k >= len(stream.tasks):
+        raise KBError(f"benchmark {stream.name} has {len(stream.tasks)} tasks; there is no task {task}")
+    if kb is None:
+        kb = create_kb(kb_dir, kb_header(clf, stream))
+    elif empty:  # nothing was learned into it: this first commit replaces its header
+        kb.manifest.update(kb_header(clf, stream))
+    check_learned_tasks(kb, stream)
+    evaluator = Evaluator(clf, stream) if evaluate else None
+    learn_and_commit(clf, kb, stream, k, evaluator)
+    ev = None
+    if evaluate and kb.manifest["evaluation"]:
+        e = kb.manifest["evaluation"][-1]
+        ev = Evaluation(e["row"], e["retrieval_acc"], e["oracle_row"])
+    return LearnOutcome(task, len(stream.tasks), len(kb.manifest["tasks"]), ev)
+
+
+def _set(cfg: RunConfig, key: str, value: Any) -> None:
+    obj: Any = cfg
+    *path, last = key.split(".")
+    for p in path:
+        obj = getattr(obj, p)
+    if not dataclasses.is_dataclass(obj) or last not in {f.name for f in dataclasses.fields(obj)}:
+        raise ConfigError(f"unknown config key {key!r}")
+    setattr(obj, last, value)

@@ -1,0 +1,125 @@
+"""The shared continual loop: learn one task into a knowledge base, or run a whole stream (Mammoth's one
+training loop; the method is the estimator's configuration).
+
+``proteus run`` and a sequence of ``proteus learn --task K`` share :func:`learn_and_commit`, so both give
+the same knowledge base and the same results for the same seed. Under ``torchrun`` every rank runs this
+loop (the estimator shards its passes, :mod:`proteus.distributed`); only rank 0 writes files, and the
+other ranks read its commits back after a barrier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from proteus import distributed as dist
+from proteus.config import RunConfig
+from proteus.engine.records import TaskStats
+from proteus.estimator import Proteus
+from proteus.experiment.evaluate import Evaluator
+from proteus.experiment.results import build_results
+from proteus.experiment.store import kb_header
+from proteus.faults import crash_point
+from proteus.kb import KBError, KnowledgeBase
+from proteus.streams import TaskStream, build_benchmark
+
+log = logging.getLogger("proteus")
+
+__all__ = ["create_kb", "learn_and_commit", "run"]
+
+
+def learn_and_commit(
+    clf: Proteus, kb: KnowledgeBase, stream: TaskStream, k: int, evaluator: Evaluator | None
+) -> TaskStats:
+    """Learn task k, evaluate (if asked), commit the KB. The KB is never left half-written."""
+    t0 = time.perf_counter()
+    stats = clf.fit_task(stream.tasks[k])
+    evaluation = list(kb.manifest.get("evaluation", []))
+    if evaluator is not None:
+        evaluation = evaluation[:k] + [evaluator.evaluate(k).to_dict()]
+    crash_point("evaluate")
+    stats.seconds["task"] = time.perf_counter() - t0
+    if dist.is_main():  # under torchrun rank 0 writes; the others read its commit back
+        clf.commit(kb, evaluation)
+    dist.barrier()
+    if not dist.is_main():
+        kb.manifest = KnowledgeBase.open(kb.root, verify=False).manifest
+    return stats
+
+
+def create_kb(root: str | Path, header: dict[str, Any]) -> KnowledgeBase:
+    """A new knowledge base, in memory until its first commit (nothing is written if task 1 fails). Every
+    rank builds it; under torchrun only rank 0 commits, and the others read its commits back."""
+    return KnowledgeBase.new(root, header)
+
+
+def _setup_log(out: Path) -> logging.Handler:
+    out.mkdir(parents=True, exist_ok=True)
+    h = logging.FileHandler(out / "log.txt")
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.getLogger("proteus").addHandler(h)
+    logging.getLogger("proteus").setLevel(logging.INFO)
+    return h
+
+
+def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any]:
+    """The whole continual loop in one process; writes config.yaml, split.json, log.txt, kb/, results.json,
+    analysis.json and (``report.figures``) report.md with figures/ (:mod:`proteus.report`)."""
+    out = Path(out)
+    main = dist.is_main()  # under torchrun only rank 0 writes files (proteus.distributed)
+    handler = _setup_log(out) if main else None
+    try:
+        t0 = time.perf_counter()
+        if main:
+            (out / "config.yaml").write_text(cfg.to_yaml())
+        stream = build_benchmark(cfg.benchmark)
+        if main:
+            stream.write_manifest(out / "split.json")
+        log.info("run %s on %s: %d tasks", cfg.method, stream.name, len(stream.tasks))
+        clf = Proteus(cfg, progress=progress)
+        kb_dir = out / "kb"
+        if KnowledgeBase.exists(kb_dir):
+            raise KBError(
+                f"{kb_dir}: exists already; choose a new --out (runs never overwrite a knowledge base)"
+            )
+        kb = create_kb(kb_dir, kb_header(clf, stream))
+        evaluator = Evaluator(clf, stream)
+        per_task = []
+        for k in range(len(stream.tasks)):
+            stats = learn_and_commit(clf, kb, stream, k, evaluator)
+            ev = kb.manifest["evaluation"][-1] if kb.manifest["evaluation"] else None
+            log.info("task %d: %s", k + 1, json.dumps({"stats": stats.to_dict(), "eval": ev}, default=str))
+            per_task.append(stats.to_dict())
+            if progress and ev and main:
+                ret = ev["retrieval_acc"]
+                print(
+                    f"task {k + 1}/{len(stream.tasks)}: accuracy per task {[round(a, 1) for a in ev['row']]}"
+                    + (f", retrieval {ret:.1f}%" if ret is not None else ""),
+                    flush=True,
+                )
+        evaluation = [e for e in kb.manifest["evaluation"] if e]
+        extra: dict[str, Any] = {"tasks": per_task, "kb_bytes": kb.nbytes()}
+        seconds, t1 = time.perf_counter() - t0, time.perf_counter()
+        # theory checks, S / cosine analyses, latency (proteus.report); every rank takes part in any
+        # embedding pass the theory needs, rank 0 alone times and writes
+        from proteus.report.analysis import analyse_run
+
+        keys, bulky = analyse_run(clf, evaluator, stream, cfg.report, latency=main)
+        extra.update(keys)
+        res = build_results(cfg, stream, evaluation, seconds, extra)
+        if main:
+            (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
+            (out / "analysis.json").write_text(json.dumps(bulky))
+            if cfg.report.figures:
+                from proteus.report import write_report
+
+                res["figures"] = write_report(out, res, bulky)
+            res["seconds_report"] = time.perf_counter() - t1
+            (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
+        return res
+    finally:
+        if handler is not None:
+            logging.getLogger("proteus").removeHandler(handler)

@@ -1,0 +1,74 @@
+"""results.json, the run contract (docs/architecture.md): keys are never renamed without a deprecation path.
+
+``benchmark, method, backbone, seed, num_tasks, acc_matrix, avg_acc, final_avg_acc, forgetting,
+forgetting_per_step, retrieval_acc, oracle_avg_acc, oracle_acc_matrix, seconds, proteus_version`` plus
+what a run adds (``tasks``, ``kb_bytes``, the report's keys).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proteus import __version__
+from proteus.config import RunConfig
+from proteus.metrics import average_accuracy, forgetting
+from proteus.streams import TaskStream
+
+__all__ = ["build_results", "format_table"]
+
+
+def build_results(
+    cfg: RunConfig,
+    stream: TaskStream,
+    evaluation: list[dict[str, Any]],
+    seconds: float,
+    extra: dict | None = None,
+) -> dict[str, Any]:
+    m = len(stream.tasks)
+    rows = [e["row"] for e in evaluation]
+    matrix = [list(r) + [None] * (m - len(r)) for r in rows]
+    avg = average_accuracy(rows) if evaluation else []
+    forg = forgetting(rows) if evaluation else []
+    ret = [e["retrieval_acc"] for e in evaluation]
+    oracle = [sum(e["oracle_row"]) / len(e["oracle_row"]) if e["oracle_row"] else None for e in evaluation]
+    res = {
+        "benchmark": stream.name,
+        "method": cfg.method,
+        "backbone": cfg.backbone.name,
+        "seed": cfg.seed,
+        "num_tasks": m,
+        "acc_matrix": matrix,
+        "avg_acc": avg,
+        "final_avg_acc": avg[-1] if avg else None,
+        "forgetting": forg[-1] if forg else None,
+        "forgetting_per_step": forg,
+        "retrieval_acc": ret if any(r is not None for r in ret) else None,
+        "oracle_avg_acc": oracle if any(o is not None for o in oracle) else None,
+        "oracle_acc_matrix": [e["oracle_row"] for e in evaluation]
+        if evaluation and evaluation[0]["oracle_row"]
+        else None,
+        "seconds": seconds,
+        "proteus_version": __version__,
+    }
+    res.update(extra or {})
+    return res
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def format_table(res: dict[str, Any]) -> str:
+    lines = [f"{res['method']} on {res['benchmark']} ({res['backbone']}, seed {res['seed']})"]
+    hdr = f"{'after task':>10} | {'avg acc':>8} | {'retrieval':>9} | {'oracle':>7}"
+    lines += [hdr, "-" * len(hdr)]
+    ret = res.get("retrieval_acc") or [None] * len(res["avg_acc"])
+    orc = res.get("oracle_avg_acc") or [None] * len(res["avg_acc"])
+    steps = res.get("evaluated_after") or list(range(1, len(res["avg_acc"]) + 1))
+    for i, a in enumerate(res["avg_acc"]):
+        lines.append(f"{steps[i]:>10} | {_f(a):>8} | {_f(ret[i]):>9} | {_f(orc[i]):>7}")
+    lines.append(
+        f"final average accuracy {_f(res['final_avg_acc'])}%, forgetting {_f(res['forgetting'])}, "
+        f"{res['seconds']:.1f} s"
+    )
+    return "\n".join(lines)

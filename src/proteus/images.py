@@ -1,0 +1,348 @@
+"""Decoding image files to 8-bit RGB, identically for training (ImageFolder datasets) and prediction.
+
+Every image the library reads from disk goes through :func:`open_image`, so a picture gives the same
+pixels whether it is in a training folder or passed to ``proteus predict``. The rules:
+
+* **Size limit before decoding.** The header is read lazily first; an image above ``max_pixels``
+  (:data:`DEFAULT_MAX_PIXELS`, 64 megapixels, by default) is refused with :class:`ImageTooLargeError`
+  before any pixel is decoded. PIL's own decompression-bomb check (``Image.MAX_IMAGE_PIXELS``) is
+  replaced by this explicit limit for our calls only: PIL never emits ``DecompressionBombWarning`` or
+  ``DecompressionBombError`` for them, and ``Image.MAX_IMAGE_PIXELS`` is restored right after (see
+  :func:`_pil_bomb_check_lifted`).
+* **High bit depth is scaled, not clipped.** ``Image.convert("RGB")`` clips 16-bit grayscale at 255, so a
+  16-bit PNG would come out almost white. Here:
+
+  - 16-bit grayscale (modes ``I;16``, ``I;16B``, ``I;16L``, ``I;16N``) maps 0..65535 to 0..255 by
+    ``round(v / 257)``, so a 16-bit PNG and its 8-bit version decode to the same RGB image within one
+    level. A TIFF that declares fewer bits per sample (e.g. 12) is scaled by its declared maximum
+    ``2**bits - 1`` instead.
+  - 32-bit integer (mode ``I``): when the file declares at most 16 bits per sample, or declares
+    nothing and every value lies in 0..65535 (a 16-bit image that PIL widened to ``I``), the same
+    16-bit rule applies. Otherwise (true 32-bit data, or negative values) the image is min-max scaled:
+    its own minimum maps to 0 and its maximum to 255 (a constant image maps to 0).
+  - 32-bit float (mode ``F``): values within [0, 1] are multiplied by 255 and rounded; any other range
+    is min-max scaled as above. NaN maps to 0, +inf to 255 and -inf to 0.
+* **Colour modes.** Grayscale (``L``, 1-bit ``1``) is replicated to three channels; palette (``P``),
+  ``CMYK``, ``YCbCr``, ``HSV`` and ``LAB`` go through PIL's (or LittleCMS's, for ``LAB``) conversion to RGB.
+  **Alpha is dropped, not composited**: ``RGBA``, ``LA``, ``PA``, premultiplied ``RGBa``/``La`` and
+  palette images with a transparent index keep the colour their transparent pixels store. This is
+  what torchvision's ``default_loader`` (``Image.convert("RGB")``) does, so datasets decoded before this
+  module existed keep their pixels, and the pre-trained backbones see what they were trained on.
+* **EXIF orientation** is applied (``ImageOps.exif_transpose``), so a photo taken on its side is upright.
+  A corrupt EXIF block is ignored (the pixels are still used, unrotated).
+* **Multi-frame files** (GIF, APNG, multi-page TIFF) give their first frame.
+
+Any failure (missing file, a directory, no permission, not an image, truncated or corrupt data, an
+unsupported mode) raises :class:`ImageError`, a ``ValueError`` whose message starts with the file's
+path and says what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "ImageError",
+    "ImageTooLargeError",
+    "describe_skipped",
+    "load_images",
+    "open_image",
+    "to_rgb",
+]
+
+#: default limit on width x height, checked on the header before decoding (64 megapixels)
+DEFAULT_MAX_PIXELS: int = 64_000_000
+
+#: modes holding unsigned 16-bit samples
+_UINT16_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
+
+#: errors PIL and its plugins raise for unreadable, truncated or corrupt data
+_DECODE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    SyntaxError,
+    ValueError,
+    EOFError,
+    IndexError,
+    KeyError,
+    TypeError,
+    struct.error,
+    Image.DecompressionBombError,
+)
+
+# Serialises our temporary changes to ``Image.MAX_IMAGE_PIXELS`` (re-entrant: a caller may nest them).
+_PIL_LIMIT_LOCK = threading.RLock()
+
+
+class ImageError(ValueError):
+    """An image file that cannot be used; the message starts with the file's path.
+
+    ``path`` and ``reason`` hold the two parts of the message separately (empty when the error was
+    built from a message alone, e.g. re-raised by a DataLoader worker).
+    """
+
+    def __init__(self, message: str, *, path: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+    @classmethod
+    def for_file(cls, path: str | os.PathLike[str], reason: str) -> ImageError:
+        """The error for ``path``: message ``"PATH: REASON"``."""
+        p = os.fspath(path)
+        return cls(f"{p}: {reason}", path=p, reason=reason)
+
+
+class ImageTooLargeError(ImageError):
+    """An image whose width x height is above the pixel limit (refused before decoding)."""
+
+
+# ---------------------------------------------------------------------------------------------- PIL limit
+@contextmanager
+def _pil_bomb_check_lifted() -> Iterator[None]:
+    """Switch PIL's decompression-bomb check off while our own, explicit limit is in charge.
+
+    PIL has no per-call limit: ``Image.open`` compares the header's size with the module-wide
+    ``Image.MAX_IMAGE_PIXELS`` and warns (or raises) before we can apply ``max_pixels``. This sets it to
+    ``None`` under a lock and restores the previous value on exit, whatever happens. Only the header
+    read (and, for an image larger than PIL's limit that our limit allows, the decoding) runs inside.
+    """
+    with _PIL_LIMIT_LOCK:
+        saved = Image.MAX_IMAGE_PIXELS
+        Image.MAX_IMAGE_PIXELS = None
+        try:
+            yield
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+
+
+def _check_max_pixels(max_pixels: int | None) -> None:
+    if max_pixels is None:
+        return
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels <= 0:
+        raise ValueError(
+            f"max_pixels must be a positive integer or None (no limit), got {max_pixels!r}; "
+            "set --max-pixels / eval.max_image_pixels to a number of pixels such as 64000000"
+        )
+
+
+def _megapixels(n: int) -> str:
+    return f"{n / 1e6:.1f}" if n < 10**9 else f"{n / 1e6:.0f}"
+
+
+# ---------------------------------------------------------------------------------------------- modes
+def _declared_bits(img: Image.Image) -> int | None:
+    """Bits per sample the file declares, where the format says it (TIFF's BitsPerSample tag)."""
+    tags = getattr(img, "tag_v2", None)
+    if tags is None:
+        return None
+    try:
+        bits = tags.get(258)  # BitsPerSample
+    except Exception:  # a broken tag directory: fall back to the mode's own range
+        return None
+    if isinstance(bits, (tuple, list)):
+        bits = bits[0] if bits else None
+    return int(bits) if isinstance(bits, int) and 1 <= bits <= 32 else None
+
+
+def _scale_unsigned(arr: np.ndarray, max_value: int) -> np.ndarray:
+    """Map 0..max_value to 0..255, rounding half up (for 16-bit data: ``round(v / 257)``)."""
+    v = arr.astype(np.float64)
+    return np.clip(np.floor(v * (255.0 / max_value) + 0.5), 0, 255).astype(np.uint8)
+
+
+def _min_max(arr: np.ndarray) -> np.ndarray:
+    """Map the array's finite minimum to 0 and maximum to 255 (NaN -> 0, +inf -> 255, -inf -> 0)."""
+    v = arr.astype(np.float64)
+    finite = np.isfinite(v)
+    out = np.zeros(v.shape, dtype=np.float64)
+    if finite.any():
+        lo = float(v[finite].min())
+        hi = float(v[finite].max())
+        if hi > lo:
+            out[finite] = (v[finite] - lo) * (255.0 / (hi - lo))
+    out[np.isposinf(v)] = 255.0
+    return np.clip(np.floor(out + 0.5), 0, 255).astype(np.uint8)
+
+
+def _gray_to_rgb(arr8: np.ndarray) -> Image.Image:
+    return Image.fromarray(np.ascontiguousarray(arr8), mode="L").convert("RGB")
+
+
+def to_rgb(img: Image.Image, bits: int | None = None) -> Image.Image:
+    """Convert a decoded PIL image of any mode to 8-bit ``RGB`` (rules in the module docstring).
+
+    ``bits`` is the bits per sample the file declares (TIFF), used for ``I;16*`` and ``I`` images; None
+    means "not declared". Returns ``img`` itself when it is already RGB. Raises ``ValueError`` for a
+    mode that has no conversion to RGB.
+    """
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode in _UINT16_MODES:
+        arr = np.asarray(img)
+        max_value = (1 << bits) - 1 if bits is not None and 8 < bits < 16 else 65535
+        return _gray_to_rgb(_scale_unsigned(np.minimum(arr, max_value), max_value))
+    if mode in ("I", "I;16S", "I;32", "I;32S"):
+        arr = np.asarray(img)
+        lo = int(arr.min()) if arr.size else 0
+        hi = int(arr.max()) if arr.size else 0
+        if bits is not None and bits <= 16 and lo >= 0:
+            max_value = (1 << bits) - 1
+            return _gray_to_rgb(_scale_unsigned(np.minimum(arr, max_value), max_value))
+        if bits is None and lo >= 0 and hi <= 65535:
+            return _gray_to_rgb(_scale_unsigned(arr, 65535))
+        return _gray_to_rgb(_min_max(arr))
+    if mode == "F":
+        arr = np.asarray(img)
+        finite = arr[np.isfinite(arr)]
+        if finite.size and float(finite.min()) >= 0.0 and float(finite.max()) <= 1.0:
+            v = np.where(np.isposinf(arr), 1.0, np.nan_to_num(arr, nan=0.0, neginf=0.0, posinf=1.0))
+            return _gray_to_rgb(np.clip(np.floor(v * 255.0 + 0.5), 0, 255).astype(np.uint8))
+        return _gray_to_rgb(_min_max(arr))
+    if mode == "P":
+        # a palette with a transparent index goes through RGBA (PIL warns otherwise); alpha is dropped
+        return img.convert("RGBA").convert("RGB") if "transparency" in img.info else img.convert("RGB")
+    if mode == "La":
+        return img.convert("LA").convert("RGB")
+    if mode == "RGBa":
+        return img.convert("RGBA").convert("RGB")
+    if mode == "LAB":
+        from PIL import ImageCms
+
+        try:
+            out = ImageCms.profileToProfile(
+                img, ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB"), outputMode="RGB"
+            )
+        except Exception as e:  # ImageCms.PyCMSError and friends
+            raise ValueError(f"LittleCMS cannot convert LAB to sRGB ({e})") from e
+        if out is None:  # only with inPlace=True
+            raise ValueError("LittleCMS returned no image for the LAB -> sRGB conversion")
+        return out
+    try:
+        return img.convert("RGB")
+    except ValueError as e:
+        raise ValueError(f"unsupported colour mode {mode!r} ({e})") from e
+
+
+def _exif_transpose(img: Image.Image) -> Image.Image:
+    """``ImageOps.exif_transpose`` (a new image); the image unrotated when its EXIF block is unreadable."""
+    try:
+        out = ImageOps.exif_transpose(img)
+    except Exception:  # corrupt EXIF must not cost the pixels; any decode error surfaces elsewhere
+        return img
+    return img if out is None else out
+
+
+# ---------------------------------------------------------------------------------------------- public
+def open_image(path: str | os.PathLike[str], max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Decode the image file ``path`` to an 8-bit ``RGB`` PIL image (rules in the module docstring).
+
+    The header is read first and an image of more than ``max_pixels`` pixels (width x height; None: no
+    limit) is refused before decoding with :class:`ImageTooLargeError`: ``"PATH: W x H = N megapixels is
+    above the limit of M megapixels (raise it with --max-pixels / eval.max_image_pixels)"``. Any other
+    failure raises :class:`ImageError` ``"PATH: REASON"``. The file is closed when this returns.
+    """
+    _check_max_pixels(max_pixels)
+    p = os.fspath(path)
+    try:
+        with _pil_bomb_check_lifted():
+            im = Image.open(p)
+    except FileNotFoundError:
+        raise ImageError.for_file(p, "no such file") from None
+    except IsADirectoryError:
+        raise ImageError.for_file(p, "is a directory, not an image file") from None
+    except PermissionError as e:
+        raise ImageError.for_file(
+            p, f"permission denied ({e.strerror or e}); make the file readable or pass another file"
+        ) from None
+    except UnidentifiedImageError:
+        size = _file_size(p)
+        what = "an empty file" if size == 0 else "not an image in a format PIL can read"
+        raise ImageError.for_file(p, f"{what} (expected e.g. JPEG, PNG, BMP, GIF, TIFF or WebP)") from None
+    except _DECODE_ERRORS as e:
+        raise ImageError.for_file(p, f"cannot read the image header ({type(e).__name__}: {e})") from e
+
+    with im:
+        width, height = im.size
+        pixels = int(width) * int(height)
+        if pixels <= 0:
+            raise ImageError.for_file(p, f"empty image ({width} x {height} pixels)")
+        if max_pixels is not None and pixels > max_pixels:
+            raise ImageTooLargeError.for_file(
+                p,
+                f"{width} x {height} = {_megapixels(pixels)} megapixels is above the limit of "
+                f"{_megapixels(max_pixels)} megapixels (raise it with --max-pixels / eval.max_image_pixels)",
+            )
+        pil_limit = Image.MAX_IMAGE_PIXELS
+        # PIL re-checks sizes while decoding some formats (GIF frames, TIFF tiles): lift its check only
+        # when this image, which our limit allows, is above PIL's own limit
+        lift = pil_limit is not None and pixels > pil_limit
+        try:
+            with _pil_bomb_check_lifted() if lift else nullcontext():
+                im.load()
+        except MemoryError:
+            raise ImageError.for_file(
+                p, f"not enough memory to decode {width} x {height} pixels; lower --max-pixels"
+            ) from None
+        except _DECODE_ERRORS as e:
+            raise ImageError.for_file(
+                p, f"cannot decode the image, the file is truncated or corrupt ({type(e).__name__}: {e})"
+            ) from e
+        bits = _declared_bits(im)
+        upright = _exif_transpose(im)
+        try:
+            rgb = to_rgb(upright, bits=bits)
+        except (ValueError, OSError) as e:
+            raise ImageError.for_file(p, f"cannot convert mode {upright.mode!r} to RGB ({e})") from e
+    if rgb is im:  # keep nothing that refers to the closed file
+        rgb = rgb.copy()
+    return rgb
+
+
+def _file_size(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
+def load_images(
+    paths: Iterable[str | os.PathLike[str]],
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    skip_unreadable: bool = False,
+) -> tuple[list[Image.Image], list[str], list[tuple[str, str]]]:
+    """Decode several image files with :func:`open_image`.
+
+    Returns ``(images, kept, skipped)``: the RGB images, the paths they came from (same order), and a
+    ``(path, reason)`` pair for each file that could not be used. Without ``skip_unreadable`` the first
+    bad file raises its :class:`ImageError` (so ``skipped`` is always empty).
+    """
+    _check_max_pixels(max_pixels)
+    images: list[Image.Image] = []
+    kept: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    for path in paths:
+        p = os.fspath(path)
+        try:
+            img = open_image(p, max_pixels=max_pixels)
+        except ImageError as e:
+            if not skip_unreadable:
+                raise
+            skipped.append((p, e.reason or str(e)))
+            continue
+        images.append(img)
+        kept.append(p)
+    return images, kept, skipped
+
+
+def describe_skipped(skipped: Iterable[tuple[str, str]]) -> str:
+    """One line per skipped file, ``"  PATH: REASON"`` (for a CLI warning)."""
+    return "\n".join(f"  {p}: {why}" for p, why in skipped)

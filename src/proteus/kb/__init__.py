@@ -1,0 +1,32 @@
+"""The knowledge base (KB) of Algorithm 1: per task a value (the adapter) and a multi-key (the signature),
+plus the head's statistics G and e(c). It is the only memory of data that no longer exists.
+
+:mod:`.store` (the commit protocol; its docstring describes the layout on disk), :mod:`.lock` (one writer
+at a time), :mod:`.inspect` (``info`` and ``problems``), :mod:`.files` (layout, errors, checksums).
+"""
+
+from proteus.kb.files import (
+    FORMAT,
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    KBError,
+    KBLockedError,
+    manifest_checksum,
+)
+from proteus.kb.inspect import info, problems
+from proteus.kb.lock import lock_holder, write_lock
+from proteus.kb.store import KnowledgeBase
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "KBError",
+    "KBLockedError",
+    "KnowledgeBase",
+    "info",
+    "lock_holder",
+    "manifest_checksum",
+    "problems",
+    "write_lock",
+]

@@ -1,0 +1,178 @@
+"""Configuration resolution and validation: defaults < the benchmark's packaged config < the method <
+``--config`` files < ``--set`` < explicit flags, then every value checked before any work starts.
+
+The allowed values of each variant key come from the registry that resolves it (one declaration:
+adding a strategy to a registry makes it a valid value); numeric keys have declared ranges
+(:data:`RANGES`). A violation names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from proteus.adapters.lora import TRANSFER_INIT
+from proteus.config import ConfigError, RunConfig, load_yaml, merge, parse_set
+from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
+from proteus.engine.keys import KEYS
+from proteus.engine.trainer import S_UPDATES
+from proteus.heads import GAMMA_SELECTIONS
+from proteus.methods import apply_method
+from proteus.signatures.signature import CHOICES as SIGNATURE_CHOICES
+
+__all__ = ["CHOICES", "RANGES", "Interval", "packaged_config", "resolve_config", "validate"]
+
+#: key -> allowed values (a registry or a tuple)
+CHOICES: dict[str, Collection[str]] = {
+    "adapter.transfer": tuple(TRANSFER_INIT),
+    "adapter.s_update": S_UPDATES,
+    "train.tasks": TRAIN_SCHEDULES,
+    "train.cache_prefix": ("auto", "true", "false"),
+    "retrieval.mode": COMPOSITIONS,
+    "signature.keys": KEYS,
+    "head.gamma_selection": GAMMA_SELECTIONS,
+    **{f"signature.{k}": v for k, v in SIGNATURE_CHOICES.items()},
+}
+
+
+@dataclass(frozen=True)
+class Interval:
+    """An allowed range: ``low`` / ``high`` bounds (None: open), ``closed`` says which ends are included."""
+
+    low: float | None = None
+    high: float | None = None
+    closed: str = "both"  # "both", "left", "right", "neither"
+
+    def contains(self, v: float) -> bool:
+        if not math.isfinite(v):
+            return False
+        lo_ok = self.low is None or (v >= self.low if self.closed in ("both", "left") else v > self.low)
+        hi_ok = self.high is None or (v <= self.high if self.closed in ("both", "right") else v < self.high)
+        return lo_ok and hi_ok
+
+    def __str__(self) -> str:
+        lo = "-inf" if self.low is None else f"{self.low:g}"
+        hi = "inf" if self.high is None else f"{self.high:g}"
+        left = "[" if self.closed in ("both", "left") and self.low is not None else "("
+        right = "]" if self.closed in ("both", "right") and self.high is not None else ")"
+        return f"{left}{lo}, {hi}{right}"
+
+
+POSITIVE = Interval(0, None, "neither")
+AT_LEAST_1 = Interval(1, None)
+NON_NEGATIVE = Interval(0, None)
+UNIT = Interval(0, 1)
+
+#: key -> allowed range (None values are allowed where the field's default is None)
+RANGES: dict[str, Interval] = {
+    "seed": NON_NEGATIVE,
+    "adapter.rank": AT_LEAST_1,
+    "adapter.scaling": Interval(None, None),
+    "adapter.lam": NON_NEGATIVE,
+    "adapter.lam_decay": Interval(0, 1, "right"),
+    "adapter.alpha": UNIT,
+    "adapter.s_lr": POSITIVE,
+    "adapter.budget_decay": NON_NEGATIVE,
+    "adapter.min_rank": AT_LEAST_1,
+    "train.epochs": AT_LEAST_1,
+    "train.batch_size": AT_LEAST_1,
+    "train.lr": POSITIVE,
+    "train.weight_decay": NON_NEGATIVE,
+    "train.num_workers": NON_NEGATIVE,
+    "signature.max_components": AT_LEAST_1,
+    "signature.rank": AT_LEAST_1,
+    "signature.max_iter": AT_LEAST_1,
+    "signature.tol": POSITIVE,
+    "signature.reg_covar": NON_NEGATIVE,
+    "head.rp_dim": NON_NEGATIVE,
+    "head.holdout": Interval(0, 1, "neither"),
+    "retrieval.top_k": AT_LEAST_1,
+    "benchmark.num_tasks": AT_LEAST_1,
+    "benchmark.max_train_per_class": AT_LEAST_1,
+    "eval.batch_size": AT_LEAST_1,
+    "eval.max_image_pixels": AT_LEAST_1,
+    "backbone.img_size": Interval(8, None),
+    "backbone.adapt_last": AT_LEAST_1,
+    "report.latency_batch": AT_LEAST_1,
+    "report.latency_points": AT_LEAST_1,
+    "report.latency_repeats": AT_LEAST_1,
+}
+
+
+def _get(cfg: RunConfig, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check every variant key against its registry and every numeric key against its range."""
+    for key, ok in CHOICES.items():
+        val = _get(cfg, key)
+        if val not in ok:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, ok))}; got {val!r}")
+    for key, rng in RANGES.items():
+        val = _get(cfg, key)
+        if val is None:
+            continue
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not rng.contains(float(val)):
+            raise ConfigError(f"{key} must be a number in {rng}; got {val!r}")
+    if cfg.head.gamma_max_exp <= cfg.head.gamma_min_exp:
+        raise ConfigError(
+            f"head.gamma_max_exp ({cfg.head.gamma_max_exp}) must be above head.gamma_min_exp "
+            f"({cfg.head.gamma_min_exp})"
+        )
+
+
+def packaged_config(name: str) -> Path | None:
+    p = resources.files("proteus") / "configs" / f"{name}.yaml"
+    return Path(str(p)) if p.is_file() else None
+
+
+def _dotted(d: dict[str, Any]) -> dict[str, Any]:
+    """``{"train.epochs": 1}`` -> ``{"train": {"epochs": 1}}``."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def resolve_config(
+    benchmark: str | None = None,
+    method: str = "proteus",
+    config_files: list[str] | None = None,
+    sets: list[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    dotted: dict[str, Any] | None = None,
+) -> RunConfig:
+    """defaults < the benchmark's packaged config < method < --config files < --set < explicit flags
+    (``overrides`` nested, ``dotted`` with dotted keys), validated."""
+    cfg = RunConfig()
+    if benchmark:
+        cfg.benchmark.name = benchmark
+        bench_file = packaged_config(benchmark)
+        if bench_file:
+            merge(cfg, load_yaml(bench_file))
+    apply_method(cfg, method)
+    for f in config_files or []:
+        path = Path(f)
+        if not path.is_file() and packaged_config(f) is not None:
+            path = packaged_config(f)  # type: ignore[assignment]
+        merge(cfg, load_yaml(path))
+    if sets:
+        merge(cfg, parse_set(sets))
+    if overrides:
+        merge(cfg, overrides)
+    if dotted:
+        merge(cfg, _dotted(dotted))
+    validate(cfg)
+    return cfg
