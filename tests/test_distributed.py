@@ -8,7 +8,7 @@ The 2-process run must equal the single-process run:
   their gradients all-reduced, signatures fitted, the head accumulated and every embedding and
   evaluation pass sharded across the ranks and gathered back), because each rank runs whole batches that
   a single process would run, in the same order; the logged cross-entropy of the throw-away classifier
-  differs by the summation order only;
+  differs by the summation order only (and so may the manifest's size, which records it);
 * within a tolerance when the adapters are trained: each rank's forward and backward covers its half of
   every batch and the gradients are summed, so the gradient equals the single-process one up to the
   summation order (float32 round-off, ~1e-7 relative). We allow |accuracy difference| <= 2 points per
@@ -71,7 +71,8 @@ def _single(out: Path, extra: list[str]) -> None:
 
 def _strip(d):
     if isinstance(d, dict):
-        return {k: _strip(v) for k, v in d.items() if "seconds" not in k and not k.startswith("loss_")}
+        return {k: _strip(v) for k, v in d.items() if "seconds" not in k and not k.startswith("loss_")
+                and k != "manifest"}  # fmt: skip
     if isinstance(d, list):
         return [_strip(v) for v in d]
     return d
@@ -115,7 +116,7 @@ def test_two_ranks_match_one_when_training(tmp_path: Path) -> None:
         assert t1["train"]["steps"] == t2["train"]["steps"] > 0
         for key in ("loss_first", "loss_last"):
             assert abs(t1["train"][key] - t2["train"][key]) <= LOSS_TOL, (key, t1["train"], t2["train"])
-    assert one["kb_bytes"] == two["kb_bytes"]
+    assert _strip(one["kb_bytes"]) == _strip(two["kb_bytes"])  # the manifest records the logged losses
 
 
 def test_helpers_in_a_single_process() -> None:
