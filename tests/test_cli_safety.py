@@ -217,3 +217,26 @@ def test_predict_skip_unreadable_and_size_limit(world: dict, tmp_path: Path, cap
     assert [r["file"] for r in json.loads(cap.out)] == [str(good)] and "bad.png" in cap.err
     assert main(["predict", "--kb", str(world["kb1"]), str(good), "--max-pixels", "10"]) == 2
     assert "above the limit" in capsys.readouterr().err
+
+
+def test_previous_release_kb_loads_and_upgrades(world: dict, tmp_path: Path, capsys) -> None:
+    """Format 1 (the previous release: no manifest checksum, no per-task settings) still loads, predicts
+    the same, and its next commit writes format 2. (Checked by hand against a KB written by the previous
+    release itself, too: identical predictions and scores.)"""
+    kb = _copy_kb(world, tmp_path)
+    img = world["tree"] / "test" / "a" / "0.png"
+    assert main(["predict", "--kb", str(kb), str(img), "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    m = json.loads((kb / "manifest.json").read_text())
+    for key in ("checksum",):
+        m.pop(key)
+    for t in m["tasks"]:
+        t.pop("settings"), t.pop("learned")
+    m["format_version"] = 1
+    (kb / "manifest.json").write_text(json.dumps(m, indent=1))
+    (kb / "manifest.prev.json").unlink(missing_ok=True)
+    assert main(["predict", "--kb", str(kb), str(img), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == before
+    assert _learn(world, kb, 2) == 0
+    m = json.loads((kb / "manifest.json").read_text())
+    assert m["format_version"] == 2 and m["checksum"] and len(m["tasks"]) == 2
