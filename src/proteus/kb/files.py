@@ -3,6 +3,7 @@ the store, the lock and the inspection (:mod:`proteus.kb`)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -227,3 +228,27 @@ def _manifest_issues(path: Path, data: bytes, hint: str) -> tuple[dict[str, Any]
 
 
 # ====================================================================== the writers' lock
+
+
+def check_writable(root: str | Path) -> None:
+    """Raise :class:`KBError` unless a file can be created, written, synced and removed in ``root``
+    (created with its parents if missing) and in its ``objects/``: a writer calls it before any expensive
+    work."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise _is_file_error(root)
+    where = root
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for where in [root, root / OBJECTS] if (root / OBJECTS).is_dir() else [root]:
+            probe = where / f"{_WRITE_PROBE}{os.getpid()}"
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"\0" * 4096)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(probe)
+    except OSError as e:
+        raise _not_writable(where, e) from None

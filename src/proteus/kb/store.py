@@ -39,7 +39,6 @@ Crash points (:func:`proteus.faults.crash_point`) mark the commit's steps for th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -53,7 +52,6 @@ from safetensors.torch import save as st_save
 from proteus.faults import crash_point
 from proteus.kb.files import (
     _TMP_PREFIXES,
-    _WRITE_PROBE,
     FIRST_COMMIT,
     FORMAT,
     FORMAT_VERSION,
@@ -75,6 +73,7 @@ from proteus.kb.files import (
     _refs,
     _sha,
     _shown,
+    check_writable,
     log,
     manifest_checksum,
 )
@@ -349,29 +348,8 @@ class KnowledgeBase:
                 p.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ checks
-    @staticmethod
-    def check_writable(root: str | Path) -> None:
-        """Raise :class:`KBError` unless a file can be created, written, synced and removed in ``root``
-        (created with its parents if missing) and in its ``objects/``: a writer calls it before any expensive
-        work."""
-        root = Path(root)
-        if root.exists() and not root.is_dir():
-            raise _is_file_error(root)
-        where = root
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            for where in [root, root / OBJECTS] if (root / OBJECTS).is_dir() else [root]:
-                probe = where / f"{_WRITE_PROBE}{os.getpid()}"
-                fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    os.write(fd, b"\0" * 4096)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                    with contextlib.suppress(OSError):
-                        os.unlink(probe)
-        except OSError as e:
-            raise _not_writable(where, e) from None
+    #: raise :class:`KBError` unless ``root`` is writable (:func:`proteus.kb.files.check_writable`)
+    check_writable = staticmethod(check_writable)
 
     def check_backbone(self, identity: dict[str, Any]) -> None:
         """Refuse a KB written under another backbone, other weights or another adapted split."""
