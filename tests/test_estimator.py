@@ -20,7 +20,7 @@ SRC = Path(proteus.estimator.__file__).resolve().parent
 #: rank of each top-level module or package: a module may import only ranks below its own (or its own
 #: package). cli -> experiment -> report -> estimator -> engine -> presets -> the parts
 LAYERS = {
-    "cli": 7, "__main__": 8,
+    "cli": 7, "__main__": 8, "serve": 7,
     "experiment": 6,
     "report": 5,
     "estimator": 4,

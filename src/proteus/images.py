@@ -39,11 +39,13 @@ path and says what is wrong.
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -242,8 +244,14 @@ def _exif_transpose(img: Image.Image) -> Image.Image:
 
 
 # ---------------------------------------------------------------------------------------------- public
-def open_image(path: str | os.PathLike[str], max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """Decode the image file ``path`` to an 8-bit ``RGB`` PIL image (rules in the module docstring).
+def open_image(
+    path: str | os.PathLike[str] | BinaryIO,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    *,
+    name: str | None = None,
+) -> Image.Image:
+    """Decode the image file ``path`` (or an open binary stream, e.g. an upload, called ``name`` in
+    messages) to an 8-bit ``RGB`` PIL image (rules in the module docstring).
 
     The header is read first and an image of more than ``max_pixels`` pixels (width x height; None: no
     limit) is refused before decoding with :class:`ImageTooLargeError`: ``"PATH: W x H = N megapixels is
@@ -251,10 +259,11 @@ def open_image(path: str | os.PathLike[str], max_pixels: int | None = DEFAULT_MA
     failure raises :class:`ImageError` ``"PATH: REASON"``. The file is closed when this returns.
     """
     _check_max_pixels(max_pixels)
-    p = os.fspath(path)
+    stream = hasattr(path, "read")
+    p = name if name is not None else ("<stream>" if stream else os.fspath(path))  # type: ignore[arg-type]
     try:
         with _pil_bomb_check_lifted():
-            im = Image.open(p)
+            im = Image.open(path if stream else p)  # type: ignore[arg-type]
     except FileNotFoundError:
         raise ImageError.for_file(p, "no such file") from None
     except IsADirectoryError:
@@ -264,7 +273,7 @@ def open_image(path: str | os.PathLike[str], max_pixels: int | None = DEFAULT_MA
             p, f"permission denied ({e.strerror or e}); make the file readable or pass another file"
         ) from None
     except UnidentifiedImageError:
-        size = _file_size(p)
+        size = len(path.getbuffer()) if isinstance(path, io.BytesIO) else None if stream else _file_size(p)
         what = "an empty file" if size == 0 else "not an image in a format PIL can read"
         raise ImageError.for_file(p, f"{what} (expected e.g. JPEG, PNG, BMP, GIF, TIFF or WebP)") from None
     except _DECODE_ERRORS as e:

@@ -178,9 +178,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    import torch
+    from tqdm.auto import tqdm
 
     from proteus.estimator import Proteus
+    from proteus.experiment.predictions import format_row, prediction_rows
     from proteus.images import describe_skipped, load_images
     from proteus.kb import KBError
 
@@ -188,44 +189,31 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if clf.num_tasks == 0:
         raise KBError(f"{args.kb}: the knowledge base holds no task yet; learn task 1 first (proteus learn)")
     max_pixels = args.max_pixels or clf.config.eval.max_image_pixels
-    images, kept, skipped = load_images(
-        args.images, max_pixels=max_pixels, skip_unreadable=args.skip_unreadable
-    )
-    if skipped:
-        print(describe_skipped(skipped), file=sys.stderr)
-    names = clf.class_names()
-    rows = []
     bs = clf.config.eval.batch_size
-    for i in range(0, len(images), bs):
-        x = clf.transform_images(images[i : i + bs])
-        p = clf.predict(x)
-        probs = torch.softmax(p.logits, 1)
-        for j in range(len(x)):
-            c = int(p.label[j])
-            rows.append(
-                {
-                    "file": kept[i + j],
-                    "class": names[c],
-                    "label": c,
-                    "head_score": float(p.logits[j, c]),
-                    "head_softmax": float(probs[j, c]),
-                    "task": None if p.task is None else int(p.task[j]) + 1,
-                    "component": None if p.component is None else int(p.component[j]),
-                    "signature_score": None if p.score is None else float(p.score[j]),
-                }
-            )
+    rows, skipped_all = [], []
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(args.images), unit="img", disable=args.quiet or len(args.images) <= bs, leave=False)
+    for i in range(0, len(args.images), bs):
+        images, kept, skipped = load_images(
+            args.images[i : i + bs], max_pixels=max_pixels, skip_unreadable=args.skip_unreadable
+        )
+        skipped_all += skipped
+        if images:
+            pred = clf.predict(clf.transform_images(images))
+            rows += prediction_rows(clf, pred, kept, top_k=args.top_k)
+        bar.update(len(images) + len(skipped))
+    bar.close()
+    seconds = time.perf_counter() - t0
+    if skipped_all:
+        print(describe_skipped(skipped_all), file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         for r in rows:
-            ret = (
-                ""
-                if r["task"] is None
-                else f"  task {r['task']} component {r['component']} "
-                f"(signature score {r['signature_score']:.2f})"
-            )
-            print(f"{r['file']}: {r['class']}{ret}")
-    return 0 if images or not skipped else 2
+            print(format_row(r))
+    if len(rows) > bs and not args.quiet:
+        print(f"{len(rows)} images in {seconds:.1f} s ({len(rows) / seconds:.1f} images/s)", file=sys.stderr)
+    return 0 if rows or not skipped_all else 2
 
 
 def cmd_kb(args: argparse.Namespace) -> int:
@@ -257,6 +245,13 @@ def cmd_kb(args: argparse.Namespace) -> int:
     if args.action == "info":
         print(f"  created {info['created']}, updated {info['updated']}, proteus {info['proteus_version']}")
         print(f"  backbone {json.dumps(info['backbone'])}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from proteus.serve import serve
+
+    serve(args.kb, host=args.host, port=args.port, device=args.device, poll_seconds=args.poll)
     return 0
 
 

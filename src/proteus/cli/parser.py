@@ -15,6 +15,7 @@ from proteus.cli.commands import (
     cmd_predict,
     cmd_quickstart,
     cmd_run,
+    cmd_serve,
     cmd_weights,
 )
 
@@ -108,7 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("-q", "--quiet", action="store_true")
     ev.set_defaults(func=cmd_evaluate)
 
-    pr = sub.add_parser("predict", help="classify image files: class, retrieved task and component, scores")
+    pr = sub.add_parser(
+        "predict",
+        help="classify image files: class, retrieved task and component, scores",
+        description="Classify image files with a knowledge base (Algorithm 2). Each input gets the class, "
+        "its index among the learned classes, the retrieved task and signature component (1-based), the "
+        "signature score (lower is better: the negative log-likelihood under the best Gaussian component, "
+        "in nats, or minus the LDA key score) and the head's relative confidences p_task (softmax over "
+        "the retrieved task's classes) and p_all (over every class). The JSON schema is in docs/predict.md.",
+        epilog="examples:\n  proteus predict --kb kb/ photo.jpg\n  proteus predict --kb kb/ photos/*.png "
+        "--skip-unreadable --top-k 3 --json > predictions.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     pr.add_argument("--kb", required=True)
     pr.add_argument("images", nargs="+", help="image files")
     pr.add_argument("--json", action="store_true", help="print JSON")
@@ -116,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "--skip-unreadable", action="store_true", help="report unreadable files and go on with the rest"
     )
+    pr.add_argument("--top-k", type=int, default=1, help="also list the k best classes of the retrieved task")
+    pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no speed line")
     pr.add_argument(
         "--max-pixels", type=int, help="refuse larger images before decoding (default eval.max_image_pixels)"
     )
@@ -168,6 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
         kp.add_argument("kb", help="knowledge base directory")
         kp.add_argument("--json", action="store_true", help="print JSON (info, list)")
         kp.set_defaults(func=cmd_kb)
+
+    sv = sub.add_parser(
+        "serve",
+        help="serve a knowledge base over HTTP (POST /predict, GET /tasks), reloading new commits",
+        epilog="examples:\n  proteus serve --kb kb/ --port 8000\n"
+        "  curl --data-binary @photo.jpg http://127.0.0.1:8000/predict\n"
+        "  curl -F a=@1.jpg -F b=@2.png 'http://127.0.0.1:8000/predict?top_k=3'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sv.add_argument("--kb", required=True)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--device")
+    sv.add_argument("--poll", type=float, default=1.0, help="seconds between checks for a new commit")
+    sv.set_defaults(func=cmd_serve)
 
     ls = sub.add_parser("list", help="list backbones, benchmarks or methods")
     ls.add_argument("what", nargs="?", choices=["backbones", "benchmarks", "methods"])

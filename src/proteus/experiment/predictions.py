@@ -1,0 +1,87 @@
+"""Readable predictions: one JSON row per input, the same for ``proteus predict`` and ``proteus serve``.
+
+The schema (docs/predict.md):
+
+``file``        the input's name
+``class``       the predicted class name; ``label`` its index among the classes learned so far (the global
+                label of the stream: the position in the knowledge base's class order)
+``task``        the retrieved task, 1-based (null for a method without retrieval)
+``component``   the retrieved signature component within that task, 1-based (null likewise)
+``signature_score``  the retrieved task's key score: lower is better. For the paper's Gaussian keys it is
+                the negative log-likelihood of the embedding under the best component (Eq. 2 with the log
+                determinant), in nats, comparable across tasks; for LDA keys it is minus the best class
+                score of the task's key head.
+``head_score``  Eq. 23's score of the predicted class: the ridge (LDA) head regresses one-hot targets, so
+                scores are near 1 for a confident class and near 0 for the others.
+``p_task``      softmax of the head's scores over the retrieved task's classes (the probability among the
+                classes the retrieval says are possible; null when Eq. 23, which scores every learned
+                class, picks a class of another task); ``p_all``: the same over every learned class.
+                The head is a ridge regression, not a trained classifier, so these are relative confidences
+                on the scale of score differences (a difference of 1 is a factor e), not calibrated
+                probabilities.
+``head_softmax`` the previous name of ``p_all`` (deprecated, kept for existing scripts)
+``top_k``       the k best classes of the retrieved task with their ``p_task`` (``--top-k``)
+
+Every number of a row depends on its own input only: rows do not change with the other inputs of the
+batch (beyond float round-off).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from proteus.estimator import Prediction, Proteus
+
+__all__ = ["prediction_rows"]
+
+
+def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int = 1) -> list[dict[str, Any]]:
+    """The readable rows of a batch's prediction (module docstring: the schema)."""
+    names = clf.class_names()
+    task_classes = [t.classes for t in clf.records_]
+    p_all = torch.softmax(pred.logits.double(), 1)
+    rows = []
+    for j, file in enumerate(files):
+        c = int(pred.label[j])
+        if pred.task is not None:
+            k = int(pred.task[j])
+            own = torch.as_tensor(task_classes[k])
+        else:  # no retrieval: every learned class is possible
+            k = None
+            own = torch.arange(pred.logits.shape[1])
+        p_own = torch.softmax(pred.logits[j, own].double(), 0)
+        order = p_own.argsort(descending=True)[: max(1, top_k)]
+        in_task = (own == c).nonzero()
+        p_task = float(p_own[in_task[0, 0]]) if len(in_task) else None
+        rows.append(
+            {
+                "file": file,
+                "class": names[c],
+                "label": c,
+                "task": None if k is None else k + 1,
+                "component": None if pred.component is None else int(pred.component[j]) + 1,
+                "signature_score": None if pred.score is None else float(pred.score[j]),
+                "head_score": float(pred.logits[j, c]),
+                "p_task": p_task,
+                "p_all": float(p_all[j, c]),
+                "head_softmax": float(p_all[j, c]),  # deprecated name of p_all (kept for old scripts)
+                "top_k": [
+                    {"class": names[int(own[i])], "label": int(own[i]), "p_task": float(p_own[i])}
+                    for i in order
+                ],
+            }
+        )
+    return rows
+
+
+def format_row(r: dict[str, Any]) -> str:
+    """One line of ``proteus predict``'s text output."""
+    which = "p_task" if r["p_task"] is not None else "p_all"
+    line = f"{r['file']}: {r['class']} ({which} {r[which]:.2f})"
+    if r["task"] is not None:
+        line += f"  task {r['task']} component {r['component']} (signature score {r['signature_score']:.2f})"
+    if len(r["top_k"]) > 1:
+        line += "  top-k " + ", ".join(f"{t['class']} {t['p_task']:.2f}" for t in r["top_k"])
+    return line
