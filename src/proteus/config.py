@@ -120,6 +120,12 @@ class RetrievalConfig:
     top_k: int = 1
     #: also report the accuracy with the true task's adapter (oracle)
     oracle: bool = True
+    #: flag inputs from no learned task (beyond the paper, proteus.engine.novelty): each task's key is
+    #: fitted without a held-out part of its training inputs, whose scores calibrate a threshold
+    reject: bool = False
+    calibration_holdout: float = 0.1
+    #: the fraction of a task's held-out inputs that its threshold accepts
+    reject_tpr: float = 0.95
 
 
 @dataclass

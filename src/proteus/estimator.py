@@ -48,6 +48,7 @@ from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES, Compositi
 from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
 from proteus.engine.keys import KEYS, KeyFit, NoKeys, RetrievalKeys
+from proteus.engine.novelty import Calibration, holdout_split
 from proteus.engine.records import Prediction, TaskRecord, TaskStats
 from proteus.engine.state import KnowledgeBaseState
 from proteus.engine.trainer import AdapterTrainer
@@ -211,10 +212,15 @@ class Proteus(KnowledgeBaseState):
 
         t0 = time.perf_counter()  # line 6: the task's retrieval keys
         num_classes = max(task.classes) + 1
-        fit = KeyFit(
-            k, z, y, num_classes, self.task_seed(k), self.num_adapters, lambda t: self.embed_prefix(z, t)
-        )
+        rc = self.config.retrieval
+        zk, yk, held = z, y, None
+        if rc.reject and self.composition.retrieves:  # keep a part out of the key fit to calibrate on
+            keep, held = holdout_split(len(y), rc.calibration_holdout, self.task_seed(k) + 2)
+            zk, yk = z[keep], y[keep]
+        seed, m = self.task_seed(k), self.num_adapters
+        fit = KeyFit(k, zk, yk, num_classes, seed, m, lambda t: self.embed_prefix(zk, t))
         stats.signature = self.keys_.add_task(fit)
+        calibration = None if held is None else self._calibrate(k, z[held], list(task.classes))
         sec["signature"] = time.perf_counter() - t0
         crash_point("learn:signature")
 
@@ -248,9 +254,27 @@ class Proteus(KnowledgeBaseState):
                 stats,
                 settings,
                 time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            )  # fmt: skip
+                calibration,
+            )
         )
         return stats
+
+    def _calibrate(self, k: int, z_held: torch.Tensor, classes: list[int]) -> dict[str, Any] | None:
+        """Task k's held-out inputs scored by its own key (proteus.engine.novelty)."""
+        m = min(k + 1, self.num_adapters)
+        if m <= k:
+            return None  # no key of its own to score with
+        H = self.embed_prefix(z_held, list(range(m)))
+        F = self.embed_prefix(z_held, None)[0] if self.keys_.needs_frozen else None
+        scores = self.keys_.retrieve(H, F, [t.classes for t in self.records_] + [classes]).task_scores[:, k]
+        return Calibration.from_scores(scores, self.config.retrieval.reject_tpr).to_dict()
+
+    def thresholds(self) -> torch.Tensor | None:
+        """Each task's rejection threshold on its key score, or None unless every task is calibrated."""
+        cals = [t.calibration for t in self.records_]
+        if not cals or any(c is None for c in cals):
+            return None
+        return torch.tensor([float(c["threshold"]) for c in cals if c is not None])
 
     # ------------------------------------------------------------------ Algorithm 2, in public steps
     def transform_images(self, images: Sequence[Image.Image]) -> torch.Tensor:
@@ -296,7 +320,12 @@ class Proteus(KnowledgeBaseState):
         """Retrieve, gather each input's embedding under its retrieved adapter, classify."""
         res = self.retrieve(H, F)
         logits = self.classify(H[res.task, torch.arange(H.shape[1])])
-        return Prediction(logits.argmax(1), res.task, res.component, res.score, logits)
+        pred = Prediction(logits.argmax(1), res.task, res.component, res.score, logits)
+        thr = self.thresholds()
+        if thr is not None:
+            pred.novelty = res.score.double() - thr.double()[res.task]
+            pred.known = pred.novelty <= 0
+        return pred
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, num_tasks: int | None = None) -> Prediction:

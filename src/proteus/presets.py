@@ -91,6 +91,8 @@ RANGES: dict[str, Interval] = {
     "head.rp_dim": NON_NEGATIVE,
     "head.holdout": Interval(0, 1, "neither"),
     "retrieval.top_k": AT_LEAST_1,
+    "retrieval.calibration_holdout": Interval(0, 0.5, "neither"),
+    "retrieval.reject_tpr": Interval(0, 1, "right"),
     "benchmark.num_tasks": AT_LEAST_1,
     "benchmark.max_train_per_class": AT_LEAST_1,
     "eval.batch_size": AT_LEAST_1,

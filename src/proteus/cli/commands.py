@@ -217,9 +217,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_kb(args: argparse.Namespace) -> int:
-    """``proteus kb verify | info | list KB``."""
+    """``proteus kb verify | info | list | calibrate KB``."""
     import proteus.kb as kbmod
 
+    if args.action == "calibrate":
+        from proteus.experiment.manage import recalibrate
+
+        thresholds = [round(t, 3) for t in recalibrate(args.kb, args.tpr, wait=args.wait)]
+        print(f"{args.kb}: thresholds at a true-positive rate of {args.tpr:g}: {thresholds}")
+        return 0
     if args.action == "verify":
         problems = kbmod.problems(args.kb)
         for p in problems:

@@ -182,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         kp.add_argument("kb", help="knowledge base directory")
         kp.add_argument("--json", action="store_true", help="print JSON (info, list)")
         kp.set_defaults(func=cmd_kb)
+    kc = ksub.add_parser(
+        "calibrate",
+        help="set the rejection threshold of every task to a true-positive rate (retrieval.reject)",
+    )
+    kc.add_argument("kb", help="knowledge base directory")
+    kc.add_argument("--tpr", type=float, required=True, help="fraction of a task's held-out inputs accepted")
+    kc.add_argument("--wait", nargs="?", type=float, const=-1.0, default=0.0, metavar="SECONDS")
+    kc.set_defaults(func=cmd_kb)
 
     sv = sub.add_parser(
         "serve",

@@ -91,6 +91,8 @@ class TaskRecord:
     stats: TaskStats
     settings: dict[str, Any] = field(default_factory=dict)
     learned: str | None = None
+    #: held-out key scores and the rejection threshold (``retrieval.reject``; proteus.engine.novelty)
+    calibration: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -105,6 +107,8 @@ class TaskRecord:
             out["settings"] = dict(self.settings)
         if self.learned is not None:
             out["learned"] = self.learned
+        if self.calibration is not None:
+            out["calibration"] = dict(self.calibration)
         return out
 
     @classmethod
@@ -118,6 +122,7 @@ class TaskRecord:
             stats=TaskStats.from_dict(d.get("stats") or {"task": d["index"]}),
             settings=dict(d.get("settings") or {}),
             learned=d.get("learned"),
+            calibration=d.get("calibration"),
         )
 
 
@@ -127,7 +132,9 @@ class Prediction:
 
     ``label`` (N,) global class; ``task`` / ``component`` (N,) retrieved task and signature component
     (0-based; None for a method without retrieval); ``score`` (N,) the retrieved task's key score (lower
-    is better); ``logits`` (N, C) the head's scores over every class learned so far.
+    is better); ``logits`` (N, C) the head's scores over every class learned so far; ``known`` (N,) bool
+    and ``novelty`` (N,) the score minus the retrieved task's rejection threshold (> 0: from no learned
+    task), where the tasks are calibrated (``retrieval.reject``), else None.
     """
 
     label: torch.Tensor
@@ -135,3 +142,5 @@ class Prediction:
     component: torch.Tensor | None
     score: torch.Tensor | None
     logits: torch.Tensor
+    known: torch.Tensor | None = None
+    novelty: torch.Tensor | None = None

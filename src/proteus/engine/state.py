@@ -146,9 +146,7 @@ class KnowledgeBaseState:
         }
 
     @classmethod
-    def from_kb(
-        cls: type[L], kb: KnowledgeBase, *, device: str | None = None, progress: bool = False
-    ) -> L:
+    def from_kb(cls: type[L], kb: KnowledgeBase, *, device: str | None = None, progress: bool = False) -> L:
         """The learner a knowledge base holds (backbone identity checked)."""
         cfg = RunConfig.from_dict(kb.manifest["config"])
         if device:
@@ -172,8 +170,6 @@ class KnowledgeBaseState:
         self.commit(kb)
 
     @classmethod
-    def load(
-        cls: type[L], kb_dir: str | Path, *, device: str | None = None, progress: bool = False
-    ) -> L:
+    def load(cls: type[L], kb_dir: str | Path, *, device: str | None = None, progress: bool = False) -> L:
         """The learner held by a knowledge base directory (every checksum verified)."""
         return cls.from_kb(KnowledgeBase.open(kb_dir), device=device, progress=progress)

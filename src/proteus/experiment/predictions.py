@@ -20,6 +20,9 @@ The schema (docs/predict.md):
                 on the scale of score differences (a difference of 1 is a factor e), not calibrated
                 probabilities.
 ``head_softmax`` the previous name of ``p_all`` (deprecated, kept for existing scripts)
+``known``       false for an input from no learned task (its retrieved task's key score is above that
+                task's threshold, calibrated when it was learned with ``retrieval.reject``); null when
+                the tasks are not calibrated. ``novelty``: the score minus that threshold (> 0: rejected)
 ``top_k``       the k best classes of the retrieved task with their ``p_task`` (``--top-k``)
 
 Every number of a row depends on its own input only: rows do not change with the other inputs of the
@@ -63,6 +66,8 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
                 "task": None if k is None else k + 1,
                 "component": None if pred.component is None else int(pred.component[j]) + 1,
                 "signature_score": None if pred.score is None else float(pred.score[j]),
+                "known": None if pred.known is None else bool(pred.known[j]),
+                "novelty": None if pred.novelty is None else float(pred.novelty[j]),
                 "head_score": float(pred.logits[j, c]),
                 "p_task": p_task,
                 "p_all": float(p_all[j, c]),
@@ -80,6 +85,10 @@ def format_row(r: dict[str, Any]) -> str:
     """One line of ``proteus predict``'s text output."""
     which = "p_task" if r["p_task"] is not None else "p_all"
     line = f"{r['file']}: {r['class']} ({which} {r[which]:.2f})"
+    if r["known"] is False:
+        line = (
+            f"{r['file']}: unknown (from no learned task; novelty {r['novelty']:.2f}; nearest {r['class']})"
+        )
     if r["task"] is not None:
         line += f"  task {r['task']} component {r['component']} (signature score {r['signature_score']:.2f})"
     if len(r["top_k"]) > 1:
