@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 RUN    ?= runs/quickstart
 
-.PHONY: demo test lint bench clean-venv
+.PHONY: demo test lint bench gpu-check clean-venv
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) tools/perf/run.py --out runs/bench.json
+
+# What a user with a GPU runs first (tools/gpu_check.py); without a GPU it says so and exits 0.
+gpu-check: $(VENV)/.installed
+	$(PY) tools/gpu_check.py --out runs/gpu-check.json
 
 clean-venv:
 	rm -rf $(VENV)
