@@ -66,10 +66,8 @@ def test_no_module_imports_a_layer_above_it() -> None:
 
 
 def test_no_source_file_over_about_400_lines() -> None:
-    # the performance harness and the DP-GMM are the known exceptions still to be split (README status)
-    exceptions = {"signatures/dpgmm.py", "heads/ranpac.py", "signatures/gaussian.py"}
     long = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if len(p.read_text().splitlines()) > 440]
-    assert sorted(set(long) - exceptions) == []
+    assert sorted(long) == []
 
 
 def test_predict_is_embed_retrieve_classify() -> None:

@@ -76,15 +76,27 @@ class SignatureConfig:
     #: "shared" (one full matrix per task, the fit's covariance prior, + per-component low rank; exact
     #: for the DP-GMM posterior while the rank budget holds its data terms, Woodbury scoring)
     covariance: str = "shared"
-    #: q: the "ppca" rank; for "shared" the mean factor rows per component (a budget of T * rank rows;
-    #: exact while rank >= (N + T) / T for N training inputs and T components)
-    rank: int = 128
+    #: q: the "ppca" rank (None: 128); for "shared" the mean factor rows per component, a budget of
+    #: T * rank rows that approximates once the components' data terms exceed it (N + T rows for N
+    #: training inputs and T components). None (default) keeps every row: exact at any N
+    rank: int | None = None
     #: embedding normalisation before fitting and scoring: "none" or "l2"
     normalize: str = "none"
     #: score per (input, component): "nll" (Gaussian NLL incl. log-det) or "mahalanobis" (Eq. 2)
     score: str = "nll"
     #: per-task score calibration: "none" or "standardize" (by the task's own training scores)
     calibrate: str = "none"
+    #: how a task's covariance (the DP-GMM's covariance prior) is estimated: "ridge" (cov + 1e-3 tr/d I),
+    #: "ledoit-wolf" or "oas" (shrinkage towards tr/d I with the data's own intensity; signatures/fitting.py)
+    prior: str = "ridge"
+    #: the DP-GMM's Wishart prior: "sklearn" (scikit-learn's default, covariance_prior = the task's
+    #: covariance C, so the prior's expected covariance is C / prior_dof) or "expected" (covariance_prior =
+    #: prior_dof * C: the prior's expected covariance is C; each component's covariance is then C
+    #: shrunk towards its own scatter with the weight of prior_dof points)
+    prior_scale: str = "sklearn"
+    #: degrees of freedom of the DP-GMM's Wishart prior (the weight of the covariance prior, in points);
+    #: None = d (scikit-learn's default)
+    prior_dof: float | None = None
     #: where a task's keys live: "adapter" (the paper: h_k(x) under the task's own adapter), "frozen"
     #: (the frozen backbone's features, the same space for every task), or "adapter+frozen" (both
     #: signatures; a task's score is the sum of its two best negative log-likelihoods), "frozen-lda" (an
@@ -111,6 +123,9 @@ class HeadConfig:
     #: "accumulated": ridge on all statistics so far, scored on the task's held-out part (default);
     #: "task": RanPAC's rule (this task's data alone)
     gamma_selection: str = "accumulated"
+    #: the class prototypes e(c): "sum" (RanPAC's code: class sums) or "task-mean" (Algorithm 1 line 11:
+    #: each task's sums divided by its size |D_k|; differs from "sum" only for tasks of unequal size)
+    prototypes: str = "sum"
 
 
 @dataclass
@@ -126,6 +141,13 @@ class RetrievalConfig:
     calibration_holdout: float = 0.1
     #: the fraction of a task's held-out inputs that its threshold accepts
     reject_tpr: float = 0.95
+    #: beyond the paper, for the per-adapter Gaussian keys (signature.keys = adapter): score only the c
+    #: tasks shortlisted by cheap LDA keys in one space (fitted with each task, no old data: App.
+    #: "Complexity of PROTEUS Inference" for the cost it avoids), c + 1 forwards per input instead of m
+    #: (docs/performance.md). None: score every task (the paper)
+    candidates: int | None = None
+    #: the cheap keys' space: "first-adapter" (task 1's adapter, fixed after task 1) or "frozen"
+    candidate_space: str = "first-adapter"
 
 
 @dataclass

@@ -5,7 +5,8 @@ For each task k (Algorithm 1): the frozen prefix once per image, the adapter by 
 head's statistics G and e(c) (lines 8-12, :class:`~proteus.heads.RanPACHead`). At test time (Algorithm 2)
 every input is embedded under every task's adapter in one batched forward, the best key is retrieved and
 Eq. 23 classifies the embedding under the retrieved adapter -- in three public steps that prediction,
-evaluation, analysis and the performance harness all use::
+evaluation, analysis and the performance harness all use (``predict`` itself embeds only what the keys
+read when they live in one space or shortlist candidates: :attr:`Proteus.predict_route`)::
 
     H = clf.embed(x)                       # (m, N, d): every task's adapter (Alg. 2 line 2)
     res = clf.retrieve(H, F)               # (k*, t*) per input (Sec. 3.1); F = frozen features if needed
@@ -32,8 +33,9 @@ Example (the test suite runs it)::
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +46,8 @@ from proteus.adapters import AdaptedBackbone
 from proteus.backbones import Backbone, build_backbone
 from proteus.backbones.transforms import build_transform
 from proteus.config import RunConfig, flatten, per_task
+from proteus.engine import staged
+from proteus.engine.batches import ImageBatch, predict_batches
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES, Composition
 from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
@@ -58,7 +62,7 @@ from proteus.presets import resolve_config
 from proteus.signatures import RetrievalResult
 from proteus.streams import Task
 
-__all__ = ["Prediction", "Proteus", "TaskError"]
+__all__ = ["ImageBatch", "Prediction", "Proteus", "TaskError"]
 
 
 class Proteus(KnowledgeBaseState):
@@ -111,7 +115,10 @@ class Proteus(KnowledgeBaseState):
         )  # fmt: skip
         self.trainer_ = AdapterTrainer(self.embedder_, cfg.adapter, cfg.train, train_tf)
         keys_cls = KEYS.get(cfg.signature.keys) if self.composition.retrieves else NoKeys
-        self.keys_: RetrievalKeys = keys_cls(cfg.signature, cfg.retrieval.top_k, self.device_, self._new_head)
+        rc = cfg.retrieval
+        self.keys_: RetrievalKeys = keys_cls(
+            cfg.signature, rc.top_k, self.device_, self._new_head, rc.candidates, rc.candidate_space
+        )
 
     def _new_head(self, rp_dim: int | None = None) -> RanPACHead:
         h = self.config.head
@@ -319,7 +326,9 @@ class Proteus(KnowledgeBaseState):
     def predict_embedded(self, H: torch.Tensor, F: torch.Tensor | None = None) -> Prediction:
         """Retrieve, gather each input's embedding under its retrieved adapter, classify."""
         res = self.retrieve(H, F)
-        logits = self.classify(H[res.task, torch.arange(H.shape[1])])
+        return self._prediction(res, self.classify(H[res.task, torch.arange(H.shape[1])]))
+
+    def _prediction(self, res: RetrievalResult, logits: torch.Tensor) -> Prediction:
         pred = Prediction(logits.argmax(1), res.task, res.component, res.score, logits)
         thr = self.thresholds()
         if thr is not None:
@@ -332,14 +341,52 @@ class Proteus(KnowledgeBaseState):
         """Algorithm 2 on a batch of transformed images (:meth:`transform_images`).
 
         ``num_tasks = m`` retrieves among the first m tasks only (the head stays the full one): the
-        inference latency as a function of m (App. "Complexity of PROTEUS Inference")."""
+        inference latency as a function of m (App. "Complexity of PROTEUS Inference"). Keys in one space
+        or a candidate shortlist take 2 (c + 1) forwards per input instead of m (:attr:`predict_route`),
+        with the result of :meth:`predict_embedded` on :meth:`embed` (to float round-off)."""
         self._check_fitted()
+        if self.predict_route in ("one-space", "candidates"):
+            m = min(self._m(num_tasks), self.num_adapters)
+            z, classes = self.embedder_.prefix(x), [t.classes for t in self.records_]
+            res, h = staged.predict_staged(self.embedder_, self.keys_, z, m, classes)
+            return self._prediction(res, self.classify(h))
         if self.uses_retrieval:
             return self.predict_embedded(*self.embed(x, num_tasks))
         tasks, kind = self.head_composition(self._m(num_tasks) - 1)
         h = self.embed_prefix(self.embedder_.prefix(x), tasks, kind, shard=False)[0]
         logits = self.classify(h)
         return Prediction(logits.argmax(1), None, None, None, logits)
+
+    @property
+    def predict_route(self) -> str:
+        """How :meth:`predict` embeds: ``one-space`` (keys in one space: a forward there, then one under
+        the retrieved adapter), ``candidates`` (``retrieval.candidates``: the shortlist's c adapters),
+        ``all-adapters`` (Alg. 2: every task's adapter), or ``none`` (a method without retrieval)."""
+        return staged.route(self.keys_) if self.uses_retrieval else "none"
+
+    def predict_images(
+        self,
+        images: Iterable[str | os.PathLike[str] | Image.Image],
+        batch_size: int | None = None,
+        *,
+        progress: bool | None = None,
+        max_pixels: int | None = None,
+        skip_unreadable: bool = False,
+    ) -> Iterator[ImageBatch]:
+        """:meth:`predict` over image files (or PIL images), decoded a batch at a time: one
+        :class:`~proteus.engine.batches.ImageBatch` per batch (files, prediction, skipped files, images per
+        second so far); ``progress`` (default: the learner's) shows a bar of images and images/s.
+        Defaults: ``eval.batch_size``, ``eval.max_image_pixels``."""
+        self._check_fitted()
+        ec = self.config.eval
+        return predict_batches(
+            images,
+            lambda ims: self.predict(self.transform_images(ims)),
+            batch_size or ec.batch_size,
+            progress=self.progress if progress is None else progress,
+            max_pixels=max_pixels or ec.max_image_pixels,
+            skip_unreadable=skip_unreadable,
+        )
 
     def _m(self, num_tasks: int | None) -> int:
         return self.num_tasks if num_tasks is None else max(1, min(int(num_tasks), self.num_tasks))

@@ -20,7 +20,7 @@ from proteus.config import ConfigError, RunConfig, load_yaml, merge, parse_set
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
 from proteus.engine.keys import KEYS
 from proteus.engine.trainer import S_UPDATES
-from proteus.heads import GAMMA_SELECTIONS
+from proteus.heads import GAMMA_SELECTIONS, PROTOTYPES
 from proteus.methods import apply_method
 from proteus.signatures.signature import CHOICES as SIGNATURE_CHOICES
 
@@ -32,9 +32,11 @@ CHOICES: dict[str, Collection[str]] = {
     "adapter.s_update": S_UPDATES,
     "train.tasks": TRAIN_SCHEDULES,
     "train.cache_prefix": ("auto", "true", "false"),
+    "retrieval.candidate_space": ("first-adapter", "frozen"),
     "retrieval.mode": COMPOSITIONS,
     "signature.keys": KEYS,
     "head.gamma_selection": GAMMA_SELECTIONS,
+    "head.prototypes": PROTOTYPES,
     **{f"signature.{k}": v for k, v in SIGNATURE_CHOICES.items()},
 }
 
@@ -91,6 +93,7 @@ RANGES: dict[str, Interval] = {
     "head.rp_dim": NON_NEGATIVE,
     "head.holdout": Interval(0, 1, "neither"),
     "retrieval.top_k": AT_LEAST_1,
+    "retrieval.candidates": AT_LEAST_1,
     "retrieval.calibration_holdout": Interval(0, 0.5, "neither"),
     "retrieval.reject_tpr": Interval(0, 1, "right"),
     "benchmark.num_tasks": AT_LEAST_1,

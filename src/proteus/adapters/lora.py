@@ -11,7 +11,15 @@ Storage. A unit keeps every task's directions side by side, ``A`` (q x R) and ``
 composition matrix ``C`` (m x R): row k holds s^(k) on the columns of older tasks, 1 on task k's own
 columns and 0 after them. Any task's update is then ``B diag(C[k]) A^T`` and a forward that applies a
 different task to each group of a batch is two ordinary matmuls and a per-group diagonal scale:
-``((x A) * C[tasks]) B^T`` -- no gather of per-task matrices, no Python loop over tasks.
+``((x A) * C[tasks]) B^T`` -- no gather of per-task matrices, no Python loop over tasks (the *factored*
+forward). Only the columns up to the last composed task's enter it (the later ones have coefficient 0).
+
+Merged forward. When the rank stacked over tasks is large against the map's width (MobileNetV2's early
+1x1 convolutions: m x r = 40 > 16..32 channels), the factored update costs more than the map itself. A
+:class:`LoRAWrapper` can then run each group with its own merged weight ``W_k = W_0 + B diag(C[k]) A^T``
+(Eq. 9 summed into the map once, cached per task): each group costs exactly one plain map, so a forward
+of m compositions costs m plain forwards. :class:`~proteus.adapters.model.AdaptedBackbone` chooses the
+form per map from the shapes (:meth:`LoRAWrapper.factored_cost`); both agree to float round-off.
 
 Orthogonality. The new A is kept in the orthogonal complement of span(A_old): A_new = (I - QQ^T) A_raw
 with Q an orthonormal basis of the old columns. Then A_tau^T A_new = 0 and therefore
@@ -48,8 +56,10 @@ class LoRAUnit(nn.Module):
         self.register_buffer("s_fixed", torch.zeros(0))
         self.register_buffer("basis", torch.zeros(in_features, 0))
         self.orthogonal = True
-        #: per-group composition coefficients (G, R) for the next forward; None = the training composition
+        #: per-group composition coefficients (G, cols) for the next forward; None = the training composition
         self.coef: torch.Tensor | None = None
+        #: bumped whenever stored tasks are dropped (merged weights cached from them are then stale)
+        self.generation = 0
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -135,6 +145,7 @@ class LoRAUnit(nn.Module):
             self.A, self.B = self.A[:, :start], self.B[:, :start]
             self.C = self.C[:m, :start]
             self.ranks = self.ranks[:m]
+            self.generation += 1
 
     @torch.no_grad()
     def append_task(self, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor) -> None:
@@ -172,14 +183,27 @@ class LoRAUnit(nn.Module):
             raise ValueError(f"unknown composition kind {kind!r}; one of {known}") from None
         return fn(self, tasks)
 
+    def used_columns(self, tasks: list[int]) -> int:
+        """How many leading columns the compositions of ``tasks`` can use (later ones have coefficient 0
+        in every kind: a task composes its own and older directions only)."""
+        return sum(self.ranks[: max(tasks) + 1]) if tasks else 0
+
+    def merged_updates(self, tasks: list[int], kind: str = "task") -> torch.Tensor:
+        """(G, p, q): each task's whole update ``scaling * B diag(coef) A^T`` (Eq. 9) as one matrix."""
+        cols = self.used_columns(tasks)
+        coef = self.coefficients(tasks, kind)[:, :cols]
+        dW = (self.B[None, :, :cols] * coef[:, None, :]) @ self.A[:, :cols].T
+        return self._scale(dW)
+
     # ------------------------------------------------------------------ forward
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """x: (G, M, q) grouped inputs -> (G, M, p) update, each group with its own composition."""
         if self.coef is not None:
-            if self.total_rank == 0:
+            cols = self.coef.shape[1]
+            if cols == 0:
                 return x.new_zeros(*x.shape[:-1], self.out_features)
-            u = (x @ self.A.to(x.dtype)) * self.coef.to(x.dtype)[:, None, :]
-            return self._scale(u @ self.B.to(x.dtype).T)
+            u = (x @ self.A[:, :cols].to(x.dtype)) * self.coef.to(x.dtype)[:, None, :]
+            return self._scale(u @ self.B[:, :cols].to(x.dtype).T)
         if not self.training_task:  # no composition set and nothing being trained: frozen backbone
             return x.new_zeros(*x.shape[:-1], self.out_features)
         a_new = self.projected_A_new()
@@ -197,12 +221,12 @@ class LoRAUnit(nn.Module):
     def delta_conv(self, x: torch.Tensor, groups: int) -> torch.Tensor | None:
         """Grouped update for a 1x1 convolution on NCHW input, as two 1x1 convolutions (no layout
         copies): (G*n, q, H, W) -> (G*n, p, H, W). Returns None when nothing is composed."""
-        if self.coef is None or self.total_rank == 0:
+        if self.coef is None or self.coef.shape[1] == 0:
             return None
-        dt = x.dtype
-        u = F.conv2d(x, self.A.T.to(dt)[:, :, None, None])  # (G*n, R, H, W)
+        dt, cols = x.dtype, self.coef.shape[1]
+        u = F.conv2d(x, self.A[:, :cols].T.to(dt)[:, :, None, None])  # (G*n, cols, H, W)
         u = u.unflatten(0, (groups, -1)) * self.coef.to(dt)[:, None, :, None, None]
-        return self._scale(F.conv2d(u.flatten(0, 1), self.B.to(dt)[:, :, None, None]))
+        return self._scale(F.conv2d(u.flatten(0, 1), self.B[:, :cols].to(dt)[:, :, None, None]))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
@@ -235,7 +259,10 @@ class LoRAWrapper(nn.Module):
 
     ``units`` maps a name to (LoRAUnit, (start, end)) over the base layer's output features, so a fused
     qkv projection carries separate q and v units. ``groups`` splits the batch into contiguous groups,
-    each with its own composition (set by :class:`~proteus.adapters.model.AdaptedBackbone`).
+    each with its own composition (set by :class:`~proteus.adapters.model.AdaptedBackbone`): equal
+    groups, or ``sizes`` rows each. With ``merged`` set to ``(tasks, kind)`` group g runs the map with
+    the merged weight of composition ``tasks[g]`` (:meth:`merged_weights`, cached) instead of the base
+    map plus the factored update.
     """
 
     def __init__(self, base: nn.Module, slices: dict[str, tuple[int, int]], scaling: float) -> None:
@@ -256,10 +283,89 @@ class LoRAWrapper(nn.Module):
         self.units = nn.ModuleDict(
             {(k or "w"): LoRAUnit(q, e - s, scaling) for k, (s, e) in self.slices.items()}
         )
+        self.in_features = q
         self.out_features = p
         self.groups = 1
+        self.sizes: list[int] | None = None
+        self.merged: tuple[list[int], str] | None = None
+        self._cache: dict[tuple[str, int], torch.Tensor] = {}
+        self._cache_key: tuple = ()
 
+    # ------------------------------------------------------------------ merged weights
+    def factored_cost(self, cols: list[int] | None = None) -> float:
+        """Multiply-adds of the factored update per position over those of the map itself:
+        ``sum_u cols_u (q + p_u) / (p q)`` (``cols``: columns used per unit; default all). The merged
+        form adds none (it is the map, with another weight) but caches p q numbers per task."""
+        units = list(self.units.values())
+        cols = [u.total_rank for u in units] if cols is None else cols
+        extra = sum(c * (self.in_features + u.out_features) for c, u in zip(cols, units))
+        return extra / (self.in_features * self.out_features)
+
+    def merged_weights(self, tasks: list[int], kind: str = "task") -> list[torch.Tensor]:
+        """``W_0 + B diag(C[k]) A^T`` (each unit's rows of a fused map) for each task: cached per (kind,
+        task), built for the missing ones in one batched product. The cache is dropped when a unit loses
+        tasks (:meth:`LoRAUnit.truncate`) or moves; adding a task keeps it (older rows of C and older
+        columns of A, B never change)."""
+        units = list(self.units.values())
+        W0 = self.base.weight
+        key = (W0.device, W0.dtype, W0._version, tuple(u.generation for u in units))
+        if key != self._cache_key:
+            self._cache, self._cache_key = {}, key
+        missing = sorted({t for t in tasks if (kind, t) not in self._cache})
+        if missing:
+            with torch.no_grad():
+                W = W0.detach().reshape(self.out_features, self.in_features).expand(len(missing), -1, -1)
+                W = W.clone()
+                for u, (s, e) in zip(units, self.slices.values()):
+                    W[:, s:e] += u.merged_updates(missing, kind).to(W.dtype)
+            for t, w in zip(missing, W):
+                self._cache[(kind, t)] = w
+        return [self._cache[(kind, t)] for t in tasks]
+
+    def clear_merged(self) -> None:
+        self._cache, self._cache_key = {}, ()
+
+    def merged_nbytes(self) -> int:
+        """Bytes held by the cache of merged weights."""
+        return sum(w.numel() * w.element_size() for w in self._cache.values())
+
+    def _merged_forward(self, x: torch.Tensor, tasks: list[int], kind: str) -> torch.Tensor:
+        """Group g through the map with task ``tasks[g]``'s merged weight. Without autocast each group is
+        one GEMM written in place into the output (no concatenation: on a CPU this is faster than the
+        convolution kernel for 1x1 maps over >= 32 positions); otherwise one map call per group."""
+        weights = self.merged_weights(tasks, kind)
+        sizes = self.sizes or [x.shape[0] // len(tasks)] * len(tasks)
+        b, q, p = self.base, self.in_features, self.out_features
+        bias = b.bias
+        direct = (
+            not torch.is_autocast_enabled(x.device.type) and x.is_contiguous() and x.dtype == weights[0].dtype
+        )
+        if direct and (not self.is_conv or x.shape[2] * x.shape[3] >= 32):
+            n_all = x.shape[0]
+            xv = x.view(n_all, q, -1) if self.is_conv else x.reshape(n_all, -1, q)
+            out = x.new_empty(n_all, p, xv.shape[2]) if self.is_conv else x.new_empty(n_all, xv.shape[1], p)
+            pos = 0
+            for n, W in zip(sizes, weights):
+                if self.is_conv:  # (p, q) @ (n, q, HW) -> (n, p, HW)
+                    torch.matmul(W, xv[pos : pos + n], out=out[pos : pos + n])
+                else:  # rows of (n L, q) @ (q, p)
+                    torch.mm(xv[pos : pos + n].flatten(0, 1), W.T, out=out[pos : pos + n].flatten(0, 1))
+                pos += n
+            if bias is not None:
+                out += bias[:, None] if self.is_conv else bias
+            return out.view(n_all, p, *x.shape[2:]) if self.is_conv else out.view(*x.shape[:-1], p)
+        outs = []
+        for xs, W in zip(x.split(sizes), weights):
+            if self.is_conv:
+                outs.append(b._conv_forward(xs, W[:, :, None, None], bias))  # type: ignore[operator]
+            else:
+                outs.append(F.linear(xs, W, bias))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged is not None:
+            return self._merged_forward(x, *self.merged)
         out = self.base(x)
         units = list(self.units.values())
         if all(u.coef is None and not u.training_task for u in units):

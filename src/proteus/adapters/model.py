@@ -3,7 +3,14 @@
 Training (Eq. 15) runs the suffix with the open task's composition. Retrieval (Alg. 2) needs every
 task's embedding of every input: the frozen prefix runs once, its output is repeated once per requested
 composition, and each LoRA layer applies composition g to the g-th group of the batch -- one forward
-for all tasks (:meth:`AdaptedBackbone.embed`).
+for all tasks (:meth:`AdaptedBackbone.embed`). Groups may also differ in size, so that each input runs
+under its own task in one forward (:meth:`AdaptedBackbone.suffix_each`: the second stage of prediction
+with keys in one space).
+
+Per map, the update of each group runs factored, ``((x A) * C[t_g]) B^T``, or merged, with the cached
+weight ``W_0 + B diag(C[t_g]) A^T`` (Eq. 9 summed into the map), chosen from the shapes
+(:meth:`AdaptedBackbone.merge_plan`): merged where the factored update would cost more than
+``merge_threshold`` times the map itself, within ``merge_budget_bytes`` of cached weights.
 """
 
 from __future__ import annotations
@@ -27,9 +34,16 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 class AdaptedBackbone(nn.Module):
     """A frozen :class:`Backbone` whose adaptable maps carry :class:`LoRAUnit` s (one per map)."""
 
+    #: "auto": merged weights where the factored update costs more than ``merge_threshold`` x the map,
+    #: within ``merge_budget_bytes`` (None: no limit); "always" / "never": every map merged / factored
+    merge: str = "auto"
+    merge_threshold: float = 0.25
+    merge_budget_bytes: int | None = 1 << 30
+
     def __init__(self, backbone: Backbone, scaling: float = 1.0, enabled: bool = True) -> None:
         super().__init__()
         self.backbone = backbone
+        self._plan: tuple[tuple, set[str]] = ((), set())
         self.wrappers: dict[str, LoRAWrapper] = {}
         self.units: dict[str, LoRAUnit] = {}
         if enabled:
@@ -59,6 +73,8 @@ class AdaptedBackbone(nn.Module):
 
     def truncate(self, m: int) -> None:
         """Keep the first ``m`` tasks' adapters and close any open task (rollback of a failed task)."""
+        if m < self.num_tasks:
+            self.clear_merged()
         for u in self.units.values():
             u.truncate(m)
 
@@ -72,24 +88,79 @@ class AdaptedBackbone(nn.Module):
     def transfer_parameters(self) -> list[nn.Parameter]:
         return [u.s for u in self.units.values() if u.s is not None]
 
+    # ------------------------------------------------------------------ merged weights
+    def merge_plan(self) -> set[str]:
+        """The maps that run merged (``merge = "auto"``): those whose factored update with every task's
+        columns costs more than ``merge_threshold`` x the map (:meth:`LoRAWrapper.factored_cost`), the
+        costliest first while the merged weights of all m tasks fit ``merge_budget_bytes``."""
+        key = (self.merge, self.merge_threshold, self.merge_budget_bytes,
+               tuple(u.total_rank for u in self.units.values()))  # fmt: skip
+        if key == self._plan[0]:
+            return self._plan[1]
+        plan: set[str] = set()
+        if self.merge != "never":
+            m, left = self.num_tasks, self.merge_budget_bytes
+            ranked = sorted(self.wrappers.items(), key=lambda nw: -nw[1].factored_cost())
+            for name, w in ranked:
+                need = m * w.in_features * w.out_features * w.base.weight.element_size()
+                if self.merge == "auto" and (
+                    w.factored_cost() <= self.merge_threshold or (left is not None and need > left)
+                ):
+                    continue
+                plan.add(name)
+                left = None if left is None else left - need
+        self._plan = (key, plan)
+        return plan
+
+    def merged_nbytes(self) -> int:
+        """Bytes of merged weights cached by the wrappers."""
+        return sum(w.merged_nbytes() for w in self.wrappers.values())
+
+    def prepare_merged(self, tasks: list[int] | None = None, kind: str = "task") -> int:
+        """Build the merged weights of ``tasks`` (default: all) for the maps of :meth:`merge_plan` now
+        rather than on first use (a server's warm-up; timings without the one-off cost). Returns the
+        bytes cached."""
+        tasks = list(range(self.num_tasks)) if tasks is None else tasks
+        if tasks and self.merge != "never":
+            for name in self.merge_plan():
+                self.wrappers[name].merged_weights(tasks, kind)
+        return self.merged_nbytes()
+
+    def clear_merged(self) -> None:
+        for w in self.wrappers.values():
+            w.clear_merged()
+
     # ------------------------------------------------------------------ forward
     @contextlib.contextmanager
-    def compose(self, tasks: list[int] | None, kind: str = "task") -> Iterator[None]:
-        """Within the block, group g of every batch is embedded with composition ``tasks[g]``."""
+    def compose(
+        self, tasks: list[int] | None, kind: str = "task", sizes: list[int] | None = None
+    ) -> Iterator[None]:
+        """Within the block, group g of every batch is embedded with composition ``tasks[g]``: equal
+        groups, or ``sizes[g]`` rows each. The maps of :meth:`merge_plan` run merged, the others factored
+        over the columns the compositions use."""
         if tasks is None:
             yield
             return
-        for u in self.units.values():
-            u.coef = u.coefficients(tasks, kind)
-        for w in self.wrappers.values():
-            w.groups = len(tasks)
+        plan = self.merge_plan() if self.merge != "never" else set()
+        for name, w in self.wrappers.items():
+            units = list(w.units.values())
+            cols = [u.used_columns(tasks) for u in units]
+            if name in plan:
+                w.merged = (tasks, kind)
+            else:
+                for u, c in zip(units, cols):
+                    coef = u.coefficients(tasks, kind)[:, :c]
+                    reps = None if sizes is None else torch.as_tensor(sizes, device=coef.device)
+                    u.coef = coef if reps is None else coef.repeat_interleave(reps, 0)
+            w.groups = len(tasks) if sizes is None else sum(sizes)
+            w.sizes = sizes
         try:
             yield
         finally:
             for u in self.units.values():
                 u.coef = None
             for w in self.wrappers.values():
-                w.groups = 1
+                w.groups, w.sizes, w.merged = 1, None, None
 
     def prefix(self, x: torch.Tensor) -> torch.Tensor:
         """The frozen prefix h_0(x), shared by all tasks."""
@@ -106,6 +177,25 @@ class AdaptedBackbone(nn.Module):
         with self.compose(tasks, kind):
             h = self.backbone.forward_suffix(zz)
         return h.reshape(G, n, -1)
+
+    def suffix_grouped(
+        self, z: torch.Tensor, tasks: list[int], sizes: list[int], kind: str = "task"
+    ) -> torch.Tensor:
+        """(N, d): the first ``sizes[0]`` rows of ``z`` under composition ``tasks[0]``, the next
+        ``sizes[1]`` under ``tasks[1]``, ... in one forward."""
+        if sum(sizes) != z.shape[0] or len(sizes) != len(tasks):
+            raise ValueError(f"sizes {sizes} must give one group per task and add up to {z.shape[0]}")
+        with self.compose(tasks, kind, sizes):
+            return self.backbone.forward_suffix(z)
+
+    def suffix_each(self, z: torch.Tensor, tasks: torch.Tensor, kind: str = "task") -> torch.Tensor:
+        """(N, d): row i of ``z`` under composition ``tasks[i]``, one forward (rows grouped by task)."""
+        order = torch.argsort(tasks.cpu(), stable=True)
+        uniq, counts = torch.unique_consecutive(tasks.cpu()[order], return_counts=True)
+        h = self.suffix_grouped(z[order.to(z.device)], uniq.tolist(), counts.tolist(), kind)
+        out = torch.empty_like(h)
+        out[order.to(h.device)] = h
+        return out
 
     def embed(self, x: torch.Tensor, tasks: list[int] | None = None, kind: str = "task") -> torch.Tensor:
         return self.suffix(self.prefix(x), tasks, kind)

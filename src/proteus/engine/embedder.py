@@ -112,15 +112,18 @@ class Embedder:
         shard: bool = True,
     ) -> torch.Tensor:
         """Embed prefix outputs: (G, N, d) for the compositions of ``tasks`` (None: the frozen backbone,
-        (1, N, d)). About one evaluation batch per forward in total (G groups x per images): large
-        batches run slower per image on CPU caches, and memory stays bounded for many tasks.
+        (1, N, d)). About one evaluation batch per forward in total (large batches run slower per image
+        on CPU caches, and memory stays bounded for many tasks): up to ``batch_size`` images per chunk,
+        and as many of the G compositions as fit beside them, so that each composition's group holds
+        many images (a merged map runs one plain map per group: :mod:`proteus.adapters.model`).
 
-        Under torchrun (and ``shard``) each rank embeds its block of whole chunks and the result is
+        Under torchrun (and ``shard``) each rank embeds its block of whole image chunks and the result is
         gathered in the original order; every rank must then call this with the same ``z``."""
         bs = batch_size or self.batch_size
         groups = tasks if tasks is not None else [None]
-        per = max(1, bs // max(1, len(groups)))
-        starts = range(0, z.shape[0], per)
+        G, N = len(groups), z.shape[0]
+        per, per_g = (max(1, N), G) if G * N <= bs else (min(N, bs), max(1, bs // min(N, bs)))
+        starts = range(0, N, per)
         sharded = shard and dist.is_distributed()
         if sharded:
             mine = dist.shard_range(len(starts))
@@ -128,12 +131,35 @@ class Embedder:
         out = []
         for i in starts:
             zb = z[i : i + per].to(self.device)
-            with self.autocast():
-                h = self.model.suffix(zb)[None] if tasks is None else self.model.suffix(zb, tasks, kind)
-            out.append(h.float().cpu())
+            parts = []
+            for j in range(0, G, per_g):
+                with self.autocast():
+                    if tasks is None:
+                        h = self.model.suffix(zb)[None]
+                    else:
+                        h = self.model.suffix(zb, tasks[j : j + per_g], kind)
+                parts.append(h.float().cpu())
+            out.append(torch.cat(parts, 0))
         if sharded:
             local = torch.cat(out, 1).transpose(0, 1) if out else None
             gathered = dist.all_gather_rows(local)  # (N, G, d), rows in the original order
             assert gathered is not None
             return gathered.transpose(0, 1).contiguous()
         return torch.cat(out, 1)
+
+    @torch.no_grad()
+    def embed_each(
+        self, z: torch.Tensor, tasks: torch.Tensor, kind: str = "task", batch_size: int | None = None
+    ) -> torch.Tensor:
+        """(N, d): prefix output i under the composition of ``tasks[i]``. Rows are sorted by task and
+        embedded ``batch_size`` at a time, each chunk in one forward with one group per task
+        (:meth:`AdaptedBackbone.suffix_each`); the result is in the original order."""
+        bs = batch_size or self.batch_size
+        order = torch.argsort(tasks.cpu(), stable=True)
+        out = torch.empty(z.shape[0], self.model.embed_dim)
+        for i in range(0, len(order), bs):
+            idx = order[i : i + bs]
+            with self.autocast():
+                h = self.model.suffix_each(z[idx].to(self.device), tasks.cpu()[idx], kind)
+            out[idx] = h.float().cpu()
+        return out

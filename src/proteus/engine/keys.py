@@ -13,11 +13,19 @@ knowledge base (per-task and global tensors), and its rollback (:meth:`Retrieval
   never changes after task 1); a task's score is minus its best class score.
 
 Scores are "lower is better" everywhere (:class:`~proteus.signatures.RetrievalResult`).
+
+Keys in one space (:attr:`RetrievalKeys.key_space`: ``frozen``, ``frozen-lda``, ``first-adapter-lda``)
+retrieve from a single embedding per input (:meth:`RetrievalKeys.retrieve_space`), so prediction needs
+one forward in that space and one under the retrieved adapter, whatever m is
+(:mod:`proteus.engine.staged`). The paper's per-adapter keys can shortlist: with ``retrieval.candidates
+= c`` a task also leaves an LDA key in one space (accumulated like G, no old data, no training), and only
+the c best tasks by it are scored with the exact Gaussian keys (:meth:`GaussianKeys.shortlist`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -61,14 +69,31 @@ class RetrievalKeys:
     space = "adapter"
 
     def __init__(
-        self, cfg: SignatureConfig, top_k: int, device: torch.device, new_head: Callable[..., RanPACHead]
+        self,
+        cfg: SignatureConfig,
+        top_k: int,
+        device: torch.device,
+        new_head: Callable[..., RanPACHead],
+        candidates: int | None = None,
+        candidate_space: str = "first-adapter",
     ):
         self.cfg, self.top_k, self.device, self.new_head = cfg, top_k, device, new_head
+        self.candidates, self.candidate_space = candidates, candidate_space
 
     @property
     def needs_frozen(self) -> bool:
         """:meth:`retrieve` reads the frozen backbone's features F."""
         return self.space == "frozen"
+
+    @property
+    def key_space(self) -> str | None:
+        """``frozen`` or ``first-adapter`` when every task's key reads that one embedding of an input
+        (:meth:`retrieve_space`); None when the keys need every task's adapter."""
+        return self.space if self.space in ("frozen", "first-adapter") else None
+
+    def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
+        """Retrieval among the first m tasks from the inputs' embeddings X (N, d) in :attr:`key_space`."""
+        raise ValueError(f"{type(self).__name__} keys do not live in one space")
 
     @property
     def adapter_signatures(self) -> list[Signature | None]:
@@ -127,6 +152,11 @@ class GaussianKeys(RetrievalKeys):
         self.spaces = spaces
         self.signatures: list[Signature | None] = []
         self.frozen_signatures: list[Signature | None] = []
+        #: the cheap keys that shortlist candidates (``retrieval.candidates``; adapter keys only)
+        self.shortlist_keys: LDAKeys | None = None
+        if self.candidates is not None and spaces == ("adapter",):
+            lda_cfg = dataclasses.replace(self.cfg, normalize="l2")
+            self.shortlist_keys = LDAKeys(lda_cfg, 1, self.device, self.new_head, space=self.candidate_space)
 
     @property
     def adapter_signatures(self) -> list[Signature | None]:
@@ -134,7 +164,52 @@ class GaussianKeys(RetrievalKeys):
 
     @property
     def needs_frozen(self) -> bool:
-        return "frozen" in self.spaces
+        return "frozen" in self.spaces or (self.shortlists and self.candidate_space == "frozen")
+
+    @property
+    def key_space(self) -> str | None:
+        return "frozen" if self.spaces == ("frozen",) else None
+
+    @property
+    def shortlists(self) -> bool:
+        """Retrieval scores only the shortlisted tasks: ``candidates`` is set (it may change after the
+        fit) and the cheap keys and every exact key are there (a knowledge base written without the cheap
+        keys scores every task)."""
+        sl = self.shortlist_keys
+        return (
+            self.candidates is not None and sl is not None and sl.head is not None
+            and sl.n_tasks == len(self.signatures) and all(s is not None for s in self.signatures)
+        )  # fmt: skip
+
+    def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
+        if self.key_space != "frozen":
+            return super().retrieve_space(X, m, classes)
+        return retrieve([s.score(X.to(s.device)).cpu() for s in self.frozen_signatures[:m] if s], self.top_k)
+
+    def shortlist(self, X: Tensor, m: int, classes: list[list[int]]) -> Tensor:
+        """(N, c) the c best of the first m tasks by the cheap keys, best first (X in their space)."""
+        assert self.shortlist_keys is not None and self.candidates is not None
+        scores = self.shortlist_keys.retrieve_space(X, m, classes).task_scores
+        c = min(int(self.candidates), m)
+        return scores.topk(c, dim=1, largest=False).indices
+
+    def retrieve_among(self, Hc: Tensor, cand: Tensor, m: int) -> RetrievalResult:
+        """Eq. 1 among each input's candidates: ``Hc`` (N, c, d) the input under task ``cand[i, j]``'s
+        adapter. Every other task scores +inf, so with every task a candidate this is :meth:`retrieve`."""
+        N = cand.shape[0]
+        scores = []
+        for t in range(m):
+            sig = self.signatures[t]
+            assert sig is not None
+            rows, cols = (cand == t).nonzero(as_tuple=True)
+            if len(rows) == 0:
+                scores.append(torch.full((N, 1), float("inf")))
+                continue
+            st = sig.score(Hc[rows, cols].to(sig.device)).cpu()
+            S = torch.full((N, st.shape[1]), float("inf"), dtype=st.dtype)
+            S[rows] = st
+            scores.append(S)
+        return retrieve(scores, self.top_k)
 
     def _fit(self, H: Tensor, seed: int, what: str, k: int) -> Signature:
         try:
@@ -151,15 +226,29 @@ class GaussianKeys(RetrievalKeys):
         if "frozen" in self.spaces:
             fsig = self._fit(fit.embed(None)[0], fit.seed + 1, "frozen-key ", fit.k)
             stats["n_active_frozen"] = int(fsig.n_active)
+        if self.shortlist_keys is not None and (fit.num_adapters > 0 or self.candidate_space == "frozen"):
+            self.shortlist_keys.add_task(fit)  # else not for every task: every task is scored exactly
         self.signatures.append(sig)
         self.frozen_signatures.append(fsig)
         return stats or None
 
     def truncate(self, m: int) -> None:
         del self.signatures[m:], self.frozen_signatures[m:]
+        if self.shortlist_keys is not None:
+            self.shortlist_keys.truncate(m)
 
     def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
         m = H.shape[0]
+        if self.shortlists:  # the same rule as the staged prediction: exact keys of the candidates only
+            X = F if self.candidate_space == "frozen" else H[0]
+            if X is None:
+                raise ValueError("retrieval.candidates with frozen cheap keys needs the frozen features F")
+            cand = self.shortlist(X, m, classes)
+            return self.retrieve_among(H[cand, torch.arange(H.shape[1])[:, None]], cand, m)
+        if self.key_space == "frozen":
+            if F is None:
+                raise ValueError("signature.keys='frozen' needs the frozen-backbone features F")
+            return self.retrieve_space(F, m, classes)
         res = None
         if "adapter" in self.spaces:
             sigs = self.signatures[:m]
@@ -200,6 +289,19 @@ class GaussianKeys(RetrievalKeys):
             if meta.get(key) is not None:
                 sig = Signature.from_tensors(_sub(f"{key}/", tensors), meta[key]).to(self.device)
             dest.append(sig)
+        if self.shortlist_keys is not None:
+            self.shortlist_keys.load_task(meta, tensors)
+
+    # the cheap keys live in the head's object, as the LDA keys do (``task_head/`` tensors)
+    def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
+        if self.shortlist_keys is None:
+            return None, {}
+        meta, tensors = self.shortlist_keys.global_state()
+        return (None if meta is None else {"shortlist": meta}), tensors
+
+    def load_global(self, meta: dict[str, Any] | None, tensors: dict[str, Tensor]) -> None:
+        if self.shortlist_keys is not None and meta is not None and "shortlist" in meta:
+            self.shortlist_keys.load_global(meta["shortlist"], tensors)
 
 
 class LDAKeys(RetrievalKeys):
@@ -244,10 +346,14 @@ class LDAKeys(RetrievalKeys):
 
     def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
         X = F if self.space == "frozen" else H[0]
-        if X is None or self.head is None:
-            raise ValueError(f"LDA keys in the {self.space} space need their features and a fitted key head")
+        if X is None:
+            raise ValueError(f"LDA keys in the {self.space} space need their features")
+        return self.retrieve_space(X, H.shape[0], classes)
+
+    def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
+        if self.head is None:
+            raise ValueError(f"LDA keys in the {self.space} space need a fitted key head")
         logits = self.head.decision_function(self.features(X).to(self.device)).float().cpu()
-        m = H.shape[0]
         scores = torch.full((X.shape[0], m), float("inf"))
         for j, cls in enumerate(classes[:m]):
             scores[:, j] = -logits[:, cls].max(1).values

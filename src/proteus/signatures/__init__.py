@@ -1,7 +1,11 @@
 """Multi-key task signatures and parameter-free retrieval (Section 3: Eq. 2, Eq. 18, Def. 3.3, Thm. 3.5/3.6).
 
-* :mod:`~proteus.signatures.dpgmm`: the variational DP-GMM that learns a task's signature (Eq. 18);
-* :mod:`~proteus.signatures.gaussian`: the Gaussian signature patterns and their scores (Eq. 2);
+* :mod:`~proteus.signatures.dpgmm`: the variational DP-GMM that learns a task's signature (Eq. 18), with
+  :mod:`~proteus.signatures.posterior` (the fitted posterior and its queries),
+  :mod:`~proteus.signatures.woodbury` (its Mahalanobis factors), :mod:`~proteus.signatures.kmeans` (its
+  initialisation and the K-means ablation) and :mod:`~proteus.signatures.errors`;
+* :mod:`~proteus.signatures.gaussian`: the Gaussian signature patterns and their scores (Eq. 2), with
+  :mod:`~proteus.signatures.shared` (the shared-plus-low-rank storage);
 * :mod:`~proteus.signatures.signature`: one task's multi-key signature (Definition 3.1, Eq. 18);
 * :mod:`~proteus.signatures.retrieval`: ``(k*, t*) = argmin_{k,t} S_k(x; m_k^t, Lambda_k^t)`` (Section 3.1);
 * :mod:`~proteus.signatures.theory`: separation factor and error bounds (Section 3.2, Appendix A).
@@ -10,7 +14,7 @@
 from proteus.signatures.dpgmm import DPGMM, SignatureFitError
 from proteus.signatures.gaussian import GaussianComponents
 from proteus.signatures.retrieval import RetrievalResult, retrieve
-from proteus.signatures.signature import Signature, fit_signature
+from proteus.signatures.signature import Signature, fit_clusters, fit_signature, signature_from_fit
 
 __all__ = [
     "DPGMM",
@@ -18,6 +22,8 @@ __all__ = [
     "RetrievalResult",
     "Signature",
     "SignatureFitError",
+    "fit_clusters",
     "fit_signature",
     "retrieve",
+    "signature_from_fit",
 ]

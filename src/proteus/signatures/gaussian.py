@@ -46,7 +46,8 @@ import math
 import torch
 from torch import Tensor
 
-from proteus.signatures.dpgmm import SignatureFitError
+from proteus.signatures.errors import SignatureFitError
+from proteus.signatures.shared import allocate_ranks, shared_scoring, shared_tensors
 
 __all__ = ["GaussianComponents"]
 
@@ -55,30 +56,8 @@ _CHUNK_ELEMENTS = 1 << 24
 _KINDS = ("full", "ppca")  # kinds built from dense covariances; "shared" comes from GaussianComponents.shared
 _PER_COMPONENT = {"weights", "means", "logdet", "prec_chol", "U", "lam", "sigma2", "iso", "ridge", "ranks"}
 
-
-def _allocate_ranks(sizes: list[int], budget: int, d: int) -> list[int]:
-    """Factor rows kept per component: ``q_t = min(r_t, tau, d)`` with the largest cap ``tau`` whose total
-    fits ``budget`` (rows that small components do not need go to the large ones); the rows left below
-    the budget by the integer cap go one each to the largest components."""
-    need = [min(r, d) for r in sizes]
-    if sum(need) <= budget:
-        return need
-    lo, hi = 0, max(need)
-    while lo < hi:  # largest tau with sum(min(need, tau)) <= budget
-        mid = (lo + hi + 1) // 2
-        if sum(min(n, mid) for n in need) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    out = [min(n, lo) for n in need]
-    spare = budget - sum(out)
-    for k in sorted(range(len(out)), key=lambda i: -need[i]):
-        if spare <= 0:
-            break
-        if out[k] < need[k]:
-            out[k] += 1
-            spare -= 1
-    return out
+#: kept importable from this module (tests, older callers)
+_allocate_ranks = allocate_ranks
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:
@@ -98,6 +77,44 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Scoring dtype: float32 or higher."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _dense_tensors(
+    weights: Tensor, means: Tensor, covariances: Tensor, kind: str, rank: int
+) -> dict[str, Tensor]:
+    """The stored tensors (float64) of kinds ``"full"`` (precision Cholesky factors) and ``"ppca"`` (top-q
+    eigenpairs plus the mean discarded eigenvalue) from dense covariances (T, d, d)."""
+    T, d = means.shape
+    w = weights.detach().to(torch.float64).reshape(T)
+    m = means.detach().to(torch.float64)
+    C = covariances.detach().to(torch.float64)
+    C = 0.5 * (C + C.mT)
+    if not bool(torch.isfinite(C).all() and torch.isfinite(m).all()):
+        raise SignatureFitError("component means or covariances are not finite")
+    center = m.mean(0)
+    t: dict[str, Tensor] = {"weights": w, "means": m, "center": center}
+    if kind == "full":
+        L, info = torch.linalg.cholesky_ex(C)
+        if bool((info != 0).any()):
+            bad = (info != 0).nonzero().flatten().tolist()
+            raise SignatureFitError(f"singular covariance: component(s) {bad} are not positive definite")
+        eye = torch.eye(d, dtype=C.dtype, device=C.device).expand_as(C)
+        t["prec_chol"] = torch.linalg.solve_triangular(L, eye, upper=False).mT  # A, precision = A A^T
+        t["logdet"] = 2.0 * L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    else:
+        q = max(0, min(int(rank), d - 1))
+        evals, evecs = torch.linalg.eigh(C)  # ascending
+        mean_eval = evals.mean(1).clamp_min(0.0)
+        if bool((mean_eval <= 0).any()):
+            bad = (mean_eval <= 0).nonzero().flatten().tolist()
+            raise SignatureFitError(f"singular covariance: component(s) {bad} have zero variance")
+        top = evals[:, d - q :].flip(-1)  # descending
+        U = evecs[:, :, d - q :].flip(-1)
+        sigma2 = evals[:, : d - q].mean(1).clamp_min(_SIGMA2_FLOOR * mean_eval)
+        lam = (top - sigma2[:, None]).clamp_min(0.0)
+        t["U"], t["lam"], t["sigma2"] = U, lam, sigma2
+        t["logdet"] = torch.log(lam + sigma2[:, None]).sum(1) + (d - q) * sigma2.log()
+    return t
 
 
 class GaussianComponents:
@@ -134,37 +151,8 @@ class GaussianComponents:
         T, d = means.shape
         if T == 0:
             raise SignatureFitError("no Gaussian components to store")
-        cdt = _compute_dtype(dtype)
-        w = weights.detach().to(torch.float64).reshape(T)
-        m = means.detach().to(torch.float64)
-        C = covariances.detach().to(torch.float64)
-        C = 0.5 * (C + C.mT)
-        if not bool(torch.isfinite(C).all() and torch.isfinite(m).all()):
-            raise SignatureFitError("component means or covariances are not finite")
-        center = m.mean(0)
-        t: dict[str, Tensor] = {"weights": w, "means": m, "center": center}
-        if kind == "full":
-            L, info = torch.linalg.cholesky_ex(C)
-            if bool((info != 0).any()):
-                bad = (info != 0).nonzero().flatten().tolist()
-                raise SignatureFitError(f"singular covariance: component(s) {bad} are not positive definite")
-            eye = torch.eye(d, dtype=C.dtype, device=C.device).expand_as(C)
-            t["prec_chol"] = torch.linalg.solve_triangular(L, eye, upper=False).mT  # A, precision = A A^T
-            t["logdet"] = 2.0 * L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-        else:
-            q = max(0, min(int(rank), d - 1))
-            evals, evecs = torch.linalg.eigh(C)  # ascending
-            mean_eval = evals.mean(1).clamp_min(0.0)
-            if bool((mean_eval <= 0).any()):
-                bad = (mean_eval <= 0).nonzero().flatten().tolist()
-                raise SignatureFitError(f"singular covariance: component(s) {bad} have zero variance")
-            top = evals[:, d - q :].flip(-1)  # descending
-            U = evecs[:, :, d - q :].flip(-1)
-            sigma2 = evals[:, : d - q].mean(1).clamp_min(_SIGMA2_FLOOR * mean_eval)
-            lam = (top - sigma2[:, None]).clamp_min(0.0)
-            t["U"], t["lam"], t["sigma2"] = U, lam, sigma2
-            t["logdet"] = torch.log(lam + sigma2[:, None]).sum(1) + (d - q) * sigma2.log()
-        self._set({k: v.to(cdt) for k, v in t.items()}, kind)
+        t = _dense_tensors(weights, means, covariances, kind, rank)
+        self._set({k: v.to(_compute_dtype(dtype)) for k, v in t.items()}, kind)
 
     @classmethod
     def shared(
@@ -180,92 +168,12 @@ class GaussianComponents:
         dtype: torch.dtype = torch.float32,
     ) -> GaussianComponents:
         """Components of kind ``"shared"`` from factored covariances
-        ``Lambda_t = scale_t (P + ridge_t I + V F_t^T F_t V^T)``: ``P = V diag(prior_evals) V^T`` is shared by
-        all components and ``F_t`` (r_t, d) is given in P's eigenbasis (``prior_evecs`` = V, columns), as
-        :meth:`~proteus.signatures.dpgmm.DPGMM.posterior_factors` returns them.
-
-        In P's whitened space (``z = diag(e)^{-1/2} V^T x``) the covariance is ``scale_t (D_t + G_t^T G_t)``
-        with the diagonal ``D_t = 1 + ridge_t / e`` and ``G_t = F_t diag(e)^{-1/2}``. The components share a
-        budget of ``T * rank`` factor rows (:func:`_allocate_ranks`): component t keeps ``q_t`` rows, all of
-        them (exact) when the ``r_t`` fit the budget. A component with ``r_t > q_t`` keeps the top ``q_t``
-        eigenpairs of ``M_t = D_t^{-1/2} G_t^T G_t D_t^{-1/2}`` exactly and replaces the ``d - q_t`` others,
-        ``mu_j``, by one value ``s_t`` chosen to preserve the trace of the precision, ``(d - q_t) / (1 + s_t)
-        = sum_j 1 / (1 + mu_j)`` (so the Mahalanobis term of inputs spread evenly over those directions is
-        unbiased), i.e. ``D_t`` becomes ``(1 + s_t) D_t``; its log-determinant stays exact (computed from
-        all eigenvalues of ``M_t``). Computed in float64, held in ``dtype``.
-        """
-        f64 = torch.float64
-        if means.ndim != 2:
-            raise ValueError(f"means must be (T, d), got {tuple(means.shape)}")
-        T, d = means.shape
-        if T == 0:
-            raise SignatureFitError("no Gaussian components to store")
-        if prior_evals.shape != (d,) or prior_evecs.shape != (d, d) or len(factors) != T:
-            raise ValueError(
-                f"shared covariance parts do not match means {tuple(means.shape)}: prior_evals "
-                f"{tuple(prior_evals.shape)}, prior_evecs {tuple(prior_evecs.shape)}, {len(factors)} factors"
-            )
-        dev = means.device
-        e = prior_evals.detach().to(device=dev, dtype=f64)
-        V = prior_evecs.detach().to(device=dev, dtype=f64)
-        c = scale.detach().to(device=dev, dtype=f64).reshape(T)
-        a = ridge.detach().to(device=dev, dtype=f64).reshape(T)
-        m = means.detach().to(f64)
-        if not bool(torch.isfinite(e).all() and torch.isfinite(V).all() and torch.isfinite(m).all()):
-            raise SignatureFitError("component means or the shared covariance are not finite")
-        if float(e.min()) <= 0.0:
-            raise SignatureFitError(f"singular shared covariance: smallest eigenvalue {float(e.min()):.3g}")
-        if not bool(torch.isfinite(c).all() and torch.isfinite(a).all() and (c > 0).all() and (a >= 0).all()):
-            raise SignatureFitError("component scales must be positive and ridges non-negative")
-        Fs = [f.detach().to(device=dev, dtype=f64).reshape(-1, d) for f in factors]
-        ranks = _allocate_ranks([f.shape[0] for f in Fs], T * max(0, int(rank)), d)
-        inv_sqrt_e = e.rsqrt()
-        rows: list[Tensor] = []
-        gain = torch.ones(T, dtype=f64, device=dev)
-        log_core = torch.zeros(T, dtype=f64, device=dev)  # log|I + M_t| (exact)
-        for k, (F, q) in enumerate(zip(Fs, ranks)):
-            if not bool(torch.isfinite(F).all()):
-                raise SignatureFitError(f"component {k}: covariance factor is not finite")
-            G = F * inv_sqrt_e[None, :]  # (r, d): rows in P's whitened space
-            r = G.shape[0]
-            sqrt_D = (1.0 + a[k] / e).sqrt()
-            Gt = G / sqrt_D[None, :]
-            if r <= q:  # exact: the factor itself
-                log_core[k] = torch.log1p(torch.linalg.eigvalsh(Gt @ Gt.T).clamp_min(0.0)).sum()
-                rows.append(G)
-                continue
-            if r <= d:  # eigenpairs of M_t from the (r, r) Gram matrix
-                mu, Ur = torch.linalg.eigh(Gt @ Gt.T)
-                mu, Ur = mu.flip(0).clamp_min(0.0), Ur.flip(1)[:, :q]
-                E = (Gt.T @ Ur) * torch.where(mu[:q] > 0, mu[:q], torch.ones_like(mu[:q])).rsqrt()[None, :]
-            else:
-                mu, E = torch.linalg.eigh(Gt.T @ Gt)
-                mu, E = mu.flip(0).clamp_min(0.0), E.flip(1)[:, :q]
-            log_core[k] = torch.log1p(mu).sum()
-            rest = torch.cat([mu[q:], mu.new_zeros(max(0, d - mu.shape[0]))])
-            s_k = (rest.numel() / (1.0 / (1.0 + rest)).sum() - 1.0) if rest.numel() else mu.new_zeros(())
-            s_k = s_k.clamp_min(0.0)
-            rows.append((sqrt_D[:, None] * E * (mu[:q] - s_k).clamp_min(0.0).sqrt()[None, :]).T)
-            gain[k] = 1.0 + s_k
-        lowrank = torch.cat(rows, 0) if rows else e.new_zeros((0, d))
-        sizes = torch.tensor([x.shape[0] for x in rows], dtype=torch.int64, device=dev)
-        seg = torch.repeat_interleave(torch.arange(T, device=dev), sizes)
-        lowrank = lowrank * c.sqrt().index_select(0, seg)[:, None]
-        iso = c * gain
-        D = 1.0 + a[:, None] / e[None, :]  # (T, d)
-        logdet = e.log().sum() + d * c.log() + D.log().sum(1) + log_core
-        t = {
-            "weights": weights.detach().to(device=dev, dtype=f64).reshape(T),
-            "means": m,
-            "center": m.mean(0),
-            "logdet": logdet,
-            "prior_evecs": V,
-            "prior_evals": e,
-            "lowrank": lowrank,
-            "ranks": sizes,
-            "iso": iso,
-            "ridge": iso * a,
-        }
+        ``Lambda_t = scale_t (P + ridge_t I + V F_t^T F_t V^T)`` (``P = V diag(prior_evals) V^T`` shared by
+        all components, ``F_t`` (r_t, d) in P's eigenbasis, as
+        :meth:`~proteus.signatures.dpgmm.DPGMM.posterior_factors` returns them), within a budget of
+        ``T * rank`` factor rows: exact while the ``r_t`` fit it, see
+        :func:`~proteus.signatures.shared.shared_tensors`. Computed in float64, held in ``dtype``."""
+        t = shared_tensors(weights, means, prior_evals, prior_evecs, scale, ridge, factors, rank)
         obj = cls.__new__(cls)
         cdt = _compute_dtype(dtype)
         obj._set({k: (v.to(cdt) if v.is_floating_point() else v) for k, v in t.items()}, "shared")
@@ -300,52 +208,14 @@ class GaussianComponents:
         self._mc = mc
 
     def _set_shared(self, t: dict[str, Tensor], mc: Tensor) -> None:
-        """Scoring factors of kind ``"shared"``, derived in float64 from the stored tensors (the same stored
-        tensors always give the same factors): the whitening ``W = V diag(e)^{-1/2}``, the whitened means
-        ``mu_t``, ``1 / D'_t`` with ``D'_t = iso_t + ridge_t / e``, and per component the Woodbury factor
-        ``F_t = D'^{-1}_t U_t^T C_t^{-T}`` (d, q_t) with ``C_t C_t^T = I + U_t D'^{-1}_t U_t^T`` and ``U_t``
-        (q_t, d) the component's rows of ``lowrank``."""
-        f64, cdt = torch.float64, mc.dtype
-        V, e = t["prior_evecs"], t["prior_evals"]
-        self.prior_evecs, self.prior_evals = V, e
+        """Scoring factors of kind ``"shared"`` (:func:`~proteus.signatures.shared.shared_scoring`)."""
+        self.prior_evecs, self.prior_evals = t["prior_evecs"], t["prior_evals"]
         self.lowrank, self.ranks = t["lowrank"], t["ranks"].to(torch.int64)
         self.iso, self.ridge = t["iso"], t["ridge"]
-        T, d = mc.shape
-        sizes = [int(x) for x in self.ranks.tolist()]
-        if len(sizes) != T or sum(sizes) != self.lowrank.shape[0] or min(sizes, default=0) < 0:
-            raise ValueError(
-                f"shared factors: ranks {sizes} do not match lowrank {tuple(self.lowrank.shape)}"
-            )
-        self.rank = max(sizes, default=0)
-        e64 = e.to(f64)
-        W = V.to(f64) * e64.rsqrt()[None, :]
-        mu = mc.to(f64) @ W  # (T, d) whitened means
-        inv_D = 1.0 / (self.iso.to(f64)[:, None] + self.ridge.to(f64)[:, None] / e64[None, :])
-        U = self.lowrank.to(f64)
-        Fs, offs = [], []
-        start = 0
-        for k, q in enumerate(sizes):
-            Uk = U[start : start + q]
-            start += q
-            DU = Uk.T * inv_D[k][:, None]  # (d, q)
-            core = Uk @ DU
-            core.diagonal().add_(1.0)
-            C, info = torch.linalg.cholesky_ex(core)
-            if int(info) != 0:
-                raise SignatureFitError(f"singular covariance: component {k} is not positive definite")
-            Fk = torch.linalg.solve_triangular(C, DU.T, upper=False).T  # (d, q)
-            Fs.append(Fk)
-            offs.append(mu[k] @ Fk)
-        F = torch.cat(Fs, 1) if Fs else U.new_zeros((d, 0))
-        seg = torch.repeat_interleave(torch.arange(T, device=U.device), self.ranks.to(U.device))
-        self._W = W.to(cdt).contiguous()
-        self._F_cat = F.to(cdt).contiguous()  # (d, Q)
-        self._off = torch.cat(offs).to(cdt) if offs else F.new_zeros(0).to(cdt)  # (Q,)
-        self._seg = torch.zeros((F.shape[1], T), dtype=cdt, device=U.device)  # column -> component indicator
-        self._seg[torch.arange(F.shape[1], device=U.device), seg] = 1.0
-        # ||y||^2_{D'^{-1}} = [z*z, z] @ [inv_D, -2 mu inv_D]^T + mu^T D'^{-1} mu: one product for all t
-        self._base_cat = torch.cat([inv_D, -2.0 * mu * inv_D], 1).to(cdt).contiguous()  # (T, 2d)
-        self._mu2 = (mu * mu * inv_D).sum(1).to(cdt)
+        scoring = shared_scoring(t, mc)
+        self.rank = max((int(x) for x in self.ranks.tolist()), default=0)
+        for name, value in scoring.items():
+            setattr(self, name, value)
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor]) -> GaussianComponents:

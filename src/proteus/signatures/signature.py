@@ -1,32 +1,38 @@
 """The multi-key signature of one task (Definition 3.1), learned with Eq. 18 and scored as in Eq. 2.
 
 :func:`fit_signature` turns a task's embeddings ``H = h_k(x), x in D_k`` (its own adapter) into
-``tau`` Gaussian signature patterns ``(m_k^t, Lambda_k^t)``:
+``tau`` Gaussian signature patterns ``(m_k^t, Lambda_k^t)``; :func:`fit_clusters` does steps 1-2 and
+:func:`signature_from_fit` steps 3-5, so one clustering can be stored in several forms:
 
 1. optional L2 normalisation of the rows (``cfg.normalize``);
-2. a clustering fit per ``cfg.method``:
+2. the task's covariance ``C`` (:func:`~proteus.signatures.fitting.task_covariance`: ``cfg.prior`` is
+   ``"ridge"``, ``cov(H) + max(reg_covar, 1e-3 tr(cov(H)) / d) I``, or the Ledoit-Wolf / OAS shrinkage of
+   ``cov(H)``) and a clustering fit per ``cfg.method``:
 
    * ``"dpgmm"``: :class:`~proteus.signatures.dpgmm.DPGMM` with truncation ``T = cfg.max_components``
-     (Eq. 18 with a Dirichlet-process prior). Its covariance prior is ``cov(H) + lambda I`` with
-     ``lambda = max(cfg.reg_covar, 1e-3 * trace(cov(H)) / d)`` (``_PRIOR_RIDGE``): embeddings after a
-     LayerNorm, or fewer embeddings than dimensions, make ``cov(H)`` singular;
+     (Eq. 18 with a Dirichlet-process prior) and a Wishart prior on each component's precision with
+     ``cfg.prior_dof`` degrees of freedom (None: d) whose covariance matrix is ``C`` (``cfg.prior_scale
+     = "sklearn"``, scikit-learn's default: the prior's expected covariance is then ``C / d``) or ``dof C``
+     (``"expected"``: the prior's expected covariance is ``C``, so each component's covariance is ``(d C
+     + N_t S_t) / (d + N_t)``, its own scatter shrunk towards the task's covariance);
    * ``"kmeans"``: ``K = cfg.max_components`` hard clusters (the ablation), then one Gaussian per cluster
      with covariance ``(n_k S_k + d S_pool) / (n_k + d)``: the cluster's own scatter ``S_k`` shrunk
      towards the pooled within-cluster covariance ``S_pool`` with the weight of ``d`` pseudo-points, so
      tiny clusters fall back to the shared covariance and large ones keep their own;
-   * ``"gaussian"``: one Gaussian (the single-key signature of Eq. 2).
+   * ``"gaussian"``: one Gaussian with covariance ``C`` (the single-key signature of Eq. 2).
 
-   For k-means and the single Gaussian, covariances get the same ridge ``lambda``.
 3. inactive components are dropped (weight < ``1e-3`` or fewer than 2 assigned training points; if none
    survives, the heaviest one is kept) and ``n_active`` is reported;
 4. the survivors become :class:`~proteus.signatures.gaussian.GaussianComponents` of kind
-   ``cfg.covariance`` with rank ``min(cfg.rank, d - 1, N - 1)``. Kind ``"shared"`` is built from the
-   factored covariances instead (:meth:`GaussianComponents.shared`, a budget of ``cfg.rank`` factor rows
-   per component on average, at most d): for ``"dpgmm"`` the posterior's own structure
+   ``cfg.covariance``: ``"full"`` (precision Cholesky factors), ``"ppca"`` (rank ``min(cfg.rank or 128, d -
+   1, N - 1)`` plus isotropic: an approximation) or ``"shared"``, built from the factored covariances
+   (:meth:`GaussianComponents.shared`): for ``"dpgmm"`` the posterior's own structure
    (:meth:`DPGMM.posterior_factors`: covariance prior shared, data term per component); for ``"kmeans"``
    the same identity with the pooled covariance as the shared matrix, ``(n_k S_k + d S_pool) / (n_k + d)
    + reg I = d / (n_k + d) (S_pool + reg (n_k + d) / d I + n_k S_k / d)``; for ``"gaussian"`` the one
-   covariance itself (no low-rank part). All three are exact while the budget holds every factor;
+   covariance itself (no low-rank part). With ``cfg.rank = None`` (the default) every factor row is kept
+   and ``"shared"`` equals ``"full"`` at any N; a ``cfg.rank`` budget of ``T * rank`` rows approximates
+   once the components' data terms outgrow it (tools/studies/scale_check.py measures by how much);
 5. with ``cfg.calibrate == "standardize"`` the median and robust scale (1.4826 x MAD, floored at
    ``1e-6 (1 + |median|)``) of the training inputs' best-component scores are stored and every later
    score is standardised with them.
@@ -46,16 +52,26 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from proteus.config import SignatureConfig
-from proteus.signatures.dpgmm import DPGMM, PosteriorFactors, SignatureFitError, check_finite_rows, kmeans
+from proteus.signatures.errors import SignatureFitError, check_finite_rows
+from proteus.signatures.fitting import (
+    PRIOR_SCALES,
+    PRIORS,
+    ClusterFit,
+    fit_dpgmm,
+    fit_gaussian,
+    fit_kmeans,
+    task_covariance,
+)
 from proteus.signatures.gaussian import GaussianComponents
 
-__all__ = ["CHOICES", "Signature", "fit_signature"]
+__all__ = ["CHOICES", "Signature", "fit_clusters", "fit_signature", "signature_from_fit"]
 
-_PRIOR_RIDGE = 1e-3
 _MIN_WEIGHT = 1e-3
 _MIN_POINTS = 2
 _MAD_TO_SIGMA = 1.4826
 _FORMAT = 1
+#: the "ppca" rank when ``signature.rank`` is None
+_PPCA_RANK = 128
 
 _METHODS = ("dpgmm", "kmeans", "gaussian")
 _NORMALIZE = ("none", "l2")
@@ -71,6 +87,8 @@ CHOICES = {
     "calibrate": _CALIBRATE,
     "storage_dtype": _STORAGE,
     "covariance": _COVARIANCES,
+    "prior": PRIORS,
+    "prior_scale": PRIOR_SCALES,
 }
 
 
@@ -233,116 +251,18 @@ class Signature:
 
 
 # ====================================================================== fitting
-def _ridge(C: Tensor, reg_covar: float) -> float:
-    d = C.shape[0]
-    return max(float(reg_covar), _PRIOR_RIDGE * float(C.diagonal().sum()) / d)
-
-
-def _fit_dpgmm(X: Tensor, cfg: SignatureConfig, seed: int, C: Tensor, lam: float) -> dict[str, Any]:
-    d = X.shape[1]
-    prior = C + lam * torch.eye(d, dtype=X.dtype, device=X.device)
-    gm = DPGMM(
-        n_components=cfg.max_components,
-        covariance_prior=prior,
-        reg_covar=cfg.reg_covar,
-        tol=cfg.tol,
-        max_iter=cfg.max_iter,
-        random_state=seed,
-        device=X.device,
-        dtype=X.dtype,
-    )
-    labels = gm.fit(X).last_labels_
-    counts = torch.bincount(labels, minlength=gm.n_components_)
-    return {
-        "weights": gm.weights_,
-        "counts": counts,
-        "means": gm.means_,
-        "cov_fn": gm.component_covariances,
-        "shared_fn": gm.posterior_factors,
-        "labels": labels,
-        "lower_bound": gm.lower_bound_,
-        "n_iter": gm.n_iter_,
-        "converged": gm.converged_,
-    }
-
-
-def _fit_kmeans(X: Tensor, cfg: SignatureConfig, seed: int, lam: float) -> dict[str, Any]:
-    N, d = X.shape
-    labels, _, n_iter = kmeans(X - X.mean(0), cfg.max_components, int(seed), max_iter=max(cfg.max_iter, 1))
-    K = int(labels.max()) + 1
-    counts = torch.bincount(labels, minlength=K)
-    nk = counts.to(X.dtype)
-    means = (
-        torch.zeros((K, d), dtype=X.dtype, device=X.device).index_add_(0, labels, X)
-        / nk.clamp_min(1)[:, None]
-    )
-    scatter = torch.zeros((K, d, d), dtype=X.dtype, device=X.device)
-    for k in range(K):
-        Xk = X[labels == k] - means[k]
-        scatter[k] = Xk.T @ Xk
-    pooled = scatter.sum(0) / N
-    pooled.diagonal().add_(lam)
-    covs = (scatter + d * pooled[None]) / (nk + d)[:, None, None]
-    covs.diagonal(dim1=-2, dim2=-1).add_(float(cfg.reg_covar))
-
-    def cov_fn(index: Tensor | list[int] | None = None) -> Tensor:
-        return covs if index is None else covs[torch.as_tensor(index, dtype=torch.long, device=covs.device)]
-
-    def shared_fn(index: Tensor | list[int]) -> PosteriorFactors:
-        # covs_k = d / (n_k + d) * (pooled + reg (n_k + d) / d I + Xc_k^T Xc_k / d): pooled is the shared part
-        ks = [int(i) for i in index]
-        e, V = torch.linalg.eigh(0.5 * (pooled + pooled.T))
-        sel = nk[ks]
-        factors = [((X[labels == k] - means[k]) @ V) / d**0.5 for k in ks]
-        return PosteriorFactors(e, V, d / (sel + d), float(cfg.reg_covar) * (sel + d) / d, factors, sel)
-
-    return {
-        "weights": nk / N,
-        "counts": counts,
-        "means": means,
-        "cov_fn": cov_fn,
-        "shared_fn": shared_fn,
-        "labels": labels,
-        "lower_bound": None,
-        "n_iter": n_iter,
-        "converged": True,
-    }
-
-
-def _fit_gaussian(X: Tensor, C: Tensor, lam: float) -> dict[str, Any]:
-    N, d = X.shape
-    cov = (C + lam * torch.eye(d, dtype=X.dtype, device=X.device))[None]
-
-    def shared_fn(index: Tensor | list[int]) -> PosteriorFactors:
-        e, V = torch.linalg.eigh(cov[0])
-        one = torch.ones(1, dtype=X.dtype, device=X.device)
-        return PosteriorFactors(e, V, one, 0.0 * one, [X.new_zeros((0, d))], N * one)
-
-    return {
-        "weights": torch.ones(1, dtype=X.dtype, device=X.device),
-        "counts": torch.tensor([N], device=X.device),
-        "means": X.mean(0, keepdim=True),
-        "cov_fn": lambda index=None: cov,
-        "shared_fn": shared_fn,
-        "labels": torch.zeros(N, dtype=torch.long, device=X.device),
-        "lower_bound": None,
-        "n_iter": 0,
-        "converged": True,
-    }
-
-
-def fit_signature(H: Tensor, cfg: SignatureConfig, seed: int = 0) -> Signature:
-    """Fit the multi-key signature (Eq. 18) of one task's embeddings ``H (N, d)`` under its own adapter.
-
-    Raises :class:`SignatureFitError` naming the problem (NaN / inf rows, too few rows, constant or
-    singular embeddings, a failed fit); the caller adds the task's name.
-    """
+def _check_config(cfg: SignatureConfig) -> None:
     _check_choice("method", cfg.method, _METHODS)
     _check_choice("normalize", cfg.normalize, _NORMALIZE)
     _check_choice("score", cfg.score, _SCORES)
     _check_choice("calibrate", cfg.calibrate, _CALIBRATE)
     _check_choice("covariance", cfg.covariance, _COVARIANCES)
     _check_choice("storage_dtype", cfg.storage_dtype, _STORAGE)
+    _check_choice("prior", getattr(cfg, "prior", "ridge"), PRIORS)
+    _check_choice("prior_scale", getattr(cfg, "prior_scale", "sklearn"), PRIOR_SCALES)
+
+
+def _check_embeddings(H: Tensor) -> Tensor:
     if not isinstance(H, Tensor) or H.ndim != 2:
         raise SignatureFitError(
             f"expected a 2-D (N, d) tensor of embeddings, got {getattr(H, 'shape', type(H))}"
@@ -355,45 +275,59 @@ def fit_signature(H: Tensor, cfg: SignatureConfig, seed: int = 0) -> Signature:
         raise SignatureFitError(f"need at least 2 embeddings to fit a signature, got {N}")
     if d < 1:
         raise SignatureFitError("embeddings have no features (d = 0)")
+    return H
 
+
+def fit_clusters(H: Tensor, cfg: SignatureConfig, seed: int = 0) -> ClusterFit:
+    """Steps 1-2 of :func:`fit_signature`: the clustering of the (normalised) embeddings ``H (N, d)``,
+    which does not depend on how the components are then stored (``covariance``, ``rank``,
+    ``storage_dtype``): :func:`signature_from_fit` stores one fit in any of those forms."""
+    _check_config(cfg)
+    H = _check_embeddings(H)
+    N = H.shape[0]
     with torch.no_grad():
         X = _normalise(H.detach().to(torch.float64), cfg.normalize)
         Xc = X - X.mean(0)
-        C = (Xc.T @ Xc) / (N - 1)
-        if float(C.diagonal().sum()) <= 0.0:
+        if float((Xc * Xc).sum()) <= 0.0:
             raise SignatureFitError(f"singular covariance: all {N} embeddings are identical")
-        lam = _ridge(C, cfg.reg_covar)
+        C, lam = task_covariance(X, cfg)
         if cfg.method == "dpgmm":
-            fit = _fit_dpgmm(X, cfg, seed, C, lam)
-        elif cfg.method == "kmeans":
-            fit = _fit_kmeans(X, cfg, seed, lam)
-        else:
-            fit = _fit_gaussian(X, C, lam)
+            return fit_dpgmm(X, cfg, seed, C)
+        if cfg.method == "kmeans":
+            return fit_kmeans(X, cfg, seed, lam)
+        return fit_gaussian(X, C)
 
-        weights = fit["weights"]
-        counts = fit["counts"].to(weights.device)
+
+def signature_from_fit(H: Tensor, cfg: SignatureConfig, fit: ClusterFit) -> Signature:
+    """Steps 3-5 of :func:`fit_signature` for a clustering of ``H`` from :func:`fit_clusters`."""
+    _check_config(cfg)
+    H = _check_embeddings(H)
+    N, d = H.shape
+    with torch.no_grad():
+        weights = fit.weights
+        counts = fit.counts.to(weights.device)
         active = ((weights >= _MIN_WEIGHT) & (counts >= _MIN_POINTS)).nonzero().flatten()
         if active.numel() == 0:
             active = weights.argmax().reshape(1)
         if cfg.covariance == "shared":
-            pf = fit["shared_fn"](active)
+            pf = fit.shared_fn(active)
             comps = GaussianComponents.shared(
                 weights.index_select(0, active),
-                fit["means"].index_select(0, active),
+                fit.means.index_select(0, active),
                 pf.prior_evals,
                 pf.prior_evecs,
                 pf.scale,
                 pf.ridge,
                 pf.factors,
-                rank=max(1, min(int(cfg.rank), d)),
+                rank=d if cfg.rank is None else max(1, min(int(cfg.rank), d)),
                 dtype=torch.float32,
             )
         else:
-            covs = fit["cov_fn"](active)
-            rank = max(0, min(int(cfg.rank), d - 1, N - 1))
+            covs = fit.cov_fn(active)
+            rank = max(0, min(int(cfg.rank or _PPCA_RANK), d - 1, N - 1))
             comps = GaussianComponents(
                 weights.index_select(0, active),
-                fit["means"].index_select(0, active),
+                fit.means.index_select(0, active),
                 covs,
                 kind=cfg.covariance,
                 rank=rank,
@@ -406,9 +340,9 @@ def fit_signature(H: Tensor, cfg: SignatureConfig, seed: int = 0) -> Signature:
             score_kind=cfg.score,
             calibrate=cfg.calibrate,
             n_train=N,
-            lower_bound=fit["lower_bound"],
-            n_iter=fit["n_iter"],
-            converged=fit["converged"],
+            lower_bound=fit.lower_bound,
+            n_iter=fit.n_iter,
+            converged=fit.converged,
             storage_dtype=cfg.storage_dtype,
         )
         if cfg.calibrate == "standardize":
@@ -423,3 +357,13 @@ def fit_signature(H: Tensor, cfg: SignatureConfig, seed: int = 0) -> Signature:
                 "the fitted signature gives non-finite scores on its own training embeddings"
             )
     return sig
+
+
+def fit_signature(H: Tensor, cfg: SignatureConfig, seed: int = 0) -> Signature:
+    """Fit the multi-key signature (Eq. 18) of one task's embeddings ``H (N, d)`` under its own adapter:
+    :func:`fit_clusters`, then :func:`signature_from_fit`.
+
+    Raises :class:`SignatureFitError` naming the problem (NaN / inf rows, too few rows, constant or
+    singular embeddings, a failed fit); the caller adds the task's name.
+    """
+    return signature_from_fit(H, cfg, fit_clusters(H, cfg, seed))

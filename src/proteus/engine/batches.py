@@ -1,0 +1,95 @@
+"""Prediction over a stream of image files (or PIL images) in batches, with throughput: what ``proteus
+predict`` on a folder runs (:meth:`proteus.Proteus.predict_images`).
+
+Files are decoded with :func:`proteus.images.load_images` (the same pixels as training), a batch at a time,
+so memory stays bounded for any number of files; a progress bar counts images and shows images per
+second. Each batch comes back as an :class:`ImageBatch` as soon as it is predicted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+
+from PIL import Image
+from tqdm.auto import tqdm
+
+from proteus.engine.records import Prediction
+from proteus.images import DEFAULT_MAX_PIXELS, load_images
+
+__all__ = ["ImageBatch", "predict_batches"]
+
+ImageInput = str | os.PathLike[str] | Image.Image
+
+
+@dataclass
+class ImageBatch:
+    """One predicted batch. ``files``: the names of the predicted inputs in order (a path, or ``image
+    <i>`` for a PIL image given directly); ``prediction`` (None when every input of the batch was
+    skipped); ``skipped``: ``(path, reason)`` of unreadable files (with ``skip_unreadable``); ``done``:
+    inputs handled so far (predicted and skipped), ``predicted``: predicted so far, ``seconds``: wall
+    time since the first batch started (decoding included)."""
+
+    files: list[str]
+    prediction: Prediction | None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    done: int = 0
+    predicted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def images_per_second(self) -> float:
+        """Predicted images per second so far."""
+        return self.predicted / self.seconds if self.seconds > 0 else 0.0
+
+
+def _decode(
+    chunk: list[tuple[int, ImageInput]], max_pixels: int | None, skip_unreadable: bool
+) -> tuple[list[Image.Image], list[str], list[tuple[str, str]]]:
+    images: list[Image.Image] = []
+    names: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    for i, item in chunk:
+        if isinstance(item, Image.Image):
+            images.append(item.convert("RGB") if item.mode != "RGB" else item)
+            names.append(f"image {i}")
+            continue
+        ims, kept, skip = load_images([item], max_pixels=max_pixels, skip_unreadable=skip_unreadable)
+        images += ims
+        names += kept
+        skipped += skip
+    return images, names, skipped
+
+
+def predict_batches(
+    items: Iterable[ImageInput],
+    predict: Callable[[list[Image.Image]], Prediction],
+    batch_size: int,
+    *,
+    progress: bool = False,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    skip_unreadable: bool = False,
+    total: int | None = None,
+) -> Iterator[ImageBatch]:
+    """Decode ``items`` ``batch_size`` at a time and yield each batch's prediction by ``predict``."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)  # type: ignore[arg-type]
+    it = enumerate(items)
+    bar = tqdm(total=total, unit="img", disable=not progress, leave=False, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    done = predicted = 0
+    try:
+        while chunk := list(islice(it, batch_size)):
+            images, names, skipped = _decode(chunk, max_pixels, skip_unreadable)
+            pred = predict(images) if images else None
+            done += len(chunk)
+            predicted += len(images)
+            bar.update(len(chunk))
+            yield ImageBatch(names, pred, skipped, done, predicted, time.perf_counter() - t0)
+    finally:
+        bar.close()

@@ -1,0 +1,212 @@
+"""Prediction whose cost does not grow with m (issue 14): merged and factored adapter forwards agree, the
+staged routes (keys in one space; a candidate shortlist) predict what the m-forward path predicts, and
+images stream through ``Proteus.predict_images``. No timing is asserted (tools/perf measures it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+from torch import nn
+
+from proteus import Proteus
+from proteus.adapters import AdaptedBackbone, LoRAWrapper
+from proteus.backbones import build_backbone
+from proteus.config import ConfigError
+from proteus.presets import resolve_config
+from proteus.streams import build_benchmark
+from tiny import TINY_SETS
+
+SETS = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in TINY_SETS)}
+
+
+def _add_tasks(model: AdaptedBackbone, m: int, seed: int = 0) -> None:
+    """m tasks with non-zero B and S (the state training leaves, without training)."""
+    g = torch.Generator().manual_seed(seed)
+    while model.num_tasks < m:
+        model.begin_task(4, "learned", True, seed=seed + model.num_tasks)
+        with torch.no_grad():
+            for u in model.units.values():
+                assert u.B_new is not None
+                u.B_new.normal_(0, 0.05, generator=g)
+                if u.s is not None:
+                    u.s.normal_(0, 0.5, generator=g)
+        model.end_task()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+# ---------------------------------------------------------------------------------- merged weights
+@pytest.mark.parametrize("conv", [False, True])
+def test_merged_map_is_w0_plus_eq9_update(conv: bool) -> None:
+    torch.manual_seed(0)
+    base = nn.Conv2d(6, 10, 1) if conv else nn.Linear(6, 10)
+    w = LoRAWrapper(base, {"q": (0, 4), "v": (6, 10)} if not conv else {}, 1.5)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for u in w.units.values():
+            u.begin_task(2, "learned", True, g)
+            with torch.no_grad():
+                u.B_new.normal_(generator=g)
+                if u.s is not None:
+                    u.s.normal_(generator=g)
+            u.end_task()
+    W = w.merged_weights([2, 0])
+    for W_k, k in zip(W, (2, 0)):
+        ref = base.weight.detach().reshape(10, 6).clone()
+        for u, (s, e) in zip(w.units.values(), w.slices.values()):
+            ref[s:e] += 1.5 * u.B @ torch.diag(u.C[k]) @ u.A.T  # Eq. 9
+        assert torch.allclose(W_k, ref, atol=1e-6)
+    x = torch.randn(6, 6, 3, 3) if conv else torch.randn(6, 5, 6)
+    outs = {}
+    for merged in (False, True):
+        for u in w.units.values():
+            u.coef = None if merged else u.coefficients([2, 0, 1])
+        w.groups, w.merged = 3, ([2, 0, 1], "task") if merged else None
+        outs[merged] = w(x)
+    assert _rel(outs[True], outs[False]) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "vit_ti16"])
+def test_merged_and_factored_backbones_agree(name: str) -> None:
+    torch.manual_seed(0)
+    model = AdaptedBackbone(build_backbone(name, pretrained=False, img_size=32)).eval()  # every block adapted
+    _add_tasks(model, 10)  # m x r = 40: wider than MobileNetV2's early 1x1 convs
+    z = model.prefix(torch.randn(3, 3, 32, 32))
+    out = {}
+    with torch.no_grad():
+        for mode in ("never", "always", "auto"):
+            model.merge = mode
+            out[mode] = model.suffix(z, list(range(10)))
+    assert _rel(out["always"], out["never"]) < 1e-4 and _rel(out["auto"], out["never"]) < 1e-4
+    if name == "mobilenet_v2":  # the narrow early maps run merged, and their weights are cached
+        assert "blocks.0.conv.1" in model.merge_plan() and model.merged_nbytes() > 0
+    # each input under its own task in one forward: the same as its row of the m-group forward
+    t = torch.tensor([7, 0, 7])
+    with torch.no_grad():
+        each = model.suffix_each(z, t)
+    assert _rel(each, out["never"][t, torch.arange(3)]) < 1e-4
+    # a rolled-back task's merged weights are dropped: a new task 10 is merged afresh
+    model.truncate(9)
+    assert model.merged_nbytes() == 0
+    _add_tasks(model, 10, seed=99)
+    with torch.no_grad():
+        model.merge = "always"
+        merged = model.suffix(z, [9])
+        model.merge = "never"
+        factored = model.suffix(z, [9])
+    assert _rel(merged, factored) < 1e-4
+
+
+def test_merge_budget_limits_the_cache() -> None:
+    model = AdaptedBackbone(build_backbone("mobilenet_v2", pretrained=False, img_size=32))
+    _add_tasks(model, 10)
+    model.merge_budget_bytes = 0
+    assert model.merge_plan() == set()
+    model.merge_budget_bytes = None
+    assert len(model.merge_plan()) > 0
+
+
+# ---------------------------------------------------------------------------------- staged prediction
+def _fit(method: str, **extra: object) -> tuple[Proteus, torch.Tensor]:
+    sets = {**SETS, "benchmark.max_train_per_class": 30, **extra}
+    clf = Proteus.from_method(method, progress=False, **sets)
+    stream = build_benchmark(clf.config.benchmark)
+    for task in stream.tasks[:3]:
+        clf.fit_task(task)
+    x = clf.transform_images([stream.tasks[t].test[i][0] for t in (0, 1, 2) for i in range(6)])
+    return clf, x
+
+
+def _same(pred, ref) -> None:  # noqa: ANN001
+    assert torch.equal(pred.task, ref.task) and torch.equal(pred.label, ref.label)
+    assert torch.allclose(pred.score.double(), ref.score.double(), rtol=1e-4, atol=1e-4)
+    assert torch.allclose(pred.logits, ref.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("method", "extra"),
+    [("proteus-lda", {}), ("proteus-flda", {}), ("proteus", {"signature.keys": "frozen"})],
+)
+def test_keys_in_one_space_predict_as_the_m_forward_path(method: str, extra: dict) -> None:
+    clf, x = _fit(method, **extra)
+    assert clf.predict_route == "one-space"
+    _same(clf.predict(x), clf.predict_embedded(*clf.embed(x)))
+    _same(clf.predict(x, num_tasks=2), clf.predict_embedded(*clf.embed(x, 2)))
+
+
+@pytest.fixture(scope="module")
+def shortlisted() -> tuple[Proteus, torch.Tensor]:
+    return _fit("proteus", **{"retrieval.candidates": 2})
+
+
+def test_candidates_predict_as_the_shortlist_rule_and_all_candidates_as_the_paper(
+    shortlisted: tuple[Proteus, torch.Tensor],
+) -> None:
+    clf, x = shortlisted
+    assert clf.predict_route == "candidates"
+    pred = clf.predict(x)
+    _same(pred, clf.predict_embedded(*clf.embed(x)))  # the rule is the same on the cached H
+    assert (pred.score.isfinite()).all()
+    keys = clf.keys_
+    keys.candidates = 3  # every task a candidate: exactly the paper's retrieval
+    with_all = clf.predict(x)
+    keys.candidates = None
+    assert clf.predict_route == "all-adapters"
+    _same(with_all, clf.predict(x))
+    keys.candidates = 2
+
+
+def test_cheap_keys_are_stored_in_the_knowledge_base(
+    shortlisted: tuple[Proteus, torch.Tensor], tmp_path: Path
+) -> None:
+    clf, x = shortlisted
+    clf.save(tmp_path / "kb")
+    back = Proteus.load(tmp_path / "kb")
+    assert back.predict_route == "candidates"
+    _same(back.predict(x), clf.predict(x))
+
+
+def test_embedding_chunks_over_tasks_and_images(shortlisted: tuple[Proteus, torch.Tensor]) -> None:
+    clf, x = shortlisted
+    z = clf.embedder_.prefix(x)
+    H = clf.embedder_.embed_prefix(z, [0, 1, 2], batch_size=8, shard=False)  # 8 images x 1 task a forward
+    for t in range(3):
+        assert torch.allclose(H[t], clf.embed_prefix(z, [t], shard=False)[0], rtol=1e-4, atol=1e-5)
+    t = torch.tensor([2, 0, 1, 1] * (len(x) // 4) + [0] * (len(x) % 4))
+    each = clf.embedder_.embed_each(z, t, batch_size=5)
+    assert torch.allclose(each, H[t, torch.arange(len(x))], rtol=1e-4, atol=1e-5)
+
+
+def test_candidates_are_validated() -> None:
+    with pytest.raises(ConfigError, match="retrieval.candidates"):
+        resolve_config(sets=["retrieval.candidates=0"])
+    with pytest.raises(ConfigError, match="retrieval.candidate_space"):
+        resolve_config(sets=["retrieval.candidate_space=everywhere"])
+
+
+# ---------------------------------------------------------------------------------- images
+def test_predict_images_streams_batches(shortlisted: tuple[Proteus, torch.Tensor], tmp_path: Path) -> None:
+    clf, _ = shortlisted
+    stream = build_benchmark(clf.config.benchmark)
+    files = []
+    for i in range(5):
+        path = tmp_path / f"{i}.png"
+        stream.tasks[i % 3].test[i][0].save(path)
+        files.append(str(path))
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    items = files[:3] + [str(tmp_path / "bad.png")] + files[3:] + [Image.open(files[0]).convert("RGB")]
+    batches = list(clf.predict_images(items, batch_size=2, progress=False, skip_unreadable=True))
+    assert [len(b.files) + len(b.skipped) for b in batches] == [2, 2, 2, 1]
+    assert batches[1].skipped[0][0].endswith("bad.png") and batches[-1].files == ["image 6"]
+    assert batches[-1].done == 7 and batches[-1].predicted == 6 and batches[-1].images_per_second > 0
+    labels = torch.cat([b.prediction.label for b in batches if b.prediction is not None])
+    ims = [Image.open(f).convert("RGB") for f in files] + [Image.open(files[0]).convert("RGB")]
+    assert torch.equal(labels, clf.predict(clf.transform_images(ims)).label)
+    with pytest.raises(ValueError, match="bad.png"):
+        list(clf.predict_images(items, batch_size=2, progress=False))
