@@ -23,12 +23,13 @@ PAPER = {
     "imagenet-r": ("imagenet-r", 10, 4, 1e-3, 32),
     "imagenet-a": ("imagenet-a", 10, 16, 5e-4, 16),
     "vtab5t": ("vtab5t", 5, 16, 5e-4, 16),
+    "vtab5t-large": ("vtab5t", 5, 16, 1e-4, 24),
     "vtab-sim50": ("vtab-sim50", None, 4, 1e-4, 24),
     "cifar10": ("cifar10", 5, 4, 1e-3, 32),
     "cifar100-50": ("cifar100", 50, 4, 1e-3, 32),
     "imagenet-r-100": ("imagenet-r", 100, 4, 1e-3, 32),
     "cifar100-budget": ("cifar100", 20, 10, 1e-3, 32),
-    "imagenet-r-budget": ("imagenet-r", 50, 10, 1e-3, 32),
+    "imagenet-r-budget": ("imagenet-r", 20, 10, 1e-3, 32),
 }
 ADD_ON = {"mobilenet_cpu"}  # applied on top of a benchmark with --config
 
@@ -67,7 +68,16 @@ def test_long_presets_equal_their_base_but_for_the_tasks() -> None:
     for preset, base in (("cifar100-50", "cifar100"), ("imagenet-r-100", "imagenet-r")):
         a, b = resolve_config(preset).to_dict(), resolve_config(base).to_dict()
         a["benchmark"].pop("num_tasks"), b["benchmark"].pop("num_tasks")
+        a["signature"].pop("max_components"), b["signature"].pop("max_components")
         assert a == b
+
+
+def test_signature_components_as_the_paper_states() -> None:
+    """T = 20 (Appendix memory example), K = 100 in the 100-task ImageNet-R run (latency section),
+    tau = 20 / 50 in the CIFAR-100 / ImageNet-R budget runs."""
+    expected = {"cifar100": 20, "imagenet-r-100": 100, "cifar100-budget": 20, "imagenet-r-budget": 50}
+    for name, t in expected.items():
+        assert resolve_config(name).signature.max_components == t, name
 
 
 def test_mobilenet_cpu_on_top_of_a_vit_benchmark_config() -> None:

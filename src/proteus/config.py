@@ -80,20 +80,22 @@ class SignatureConfig:
     #: T * rank rows that approximates once the components' data terms exceed it (N + T rows for N
     #: training inputs and T components). None (default) keeps every row: exact at any N
     rank: int | None = None
-    #: embedding normalisation before fitting and scoring: "none" or "l2"
-    normalize: str = "none"
+    #: embedding normalisation before fitting and scoring: "none" (the paper) or "l2" (default: each
+    #: adapter changes the embedding's scale, which raw likelihoods compare across tasks; docs/experiments.md)
+    normalize: str = "l2"
     #: score per (input, component): "nll" (Gaussian NLL incl. log-det) or "mahalanobis" (Eq. 2)
     score: str = "nll"
     #: per-task score calibration: "none" or "standardize" (by the task's own training scores)
     calibrate: str = "none"
     #: how a task's covariance (the DP-GMM's covariance prior) is estimated: "ridge" (cov + 1e-3 tr/d I),
-    #: "ledoit-wolf" or "oas" (shrinkage towards tr/d I with the data's own intensity; signatures/fitting.py)
-    prior: str = "ridge"
+    #: "ledoit-wolf" (default) or "oas" (shrinkage towards tr/d I with the data's own intensity;
+    #: signatures/fitting.py)
+    prior: str = "ledoit-wolf"
     #: the DP-GMM's Wishart prior: "sklearn" (scikit-learn's default, covariance_prior = the task's
     #: covariance C, so the prior's expected covariance is C / prior_dof) or "expected" (covariance_prior =
     #: prior_dof * C: the prior's expected covariance is C; each component's covariance is then C
-    #: shrunk towards its own scatter with the weight of prior_dof points)
-    prior_scale: str = "sklearn"
+    #: shrunk towards its own scatter with the weight of prior_dof points; default)
+    prior_scale: str = "expected"
     #: degrees of freedom of the DP-GMM's Wishart prior (the weight of the covariance prior, in points);
     #: None = d (scikit-learn's default)
     prior_dof: float | None = None

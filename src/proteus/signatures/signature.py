@@ -97,6 +97,10 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"signature.{name} must be one of {choices}, got {value!r}")
 
 
+#: total variance below this fraction of the mean squared norm: the embeddings are one point
+_IDENTICAL_REL = 1e-10
+
+
 def _normalise(H: Tensor, how: str) -> Tensor:
     return F.normalize(H, dim=1) if how == "l2" else H
 
@@ -288,7 +292,8 @@ def fit_clusters(H: Tensor, cfg: SignatureConfig, seed: int = 0) -> ClusterFit:
     with torch.no_grad():
         X = _normalise(H.detach().to(torch.float64), cfg.normalize)
         Xc = X - X.mean(0)
-        if float((Xc * Xc).sum()) <= 0.0:
+        # identical up to float32 round-off (a batched forward may differ in the last bits per row)
+        if float((Xc * Xc).sum()) <= _IDENTICAL_REL * float((X * X).sum()):
             raise SignatureFitError(f"singular covariance: all {N} embeddings are identical")
         C, lam = task_covariance(X, cfg)
         if cfg.method == "dpgmm":
