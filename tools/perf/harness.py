@@ -32,9 +32,10 @@ Figures (the JSON keys; each record holds ``value``, ``target``, ``op``, ``pass`
     step, orthogonal new directions) over a plain LoRA step of the same rank on the same maps (a fresh
     adapter at task 1): forward, backward and optimiser step on the same cached-prefix batch.
 ``kb_mb_per_task`` (<= 10 MB), ``kb_retrieval_acc_delta`` (<= 0.5 points)
-    Knowledge-base bytes per task at d = 768, T = 20: the signature with rank-64 float16 PPCA factors
-    plus the adapter tensors of a ViT-B (12 blocks x q, v x rank 4); and the retrieval accuracy lost by
-    those compressed signatures against float32 full covariances on a synthetic 10-task problem.
+    The scale check (tools/studies/scale_check.py: d = 768, 10 tasks, 5,000 training embeddings per
+    task): bytes per task of ``proteus``'s fitted signatures in the default storage plus the adapter
+    tensors of a ViT-B (12 blocks x q, v x rank 4); and the retrieval accuracy of float32 full
+    covariances of the same fits minus that of the default storage.
 ``ridge_sweep_speedup`` (>= 10)
     :meth:`RanPACHead.select_gamma` (one eigendecomposition for all gamma candidates) against
     :meth:`RanPACHead.select_gamma_naive` (RanPAC's one solve per candidate).

@@ -2,61 +2,38 @@
 
 from __future__ import annotations
 
-import math
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from perf_settings import Settings, _figure
-from perf_state import synthetic_signature
 from perf_timing import _median, interleaved
 
 from proteus.adapters import LoRAUnit
-from proteus.config import SignatureConfig
 from proteus.heads import RanPACHead
-from proteus.signatures import Signature, fit_signature, retrieve
+from proteus.presets import resolve_config
 
 
-def _retrieval_problem(
-    s: Settings, gen: torch.Generator
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """``kb_tasks`` tasks in d dimensions: each a mixture of ``kb_clusters_per_task`` Gaussians that share
-    one rank-8 covariance direction set; tasks differ by their centres and cluster offsets (separation
-    ``kb_task_separation`` in units of the noise level, independent of d)."""
-    d, K, nc = s.kb_retrieval_d, s.kb_tasks, s.kb_clusters_per_task
-    noise = 0.5 / math.sqrt(d)
-    base = 2.0 * torch.randn(d, generator=gen) / math.sqrt(d)
-    W = 2.0 * torch.randn(d, 8, generator=gen) / math.sqrt(d)
-    train, test = [], []
-    for _ in range(K):
-        c = torch.randn(d, generator=gen) * (s.kb_task_separation * noise / math.sqrt(d))
-        mus = base + c + torch.randn(nc, d, generator=gen) * (2.0 * noise / math.sqrt(d))
+def _scale_check() -> Any:
+    """tools/studies/scale_check.py: the synthetic CIFAR-100-on-ViT-B/16 stream through the learner's code."""
+    studies = str(Path(__file__).resolve().parents[1] / "studies")
+    if studies not in sys.path:
+        sys.path.insert(0, studies)
+    import scale_check
 
-        def sample(n: int, mus: torch.Tensor = mus) -> torch.Tensor:
-            j = torch.randint(nc, (n,), generator=gen)
-            return mus[j] + torch.randn(n, 8, generator=gen) @ W.T + noise * torch.randn(n, d, generator=gen)
-
-        train.append(sample(s.kb_train_per_task))
-        test.append(sample(s.kb_test_per_task))
-    y = torch.arange(K).repeat_interleave(s.kb_test_per_task)
-    return train, torch.cat(test), y
-
-
-def _stored(sig: Signature) -> Signature:
-    """The signature as a knowledge base returns it (through its storage dtype)."""
-    t, meta = sig.to_tensors()
-    return Signature.from_tensors(t, meta).to(sig.device)
+    return scale_check
 
 
 def section_kb(dev: torch.device, s: Settings, log: Callable[[str], None]) -> dict:
-    gen = torch.Generator().manual_seed(s.seed)
+    """Bytes per task and the retrieval cost of the default storage, measured by the scale check (issue 13):
+    ``proteus``'s signatures fitted on a stream shaped like CIFAR-100 on ViT-B/16 features (d = 768, 10 tasks
+    of 10 classes, 5,000 training and 1,000 test embeddings per task, multi-modal classes), stored as the
+    default stores them and as full float32 covariances of the same fits."""
+    sc = _scale_check()
     mb = 1e6
-    # signature bytes per task at d = kb_d, T = kb_T (storage depends on shapes only)
-    small = synthetic_signature(s.kb_d, s.kb_T, s.kb_rank, "ppca", gen, storage_dtype="float16")
-    full = synthetic_signature(s.kb_d, s.kb_T, s.kb_rank, "full", gen, storage_dtype="float32")
-    sig_small, sig_full = small.nbytes(), full.nbytes()
-    del full
     # adapter bytes per task: ViT-B's 12 blocks x (q, v), rank 4 per task, through LoRAUnit.task_tensors
     units = [LoRAUnit(s.kb_d, s.kb_d) for _ in range(2 * s.kb_vit_blocks)]
     g = torch.Generator().manual_seed(s.seed)
@@ -67,73 +44,58 @@ def section_kb(dev: torch.device, s: Settings, log: Callable[[str], None]) -> di
     per_task = [sum(v.numel() * v.element_size() for u in units for v in u.task_tensors(k).values())
                 for k in range(s.kb_tasks)]  # fmt: skip
     adapter = float(np.mean(per_task))
-    total_small, total_full = (sig_small + adapter) / mb, (sig_full + adapter) / mb
 
-    # retrieval accuracy with compressed vs full signatures (both from the same DP-GMM fit: same seed)
-    train, test, y = _retrieval_problem(s, gen)
-    acc, n_active, nbytes = {}, {}, {}
-    Xt = test.to(dev)
-
-    def accuracy(sigs: list[Signature]) -> float:
-        res = retrieve([sg.score(Xt).cpu() for sg in sigs])
-        return float((res.task == y).double().mean()) * 100.0
-
-    default = SignatureConfig()  # the project's default storage: shared + low-rank, float16 factors
-    for name, cov, sd, rank in (
-        ("compressed", default.covariance, "float16", default.rank),
-        ("full", "full", "float32", s.kb_rank),
-    ):
-        cfg = SignatureConfig(max_components=s.kb_retrieval_T, covariance=cov, rank=rank, storage_dtype=sd)
-        fitted = [fit_signature(H.to(dev), cfg, seed=k) for k, H in enumerate(train)]
-        if name == "compressed":  # the same signatures before the float16 round trip
-            acc["ppca_float32"] = accuracy(fitted)
-        sigs = [_stored(sg) for sg in fitted]
-        acc[name] = accuracy(sigs)
-        n_active[name] = [sg.n_active for sg in sigs]
-        nbytes[name] = float(np.mean([sg.nbytes() for sg in sigs]))
-    delta = acc["full"] - acc["compressed"]
-    if (s.kb_retrieval_d, s.kb_retrieval_T) == (s.kb_d, s.kb_T):  # real fits at the figure's size
-        total_small = (nbytes["compressed"] + adapter) / mb
-        sig_small = nbytes["compressed"]
-        what = f"fitted default signatures ({default.covariance}, rank {default.rank}, float16 factors)"
-    else:
-        what = f"PPCA rank {s.kb_rank}, float16 factors (synthetic)"
-    log(f"  per task: {total_small:.2f} MB ({what}) vs {total_full:.2f} MB (float32 full covariance)")
-    log(f"  retrieval accuracy: full {acc['full']:.2f} %, compressed {acc['compressed']:.2f} % "
-        f"(PPCA before the float16 round trip: {acc['ppca_float32']:.2f} %)")  # fmt: skip
+    shape = sc.Shape(
+        d=s.kb_retrieval_d, tasks=s.kb_tasks, classes=s.kb_classes, train=s.kb_train_per_task,
+        test=s.kb_test_per_task, rank=min(32, s.kb_retrieval_d), seed=s.seed,
+    )  # fmt: skip
+    default = resolve_config(None, "proteus").signature
+    storages = {
+        "full": sc.STORAGES["full"],
+        "default": {
+            "covariance": default.covariance,
+            "rank": default.rank,
+            "storage_dtype": default.storage_dtype,
+        },
+    }
+    r = sc.run_recipe(sc.SyntheticStream(shape), "proteus", s.kb_rp_dim, storages)
+    full, dflt = r["options"]["full"], r["options"]["default"]
+    total, total_full = (dflt["bytes_per_task"] + adapter) / mb, (full["bytes_per_task"] + adapter) / mb
+    delta = full["retrieval"] - dflt["retrieval"]
+    what = f"proteus's default storage ({default.covariance}, rank {default.rank}, {default.storage_dtype})"
+    log(f"  per task: {total:.2f} MB ({what}) vs {total_full:.2f} MB (float32 full covariances)")
+    log(f"  retrieval: full {full['retrieval']:.2f} %, default {dflt['retrieval']:.2f} %, "
+        f"agreement {dflt['agreement']:.2f} % (components per task {r['n_active']})")  # fmt: skip
+    common = dict(shape=vars(shape), n_active=r["n_active"], fit_seconds=r["fit_seconds"])
     return {
         "kb_mb_per_task": _figure(
             "kb_mb_per_task",
-            total_small,
-            measured=f"Signature.nbytes (T = {s.kb_T}, d = {s.kb_d}, {what}) "
-            f"+ LoRAUnit.task_tensors bytes of {2 * s.kb_vit_blocks} maps (ViT-B q, v) at rank {s.rank}, "
-            f"mean over {s.kb_tasks} tasks; MB = 1e6 bytes",
-            signature_bytes=sig_small,
+            total,
+            measured=f"Signature.nbytes of fitted signatures ({what}; scale check, d = {shape.d}, "
+            f"{shape.train} training embeddings per task) + LoRAUnit.task_tensors bytes of "
+            f"{2 * s.kb_vit_blocks} maps (ViT-B q, v) at rank {s.rank}, mean over {s.kb_tasks} tasks; "
+            "MB = 1e6 bytes",
+            signature_bytes=dflt["bytes_per_task"],
             adapter_bytes_mean=adapter,
             adapter_bytes_first_task=per_task[0],
             adapter_bytes_last_task=per_task[-1],
-            uncompressed_mb_per_task=total_full,
-            uncompressed_signature_bytes=sig_full,
+            full_covariance_mb_per_task=total_full,
+            full_covariance_signature_bytes=full["bytes_per_task"],
             paper_estimate_mb=48.0,
+            **common,
         ),
         "kb_retrieval_acc_delta": _figure(
             "kb_retrieval_acc_delta",
             delta,
-            measured="retrieval accuracy (percent) with float32 full-covariance signatures minus that with "
-            "the default compressed signatures (shared + low-rank, float16 factors; each stored and "
-            "reloaded), same DP-GMM fits; "
-            "positive = the compression loses accuracy",
-            acc_full=acc["full"],
-            acc_compressed=acc["compressed"],
-            acc_ppca_float32=acc["ppca_float32"],
-            delta_float16_storage=acc["ppca_float32"] - acc["compressed"],
-            tasks=s.kb_tasks,
-            d=s.kb_retrieval_d,
-            T=s.kb_retrieval_T,
-            train_per_task=s.kb_train_per_task,
-            test_per_task=s.kb_test_per_task,
-            n_active=n_active,
-            signature_bytes_mean=nbytes,
+            measured="scale check (tools/studies/scale_check.py): retrieval accuracy (percent) of proteus's "
+            "signatures stored as float32 full covariances minus that of the default storage, same DP-GMM "
+            "fits; positive = the default storage loses accuracy",
+            acc_full=full["retrieval"],
+            acc_default=dflt["retrieval"],
+            agreement=dflt["agreement"],
+            final_full=full["final"],
+            final_default=dflt["final"],
+            **common,
         ),
     }
 

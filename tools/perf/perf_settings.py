@@ -127,16 +127,14 @@ class Settings:
     train_reps: int = 3
     # knowledge base
     kb_d: int = 768
-    kb_T: int = 20
-    kb_rank: int = 64
     kb_vit_blocks: int = 12
     kb_tasks: int = 10
+    # the scale check (tools/studies/scale_check.py): CIFAR-100 on ViT-B/16 features
     kb_retrieval_d: int = 768
-    kb_retrieval_T: int = 20
-    kb_clusters_per_task: int = 4
-    kb_train_per_task: int = 300
-    kb_test_per_task: int = 100
-    kb_task_separation: float = 6.0
+    kb_classes: int = 10
+    kb_train_per_task: int = 5000
+    kb_test_per_task: int = 1000
+    kb_rp_dim: int = 2000
     # ridge sweep
     ridge_rp_dim: int = 5000
     ridge_n: int = 2000
@@ -158,7 +156,7 @@ class Settings:
             s.peft_case = Case("vit_ti16", 96)
             s.dpgmm_d, s.dpgmm_n, s.dpgmm_heldout, s.dpgmm_T = 128, 1000, 500, 10
             s.train_case, s.train_batch = Case("vit_ti16", 96), 16
-            s.kb_retrieval_d, s.kb_train_per_task, s.kb_test_per_task = 128, 200, 50
+            s.kb_retrieval_d, s.kb_tasks, s.kb_train_per_task, s.kb_test_per_task = 256, 5, 1500, 300
             s.ridge_rp_dim = 1000
         elif mode == "tiny":  # a smoke test of every code path (the test suite), not a measurement
             s.threads = 1  # tiny ops on a busy machine: OpenMP barriers would dominate
@@ -172,8 +170,8 @@ class Settings:
             s.dpgmm_d, s.dpgmm_n, s.dpgmm_heldout, s.dpgmm_T, s.dpgmm_true_clusters = 8, 100, 50, 3, 2
             s.dpgmm_max_iter, s.dpgmm_ours_reps = 10, 1
             s.train_case, s.train_batch, s.train_task, s.train_reps = Case("mobilenet_v2", 32), 4, 3, 1
-            s.kb_tasks, s.kb_retrieval_d, s.kb_retrieval_T = 3, 32, 4
-            s.kb_train_per_task, s.kb_test_per_task = 60, 20
+            s.kb_tasks, s.kb_retrieval_d, s.kb_classes, s.kb_rp_dim = 3, 32, 4, 128
+            s.kb_train_per_task, s.kb_test_per_task = 240, 60
             s.ridge_rp_dim, s.ridge_n, s.ridge_d, s.ridge_fast_reps = 200, 300, 64, 1
         elif mode != "full":
             raise ValueError(f"unknown bench mode {mode!r}")
