@@ -128,6 +128,10 @@ class HeadConfig:
     #: the class prototypes e(c): "sum" (RanPAC's code: class sums) or "task-mean" (Algorithm 1 line 11:
     #: each task's sums divided by its size |D_k|; differs from "sum" only for tasks of unequal size)
     prototypes: str = "sum"
+    #: keep each task's training embeddings (N x d float32) and labels in the knowledge base so that
+    #: ``proteus kb forget`` can subtract the task from the head exactly; off by default: the knowledge
+    #: base then holds no per-image data
+    forgettable: bool = False
 
 
 @dataclass

@@ -83,6 +83,8 @@ class Proteus(KnowledgeBaseState):
         self.progress = progress
         self.records_: list[TaskRecord] = []
         self.head_: RanPACHead | None = None
+        #: ``head.forgettable``: task -> (the head's training embeddings, labels), for :meth:`forget_task`
+        self.forget_inputs_: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_method(
@@ -117,8 +119,9 @@ class Proteus(KnowledgeBaseState):
         keys_cls = KEYS.get(cfg.signature.keys) if self.composition.retrieves else NoKeys
         rc = cfg.retrieval
         self.keys_: RetrievalKeys = keys_cls(
-            cfg.signature, rc.top_k, self.device_, self._new_head, rc.candidates, rc.candidate_space
-        )
+            cfg.signature, rc.top_k, self.device_, self._new_head, rc.candidates, rc.candidate_space,
+            keep_inputs=cfg.head.forgettable,
+        )  # fmt: skip
 
     def _new_head(self, rp_dim: int | None = None) -> RanPACHead:
         h = self.config.head
@@ -129,6 +132,7 @@ class Proteus(KnowledgeBaseState):
             gamma_max_exp=h.gamma_max_exp,
             holdout=h.holdout,
             selection=h.gamma_selection,
+            prototypes=h.prototypes,
             seed=self.config.seed,
             device=self.device_,
         )
@@ -201,6 +205,7 @@ class Proteus(KnowledgeBaseState):
             self.model_.truncate(m0)
             self.keys_.truncate(k)
             self.head_ = head0  # RanPACHead.update is atomic: it raises before changing the head
+            self.forget_inputs_.pop(k, None)
             raise
 
     def _fit_task(self, task: Task, k: int) -> TaskStats:
@@ -243,6 +248,8 @@ class Proteus(KnowledgeBaseState):
         except (ValueError, FloatingPointError) as e:
             raise TaskError(f"task {k + 1}: head update failed: {e}") from None
         self.head_ = head
+        if self.config.head.forgettable:
+            self.forget_inputs_[k] = (h.float().cpu().clone(), y.cpu().clone())
         sec["head"] = time.perf_counter() - t0
         stats.gamma = float(head.gamma_)
         crash_point("learn:head")
@@ -318,10 +325,42 @@ class Proteus(KnowledgeBaseState):
         return self.keys_.retrieve(H, F, [t.classes for t in self.records_])
 
     def classify(self, h: torch.Tensor) -> torch.Tensor:
-        """Eq. 23: the head's scores (N, C) for embeddings (N, d)."""
+        """Eq. 23: the head's scores (N, C) for embeddings (N, d); classes of forgotten tasks score -inf."""
         self._check_fitted()
         assert self.head_ is not None
-        return self.head_.decision_function(h.to(self.device_)).float().cpu()
+        logits = self.head_.decision_function(h.to(self.device_)).float().cpu()
+        gone = [c for t in self.records_ if t.forgotten for c in t.classes if c < logits.shape[1]]
+        if gone:
+            logits[:, gone] = float("-inf")
+        return logits
+
+    def forget_task(self, k: int) -> None:
+        """Remove task k (0-based) from what can be predicted (``proteus kb forget``): its contribution to
+        the head's statistics is subtracted exactly (:meth:`RanPACHead.downdate`), its key removed (never
+        retrieved), its classes never predicted. Its adapter directions stay: later tasks' compositions
+        use them. Needs ``head.forgettable`` (the task's embeddings kept). Everything is checked before
+        anything changes; the knowledge base changes only when the result is committed."""
+        self._check_fitted()
+        if not 0 <= k < self.num_tasks:
+            raise TaskError(f"task {k + 1}: the learner holds tasks 1..{self.num_tasks}")
+        rec = self.records_[k]
+        if rec.forgotten:
+            raise TaskError(f"task {k + 1} is already forgotten")
+        if k not in self.forget_inputs_:
+            raise TaskError(
+                f"task {k + 1}: learned without head.forgettable=true, so its contribution to the head "
+                "cannot be subtracted exactly; learn with --set head.forgettable=true to be able to forget"
+            )
+        try:
+            self.keys_.check_forget(k)
+        except ValueError as e:
+            raise TaskError(str(e)) from None
+        assert self.head_ is not None
+        h, y = self.forget_inputs_[k]
+        self.head_.downdate(h.to(self.device_), y.to(self.device_), rec.classes)  # atomic
+        self.keys_.forget(k, rec.classes)
+        del self.forget_inputs_[k]
+        rec.forgotten = True
 
     def predict_embedded(self, H: torch.Tensor, F: torch.Tensor | None = None) -> Prediction:
         """Retrieve, gather each input's embedding under its retrieved adapter, classify."""

@@ -217,8 +217,21 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_kb(args: argparse.Namespace) -> int:
-    """``proteus kb verify | info | list | calibrate KB``."""
+    """``proteus kb verify | info | list | calibrate | forget | undo KB``."""
     import proteus.kb as kbmod
+
+    if args.action == "forget":
+        from proteus.experiment.manage import forget
+
+        names = forget(args.kb, args.task, wait=args.wait)
+        print(f"{args.kb}: task {args.task} forgotten (classes {names}); `proteus kb undo` restores it")
+        return 0
+    if args.action == "undo":
+        from proteus.experiment.manage import undo
+
+        n = undo(args.kb, wait=args.wait)
+        print(f"{args.kb}: back to the previous commit ({n} task(s))")
+        return 0
 
     if args.action == "calibrate":
         from proteus.experiment.manage import recalibrate
@@ -247,6 +260,7 @@ def cmd_kb(args: argparse.Namespace) -> int:
             f"  task {t['index'] + 1}: {len(t['classes'])} classes {t['class_names']}, {t['n_train']} images"
         )
         line += f", learned {t['learned']}" if t.get("learned") else ""
+        line += " [forgotten]" if t.get("forgotten") else ""
         print(line + (f"; {settings}" if settings and args.action == "info" else ""))
     if args.action == "info":
         print(f"  created {info['created']}, updated {info['updated']}, proteus {info['proteus_version']}")

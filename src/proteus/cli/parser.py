@@ -190,6 +190,26 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--tpr", type=float, required=True, help="fraction of a task's held-out inputs accepted")
     kc.add_argument("--wait", nargs="?", type=float, const=-1.0, default=0.0, metavar="SECONDS")
     kc.set_defaults(func=cmd_kb)
+    kf = ksub.add_parser(
+        "forget",
+        help="remove a task from what can be predicted (its head statistics subtracted exactly, its key "
+        "removed; needs head.forgettable=true when it was learned); undo with `proteus kb undo`",
+        epilog="examples:\n  proteus learn --kb kb/ ... --set head.forgettable=true\n"
+        "  proteus kb forget kb/ --task 2\n  proteus kb undo kb/",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    kf.add_argument("kb", help="knowledge base directory")
+    kf.add_argument(
+        "--task", type=int, required=True, help="the task to forget (1-based, as `kb list` shows)"
+    )
+    kf.add_argument("--wait", nargs="?", type=float, const=-1.0, default=0.0, metavar="SECONDS")
+    kf.set_defaults(func=cmd_kb)
+    ku = ksub.add_parser(
+        "undo", help="go back to the previous commit (undoes the last learn, forget or calibrate)"
+    )
+    ku.add_argument("kb", help="knowledge base directory")
+    ku.add_argument("--wait", nargs="?", type=float, const=-1.0, default=0.0, metavar="SECONDS")
+    ku.set_defaults(func=cmd_kb)
 
     sv = sub.add_parser(
         "serve",

@@ -24,118 +24,33 @@ the c best tasks by it are scored with the exact Gaussian keys (:meth:`GaussianK
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from proteus.config import SignatureConfig
 from proteus.engine.errors import TaskError
-from proteus.heads import RanPACHead
+from proteus.engine.key_base import KeyFit, NoKeys, RetrievalKeys
+from proteus.engine.lda_keys import LDAKeys
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult, Signature, fit_signature, retrieve
 from proteus.signatures.dpgmm import SignatureFitError
 
-__all__ = ["KEYS", "GaussianKeys", "KeyFit", "LDAKeys", "RetrievalKeys"]
+__all__ = ["KEYS", "GaussianKeys", "KeyFit", "LDAKeys", "NoKeys", "RetrievalKeys"]
 
 
-@dataclass
-class KeyFit:
-    """What a key strategy gets when task k ends: the task's training inputs as cached prefix outputs
-    ``z`` with labels ``y``, and ``embed(tasks)``, which embeds ``z`` under the compositions of ``tasks``
-    (None: the frozen backbone) as (G, N, d)."""
-
-    k: int
-    z: Tensor
-    y: Tensor
-    num_classes: int
-    seed: int
-    num_adapters: int
-    embed: Callable[[list[int] | None], Tensor]
-
-
-class RetrievalKeys:
-    """Base class: the per-task signatures or key heads, their scores and their knowledge-base share.
-
-    ``space`` says which embeddings :meth:`retrieve` reads: ``adapter`` (every task's own, ``H``),
-    ``frozen`` (the frozen backbone's features ``F``) or ``first-adapter`` (``H[0]``)."""
-
-    space = "adapter"
-
-    def __init__(
-        self,
-        cfg: SignatureConfig,
-        top_k: int,
-        device: torch.device,
-        new_head: Callable[..., RanPACHead],
-        candidates: int | None = None,
-        candidate_space: str = "first-adapter",
-    ):
-        self.cfg, self.top_k, self.device, self.new_head = cfg, top_k, device, new_head
-        self.candidates, self.candidate_space = candidates, candidate_space
-
-    @property
-    def needs_frozen(self) -> bool:
-        """:meth:`retrieve` reads the frozen backbone's features F."""
-        return self.space == "frozen"
-
-    @property
-    def key_space(self) -> str | None:
-        """``frozen`` or ``first-adapter`` when every task's key reads that one embedding of an input
-        (:meth:`retrieve_space`); None when the keys need every task's adapter."""
-        return self.space if self.space in ("frozen", "first-adapter") else None
-
-    def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
-        """Retrieval among the first m tasks from the inputs' embeddings X (N, d) in :attr:`key_space`."""
-        raise ValueError(f"{type(self).__name__} keys do not live in one space")
-
-    @property
-    def adapter_signatures(self) -> list[Signature | None]:
-        """The signatures under each task's own adapter (the theory of Sec. 3.2 is about them)."""
-        return []
-
-    def add_task(self, fit: KeyFit) -> dict[str, int] | None:
-        raise NotImplementedError
-
-    def truncate(self, m: int) -> None:
-        raise NotImplementedError
-
-    def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
-        """H (m, N, d): embeddings under the first m tasks' adapters; F (N, d): frozen features (when
-        :attr:`needs_frozen`); ``classes``: each of those tasks' classes."""
-        raise NotImplementedError
-
-    # knowledge base: per task (stored in the task's object) and global (stored in the head's object)
-    def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        return {"signature": None, "frozen_signature": None}, {}
-
-    def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-        pass
-
-    def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
-        return None, {}
-
-    def load_global(self, meta: dict[str, Any] | None, tensors: dict[str, Tensor]) -> None:
-        pass
-
-
-class NoKeys(RetrievalKeys):
-    """A method without retrieval (``retrieval.mode`` other than ``signature``)."""
-
-    def add_task(self, fit: KeyFit) -> None:
-        return None
-
-    def truncate(self, m: int) -> None:
-        pass
-
-    def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
-        raise ValueError("this method does not retrieve tasks (retrieval.mode is not 'signature')")
+def _scores(sigs: list[Signature | None], X: Callable[[int], Tensor]) -> list[Tensor]:
+    """Each task's (N, T_k) scores on ``X(j)``; a removed (forgotten) signature scores +inf."""
+    out: list[Tensor] = []
+    for j, s in enumerate(sigs):
+        if s is None:
+            out.append(torch.full((X(j).shape[0], 1), float("inf")))
+        else:
+            out.append(s.score(X(j).to(s.device)).cpu())
+    return out
 
 
 def _sub(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -156,7 +71,10 @@ class GaussianKeys(RetrievalKeys):
         self.shortlist_keys: LDAKeys | None = None
         if self.candidates is not None and spaces == ("adapter",):
             lda_cfg = dataclasses.replace(self.cfg, normalize="l2")
-            self.shortlist_keys = LDAKeys(lda_cfg, 1, self.device, self.new_head, space=self.candidate_space)
+            self.shortlist_keys = LDAKeys(
+                lda_cfg, 1, self.device, self.new_head, space=self.candidate_space,
+                keep_inputs=self.keep_inputs, prefix="shortlist/",
+            )  # fmt: skip
 
     @property
     def adapter_signatures(self) -> list[Signature | None]:
@@ -178,13 +96,14 @@ class GaussianKeys(RetrievalKeys):
         sl = self.shortlist_keys
         return (
             self.candidates is not None and sl is not None and sl.head is not None
-            and sl.n_tasks == len(self.signatures) and all(s is not None for s in self.signatures)
+            and sl.n_tasks == len(self.signatures)
+            and all(s is not None for j, s in enumerate(self.signatures) if j not in self.forgotten)
         )  # fmt: skip
 
     def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
         if self.key_space != "frozen":
             return super().retrieve_space(X, m, classes)
-        return retrieve([s.score(X.to(s.device)).cpu() for s in self.frozen_signatures[:m] if s], self.top_k)
+        return retrieve(_scores(self.frozen_signatures[:m], lambda j: X), self.top_k)
 
     def shortlist(self, X: Tensor, m: int, classes: list[list[int]]) -> Tensor:
         """(N, c) the c best of the first m tasks by the cheap keys, best first (X in their space)."""
@@ -200,9 +119,8 @@ class GaussianKeys(RetrievalKeys):
         scores = []
         for t in range(m):
             sig = self.signatures[t]
-            assert sig is not None
             rows, cols = (cand == t).nonzero(as_tuple=True)
-            if len(rows) == 0:
+            if len(rows) == 0 or sig is None:  # not shortlisted, or forgotten
                 scores.append(torch.full((N, 1), float("inf")))
                 continue
             st = sig.score(Hc[rows, cols].to(sig.device)).cpu()
@@ -237,6 +155,17 @@ class GaussianKeys(RetrievalKeys):
         if self.shortlist_keys is not None:
             self.shortlist_keys.truncate(m)
 
+    def check_forget(self, k: int) -> None:
+        if self.shortlist_keys is not None:
+            self.shortlist_keys.check_forget(k)
+
+    def forget(self, k: int, classes: list[int]) -> None:
+        """The task's signatures are dropped (a removed signature scores +inf), as are its cheap keys."""
+        if self.shortlist_keys is not None:
+            self.shortlist_keys.forget(k, classes)
+        self.signatures[k] = self.frozen_signatures[k] = None
+        super().forget(k, classes)
+
     def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
         m = H.shape[0]
         if self.shortlists:  # the same rule as the staged prediction: exact keys of the candidates only
@@ -251,14 +180,13 @@ class GaussianKeys(RetrievalKeys):
             return self.retrieve_space(F, m, classes)
         res = None
         if "adapter" in self.spaces:
-            sigs = self.signatures[:m]
-            res = retrieve([s.score(H[j].to(s.device)).cpu() for j, s in enumerate(sigs) if s], self.top_k)
+            res = retrieve(_scores(self.signatures[:m], lambda j: H[j]), self.top_k)
         if "frozen" not in self.spaces:
             assert res is not None
             return res
         if F is None:
             raise ValueError(f"signature.keys={'+'.join(self.spaces)!r} needs the frozen-backbone features F")
-        fres = retrieve([s.score(F.to(s.device)).cpu() for s in self.frozen_signatures[:m] if s], self.top_k)
+        fres = retrieve(_scores(self.frozen_signatures[:m], lambda j: F), self.top_k)
         if res is None:
             return fres
         total = res.task_scores + fres.task_scores
@@ -277,6 +205,8 @@ class GaussianKeys(RetrievalKeys):
     def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
         meta: dict[str, Any] = {"signature": None, "frozen_signature": None}
         tensors: dict[str, Tensor] = {}
+        if self.shortlist_keys is not None:
+            tensors.update(self.shortlist_keys.task_state(k)[1])
         for key, sig in (("signature", self.signatures[k]), ("frozen_signature", self.frozen_signatures[k])):
             if sig is not None:
                 st, meta[key] = sig.to_tensors()
@@ -291,6 +221,7 @@ class GaussianKeys(RetrievalKeys):
             dest.append(sig)
         if self.shortlist_keys is not None:
             self.shortlist_keys.load_task(meta, tensors)
+        super().load_task(meta, tensors)
 
     # the cheap keys live in the head's object, as the LDA keys do (``task_head/`` tensors)
     def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
@@ -302,80 +233,6 @@ class GaussianKeys(RetrievalKeys):
     def load_global(self, meta: dict[str, Any] | None, tensors: dict[str, Tensor]) -> None:
         if self.shortlist_keys is not None and meta is not None and "shortlist" in meta:
             self.shortlist_keys.load_global(meta["shortlist"], tensors)
-
-
-class LDAKeys(RetrievalKeys):
-    """An LDA (ridge) head over all classes in one fixed key space (``frozen`` or ``first-adapter``),
-    accumulated task by task like the head's G; L2-normalised features when ``signature.normalize`` is
-    ``l2``. Kept in the knowledge base inside the head's object (``task_head/`` tensors)."""
-
-    def __init__(self, *args: Any, space: str = "frozen", **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.space = space
-        self.head: RanPACHead | None = None
-        self.n_tasks = 0
-        self._before: RanPACHead | None = None
-
-    def features(self, X: Tensor) -> Tensor:
-        return F.normalize(X.float(), dim=1) if self.cfg.normalize == "l2" else X
-
-    def add_task(self, fit: KeyFit) -> None:
-        if self.space == "frozen":
-            X = fit.embed(None)[0]
-        else:  # the first task's adapter, frozen since task 1
-            if fit.num_adapters == 0:
-                raise TaskError("signature.keys='first-adapter-lda' needs the first task to train an adapter")
-            X = fit.embed([0])[0]
-        # a copy (d x d statistics, cheap): a later step of this task may still fail, and the rollback
-        # must find the key head as it was before the task
-        head = copy.deepcopy(self.head) if self.head is not None else self.new_head(rp_dim=0)
-        try:
-            head.update(self.features(X).to(self.device), fit.y.to(self.device), num_classes=fit.num_classes)
-        except (ValueError, FloatingPointError) as e:
-            raise TaskError(f"task {fit.k + 1}: LDA key update failed: {e}") from None
-        self._before, self.head = self.head, head
-        self.n_tasks += 1
-        return None
-
-    def truncate(self, m: int) -> None:
-        if m >= self.n_tasks:
-            return
-        if m != self.n_tasks - 1:
-            raise ValueError("LDA keys can only drop the task learned last")
-        self.head, self._before, self.n_tasks = self._before, None, m
-
-    def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
-        X = F if self.space == "frozen" else H[0]
-        if X is None:
-            raise ValueError(f"LDA keys in the {self.space} space need their features")
-        return self.retrieve_space(X, H.shape[0], classes)
-
-    def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
-        if self.head is None:
-            raise ValueError(f"LDA keys in the {self.space} space need a fitted key head")
-        logits = self.head.decision_function(self.features(X).to(self.device)).float().cpu()
-        scores = torch.full((X.shape[0], m), float("inf"))
-        for j, cls in enumerate(classes[:m]):
-            scores[:, j] = -logits[:, cls].max(1).values
-        task = scores.argmin(1)
-        rows = torch.arange(len(task))
-        return RetrievalResult(
-            task=task, component=torch.zeros_like(task), score=scores[rows, task], task_scores=scores
-        )
-
-    def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-        self.n_tasks += 1
-
-    def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
-        if self.head is None:
-            return None, {}
-        return self.head.meta(), self.head.state_tensors()
-
-    def load_global(self, meta: dict[str, Any] | None, tensors: dict[str, Tensor]) -> None:
-        if meta is None:
-            return
-        self.head = self.new_head(rp_dim=0)
-        self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)
 
 
 KEYS: Registry[Callable[..., RetrievalKeys]] = Registry("signature.keys")

@@ -93,6 +93,8 @@ class TaskRecord:
     learned: str | None = None
     #: held-out key scores and the rejection threshold (``retrieval.reject``; proteus.engine.novelty)
     calibration: dict[str, Any] | None = None
+    #: removed by ``proteus kb forget``: its classes are never predicted, the task never retrieved
+    forgotten: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -109,6 +111,8 @@ class TaskRecord:
             out["learned"] = self.learned
         if self.calibration is not None:
             out["calibration"] = dict(self.calibration)
+        if self.forgotten:
+            out["forgotten"] = True
         return out
 
     @classmethod
@@ -123,6 +127,7 @@ class TaskRecord:
             settings=dict(d.get("settings") or {}),
             learned=d.get("learned"),
             calibration=d.get("calibration"),
+            forgotten=bool(d.get("forgotten", False)),
         )
 
 

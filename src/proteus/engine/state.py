@@ -50,6 +50,7 @@ class KnowledgeBaseState:
     keys_: RetrievalKeys
     head_: RanPACHead | None
     device_: torch.device
+    forget_inputs_: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
     def __init__(self, config: RunConfig | None = None, *, progress: bool = True) -> None:
         raise NotImplementedError
@@ -75,6 +76,8 @@ class KnowledgeBaseState:
             for name, u in self.model_.units.items():
                 tensors.update({f"adapter/{name}/{key}": v for key, v in u.task_tensors(k).items()})
         key_meta, key_tensors = self.keys_.task_state(k)
+        if k in self.forget_inputs_:
+            tensors["forget/h"], tensors["forget/y"] = self.forget_inputs_[k]
         return {**rec.to_dict(), **key_meta}, {**tensors, **key_tensors}
 
     def load_task(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -92,6 +95,8 @@ class KnowledgeBaseState:
                     )
                 u.append_task(tensors[f"{key}/A"], tensors[f"{key}/B"], tensors[f"{key}/s"])
         self.keys_.load_task(meta, tensors)
+        if "forget/h" in tensors:
+            self.forget_inputs_[k] = (tensors["forget/h"].float(), tensors["forget/y"].long())
         self.records_.append(TaskRecord.from_dict(meta))
 
     def head_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:

@@ -1,6 +1,11 @@
-"""Managing a knowledge base after the fact: ``proteus kb calibrate`` (a new true-positive rate for the
-rejection of inputs from no learned task, from the held-out scores each task stored). A commit like any
-other: under the write lock, atomic, the previous state kept in ``manifest.prev.json``."""
+"""Managing a knowledge base after the fact, each a commit like any other (under the write lock, atomic,
+the previous state kept in ``manifest.prev.json``):
+
+* ``proteus kb calibrate``: a new true-positive rate for the rejection of inputs from no learned task,
+  from the held-out scores each task stored;
+* ``proteus kb forget``: remove a task from what can be predicted (:meth:`proteus.Proteus.forget_task`);
+* ``proteus kb undo``: go back to the previous commit (what the last learn, forget or calibrate changed).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from pathlib import Path
 from proteus.engine.novelty import Calibration
 from proteus.kb import KBError, KnowledgeBase, write_lock
 
-__all__ = ["recalibrate"]
+__all__ = ["forget", "recalibrate", "undo"]
 
 
 def recalibrate(kb_dir: str | Path, tpr: float, wait: float | None = 0.0) -> list[float]:
@@ -29,3 +34,25 @@ def recalibrate(kb_dir: str | Path, tpr: float, wait: float | None = 0.0) -> lis
         manifest["tasks"] = tasks
         kb.commit(manifest)
         return [float(t["calibration"]["threshold"]) for t in tasks]
+
+
+def forget(kb_dir: str | Path, task: int, wait: float | None = 0.0) -> list[str]:
+    """Forget task ``task`` (1-based, as in the CLI); returns its class names."""
+    from proteus.estimator import Proteus
+
+    with write_lock(kb_dir, wait=wait):
+        kb = KnowledgeBase.open(kb_dir)
+        clf = Proteus.from_kb(kb)
+        clf.forget_task(task - 1)
+        clf.commit(kb)
+        return list(clf.records_[task - 1].class_names)
+
+
+def undo(kb_dir: str | Path, wait: float | None = 0.0) -> int:
+    """Make the previous commit the current state again (itself a commit, so ``undo`` twice redoes);
+    returns its number of tasks."""
+    with write_lock(kb_dir, wait=wait):
+        kb = KnowledgeBase.open(kb_dir)
+        prev = kb.previous_manifest()
+        kb.commit(prev)
+        return len(prev.get("tasks", []))

@@ -287,6 +287,39 @@ class RanPACHead(HeadState):
         self.n_updates_ += 1
         return self
 
+    def downdate(self, H: Tensor, y: Tensor, classes: list[int]) -> RanPACHead:
+        """Subtract one earlier update exactly (``proteus kb forget``): ``H``, ``y`` the embeddings and
+        labels that update accumulated, ``classes`` its classes (their prototype columns become exactly 0).
+        ``G_``, ``Q_`` (``P_``), ``counts_`` then equal a head accumulated without that update, to float
+        round-off; ``W_out_`` is re-solved with the current ``gamma_`` (the data that chose it is gone).
+        Atomic like :meth:`update`."""
+        if self.G_ is None or self.Q_ is None or self.counts_ is None:
+            raise RuntimeError("RanPACHead has no statistics yet: nothing to subtract")
+        H = self._check_embeddings(H)
+        y, _ = self._check_labels(y, H.shape[0], self.num_classes_)
+        phi = self.features(H)
+        y_dev = y.to(phi.device)
+        counts = self.counts_ - torch.bincount(y_dev, minlength=self.num_classes_)
+        if bool((counts < 0).any()):
+            raise ValueError("downdate: these labels were not all accumulated by this head")
+        cls = torch.as_tensor(classes, dtype=torch.long, device=phi.device)
+        G = self.G_ - phi.T @ phi
+        Q = self.Q_.clone()
+        Q.index_add_(1, y_dev, -phi.T)
+        Q[:, cls] = 0.0
+        counts[cls] = 0
+        P = None
+        if self.P_ is not None:
+            P = self.P_.clone()
+            P.index_add_(1, y_dev, -phi.T / phi.shape[0])
+            P[:, cls] = 0.0
+        assert self.gamma_ is not None
+        W_out = self._ridge_solve(G, Q if P is None else P, self.gamma_)
+        self.G_, self.Q_, self.P_, self.counts_, self.W_out_ = G, Q, P, counts, W_out
+        self.n_samples_ -= int(H.shape[0])
+        self.n_updates_ -= 1
+        return self
+
     def refit(self, gamma: float | None = None) -> RanPACHead:
         """Recompute ``W_out_ = (G_ + gamma I)^{-1} Q_`` (Cholesky), optionally with a new ``gamma``."""
         if self.G_ is None or self.Q_ is None:

@@ -130,7 +130,7 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
             "class_names": t.get("class_names", []),
             "n_train": t.get("n_train"),
         }
-        for key in ("settings", "learned"):
+        for key in ("settings", "learned", "forgotten"):
             if key in t:
                 rec[key] = t[key]
         rec.update(object=t.get("object"), sha256=t.get("sha256"), bytes=_size(kb, t.get("object")))

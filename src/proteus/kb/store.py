@@ -318,6 +318,18 @@ class KnowledgeBase:
         crash_point("commit:manifest")
         self.sweep()
 
+    def previous_manifest(self) -> dict[str, Any]:
+        """The previous commit's manifest (``manifest.prev.json``), checked like the current one."""
+        path = self.root / PREV_MANIFEST
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise KBError(f"{self.root}: no previous commit to go back to (no {PREV_MANIFEST})") from None
+        manifest, issues = _manifest_issues(path, data, "the previous commit cannot be restored from it")
+        if issues or manifest is None:
+            raise KBError(issues[0] if issues else f"{path}: not a manifest")
+        return manifest
+
     def _previous_names(self) -> set[str] | None:
         """Names of the objects manifest.prev.json references (None when it cannot be read)."""
         path = self.root / PREV_MANIFEST

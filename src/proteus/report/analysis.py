@@ -51,6 +51,7 @@ class Evaluator(Protocol):
 
     def retrieved(self, tau: int) -> torch.Tensor: ...
 
+
 __all__ = [
     "analyse_run",
     "cosine_analysis",

@@ -1,0 +1,129 @@
+"""LDA task keys in one fixed space (beyond the paper, docs/retrieval.md): a ridge head over all classes
+accumulated task by task like the head's G (Eq. 23's statistics), on the frozen backbone's features or
+under the first task's adapter; a task's score is minus its best class score."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from proteus.engine.errors import TaskError
+from proteus.engine.key_base import KeyFit, RetrievalKeys
+from proteus.heads import RanPACHead
+from proteus.signatures import RetrievalResult
+
+__all__ = ["LDAKeys"]
+
+
+class LDAKeys(RetrievalKeys):
+    """An LDA (ridge) head over all classes in one fixed key space (``frozen`` or ``first-adapter``),
+    accumulated task by task like the head's G; L2-normalised features when ``signature.normalize`` is
+    ``l2``. Kept in the knowledge base inside the head's object (``task_head/`` tensors)."""
+
+    def __init__(self, *args: Any, space: str = "frozen", prefix: str = "lda/", **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.space = space
+        self.head: RanPACHead | None = None
+        self.n_tasks = 0
+        self._before: RanPACHead | None = None
+        #: with ``keep_inputs``: task -> (its key features, labels), what :meth:`forget` subtracts
+        self.inputs: dict[int, tuple[Tensor, Tensor]] = {}
+        self.prefix = prefix
+
+    def features(self, X: Tensor) -> Tensor:
+        return F.normalize(X.float(), dim=1) if self.cfg.normalize == "l2" else X
+
+    def add_task(self, fit: KeyFit) -> None:
+        if self.space == "frozen":
+            X = fit.embed(None)[0]
+        else:  # the first task's adapter, frozen since task 1
+            if fit.num_adapters == 0:
+                raise TaskError("signature.keys='first-adapter-lda' needs the first task to train an adapter")
+            X = fit.embed([0])[0]
+        # a copy (d x d statistics, cheap): a later step of this task may still fail, and the rollback
+        # must find the key head as it was before the task
+        head = copy.deepcopy(self.head) if self.head is not None else self.new_head(rp_dim=0)
+        X = self.features(X)
+        try:
+            head.update(X.to(self.device), fit.y.to(self.device), num_classes=fit.num_classes)
+        except (ValueError, FloatingPointError) as e:
+            raise TaskError(f"task {fit.k + 1}: LDA key update failed: {e}") from None
+        self._before, self.head = self.head, head
+        if self.keep_inputs:
+            self.inputs[self.n_tasks] = (X.float().cpu().clone(), fit.y.cpu().clone())
+        self.n_tasks += 1
+        return None
+
+    def truncate(self, m: int) -> None:
+        if m >= self.n_tasks:
+            return
+        if m != self.n_tasks - 1:
+            raise ValueError("LDA keys can only drop the task learned last")
+        self.head, self._before, self.n_tasks = self._before, None, m
+        self.inputs.pop(m, None)
+
+    def check_forget(self, k: int) -> None:
+        if k not in self.inputs:
+            raise ValueError(
+                f"task {k + 1}: its LDA key inputs were not kept (learn with --set head.forgettable=true)"
+            )
+
+    def forget(self, k: int, classes: list[int]) -> None:
+        """Subtract the task from the key head exactly (:meth:`RanPACHead.downdate`)."""
+        self.check_forget(k)
+        assert self.head is not None
+        X, y = self.inputs.pop(k)
+        self.head.downdate(X.to(self.device), y.to(self.device), classes)
+        self._before = None  # the rollback copy predates the forgetting
+        super().forget(k, classes)
+
+    def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
+        X = F if self.space == "frozen" else H[0]
+        if X is None:
+            raise ValueError(f"LDA keys in the {self.space} space need their features")
+        return self.retrieve_space(X, H.shape[0], classes)
+
+    def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
+        if self.head is None:
+            raise ValueError(f"LDA keys in the {self.space} space need a fitted key head")
+        logits = self.head.decision_function(self.features(X).to(self.device)).float().cpu()
+        scores = torch.full((X.shape[0], m), float("inf"))
+        for j, cls in enumerate(classes[:m]):
+            if j not in self.forgotten:
+                scores[:, j] = -logits[:, cls].max(1).values
+        task = scores.argmin(1)
+        rows = torch.arange(len(task))
+        return RetrievalResult(
+            task=task, component=torch.zeros_like(task), score=scores[rows, task], task_scores=scores
+        )
+
+    def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        meta, _ = super().task_state(k)
+        if k not in self.inputs:
+            return meta, {}
+        X, y = self.inputs[k]
+        return meta, {f"{self.prefix}x": X, f"{self.prefix}y": y}
+
+    def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+        if f"{self.prefix}x" in tensors:
+            self.inputs[self.n_tasks] = (
+                tensors[f"{self.prefix}x"].float(),
+                tensors[f"{self.prefix}y"].long(),
+            )
+        self.n_tasks += 1
+        super().load_task(meta, tensors)
+
+    def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
+        if self.head is None:
+            return None, {}
+        return self.head.meta(), self.head.state_tensors()
+
+    def load_global(self, meta: dict[str, Any] | None, tensors: dict[str, Tensor]) -> None:
+        if meta is None:
+            return
+        self.head = self.new_head(rp_dim=0)
+        self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)
