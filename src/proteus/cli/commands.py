@@ -178,32 +178,26 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     from proteus.estimator import Proteus
     from proteus.experiment.predictions import format_row, prediction_rows
-    from proteus.images import describe_skipped, load_images
+    from proteus.images import describe_skipped
     from proteus.kb import KBError
 
     clf = Proteus.load(args.kb, device=args.device)
     if clf.num_tasks == 0:
         raise KBError(f"{args.kb}: the knowledge base holds no task yet; learn task 1 first (proteus learn)")
-    max_pixels = args.max_pixels or clf.config.eval.max_image_pixels
     bs = clf.config.eval.batch_size
-    rows, skipped_all = [], []
-    t0 = time.perf_counter()
-    bar = tqdm(total=len(args.images), unit="img", disable=args.quiet or len(args.images) <= bs, leave=False)
-    for i in range(0, len(args.images), bs):
-        images, kept, skipped = load_images(
-            args.images[i : i + bs], max_pixels=max_pixels, skip_unreadable=args.skip_unreadable
-        )
-        skipped_all += skipped
-        if images:
-            pred = clf.predict(clf.transform_images(images))
-            rows += prediction_rows(clf, pred, kept, top_k=args.top_k)
-        bar.update(len(images) + len(skipped))
-    bar.close()
-    seconds = time.perf_counter() - t0
+    rows, skipped_all, batch = [], [], None
+    batches = clf.predict_images(
+        args.images,
+        progress=not args.quiet and len(args.images) > bs,  # the bar counts images and shows images/s
+        max_pixels=args.max_pixels,
+        skip_unreadable=args.skip_unreadable,
+    )
+    for batch in batches:
+        skipped_all += batch.skipped
+        if batch.prediction is not None:
+            rows += prediction_rows(clf, batch.prediction, batch.files, top_k=args.top_k)
     if skipped_all:
         print(describe_skipped(skipped_all), file=sys.stderr)
     if args.json:
@@ -211,8 +205,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     else:
         for r in rows:
             print(format_row(r))
-    if len(rows) > bs and not args.quiet:
-        print(f"{len(rows)} images in {seconds:.1f} s ({len(rows) / seconds:.1f} images/s)", file=sys.stderr)
+    if batch is not None and len(rows) > bs and not args.quiet:
+        print(
+            f"{len(rows)} images in {batch.seconds:.1f} s ({batch.images_per_second:.1f} images/s)",
+            file=sys.stderr,
+        )
     return 0 if rows or not skipped_all else 2
 
 
