@@ -3,6 +3,7 @@ removed (never retrieved), its classes are never predicted; a commit like any ot
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,11 @@ def test_cli_forget_then_undo(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         args = ["learn", "--kb", str(kb), "--task", str(k), *_folder_args(tree, spec), *TINY]
         assert main([*args, "--set", "head.forgettable=true"]) == 0
     learned = KnowledgeBase.open(kb).manifest
+    # prediction rows carry the class's index in its source dataset (here: the sorted class folders)
+    capsys.readouterr()
+    assert main(["predict", "--kb", str(kb), "--json", "-q", str(tree / "test" / "e" / "0.png")]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert row["class_index"] == "abcdef".index(row["class"])
     assert main(["kb", "forget", str(kb), "--task", "2"]) == 0
     m = KnowledgeBase.open(kb).manifest
     assert m["tasks"][1].get("forgotten") is True and not m["tasks"][0].get("forgotten")

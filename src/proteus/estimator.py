@@ -269,6 +269,7 @@ class Proteus(KnowledgeBaseState):
                 settings,
                 time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 calibration,
+                source_classes=task.source_classes,
             )
         )
         return stats

@@ -95,6 +95,8 @@ class TaskRecord:
     calibration: dict[str, Any] | None = None
     #: removed by ``proteus kb forget``: its classes are never predicted, the task never retrieved
     forgotten: bool = False
+    #: each class's index in its source dataset (None: not known, e.g. a knowledge base of an older release)
+    source_classes: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -113,6 +115,8 @@ class TaskRecord:
             out["calibration"] = dict(self.calibration)
         if self.forgotten:
             out["forgotten"] = True
+        if self.source_classes is not None:
+            out["source_classes"] = list(self.source_classes)
         return out
 
     @classmethod
@@ -128,6 +132,7 @@ class TaskRecord:
             learned=d.get("learned"),
             calibration=d.get("calibration"),
             forgotten=bool(d.get("forgotten", False)),
+            source_classes=None if d.get("source_classes") is None else [int(c) for c in d["source_classes"]],
         )
 
 

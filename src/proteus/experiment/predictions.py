@@ -4,7 +4,9 @@ The schema (docs/predict.md):
 
 ``file``        the input's name
 ``class``       the predicted class name; ``label`` its index among the classes learned so far (the global
-                label of the stream: the position in the knowledge base's class order)
+                label of the stream: the position in the knowledge base's class order); ``class_index``
+                its index in the source dataset (torchvision's target, the ImageFolder folder index;
+                null for a knowledge base of a release before it was recorded)
 ``task``        the retrieved task, 1-based (null for a method without retrieval)
 ``component``   the retrieved signature component within that task, 1-based (null likewise)
 ``signature_score``  the retrieved task's key score: lower is better. For the paper's Gaussian keys it is
@@ -44,6 +46,12 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
     """The readable rows of a batch's prediction (module docstring: the schema)."""
     names = clf.class_names()
     task_classes = [t.classes for t in clf.records_]
+    source = {
+        g: s
+        for t in clf.records_
+        if t.source_classes is not None
+        for g, s in zip(t.classes, t.source_classes)
+    }
     p_all = torch.softmax(pred.logits.double(), 1)
     rows = []
     for j, file in enumerate(files):
@@ -63,6 +71,7 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
                 "file": file,
                 "class": names[c],
                 "label": c,
+                "class_index": source.get(c),
                 "task": None if k is None else k + 1,
                 "component": None if pred.component is None else int(pred.component[j]) + 1,
                 "signature_score": None if pred.score is None else float(pred.score[j]),
@@ -73,7 +82,12 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
                 "p_all": float(p_all[j, c]),
                 "head_softmax": float(p_all[j, c]),  # deprecated name of p_all (kept for old scripts)
                 "top_k": [
-                    {"class": names[int(own[i])], "label": int(own[i]), "p_task": float(p_own[i])}
+                    {
+                        "class": names[int(own[i])],
+                        "label": int(own[i]),
+                        "class_index": source.get(int(own[i])),
+                        "p_task": float(p_own[i]),
+                    }
                     for i in order
                 ],
             }

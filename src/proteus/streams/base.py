@@ -54,6 +54,8 @@ class Task:
     class_names: list[str]
     train: Dataset
     test: Dataset
+    #: each class's index in its source dataset (torchvision's target, the ImageFolder folder index, ...)
+    source_classes: list[int] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -204,7 +206,8 @@ def assemble_stream(
         labels = [int(c) for c in labels]
         t_tr = tr.select(tr.indices_of(labels))
         t_te = te.select(te.indices_of(labels))
-        task_objs.append(Task(i, labels, [class_names[c] for c in labels], t_tr, t_te))
+        source = [int(order[c]) for c in labels]
+        task_objs.append(Task(i, labels, [class_names[c] for c in labels], t_tr, t_te, source))
         task_meta.append({"train": len(t_tr), "test": len(t_te)})
 
     manifest: dict[str, Any] = {
@@ -215,6 +218,7 @@ def assemble_stream(
         "num_classes": n,
         "num_tasks": len(tasks),
         "class_order": class_names,
+        "source_index": [int(o) for o in order],
         "tasks": [[int(c) for c in t] for t in tasks],
         "task_sizes": task_meta,
         "max_train_per_class": max_train_per_class,
