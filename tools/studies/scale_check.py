@@ -101,7 +101,7 @@ def _head(cfg: Any, d: int, rp_dim: int) -> RanPACHead:
     h = cfg.head
     return RanPACHead(
         d, rp_dim=rp_dim, gamma_min_exp=h.gamma_min_exp, gamma_max_exp=h.gamma_max_exp, holdout=h.holdout,
-        selection=h.gamma_selection, prototypes=getattr(h, "prototypes", "sum"), seed=0,
+        selection=h.gamma_selection, prototypes=h.prototypes, seed=0,
     )  # fmt: skip
 
 

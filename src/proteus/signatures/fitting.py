@@ -96,7 +96,7 @@ def task_covariance(X: Tensor, cfg: SignatureConfig) -> tuple[Tensor, float]:
     N, d = X.shape
     Xc = X - X.mean(0)
     C = (Xc.T @ Xc) / (N - 1)
-    prior = getattr(cfg, "prior", "ridge")
+    prior = cfg.prior
     if prior == "ridge":
         lam = max(float(cfg.reg_covar), PRIOR_RIDGE * float(C.diagonal().sum()) / d)
         return C + lam * torch.eye(d, dtype=X.dtype, device=X.device), lam
@@ -110,8 +110,8 @@ def task_covariance(X: Tensor, cfg: SignatureConfig) -> tuple[Tensor, float]:
 def fit_dpgmm(X: Tensor, cfg: SignatureConfig, seed: int, prior: Tensor) -> ClusterFit:
     """The DP-GMM of Eq. 18 with covariance prior ``prior`` (scikit-learn's other defaults)."""
     d = X.shape[1]
-    dof = float(d) if getattr(cfg, "prior_dof", None) is None else float(cfg.prior_dof)
-    if getattr(cfg, "prior_scale", "sklearn") == "expected":
+    dof = float(d) if cfg.prior_dof is None else float(cfg.prior_dof)
+    if cfg.prior_scale == "expected":
         prior = dof * prior  # W0^{-1} = nu0 C: the prior's expected covariance is C itself
     gm = DPGMM(
         n_components=cfg.max_components,

@@ -262,8 +262,8 @@ def _check_config(cfg: SignatureConfig) -> None:
     _check_choice("calibrate", cfg.calibrate, _CALIBRATE)
     _check_choice("covariance", cfg.covariance, _COVARIANCES)
     _check_choice("storage_dtype", cfg.storage_dtype, _STORAGE)
-    _check_choice("prior", getattr(cfg, "prior", "ridge"), PRIORS)
-    _check_choice("prior_scale", getattr(cfg, "prior_scale", "sklearn"), PRIOR_SCALES)
+    _check_choice("prior", cfg.prior, PRIORS)
+    _check_choice("prior_scale", cfg.prior_scale, PRIOR_SCALES)
 
 
 def _check_embeddings(H: Tensor) -> Tensor:
