@@ -35,7 +35,8 @@ from proteus import Proteus
 from proteus.experiment import resolve_config
 from proteus.streams import build_benchmark
 
-METHODS = {"gaussian keys (proteus)": "proteus", "LDA keys (proteus-lda)": "proteus-lda"}
+#: the key each method retrieves with (``--methods``)
+KEYS = {"proteus": "gaussian keys", "proteus-paper": "gaussian keys, paper", "proteus-lda": "LDA keys"}
 
 
 def _scores(clf: Proteus, images: list[Any]) -> dict[str, np.ndarray]:
@@ -73,7 +74,8 @@ def _images(stream: Any, tasks: range, split: str, per_task: int | None) -> list
 
 def run_setting(name: str, learned: dict[str, Any], tasks: range, unknown: list[Any], args: Any) -> dict:
     rows: dict[str, Any] = {}
-    for label, method in METHODS.items():
+    for method in args.methods:
+        label = f"{KEYS.get(method, method)} ({method})"
         cfg = resolve_config(learned["benchmark"], method=method, config_files=["mobilenet_cpu"], sets=[
             "retrieval.reject=true", f"benchmark.max_train_per_class={args.max_train}", f"seed={args.seed}",
             *learned.get("sets", [])])  # fmt: skip
@@ -105,6 +107,7 @@ def main() -> int:
     ap.add_argument("--max-train", type=int, default=300, help="training images per class")
     ap.add_argument("--max-test", type=int, default=200, help="test images per task")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--methods", type=lambda v: v.split(","), default=["proteus", "proteus-lda"])
     args = ap.parse_args()
     cifar = {"benchmark": "cifar10", "sets": [f"benchmark.data={args.cifar}"]}
     digits = {"benchmark": "quickstart"}
