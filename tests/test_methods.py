@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from proteus.cli import main
 from proteus.kb import KnowledgeBase
@@ -219,7 +220,14 @@ def test_compare_two_methods(tmp_path: Path, capsys) -> None:
     assert (out / "proteus" / "seed0" / "results.json").stat().st_mtime_ns == stamp
     capsys.readouterr()
     assert main([*argv, "--set", "train.lr=0.5"]) == 2
-    assert "different configuration" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "different configuration: train.lr" in err and "0.5" in err  # the key that differs, both values
+    # a run written before a config key existed reads that key as its default: still the same run
+    cfg_file = out / "proteus" / "seed0" / "config.yaml"
+    old = yaml.safe_load(cfg_file.read_text())
+    del old["head"]["forgettable"]
+    cfg_file.write_text(yaml.safe_dump(old))
+    assert main(argv) == 0
 
 
 def test_lda_keys_live_in_the_first_adapters_space(run_method: Callable[[str], Path]) -> None:

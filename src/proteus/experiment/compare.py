@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 
 from proteus import distributed as dist
-from proteus.config import ConfigError, RunConfig
+from proteus.config import ConfigError, RunConfig, flatten
 from proteus.experiment.loop import run
 from proteus.report import fmt
 from proteus.report.figures import plot_compare
@@ -120,7 +120,13 @@ def compare_markdown(summary: dict[str, dict[str, Any]], title: str, seeds: Sequ
 
 
 def _comparable(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in cfg_dict.items() if k != "report"}
+    """The dotted keys that decide a run's results: the config read through :class:`RunConfig` (so a key
+    added by a later release reads as its default), without ``report.*``."""
+    try:
+        cfg_dict = RunConfig.from_dict(cfg_dict).to_dict()
+    except (ConfigError, TypeError, ValueError):
+        pass  # compared as written: any difference is reported
+    return {k: v for k, v in flatten(cfg_dict).items() if not k.startswith("report.")}
 
 
 def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
@@ -134,9 +140,17 @@ def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
             )
         return None
     old = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else None
-    if not isinstance(old, dict) or _comparable(old) != _comparable(cfg.to_dict()):
+    if not isinstance(old, dict):
         raise ConfigError(
-            f"{run_dir}: holds a run with a different configuration; choose a new --out or remove it"
+            f"{run_dir}: holds a run without a readable config.yaml; choose a new --out or remove it"
+        )
+    a, b = _comparable(old), _comparable(cfg.to_dict())
+    diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if diff:
+        shown = ", ".join(f"{k} ({a.get(k)!r} there, {b.get(k)!r} now)" for k in diff[:3])
+        raise ConfigError(
+            f"{run_dir}: holds a run with a different configuration: {shown}"
+            f"{f' and {len(diff) - 3} more' if len(diff) > 3 else ''}; choose a new --out or remove it"
         )
     return json.loads(res_file.read_text())
 
