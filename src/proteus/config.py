@@ -88,9 +88,9 @@ class SignatureConfig:
     #: per-task score calibration: "none" or "standardize" (by the task's own training scores)
     calibrate: str = "none"
     #: how a task's covariance (the DP-GMM's covariance prior) is estimated: "ridge" (cov + 1e-3 tr/d I),
-    #: "ledoit-wolf" (default) or "oas" (shrinkage towards tr/d I with the data's own intensity;
+    #: "oas" (default) or "ledoit-wolf" (shrinkage towards tr/d I with the data's own intensity;
     #: signatures/fitting.py)
-    prior: str = "ledoit-wolf"
+    prior: str = "oas"
     #: the DP-GMM's Wishart prior: "sklearn" (scikit-learn's default, covariance_prior = the task's
     #: covariance C, so the prior's expected covariance is C / prior_dof) or "expected" (covariance_prior =
     #: prior_dof * C: the prior's expected covariance is C; each component's covariance is then C
