@@ -127,7 +127,6 @@ def _assert_same(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
-
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory) -> Path:
     return make_tree(tmp_path_factory.mktemp("tree") / "data")

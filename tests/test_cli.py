@@ -33,8 +33,19 @@ def run_dir(tmp_path_factory) -> Path:
 
 def test_run_writes_the_contract(run_dir: Path) -> None:
     res = _results(run_dir)
-    for key in ("benchmark", "method", "backbone", "num_tasks", "acc_matrix", "avg_acc", "final_avg_acc",
-                "forgetting", "retrieval_acc", "oracle_avg_acc", "seconds"):
+    for key in (
+        "benchmark",
+        "method",
+        "backbone",
+        "num_tasks",
+        "acc_matrix",
+        "avg_acc",
+        "final_avg_acc",
+        "forgetting",
+        "retrieval_acc",
+        "oracle_avg_acc",
+        "seconds",
+    ):
         assert key in res, key
     m = res["num_tasks"]
     assert m == 5 and len(res["acc_matrix"]) == m and len(res["avg_acc"]) == m

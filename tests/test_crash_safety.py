@@ -166,7 +166,6 @@ def _state(kb: Path) -> dict:
     }
 
 
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("crash")

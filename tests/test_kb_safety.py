@@ -409,9 +409,7 @@ def test_lock_only_directory_and_file_root(tmp_path: Path) -> None:
         with pytest.raises(KBError, match=f"{f}: is a file, not a knowledge-base directory"):
             call()
     assert f.read_text() == "data"
-    assert kbmod.problems(f) == [
-        f"{f}: is a file, not a knowledge-base directory; choose another --kb"
-    ]
+    assert kbmod.problems(f) == [f"{f}: is a file, not a knowledge-base directory; choose another --kb"]
 
 
 def test_interrupted_first_commit_can_start_over(tmp_path: Path) -> None:

@@ -38,4 +38,3 @@ def test_defaults_store_exactly() -> None:
         cfg = resolve_config(None, method).signature
         assert cfg.covariance == "full" or (cfg.covariance == "shared" and cfg.rank is None), method
         assert cfg.storage_dtype == "float32", method
-

@@ -60,10 +60,7 @@ def main() -> None:
         print(f"task {k + 1} learned ({time.time() - t0:.0f} s)", flush=True)
     ys = [ev.labels(t) for t in range(m)]
     E = [[ev.embedding(t, "task", j) for j in range(m)] for t in range(m)]  # E[tau][j]
-    F = [
-        ev.embedding(t, "task", None)
-        for t in range(m)
-    ]
+    F = [ev.embedding(t, "task", None) for t in range(m)]
     head = learner.head_
     logits_all = [[head.decision_function(E[t][j]).float() for j in range(m)] for t in range(m)]
     task_classes = [torch.as_tensor(t.classes) for t in learner.records_]
