@@ -264,6 +264,16 @@ def test_folder_validation_errors(tree: Path, tmp_path: Path, tasks: object, pat
         build_benchmark(BenchmarkConfig(name="folder", data=str(tree), tasks_file=str(spec)))
 
 
+def test_folder_records_each_class_index_in_its_dataset(tree: Path, tmp_path: Path) -> None:
+    """The source index is ImageFolder's (sorted class folders), whatever order the tasks list them in."""
+    folders = sorted(p.name for p in (tree / "train").iterdir() if p.is_dir())
+    tasks = [[folders[2], folders[0]], [folders[3], folders[1]]]
+    spec = write_tasks(tmp_path / "t.yaml", tasks)
+    s = build_benchmark(BenchmarkConfig(name="folder", data=str(tree), tasks_file=str(spec)))
+    assert [t.source_classes for t in s.tasks] == [[2, 0], [3, 1]]
+    assert s.manifest["source_index"] == [2, 0, 3, 1]
+
+
 def test_folder_more_errors(tree: Path, tmp_path: Path) -> None:
     cfg = BenchmarkConfig(name="folder", data=str(tree), tasks_file=str(tmp_path / "t.yaml"))
     write_tasks(tmp_path / "t.yaml", [["a"], ["b"]], shuffle=True)

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from proteus.config import BenchmarkConfig
 from proteus.registry import Registry
-from proteus.streams.datasets import LabeledImageDataset
+from proteus.streams.datasets import LabeledImageDataset, list_class_dirs, scan_image_folder
 from proteus.streams.errors import BenchmarkError, TaskSpecError
 
 #: manifest schema version; bump when a key changes meaning
@@ -175,13 +175,15 @@ def assemble_stream(
     seed: int,
     max_train_per_class: int | None = None,
     extra: dict[str, Any] | None = None,
+    source_index: Sequence[int] | None = None,
 ) -> TaskStream:
     """Relabel, cap, split into tasks and write the manifest.
 
     ``train``/``test`` carry *source* labels (indices into ``source_class_names``); ``order`` lists the
     source indices in stream order, so global label ``g`` is source class ``order[g]``; ``tasks`` lists the
     global labels of each task (disjoint, covering ``range(len(order))``). Source classes not in ``order``
-    are dropped.
+    are dropped. ``source_index[i]``: source class i's index in its dataset (torchvision's target, the
+    ImageFolder folder index); default ``i``, when ``source_class_names`` is the dataset's whole class list.
     """
     n = len(order)
     if len(set(order)) != n:
@@ -206,7 +208,7 @@ def assemble_stream(
         labels = [int(c) for c in labels]
         t_tr = tr.select(tr.indices_of(labels))
         t_te = te.select(te.indices_of(labels))
-        source = [int(order[c]) for c in labels]
+        source = [int(order[c]) if source_index is None else int(source_index[order[c]]) for c in labels]
         task_objs.append(Task(i, labels, [class_names[c] for c in labels], t_tr, t_te, source))
         task_meta.append({"train": len(t_tr), "test": len(t_te)})
 
@@ -218,7 +220,7 @@ def assemble_stream(
         "num_classes": n,
         "num_tasks": len(tasks),
         "class_order": class_names,
-        "source_index": [int(o) for o in order],
+        "source_index": [int(o) if source_index is None else int(source_index[o]) for o in order],
         "tasks": [[int(c) for c in t] for t in tasks],
         "task_sizes": task_meta,
         "max_train_per_class": max_train_per_class,
@@ -232,3 +234,30 @@ def assemble_stream(
     if extra:
         manifest.update(extra)
     return TaskStream(name=name, tasks=task_objs, class_names=class_names, manifest=manifest)
+
+
+def assemble_named_tasks(
+    name: str, cfg: BenchmarkConfig, root: Path, task_names: Sequence[Sequence[str]], extra: dict[str, Any]
+) -> TaskStream:
+    """A stream whose tasks are lists of ImageFolder class folders under ``root/{train,test}`` (``folder``,
+    ``vtab5t``, ``vtab-sim50``): classes in task order, every class's source index its position among the
+    sorted class folders of ``train/`` (torchvision's ImageFolder index)."""
+    used = [c for t in task_names for c in t]
+    folders = {c: i for i, c in enumerate(list_class_dirs(root / "train"))}
+    tasks, pos = [], 0
+    for t in task_names:
+        tasks.append(list(range(pos, pos + len(t))))
+        pos += len(t)
+    return assemble_stream(
+        name,
+        root=root,
+        train=scan_image_folder(root, "train", used),
+        test=scan_image_folder(root, "test", used),
+        source_class_names=used,
+        order=list(range(len(used))),
+        tasks=tasks,
+        seed=cfg.class_order_seed,
+        max_train_per_class=cfg.max_train_per_class,
+        extra=extra,
+        source_index=[folders[c] for c in used],
+    )

@@ -23,6 +23,7 @@ from proteus.config import BenchmarkConfig
 from proteus.streams.base import (
     BENCHMARKS,
     TaskStream,
+    assemble_named_tasks,
     assemble_stream,
     data_root,
     equal_chunks,
@@ -391,13 +392,6 @@ def folder(cfg: BenchmarkConfig) -> TaskStream:
             raise BenchmarkError(f"folder: class {c!r} has no test folder ({d} is missing)")
         if not list_images(d):
             raise BenchmarkError(f"folder: class {c!r} has an empty test folder ({d} holds no image)")
-    train = scan_image_folder(root, "train", used)
-    test = scan_image_folder(root, "test", used)
-    tasks: list[list[int]] = []
-    pos = 0
-    for t in task_names:
-        tasks.append(list(range(pos, pos + len(t))))
-        pos += len(t)
     extra: dict[str, Any] = {
         "format": "imagefolder",
         "tasks_file": str(spec_path.resolve()),
@@ -408,15 +402,4 @@ def folder(cfg: BenchmarkConfig) -> TaskStream:
     for k in ("description", "meta"):
         if k in spec:
             extra[k] = spec[k]
-    return assemble_stream(
-        "folder",
-        root=root,
-        train=train,
-        test=test,
-        source_class_names=used,
-        order=list(range(len(used))),
-        tasks=tasks,
-        seed=cfg.class_order_seed,
-        max_train_per_class=cfg.max_train_per_class,
-        extra=extra,
-    )
+    return assemble_named_tasks("folder", cfg, root, task_names, extra)

@@ -54,9 +54,9 @@ import numpy as np
 import yaml
 
 from proteus.config import BenchmarkConfig
-from proteus.streams.base import BENCHMARKS, TaskStream, assemble_stream, data_root, equal_chunks
+from proteus.streams.base import BENCHMARKS, TaskStream, assemble_named_tasks, data_root, equal_chunks
 from proteus.streams.builtin import DEFAULT_NUM_TASKS, resolve_imagefolder
-from proteus.streams.datasets import list_class_dirs, list_images, scan_image_folder
+from proteus.streams.datasets import list_class_dirs, list_images
 from proteus.streams.errors import BenchmarkError, DataNotFoundError, TaskSpecError
 
 GROUPS_KEYS = ("groups", "keep_fraction", "min_group_classes", "description")
@@ -122,12 +122,11 @@ def load_groups(path: str | Path, existing: list[str]) -> tuple[dict[str, list[s
     return groups, {k: data[k] for k in ("keep_fraction", "min_group_classes") if k in data}
 
 
-def _scan(root: Path, name: str, used: list[str]) -> tuple[Any, Any]:
+def _check_test_folders(root: Path, name: str, used: list[str]) -> None:
     for c in used:
         d = root / "test" / c
         if not d.is_dir() or not list_images(d):
             raise BenchmarkError(f"{name}: class {c!r} has no test images ({d} is missing or empty)")
-    return scan_image_folder(root, "train", used), scan_image_folder(root, "test", used)
 
 
 # ---------------------------------------------------------------------------------------------- VTAB5T
@@ -168,23 +167,13 @@ def vtab5t(cfg: BenchmarkConfig) -> TaskStream:
             f"{sum(len(v) for v in groups.values())}",
             stacklevel=2,
         )
-    used = [c for cs in groups.values() for c in cs]
-    train, test = _scan(root, name, used)
-    tasks, pos = [], 0
-    for cs in groups.values():
-        tasks.append(list(range(pos, pos + len(cs))))
-        pos += len(cs)
-    return assemble_stream(
+    _check_test_folders(root, name, [c for cs in groups.values() for c in cs])
+    return assemble_named_tasks(
         name,
-        root=root,
-        train=train,
-        test=test,
-        source_class_names=used,
-        order=list(range(len(used))),
-        tasks=tasks,
-        seed=cfg.class_order_seed,
-        max_train_per_class=cfg.max_train_per_class,
-        extra={
+        cfg,
+        root,
+        list(groups.values()),
+        {
             "format": "imagefolder",
             "class_order_rule": "folder order (no permutation)",
             "task_rule": rule,
@@ -280,23 +269,13 @@ def vtab_sim50(cfg: BenchmarkConfig) -> TaskStream:
             f"{name}: num_tasks={cfg.num_tasks} but there are {len(task_names)} source datasets "
             "(one task per dataset)"
         )
-    used = [c for t in task_names for c in t]
-    train, test = _scan(root, name, used)
-    tasks, pos = [], 0
-    for t in task_names:
-        tasks.append(list(range(pos, pos + len(t))))
-        pos += len(t)
-    return assemble_stream(
+    _check_test_folders(root, name, [c for t in task_names for c in t])
+    return assemble_named_tasks(
         name,
-        root=root,
-        train=train,
-        test=test,
-        source_class_names=used,
-        order=list(range(len(used))),
-        tasks=tasks,
-        seed=cfg.class_order_seed,
-        max_train_per_class=cfg.max_train_per_class,
-        extra={
+        cfg,
+        root,
+        task_names,
+        {
             "format": "imagefolder",
             "class_order_rule": "VTAB-Sim50 recipe (proteus.streams.vtab)",
             "task_rule": f"groups file {cfg.tasks_file}" if cfg.tasks_file else "class-folder prefix",
