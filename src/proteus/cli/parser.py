@@ -87,16 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--task", type=int, required=True, help="task number, 1-based")
     lr.add_argument("--method", default=None, help="method (only when creating the knowledge base)")
     lr.add_argument("--no-eval", action="store_true", help="skip the evaluation after the task")
-    lr.add_argument(
-        "--wait",
-        nargs="?",
-        type=float,
-        const=-1.0,
-        default=0.0,
-        metavar="SECONDS",
-        help="when another process is writing to the KB, wait for it (as long as it takes, or SECONDS) "
-        "instead of failing at once",
-    )
+    _wait_option(lr)
     lr.set_defaults(func=cmd_learn)
 
     ev = sub.add_parser("evaluate", help="evaluate a knowledge base on the test sets of its tasks")
@@ -188,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kc.add_argument("kb", help="knowledge base directory")
     kc.add_argument("--tpr", type=float, required=True, help="fraction of a task's held-out inputs accepted")
-    kc.add_argument("--wait", nargs="?", type=float, const=-1.0, default=0.0, metavar="SECONDS")
+    _wait_option(kc)
     kc.set_defaults(func=cmd_kb)
     kf = ksub.add_parser(
         "forget",
@@ -202,13 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     kf.add_argument(
         "--task", type=int, required=True, help="the task to forget (1-based, as `kb list` shows)"
     )
-    kf.add_argument("--wait", nargs="?", type=float, const=-1.0, default=0.0, metavar="SECONDS")
+    _wait_option(kf)
     kf.set_defaults(func=cmd_kb)
     ku = ksub.add_parser(
         "undo", help="go back to the previous commit (undoes the last learn, forget or calibrate)"
     )
     ku.add_argument("kb", help="knowledge base directory")
-    ku.add_argument("--wait", nargs="?", type=float, const=-1.0, default=0.0, metavar="SECONDS")
+    _wait_option(ku)
     ku.set_defaults(func=cmd_kb)
 
     sv = sub.add_parser(
@@ -230,3 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("what", nargs="?", choices=["backbones", "benchmarks", "methods"])
     ls.set_defaults(func=cmd_list)
     return p
+
+
+def _wait_option(p: argparse.ArgumentParser) -> None:
+    """``--wait [SECONDS]`` of every command that writes to a knowledge base."""
+    p.add_argument(
+        "--wait",
+        nargs="?",
+        type=float,
+        const=-1.0,
+        default=0.0,
+        metavar="SECONDS",
+        help="when another process is writing to the KB, wait for it (as long as it takes, or SECONDS) "
+        "instead of failing at once",
+    )
