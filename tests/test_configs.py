@@ -104,3 +104,20 @@ def test_report_section_defaults() -> None:
     r = RunConfig().report
     assert (r.figures, r.theory, r.latency, r.latency_batch) == (True, True, True, 32)
     assert resolve_config("quickstart", sets=["report.latency=false"]).report.latency is False
+
+
+def test_a_stored_config_without_a_later_key_keeps_the_old_behaviour() -> None:
+    """A knowledge base or run written before a key existed reads it as what that release did."""
+    from proteus.config import LEGACY_DEFAULTS
+
+    old = resolve_config("quickstart").to_dict()
+    for key in LEGACY_DEFAULTS:
+        section, _, name = key.partition(".")
+        del old[section][name]
+    cfg = RunConfig.from_stored(old)
+    assert (cfg.signature.prior, cfg.signature.prior_scale) == ("ridge", "sklearn")
+    assert cfg.head.prototypes == "sum" and cfg.head.forgettable is False
+    # a key that is there is kept, and a config of today reads back unchanged
+    now = resolve_config("quickstart")
+    assert RunConfig.from_stored(now.to_dict()) == now
+    assert now.signature.prior == "oas"

@@ -228,6 +228,11 @@ def test_compare_two_methods(tmp_path: Path, capsys) -> None:
     del old["head"]["forgettable"]
     cfg_file.write_text(yaml.safe_dump(old))
     assert main(argv) == 0
+    # ... and a key whose default moved reads as what the run did without it: not today's run
+    del old["signature"]["prior"]
+    cfg_file.write_text(yaml.safe_dump(old))
+    assert main(argv) == 2
+    assert "signature.prior ('ridge' there, 'oas' now)" in capsys.readouterr().err
 
 
 def test_lda_keys_live_in_the_first_adapters_space(run_method: Callable[[str], Path]) -> None:

@@ -216,12 +216,35 @@ class RunConfig:
         merge(cfg, data, where="config")
         return cfg
 
+    @classmethod
+    def from_stored(cls, data: dict[str, Any]) -> RunConfig:
+        """A config written by a run or a knowledge base, possibly by an earlier release: a key it lacks
+        takes the value that reproduces what that release did (:data:`LEGACY_DEFAULTS`), not today's
+        default, so an old knowledge base keeps its recipe for the tasks it learns next."""
+        data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+        for key, value in LEGACY_DEFAULTS.items():
+            section, _, name = key.partition(".")
+            if isinstance(data.get(section), dict) and name not in data[section]:
+                data[section][name] = value
+        return cls.from_dict(data)
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def fingerprint(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
+
+#: keys added after configs were first written, with the value that reproduces what happened before they
+#: existed (their defaults may differ: ``proteus`` moved to an OAS prior with issue 13)
+LEGACY_DEFAULTS: dict[str, Any] = {
+    "signature.prior": "ridge",
+    "signature.prior_scale": "sklearn",
+    "signature.prior_dof": None,
+    "head.prototypes": "sum",
+    "head.forgettable": False,
+    "retrieval.candidates": None,
+}
 
 #: config keys that may differ from task to task (recorded in each task's record); every other key
 #: defines the model and is fixed when a knowledge base is created (``report.`` covers a whole section)

@@ -153,7 +153,7 @@ class KnowledgeBaseState:
     @classmethod
     def from_kb(cls: type[L], kb: KnowledgeBase, *, device: str | None = None, progress: bool = False) -> L:
         """The learner a knowledge base holds (backbone identity checked)."""
-        cfg = RunConfig.from_dict(kb.manifest["config"])
+        cfg = RunConfig.from_stored(kb.manifest["config"])
         if device:
             cfg.device = device
         clf = cls(cfg, progress=progress)

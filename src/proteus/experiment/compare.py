@@ -120,10 +120,10 @@ def compare_markdown(summary: dict[str, dict[str, Any]], title: str, seeds: Sequ
 
 
 def _comparable(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """The dotted keys that decide a run's results: the config read through :class:`RunConfig` (so a key
-    added by a later release reads as its default), without ``report.*``."""
+    """The dotted keys that decide a run's results: the config read as stored (a key added by a later
+    release reads as what the run did without it: :meth:`RunConfig.from_stored`), without ``report.*``."""
     try:
-        cfg_dict = RunConfig.from_dict(cfg_dict).to_dict()
+        cfg_dict = RunConfig.from_stored(cfg_dict).to_dict()
     except (ConfigError, TypeError, ValueError):
         pass  # compared as written: any difference is reported
     return {k: v for k, v in flatten(cfg_dict).items() if not k.startswith("report.")}

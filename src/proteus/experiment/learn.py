@@ -36,7 +36,7 @@ __all__ = ["PER_TASK_KEYS", "LearnOutcome", "check_learned_tasks", "config_confl
 def config_conflicts(kb_config: dict[str, Any], given: dict[str, Any]) -> list[str]:
     """``"key: knowledge base has A, given B"`` for every model-defining key of ``given`` (flat, dotted)
     whose value differs from the knowledge base's config."""
-    have = flatten(kb_config)
+    have = flatten(RunConfig.from_stored(kb_config).to_dict())
     return [
         f"{key}: knowledge base has {have.get(key)!r}, given {value!r}"
         for key, value in given.items()
