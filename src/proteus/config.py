@@ -157,6 +157,44 @@ class RetrievalConfig:
 
 
 @dataclass
+class BaselineConfig:
+    """The trained-classifier baselines of Table 1 (:mod:`proteus.baselines`; docs/experiments.md gives
+    each method's official setting beside ours). ``train.epochs`` and ``train.batch_size`` apply to them;
+    the optimiser and learning rate are the method's own."""
+
+    #: "adam" (InfLoRA, L2P, DualPrompt, CODA-Prompt) or "sgd" (SD-LoRA: momentum 0.9)
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    #: learning rate over a task's epochs: "constant" or "cosine" (CODA's / InfLoRA's CosineSchedule)
+    schedule: str = "constant"
+    #: LoRA rank of InfLoRA and SD-LoRA (their code: 10)
+    rank: int = 10
+    #: InfLoRA's DualGPM threshold eps_t = gpm_start + (1 - gpm_start) t / T (CIFAR 0.95, ImageNet-R 0.98)
+    gpm_start: float = 0.95
+    #: SD-LoRA's magnitude initialisation (every task, as the released code does)
+    magnitude_init: float = 0.8
+    #: prompt pool size M (L2P 10, CODA-Prompt 100 components; DualPrompt: one e-prompt per task)
+    pool_size: int = 10
+    #: prompt length L (L2P 5, DualPrompt e-prompt 5 on CIFAR / 20 on ImageNet-R, CODA-Prompt 8)
+    prompt_length: int = 5
+    #: L2P: prompts chosen per input (N)
+    top_k: int = 5
+    #: the blocks that receive prompts (DualPrompt: e-prompt blocks; CODA-Prompt: prefix blocks)
+    prompt_layers: list[int] = field(default_factory=lambda: [0])
+    #: DualPrompt's g-prompt: length and blocks
+    g_length: int = 5
+    g_layers: list[int] = field(default_factory=lambda: [0, 1])
+    #: weight of the key-query matching loss (L2P's surrogate, DualPrompt's pull constraint)
+    match_weight: float = 0.1
+    #: CODA-Prompt's orthogonality penalty weight (0 in the released scripts)
+    ortho_weight: float = 0.0
+    #: the number of tasks the prompt pool is divided over (CODA-Prompt: pool_size / max_tasks per task;
+    #: DualPrompt: e-prompts); None = the stream's number of tasks
+    max_tasks: int | None = None
+
+
+@dataclass
 class BenchmarkConfig:
     name: str = "quickstart"
     data: str | None = None
@@ -202,6 +240,7 @@ class RunConfig:
     signature: SignatureConfig = field(default_factory=SignatureConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     report: ReportConfig = field(default_factory=ReportConfig)

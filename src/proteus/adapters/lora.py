@@ -60,6 +60,9 @@ class LoRAUnit(nn.Module):
         self.coef: torch.Tensor | None = None
         #: bumped whenever stored tasks are dropped (merged weights cached from them are then stale)
         self.generation = 0
+        #: coefficient of the open task's own directions in the training forward (None: 1; SD-LoRA's
+        #: learned magnitude of the current direction)
+        self.new_scale: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -210,10 +213,16 @@ class LoRAUnit(nn.Module):
         if self.total_rank:
             A = torch.cat([self.A, a_new], 1)
             B = torch.cat([self.B, self.B_new], 1)
-            c = torch.cat([self.transfer_coefficients(), torch.ones_like(a_new[0])])
+            own = (
+                torch.ones_like(a_new[0]) if self.new_scale is None else self.new_scale.expand(a_new.shape[1])
+            )
+            c = torch.cat([self.transfer_coefficients(), own])
             u = (x @ A.to(x.dtype)) * c.to(x.dtype)
             return self._scale(u @ B.to(x.dtype).T)
-        return self._scale((x @ a_new.to(x.dtype)) @ self.B_new.to(x.dtype).T)
+        u = x @ a_new.to(x.dtype)
+        if self.new_scale is not None:
+            u = u * self.new_scale.to(x.dtype)
+        return self._scale(u @ self.B_new.to(x.dtype).T)
 
     def _scale(self, d: torch.Tensor) -> torch.Tensor:
         return d if self.scaling == 1.0 else d * self.scaling

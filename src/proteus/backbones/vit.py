@@ -154,12 +154,17 @@ class TimmViTBackbone(Backbone):
         if tuple(self.vit.patch_embed.img_size) != (size, size):
             self.vit.set_input_size(img_size=(size, size))  # resamples the position embedding
 
+    #: which rows of the fused qkv projection LoRA adapts (PROTEUS, SD-LoRA: q and v; InfLoRA: k and v)
+    attention_rows: tuple[str, ...] = ("q", "v")
+
     def adapt_targets(self) -> list[AdaptTarget]:
         d = self.embed_dim
+        offset = {"q": 0, "k": d, "v": 2 * d}
+        rows = {r: (offset[r], offset[r] + d) for r in self.attention_rows}
         out = []
         for i in range(self.split, self.num_blocks):
             qkv = self.vit.blocks[i].attn.qkv
-            out.append(AdaptTarget(f"vit.blocks.{i}.attn.qkv", qkv, {"q": (0, d), "v": (2 * d, 3 * d)}))
+            out.append(AdaptTarget(f"vit.blocks.{i}.attn.qkv", qkv, dict(rows)))
         return out
 
     def forward_prefix(self, x: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,12 @@ def _setup_log(out: Path) -> logging.Handler:
 def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any]:
     """The whole continual loop in one process; writes config.yaml, split.json, log.txt, kb/, results.json,
     analysis.json and (``report.figures``) report.md with figures/ (:mod:`proteus.report`)."""
+    from proteus.methods import METHODS
+
+    if cfg.method in METHODS and METHODS.get(cfg.method).learner != "proteus":
+        from proteus.experiment.baselines import run_baseline
+
+        return run_baseline(cfg, out, progress)
     out = Path(out)
     main = dist.is_main()  # under torchrun only rank 0 writes files (proteus.distributed)
     handler = _setup_log(out) if main else None

@@ -25,6 +25,9 @@ class Method:
     name: str
     help: str
     overrides: dict[str, Any] = field(default_factory=dict)
+    #: the learner that runs it: "proteus" (:class:`proteus.Proteus`) or a trained-classifier baseline
+    #: of :data:`proteus.baselines.BASELINES`
+    learner: str = "proteus"
 
     def nested(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -37,9 +40,9 @@ class Method:
 METHODS: Registry[Method] = Registry("method")
 
 
-def declare(name: str, help: str, **overrides: Any) -> Method:
+def declare(name: str, help: str, learner: str = "proteus", **overrides: Any) -> Method:
     """Register a method; keyword names are config keys with ``__`` for the dot (``train__tasks``)."""
-    m = Method(name, help, {k.replace("__", "."): v for k, v in overrides.items()})
+    m = Method(name, help, {k.replace("__", "."): v for k, v in overrides.items()}, learner)
     METHODS.register(name, help=help)(m)
     return m
 
@@ -125,3 +128,43 @@ declare(
     "budget-constrained rank schedule r_m = r_0 exp(-0.05 (m-1))",
     adapter__budget_decay=0.05,
 )
+
+# ---------------------------------------------------------------------------- Table 1 baselines
+# Trained-classifier learners (proteus.baselines) on the same streams, seeds and metrics. The values are
+# the authors' released code's (docs/experiments.md, "Baselines": official setting / ours / why).
+declare(
+    "inflora",
+    "InfLoRA (Liang & Li, CVPR 2024): LoRA on k, v with a designed frozen A off the DualGPM space",
+    learner="inflora",
+    baseline__optimizer="adam", baseline__lr=5e-4, baseline__schedule="cosine", baseline__rank=10,
+)  # fmt: skip
+declare(
+    "sd-lora",
+    "SD-LoRA (Wu et al., ICLR 2025): frozen normalised old directions with learned magnitudes",
+    learner="sd-lora",
+    baseline__optimizer="sgd", baseline__lr=8e-3, baseline__schedule="constant", baseline__rank=10,
+)  # fmt: skip
+declare(
+    "l2p",
+    "L2P (Wang et al., CVPR 2022): a prompt pool chosen by key-query matching, prompt tuning",
+    learner="l2p",
+    baseline__optimizer="adam", baseline__lr=1.875e-3, baseline__schedule="constant",
+    baseline__pool_size=10, baseline__prompt_length=5, baseline__top_k=5, baseline__match_weight=0.1,
+    baseline__prompt_layers=[0],
+)  # fmt: skip
+declare(
+    "dualprompt",
+    "DualPrompt (Wang et al., ECCV 2022): shared g-prompts and per-task e-prompts, prefix tuning",
+    learner="dualprompt",
+    baseline__optimizer="adam", baseline__lr=1.875e-3, baseline__schedule="constant",
+    baseline__prompt_length=5, baseline__g_length=5, baseline__g_layers=[0, 1],
+    baseline__prompt_layers=[2, 3, 4], baseline__match_weight=1.0,
+)  # fmt: skip
+declare(
+    "coda-prompt",
+    "CODA-Prompt (Smith et al., CVPR 2023): attention-weighted prompt components, prefix tuning",
+    learner="coda-prompt",
+    baseline__optimizer="adam", baseline__lr=1e-3, baseline__schedule="cosine",
+    baseline__pool_size=100, baseline__prompt_length=8, baseline__prompt_layers=[0, 1, 2, 3, 4],
+    baseline__ortho_weight=0.0,
+)  # fmt: skip

@@ -1,0 +1,301 @@
+"""The shared learner of the trained-classifier baselines (Table 1): one training loop, one masked head.
+
+Every baseline of :mod:`proteus.baselines` is a :class:`ContinualClassifier`: a frozen backbone, the
+method's own trainable state (LoRA branches or prompts) and one linear head per task over that task's
+classes. Training task t minimises the cross-entropy over task t's classes only (its own head, targets
+local to the task) plus the method's auxiliary loss; a prediction is the argmax over the heads of every
+task seen so far, concatenated. Released code writes this rule four ways (InfLoRA: a pool of per-task
+heads; SD-LoRA: ``logits[:, known:]``; L2P / DualPrompt: logits of other classes set to -inf; CODA: the
+same on the seen slice), all of which reduce to the same loss and the same test-time argmax over the seen
+classes (docs/experiments.md, "Baselines").
+
+A method implements four hooks: :meth:`_setup` (build its state on the backbone), :meth:`features`
+(the embedding of a batch of prefix outputs, under training or inference), :meth:`_begin_task` /
+:meth:`_end_task` (open and freeze a task's state) and :meth:`trainable` (what the optimiser sees). The
+backbone's frozen prefix (``backbone.adapt_last``) is computed once per image when there is no
+augmentation, as for PROTEUS. The backbone stays in eval mode throughout (BatchNorm statistics of
+MobileNetV2 never move; the ViTs have no dropout), so frozen means bit-identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from proteus import distributed as dist
+from proteus.backbones import Backbone, build_backbone
+from proteus.backbones.transforms import build_transform
+from proteus.config import RunConfig
+from proteus.engine.embedder import ImageDataset
+from proteus.streams import Task
+
+log = logging.getLogger("proteus")
+
+__all__ = ["OPTIMIZERS", "SCHEDULES", "ContinualClassifier"]
+
+#: the optimisers the released code uses (baseline.optimizer)
+OPTIMIZERS = ("adam", "sgd")
+#: baseline.schedule: the learning rate of epoch e of E
+SCHEDULES = ("constant", "cosine")
+
+
+def epoch_lr(lr: float, schedule: str, epoch: int, epochs: int) -> float:
+    """``cosine``: CODA-Prompt's and InfLoRA's CosineSchedule, lr cos(99 pi e / (200 (E - 1))), stepped once
+    per epoch (the last epoch still runs at about 1.6% of lr); ``constant``: lr."""
+    if schedule == "constant" or epochs <= 1:
+        return lr
+    return lr * math.cos(99 * math.pi * epoch / (200 * (epochs - 1)))
+
+
+class ContinualClassifier:
+    """A frozen backbone, a method's trainable state and per-task linear heads (class-incremental).
+
+    Args:
+        config: the run's configuration (``backbone``, ``train``, ``baseline``, ``eval``, ``seed``).
+        progress: show progress bars.
+
+    Fitted attributes: ``backbone_``, ``heads_`` (one ``nn.Linear`` per task), ``classes_`` (the global
+    label of each logit column, task after task), ``task_classes_``.
+    """
+
+    #: registry name (set by :func:`proteus.baselines.register`)
+    name: str = "baseline"
+    #: whether the method needs a backbone with tokens (a ViT)
+    needs_tokens: bool = False
+
+    def __init__(self, config: RunConfig, *, progress: bool = True) -> None:
+        self.config = config
+        self.progress = progress
+        self.heads_ = nn.ModuleList()
+        self.classes_: list[int] = []
+        self.task_classes_: list[list[int]] = []
+        self._check_config()
+
+    def _check_config(self) -> None:
+        b = self.config.baseline
+        if b.optimizer not in OPTIMIZERS:
+            raise ValueError(f"baseline.optimizer must be one of {OPTIMIZERS}, got {b.optimizer!r}")
+        if b.schedule not in SCHEDULES:
+            raise ValueError(f"baseline.schedule must be one of {SCHEDULES}, got {b.schedule!r}")
+
+    # ------------------------------------------------------------------ set-up
+    def _build(self) -> None:
+        if hasattr(self, "backbone_"):
+            return
+        if dist.is_distributed():
+            raise RuntimeError(f"{self.name}: the baselines run in one process; launch without torchrun")
+        cfg = self.config
+        self.device_ = dist.device_for_rank(cfg.device)
+        b = cfg.backbone
+        self.backbone_: Backbone = build_backbone(
+            b.name, pretrained=b.pretrained, weights=b.weights, img_size=b.img_size, adapt_last=b.adapt_last
+        )
+        if self.needs_tokens and not hasattr(self.backbone_, "vit"):
+            raise ValueError(
+                f"{self.name} is a prompt method: it needs a backbone with tokens (a timm ViT such as "
+                f"vit_ti16 or vit_b16), not {b.name!r}; set backbone.name"
+            )
+        for p in self.backbone_.parameters():
+            p.requires_grad_(False)
+        self.backbone_.eval()
+        self.backbone_.to(self.device_)
+        self._setup()
+        self.eval_transform_ = build_transform(self.backbone_.data_config, train=False)
+        self.train_transform_ = build_transform(
+            self.backbone_.data_config, train=True, augment=cfg.train.augment
+        )
+
+    def _setup(self) -> None:
+        """Build the method's state on ``self.backbone_`` (wrap layers, create prompts)."""
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.backbone_.embed_dim)
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.heads_)
+
+    def max_tasks(self, stream_tasks: int | None = None) -> int:
+        """The number of tasks a pool is divided over (``baseline.max_tasks``, else the stream's)."""
+        return int(self.config.baseline.max_tasks or stream_tasks or 10)
+
+    # ------------------------------------------------------------------ method hooks
+    def prefix(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen part of the forward, shared by all tasks (cached without augmentation)."""
+        with torch.no_grad():
+            return self.backbone_.forward_prefix(x)
+
+    def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
+        """(N, d) embeddings of prefix outputs ``z`` under the current state (``train``: the open task's
+        training forward; may set :attr:`aux_loss`)."""
+        raise NotImplementedError
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The method's parameters trained in the open task (besides its head)."""
+        return []
+
+    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+        """Open task k's state; ``z`` (cached prefix outputs) or ``loader`` (augmented batches) give its
+        training inputs for methods that look at them first (InfLoRA)."""
+
+    def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+        """Freeze task k's state."""
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Everything learned, as named tensors (written to ``model.safetensors``)."""
+        return {
+            f"head.{k}.{n}": t.detach().cpu().contiguous()
+            for k, h in enumerate(self.heads_)
+            for n, t in h.state_dict().items()
+        }
+
+    # ------------------------------------------------------------------ training
+    def _batches(self, z: torch.Tensor | None, loader: Any, n: int, g: torch.Generator) -> Iterator[Any]:
+        if z is not None:
+            for idx in torch.randperm(n, generator=g).split(self.config.train.batch_size):
+                yield z[idx], idx
+        else:
+            for xb, yb in loader:
+                yield self.prefix(xb.to(self.device_)), yb
+
+    def input_pass(self, z: torch.Tensor | None, loader: Any) -> Iterator[torch.Tensor]:
+        """The task's training inputs once, in order, as prefix outputs on the device (no grad)."""
+        bs = self.config.eval.batch_size
+        if z is not None:
+            for chunk in z.split(bs):
+                yield chunk.to(self.device_)
+        else:
+            for xb, _ in loader:
+                yield self.prefix(xb.to(self.device_))
+
+    def fit_task(self, task: Task, stream_tasks: int | None = None) -> dict[str, Any]:
+        """Learn one task: open its state, train it with its head, freeze it. Returns training stats."""
+        self._build()
+        self._stream_tasks = stream_tasks
+        cfg, b = self.config, self.config.baseline
+        k = self.num_tasks
+        seed = cfg.seed * 1000 + k
+        torch.manual_seed(seed)
+        classes = [int(c) for c in task.classes]
+        local = {c: i for i, c in enumerate(classes)}
+        cache = not cfg.train.augment
+        z, loader, y_all = None, None, None
+        if cache:
+            z, y_all = self.prefix_dataset(task.train, self.eval_transform_, f"task {k + 1}: prefix")
+        else:
+            gl = torch.Generator().manual_seed(seed)
+            loader = torch.utils.data.DataLoader(
+                ImageDataset(task.train, self.train_transform_), batch_size=cfg.train.batch_size,
+                shuffle=True, generator=gl, num_workers=cfg.train.num_workers,
+            )  # fmt: skip
+        self._begin_task(k, z, loader)
+        head = nn.Linear(self.embed_dim, len(classes)).to(self.device_)
+        params = [p for p in self.trainable() if p.requires_grad] + list(head.parameters())
+        if b.optimizer == "adam":
+            opt: torch.optim.Optimizer = torch.optim.Adam(
+                params, lr=b.lr, betas=(0.9, 0.999), weight_decay=cfg.train.weight_decay
+            )
+        else:
+            opt = torch.optim.SGD(params, lr=b.lr, momentum=b.momentum, weight_decay=cfg.train.weight_decay)
+        g = torch.Generator().manual_seed(seed)
+        n = len(task.train)  # type: ignore[arg-type]
+        steps_per_epoch = math.ceil(n / cfg.train.batch_size)
+        losses: list[float] = []
+        total = cfg.train.epochs * steps_per_epoch
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=total, desc=f"task {k + 1}: train {self.name}", disable=not self.progress, leave=False
+        )
+        for epoch in range(cfg.train.epochs):
+            for group in opt.param_groups:
+                group["lr"] = epoch_lr(b.lr, b.schedule, epoch, cfg.train.epochs)
+            for zb, yb in self._batches(z, loader, n, g):
+                if z is not None:
+                    assert y_all is not None
+                    yb = y_all[yb]
+                target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=self.device_)
+                self.aux_loss: torch.Tensor | float = 0.0
+                with self._autocast():
+                    h = self.features(zb.to(self.device_), train=True)
+                    loss = F.cross_entropy(head(h.float()), target)
+                total_loss = loss + self.aux_loss
+                opt.zero_grad(set_to_none=True)
+                total_loss.backward()
+                opt.step()
+                self._after_step()
+                losses.append(float(loss.detach()))
+                bar.update(1)
+                if len(losses) % 10 == 0:
+                    bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+        bar.close()
+        head.requires_grad_(False)
+        self.heads_.append(head)
+        self.task_classes_.append(classes)
+        self.classes_ += classes
+        self._end_task(k, z, loader)
+        tenth = max(1, len(losses) // 10)
+        return {
+            "steps": len(losses),
+            "loss_first": float(np.mean(losses[:tenth])) if losses else None,
+            "loss_last": float(np.mean(losses[-tenth:])) if losses else None,
+            "trainable_params": int(sum(p.numel() for p in params)),
+        }
+
+    def _after_step(self) -> None:
+        """Called after each optimiser step (constraints that the method keeps by projection)."""
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device_.type, dtype=torch.bfloat16, enabled=self.device_.type == "cuda")
+
+    # ------------------------------------------------------------------ inference
+    @torch.no_grad()
+    def prefix_dataset(
+        self, ds: Any, transform: Any = None, desc: str = "prefix"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefix outputs (float32, CPU) and labels of a dataset under the evaluation transform."""
+        self._build()
+        from tqdm.auto import tqdm
+
+        loader = torch.utils.data.DataLoader(
+            ImageDataset(ds, transform or self.eval_transform_), batch_size=self.config.eval.batch_size
+        )
+        zs, ys = [], []
+        for x, y in tqdm(loader, desc=desc, disable=not self.progress, leave=False):
+            with self._autocast():
+                zs.append(self.prefix(x.to(self.device_)).float().cpu())
+            ys.append(y)
+        return torch.cat(zs), torch.cat(ys)
+
+    @torch.no_grad()
+    def logits_prefix(self, z: torch.Tensor) -> torch.Tensor:
+        """(N, C_seen) logits of prefix outputs over every class seen so far (columns: :attr:`classes_`)."""
+        if not self.num_tasks:
+            raise RuntimeError(f"{self.name}: not fitted; call fit_task first")
+        outs = []
+        for chunk in z.split(self.config.eval.batch_size):
+            with self._autocast():
+                h = self.features(chunk.to(self.device_), train=False).float()
+            outs.append(torch.cat([head(h) for head in self.heads_], 1).cpu())
+        return torch.cat(outs)
+
+    def predict_prefix(self, z: torch.Tensor) -> torch.Tensor:
+        """Global labels: the argmax over the seen classes (class-incremental)."""
+        idx = self.logits_prefix(z).argmax(1)
+        return torch.as_tensor(self.classes_)[idx]
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """Global labels of a batch of transformed images."""
+        self._build()
+        return self.predict_prefix(self.prefix(x.to(self.device_)).float())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(method={self.name!r}, tasks={self.num_tasks})"

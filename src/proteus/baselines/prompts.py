@@ -1,0 +1,310 @@
+"""The prompt baselines of Table 1 on the timm ViTs: L2P, DualPrompt and CODA-Prompt.
+
+All three read a *query*, the frozen ViT's class token (after the final norm) of a prompt-free pass, and
+choose or weight prompts from a pool by its match with learned keys; the ViT itself stays frozen. Two ways
+of inserting a prompt P into block l:
+
+* prompt tuning (L2P): P's tokens join the sequence before the first block, ``[CLS, P, patches]``, each
+  with the class token's position embedding (the PyTorch port's layout);
+* prefix tuning (DualPrompt, CODA-Prompt): block l's attention sees P_k and P_v as extra keys and values
+  (:func:`block_with_prefix`); the sequence keeps its length.
+
+**L2P** (Wang et al., CVPR 2022): a pool of M prompts of length L with keys; each input takes the N prompts
+whose keys are most cosine-similar to its query; the head reads the mean of the prompt tokens' outputs;
+the surrogate loss ``-match_weight * sum_n cos(q, k_n)`` pulls the chosen keys towards the queries.
+
+**DualPrompt** (Wang et al., ECCV 2022): a g-prompt shared by all tasks (prefix, blocks 0-1) and one
+e-prompt per task with its key (prefix, blocks 2-4). Training uses task t's e-prompt for every input and
+pulls key t towards the queries; at test the e-prompt of the most similar key is used. Task t's e-prompt
+starts as a copy of task t-1's (the port's shared pool). The head reads the class token.
+
+**CODA-Prompt** (Smith et al., CVPR 2023): per prompted block, M components P_m with keys K_m and attention
+vectors A_m; an input's prompt is ``sum_m cos(q * A_m, K_m) P_m``, split in half into prefix keys and
+values. Task t trains its own M / T components (Gram-Schmidt-initialised orthogonal to the earlier ones);
+earlier components are used but frozen. The head reads the class token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from proteus.baselines.learner import ContinualClassifier
+
+__all__ = ["CodaPrompt", "DualPrompt", "L2P", "PromptClassifier", "block_with_prefix", "gram_schmidt"]
+
+
+def block_with_prefix(
+    blk: nn.Module, x: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor] | None
+) -> torch.Tensor:
+    """A timm ViT block whose attention also attends to ``prefix = (P_k, P_v)``, each (B, L_p, d), placed
+    before the sequence's own keys and values (prefix tuning). ``prefix=None`` is the plain block."""
+    if prefix is None:
+        return blk(x)
+    a = blk.attn
+    h = blk.norm1(x)
+    B, N, _ = h.shape
+    H, hd = a.num_heads, a.head_dim
+    q, k, v = a.qkv(h).reshape(B, N, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k = a.q_norm(q), a.k_norm(k)
+    pk, pv = (p.reshape(B, -1, H, hd).transpose(1, 2).to(k.dtype) for p in prefix)
+    o = F.scaled_dot_product_attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2))
+    o = a.proj(a.norm(o.transpose(1, 2).reshape(B, N, -1)))
+    x = x + blk.ls1(o)
+    return x + blk.ls2(blk.mlp(blk.norm2(x)))
+
+
+def gram_schmidt(old: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """``n`` unit rows, orthogonal to each other and to the rows of ``old`` (CODA-Prompt's per-task
+    initialisation): random normal rows, each projected off all earlier rows, then normalised."""
+    rows = [r for r in old.double()]
+    out = []
+    for _ in range(n):
+        v = torch.randn(old.shape[1], generator=generator, dtype=torch.float64)
+        for u in rows:
+            v = v - (v @ u) / (u @ u) * u
+        v = v / v.norm()
+        rows.append(v)
+        out.append(v)
+    return torch.stack(out).to(old.dtype)
+
+
+class PromptClassifier(ContinualClassifier):
+    """A prompt baseline: the prefix is the patch embedding; the query is the frozen class token."""
+
+    needs_tokens = True
+
+    @property
+    def vit(self) -> nn.Module:
+        return self.backbone_.vit  # type: ignore[attr-defined]
+
+    def _setup(self) -> None:
+        # prompts enter the first prompted block and the query is a whole frozen pass: every block runs
+        # here whatever backbone.adapt_last says (it only shapes the LoRA methods' frozen prefix)
+        self._make_state(self.embed_dim, None)
+
+    def _make_state(self, d: int, dev: Any) -> None:
+        raise NotImplementedError
+
+    def prefix(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.vit.patch_embed(x)
+
+    def tokens(self, z: torch.Tensor) -> torch.Tensor:
+        """Patch tokens -> the sequence with the class token and position embedding."""
+        v = self.vit
+        return v.norm_pre(v._pos_embed(z))
+
+    @torch.no_grad()
+    def query(self, z: torch.Tensor) -> torch.Tensor:
+        """The frozen ViT's class token after the final norm, without prompts (B, d)."""
+        x = self.tokens(z)
+        for blk in self.vit.blocks:
+            x = blk(x)
+        return self.vit.norm(x)[:, 0]
+
+    def run_blocks(
+        self, x: torch.Tensor, prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        for i, blk in enumerate(self.vit.blocks):
+            x = block_with_prefix(blk, x, prefixes.get(i))
+        return self.vit.norm(x)
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        raise NotImplementedError
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = super().state_tensors()
+        out.update({f"prompt.{n}": p.detach().cpu().contiguous() for n, p in self._params().items()})
+        return out
+
+    def _to(self, t: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(t.to(next(self.vit.parameters()).device))
+
+
+class L2P(PromptClassifier):
+    """L2P: top-N prompts of a keyed pool by cosine with the query; prompt tuning; surrogate loss."""
+
+    name = "l2p"
+
+    def _make_state(self, d: int, dev: Any) -> None:
+        b = self.config.baseline
+        if not 1 <= b.top_k <= b.pool_size:
+            raise ValueError(f"l2p: baseline.top_k must be in 1..pool_size={b.pool_size}, got {b.top_k}")
+        g = torch.Generator().manual_seed(self.config.seed)
+        self.prompt_ = self._to(torch.rand(b.pool_size, b.prompt_length, d, generator=g) * 2 - 1)
+        self.key_ = self._to(torch.rand(b.pool_size, d, generator=g) * 2 - 1)
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        return {"prompt": self.prompt_, "key": self.key_}
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [self.prompt_, self.key_]
+
+    def select(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, N) indices of the chosen prompts and their (B, N) cosine similarities with the query."""
+        sim = F.normalize(q, dim=-1) @ F.normalize(self.key_, dim=-1).T
+        idx = sim.topk(self.config.baseline.top_k, dim=1).indices
+        return idx, sim.gather(1, idx)
+
+    def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
+        q = self.query(z)
+        idx, cos = self.select(q)
+        B, n = idx.shape
+        P = self.prompt_[idx].reshape(B, -1, self.embed_dim)  # (B, N L, d)
+        x = self.tokens(z)
+        pos0 = self.vit.pos_embed[:, :1] if self.vit.pos_embed is not None else 0
+        x = torch.cat([x[:, :1], P.to(x.dtype) + pos0, x[:, 1:]], 1)
+        x = self.run_blocks(x, {})
+        if train:
+            self.aux_loss = -self.config.baseline.match_weight * cos.sum() / B
+        return x[:, 1 : 1 + P.shape[1]].mean(1)
+
+
+class DualPrompt(PromptClassifier):
+    """DualPrompt: a shared g-prompt and per-task e-prompts with keys, both as prefixes."""
+
+    name = "dualprompt"
+
+    def _make_state(self, d: int, dev: Any) -> None:
+        b = self.config.baseline
+        g = torch.Generator().manual_seed(self.config.seed)
+        n_g, n_e = len(b.g_layers), len(b.prompt_layers)
+        self.g_prompt_ = self._to(torch.rand(n_g, 2, b.g_length, d, generator=g) * 2 - 1)
+        self._gen = g
+        self.e_prompts_: list[nn.Parameter] = []
+        self.e_keys_: list[nn.Parameter] = []
+        self._shape = (n_e, 2, b.prompt_length, d)
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        out = {"g": self.g_prompt_}
+        for t, (p, k) in enumerate(zip(self.e_prompts_, self.e_keys_)):
+            out[f"e.{t}"], out[f"key.{t}"] = p, k
+        return out
+
+    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+        d = self.embed_dim
+        fresh = torch.rand(*self._shape, generator=self._gen) * 2 - 1
+        key = torch.rand(d, generator=self._gen) * 2 - 1
+        # the port's shared pool: task t's e-prompt starts where task t-1's ended (keys start fresh)
+        e = self.e_prompts_[-1].detach().clone() if self.e_prompts_ else fresh
+        self.e_prompts_.append(self._to(e.cpu()))
+        self.e_keys_.append(self._to(key))
+
+    def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+        self.e_prompts_[-1].requires_grad_(False)
+        self.e_keys_[-1].requires_grad_(False)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [self.g_prompt_, self.e_prompts_[-1], self.e_keys_[-1]]
+
+    def select(self, q: torch.Tensor) -> torch.Tensor:
+        """(B,) the e-prompt of the key most cosine-similar to each query."""
+        keys = torch.stack(list(self.e_keys_))
+        return (F.normalize(q, dim=-1) @ F.normalize(keys, dim=-1).T).argmax(1)
+
+    def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
+        b = self.config.baseline
+        q = self.query(z)
+        B = q.shape[0]
+        t = len(self.e_prompts_) - 1
+        if train:
+            idx = torch.full((B,), t, dtype=torch.long, device=q.device)
+            cos = F.cosine_similarity(q, self.e_keys_[t][None], dim=-1)
+            self.aux_loss = -b.match_weight * cos.sum() / B
+        else:
+            idx = self.select(q)
+        E = torch.stack(list(self.e_prompts_))[idx]  # (B, n_e, 2, L, d)
+        prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for j, layer in enumerate(b.g_layers):
+            G = self.g_prompt_[j][None].expand(B, -1, -1, -1)
+            prefixes[layer] = (G[:, 0], G[:, 1])
+        for j, layer in enumerate(b.prompt_layers):
+            pk, pv = E[:, j, 0], E[:, j, 1]
+            if layer in prefixes:
+                pk, pv = torch.cat([prefixes[layer][0], pk], 1), torch.cat([prefixes[layer][1], pv], 1)
+            prefixes[layer] = (pk, pv)
+        x = self.run_blocks(self.tokens(z), prefixes)
+        return x[:, 0]
+
+
+class CodaPrompt(PromptClassifier):
+    """CODA-Prompt: per block, a prompt as the attention-weighted sum of components (prefix tuning)."""
+
+    name = "coda-prompt"
+
+    def _make_state(self, d: int, dev: Any) -> None:
+        b = self.config.baseline
+        if b.prompt_length % 2:
+            raise ValueError(
+                f"coda-prompt: baseline.prompt_length must be even (k/v halves), got {b.prompt_length}"
+            )
+        M, L = b.pool_size, b.prompt_length
+        self.P_ = {layer: self._to(torch.zeros(M, L, d)) for layer in b.prompt_layers}
+        self.K_ = {layer: self._to(torch.zeros(M, d)) for layer in b.prompt_layers}
+        self.A_ = {layer: self._to(torch.zeros(M, d)) for layer in b.prompt_layers}
+        self._gen = torch.Generator().manual_seed(self.config.seed)
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        out = {}
+        for layer in self.P_:
+            out[f"P.{layer}"], out[f"K.{layer}"], out[f"A.{layer}"] = (
+                self.P_[layer],
+                self.K_[layer],
+                self.A_[layer],
+            )
+        return out
+
+    def span(self, k: int) -> tuple[int, int]:
+        """Task k's components [s, f) of the pool."""
+        per = self.config.baseline.pool_size // self.max_tasks(self._stream_tasks)
+        if per < 1 or (k + 1) * per > self.config.baseline.pool_size:
+            raise ValueError(
+                f"coda-prompt: pool_size {self.config.baseline.pool_size} cannot give task {k + 1} its "
+                f"components; raise baseline.pool_size or set baseline.max_tasks"
+            )
+        return k * per, (k + 1) * per
+
+    @torch.no_grad()
+    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+        s, f = self.span(k)
+        for tensors in (self.P_, self.K_, self.A_):
+            for t in tensors.values():
+                flat = t.data.reshape(t.shape[0], -1)
+                flat[s:f] = gram_schmidt(flat[:s].cpu(), f - s, self._gen).to(flat.device)
+        self._task = k
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [t for d in (self.P_, self.K_, self.A_) for t in d.values()]
+
+    def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
+        b = self.config.baseline
+        q = self.query(z)
+        k = self._task if train else self.num_tasks - 1
+        s, f = self.span(k)
+        half = b.prompt_length // 2
+        prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        ortho = 0.0
+        for layer in b.prompt_layers:
+            parts = []
+            for t in (self.K_[layer], self.A_[layer], self.P_[layer]):
+                parts.append(torch.cat([t[:s].detach(), t[s:f]]) if train else t[:f])
+            K, A, P = parts
+            aq = q[:, None, :] * A[None]  # (B, f, d)
+            w = (F.normalize(aq, dim=2) * F.normalize(K, dim=1)[None]).sum(2)  # (B, f)
+            Pq = torch.einsum("bk,kld->bld", w, P)
+            prefixes[layer] = (Pq[:, :half], Pq[:, half:])
+            if train and b.ortho_weight > 0:
+                ortho = ortho + sum(_ortho_penalty(x.reshape(x.shape[0], -1)) for x in (K, A, P))
+        if train:
+            self.aux_loss = b.ortho_weight * ortho
+        x = self.run_blocks(self.tokens(z), prefixes)
+        return x[:, 0]
+
+
+def _ortho_penalty(x: torch.Tensor) -> torch.Tensor:
+    """mean((X X^T - I)^2), CODA-Prompt's orthogonality penalty."""
+    return ((x @ x.T - torch.eye(x.shape[0], device=x.device)) ** 2).mean()
