@@ -32,16 +32,44 @@ PAPER = {
     "imagenet-r-budget": ("imagenet-r", 20, 10, 1e-3, 32),
 }
 ADD_ON = {"mobilenet_cpu"}  # applied on top of a benchmark with --config
+#: a baseline's official setting on a paper benchmark (--config NAME on top of --benchmark / --method):
+#: name -> (method, benchmark, epochs, batch size, optimizer, lr), from the authors' released code
+BASELINE = {
+    "inflora-cifar100": ("inflora", "cifar100", 20, 128, "adam", 5e-4),
+    "inflora-imagenet-r": ("inflora", "imagenet-r", 50, 128, "adam", 5e-4),
+    "sd-lora-cifar100": ("sd-lora", "cifar100", 20, 128, "sgd", 8e-3),
+    "sd-lora-imagenet-r": ("sd-lora", "imagenet-r", 20, 128, "sgd", 1e-2),
+    "l2p-cifar100": ("l2p", "cifar100", 5, 16, "adam", 0.03 * 16 / 256),
+    "dualprompt-cifar100": ("dualprompt", "cifar100", 5, 24, "adam", 0.03 * 24 / 256),
+    "dualprompt-imagenet-r": ("dualprompt", "imagenet-r", 50, 24, "adam", 0.005 * 24 / 256),
+    "coda-prompt-cifar100": ("coda-prompt", "cifar100", 20, 128, "adam", 1e-3),
+    "coda-prompt-imagenet-r": ("coda-prompt", "imagenet-r", 50, 128, "adam", 1e-3),
+}
 
 
 def test_every_config_is_known() -> None:
-    assert set(CONFIGS) == set(PAPER) | ADD_ON | {"quickstart"}
+    assert set(CONFIGS) == set(PAPER) | ADD_ON | set(BASELINE) | {"quickstart"}
+
+
+@pytest.mark.parametrize("name", sorted(BASELINE))
+def test_baseline_configs_carry_the_released_settings(name: str) -> None:
+    method, bench, epochs, bs, opt, lr = BASELINE[name]
+    cfg = resolve_config(bench, method=method, config_files=[name])
+    assert (cfg.method, cfg.benchmark.name, cfg.train.epochs, cfg.train.batch_size) == (
+        method,
+        bench,
+        epochs,
+        bs,
+    )
+    assert (cfg.baseline.optimizer, cfg.baseline.lr) == (opt, pytest.approx(lr))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_packaged_config_resolves(name: str) -> None:
     if name in ADD_ON:
         cfg = resolve_config("quickstart", config_files=[name])
+    elif name in BASELINE:
+        cfg = resolve_config(BASELINE[name][1], method=BASELINE[name][0], config_files=[name])
     else:
         cfg = resolve_config(name)  # picked up by benchmark name (runner.packaged_config)
     assert cfg.benchmark.name in BENCHMARKS

@@ -23,7 +23,7 @@ LAYERS = {
     "cli": 7, "__main__": 8, "serve": 7,
     "experiment": 6,
     "report": 5,
-    "estimator": 4,
+    "estimator": 4, "baselines": 4,
     "presets": 3,
     "engine": 2, "methods": 1,
     "adapters": 0, "signatures": 0, "heads": 0, "kb": 0, "backbones": 0, "streams": 0, "config": 0,

@@ -156,6 +156,11 @@ class RetrievalConfig:
     candidate_space: str = "first-adapter"
 
 
+#: allowed values of baseline.optimizer (the released codes' optimisers) and baseline.schedule
+BASELINE_OPTIMIZERS = ("adam", "sgd")
+BASELINE_SCHEDULES = ("constant", "cosine")
+
+
 @dataclass
 class BaselineConfig:
     """The trained-classifier baselines of Table 1 (:mod:`proteus.baselines`; docs/experiments.md gives

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from proteus.adapters.lora import TRANSFER_INIT
-from proteus.config import ConfigError, RunConfig, load_yaml, merge, parse_set
+from proteus.config import (
+    BASELINE_OPTIMIZERS,
+    BASELINE_SCHEDULES,
+    ConfigError,
+    RunConfig,
+    load_yaml,
+    merge,
+    parse_set,
+)
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
 from proteus.engine.keys import KEYS
 from proteus.engine.trainer import S_UPDATES
@@ -37,6 +45,8 @@ CHOICES: dict[str, Collection[str]] = {
     "signature.keys": KEYS,
     "head.gamma_selection": GAMMA_SELECTIONS,
     "head.prototypes": PROTOTYPES,
+    "baseline.optimizer": BASELINE_OPTIMIZERS,
+    "baseline.schedule": BASELINE_SCHEDULES,
     **{f"signature.{k}": v for k, v in SIGNATURE_CHOICES.items()},
 }
 
@@ -81,6 +91,16 @@ RANGES: dict[str, Interval] = {
     "adapter.budget_decay": NON_NEGATIVE,
     "adapter.min_rank": AT_LEAST_1,
     "train.epochs": AT_LEAST_1,
+    "baseline.lr": POSITIVE,
+    "baseline.rank": AT_LEAST_1,
+    "baseline.gpm_start": UNIT,
+    "baseline.pool_size": AT_LEAST_1,
+    "baseline.prompt_length": AT_LEAST_1,
+    "baseline.top_k": AT_LEAST_1,
+    "baseline.g_length": AT_LEAST_1,
+    "baseline.match_weight": NON_NEGATIVE,
+    "baseline.ortho_weight": NON_NEGATIVE,
+    "baseline.max_tasks": AT_LEAST_1,
     "train.batch_size": AT_LEAST_1,
     "train.lr": POSITIVE,
     "train.weight_decay": NON_NEGATIVE,

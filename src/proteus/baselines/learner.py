@@ -32,7 +32,7 @@ from torch import nn
 from proteus import distributed as dist
 from proteus.backbones import Backbone, build_backbone
 from proteus.backbones.transforms import build_transform
-from proteus.config import RunConfig
+from proteus.config import BASELINE_OPTIMIZERS, BASELINE_SCHEDULES, RunConfig
 from proteus.engine.embedder import ImageDataset
 from proteus.streams import Task
 
@@ -40,10 +40,8 @@ log = logging.getLogger("proteus")
 
 __all__ = ["OPTIMIZERS", "SCHEDULES", "ContinualClassifier"]
 
-#: the optimisers the released code uses (baseline.optimizer)
-OPTIMIZERS = ("adam", "sgd")
-#: baseline.schedule: the learning rate of epoch e of E
-SCHEDULES = ("constant", "cosine")
+#: allowed values, declared with the config (validated by proteus.presets)
+OPTIMIZERS, SCHEDULES = BASELINE_OPTIMIZERS, BASELINE_SCHEDULES
 
 
 def epoch_lr(lr: float, schedule: str, epoch: int, epochs: int) -> float:
@@ -76,14 +74,7 @@ class ContinualClassifier:
         self.heads_ = nn.ModuleList()
         self.classes_: list[int] = []
         self.task_classes_: list[list[int]] = []
-        self._check_config()
-
-    def _check_config(self) -> None:
-        b = self.config.baseline
-        if b.optimizer not in OPTIMIZERS:
-            raise ValueError(f"baseline.optimizer must be one of {OPTIMIZERS}, got {b.optimizer!r}")
-        if b.schedule not in SCHEDULES:
-            raise ValueError(f"baseline.schedule must be one of {SCHEDULES}, got {b.schedule!r}")
+        self._stream_tasks: int | None = None
 
     # ------------------------------------------------------------------ set-up
     def _build(self) -> None:
@@ -237,6 +228,7 @@ class ContinualClassifier:
                 if len(losses) % 10 == 0:
                     bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
         bar.close()
+        opt.zero_grad(set_to_none=True)
         head.requires_grad_(False)
         self.heads_.append(head)
         self.task_classes_.append(classes)
