@@ -85,8 +85,8 @@ def run_baseline(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict
             model_bytes = save_model(clf, out)
             log.info("task %d: %s", k + 1, json.dumps({"stats": stats, "eval": ev}))
             if progress:
-                print(f"task {k + 1}/{len(stream.tasks)}: accuracy per task {[round(a, 1) for a in ev['row']]}",
-                      flush=True)  # fmt: skip
+                row = [round(a, 1) for a in ev["row"]]
+                print(f"task {k + 1}/{len(stream.tasks)}: accuracy per task {row}", flush=True)
         extra = {"tasks": per_task, "model_bytes": model_bytes, "learner": clf.name}
         res = build_results(cfg, stream, evaluation, time.perf_counter() - t0, extra)
         (out / "results.json").write_text(json.dumps(res, indent=1, default=float))

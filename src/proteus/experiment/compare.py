@@ -133,11 +133,12 @@ def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """The results of a finished run of ``cfg`` in ``run_dir``; None when there is none yet."""
     res_file, cfg_file = run_dir / "results.json", run_dir / "config.yaml"
     if not res_file.is_file():
-        if (run_dir / "kb" / "manifest.json").is_file():
-            raise ConfigError(
-                f"{run_dir}: holds an unfinished run (a knowledge base but no results.json); remove the "
-                "directory to run it again"
-            )
+        for started in ("kb/manifest.json", "model.json"):  # a PROTEUS run's KB, a baseline's model
+            if (run_dir / started).is_file():
+                raise ConfigError(
+                    f"{run_dir}: holds an unfinished run ({started} but no results.json); remove the "
+                    "directory to run it again"
+                )
         return None
     old = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else None
     if not isinstance(old, dict):
