@@ -165,7 +165,7 @@ def test_sdlora_old_directions_fixed_magnitudes_learned(stream) -> None:
     h = clf.features(z, train=True)
     h.sum().backward()
     assert clf.alpha_.grad is not None and float(clf.alpha_.grad[0].abs()) > 0  # old magnitude trained
-    for n, u in units.items():
+    for u in units.values():
         assert u.A.grad is None and u.B.grad is None  # the old directions are buffers: never trained
         c = u.columns(0)
         dW = (u.B[:, c] * u.s_fixed[c]) @ u.A[:, c].T
