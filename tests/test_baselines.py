@@ -261,3 +261,20 @@ def test_every_baseline_runs(method: str, tmp_path: Path) -> None:
     assert (out / "model.safetensors").is_file() and (out / "split.json").is_file()
     meta = json.loads((out / "model.json").read_text())
     assert len(meta["task_classes"]) == 2
+
+
+def test_learn_refuses_a_baseline(tmp_path: Path, capsys) -> None:
+    argv = [
+        "learn",
+        "--kb",
+        str(tmp_path / "kb"),
+        "--task",
+        "1",
+        "--benchmark",
+        "quickstart",
+        "--method",
+        "inflora",
+    ]
+    assert main(argv) != 0
+    assert "proteus run" in capsys.readouterr().err
+    assert not (tmp_path / "kb").exists()

@@ -27,6 +27,7 @@ from proteus.experiment.evaluate import Evaluation, Evaluator
 from proteus.experiment.loop import create_kb, learn_and_commit
 from proteus.experiment.store import kb_header
 from proteus.kb import KBError, KnowledgeBase, write_lock
+from proteus.methods import METHODS
 from proteus.presets import validate
 from proteus.streams import TaskStream, build_benchmark
 
@@ -94,6 +95,12 @@ def learn_task(
     kb_dir = Path(kb_dir)
     if task < 1:
         raise ConfigError(f"--task must be 1 or more (tasks are numbered from 1), got {task}")
+    method = given.get("method")
+    if method in METHODS and METHODS.get(method).learner != "proteus":
+        raise ConfigError(
+            f"{method} is a Table 1 baseline without a knowledge base: run it on a whole stream with "
+            "`proteus run` or `proteus compare`; `proteus learn` adds tasks to PROTEUS methods only"
+        )
     if kb_dir.exists() and not kb_dir.is_dir():
         raise KBError(f"{kb_dir}: is a file, not a knowledge-base directory; choose another --kb")
     lock = write_lock(kb_dir, wait=wait) if dist.is_main() else contextlib.nullcontext()
