@@ -278,3 +278,14 @@ def test_learn_refuses_a_baseline(tmp_path: Path, capsys) -> None:
     assert main(argv) != 0
     assert "proteus run" in capsys.readouterr().err
     assert not (tmp_path / "kb").exists()
+
+
+def test_cosine_schedule_as_the_released_loops_step_it() -> None:
+    """CODA-Prompt's / InfLoRA's CosineSchedule resets its step count after construction: lr, lr, then
+    cos(99 pi (e - 1) / (200 (E - 1))); the last of 20 epochs runs at 9.7 % of lr."""
+    from proteus.baselines.learner import epoch_lr
+
+    lrs = [epoch_lr(1.0, "cosine", e, 20) for e in range(20)]
+    assert lrs[0] == lrs[1] == 1.0 and lrs[2] == pytest.approx(0.9967, abs=1e-4)
+    assert lrs[-1] == pytest.approx(0.0974, abs=1e-3)
+    assert epoch_lr(1.0, "constant", 7, 20) == 1.0

@@ -173,6 +173,8 @@ class BaselineConfig:
     momentum: float = 0.9
     #: learning rate over a task's epochs: "constant" or "cosine" (CODA's / InfLoRA's CosineSchedule)
     schedule: str = "constant"
+    #: clip the gradient norm of the trained tensors before each step (the L2P / DualPrompt ports: 1.0)
+    clip_grad: float | None = None
     #: LoRA rank of InfLoRA and SD-LoRA (their code: 10)
     rank: int = 10
     #: InfLoRA's DualGPM threshold eps_t = gpm_start + (1 - gpm_start) t / T (CIFAR 0.95, ImageNet-R 0.98)

@@ -92,6 +92,7 @@ RANGES: dict[str, Interval] = {
     "adapter.min_rank": AT_LEAST_1,
     "train.epochs": AT_LEAST_1,
     "baseline.lr": POSITIVE,
+    "baseline.clip_grad": POSITIVE,
     "baseline.rank": AT_LEAST_1,
     "baseline.gpm_start": UNIT,
     "baseline.pool_size": AT_LEAST_1,

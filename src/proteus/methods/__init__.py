@@ -150,7 +150,7 @@ declare(
     learner="l2p",
     baseline__optimizer="adam", baseline__lr=1.875e-3, baseline__schedule="constant",
     baseline__pool_size=10, baseline__prompt_length=5, baseline__top_k=5, baseline__match_weight=0.1,
-    baseline__prompt_layers=[0],
+    baseline__prompt_layers=[0], baseline__clip_grad=1.0,
 )  # fmt: skip
 declare(
     "dualprompt",
@@ -158,7 +158,7 @@ declare(
     learner="dualprompt",
     baseline__optimizer="adam", baseline__lr=1.875e-3, baseline__schedule="constant",
     baseline__prompt_length=5, baseline__g_length=5, baseline__g_layers=[0, 1],
-    baseline__prompt_layers=[2, 3, 4], baseline__match_weight=1.0,
+    baseline__prompt_layers=[2, 3, 4], baseline__match_weight=1.0, baseline__clip_grad=1.0,
 )  # fmt: skip
 declare(
     "coda-prompt",
