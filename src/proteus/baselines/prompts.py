@@ -84,9 +84,9 @@ class PromptClassifier(ContinualClassifier):
     def _setup(self) -> None:
         # prompts enter the first prompted block and the query is a whole frozen pass: every block runs
         # here whatever backbone.adapt_last says (it only shapes the LoRA methods' frozen prefix)
-        self._make_state(self.embed_dim, None)
+        self._make_state(self.embed_dim)
 
-    def _make_state(self, d: int, dev: Any) -> None:
+    def _make_state(self, d: int) -> None:
         raise NotImplementedError
 
     def prefix(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,7 @@ class L2P(PromptClassifier):
 
     name = "l2p"
 
-    def _make_state(self, d: int, dev: Any) -> None:
+    def _make_state(self, d: int) -> None:
         b = self.config.baseline
         if not 1 <= b.top_k <= b.pool_size:
             raise ValueError(f"l2p: baseline.top_k must be in 1..pool_size={b.pool_size}, got {b.top_k}")
@@ -169,7 +169,7 @@ class DualPrompt(PromptClassifier):
 
     name = "dualprompt"
 
-    def _make_state(self, d: int, dev: Any) -> None:
+    def _make_state(self, d: int) -> None:
         b = self.config.baseline
         g = torch.Generator().manual_seed(self.config.seed)
         n_g, n_e = len(b.g_layers), len(b.prompt_layers)
@@ -236,7 +236,7 @@ class CodaPrompt(PromptClassifier):
 
     name = "coda-prompt"
 
-    def _make_state(self, d: int, dev: Any) -> None:
+    def _make_state(self, d: int) -> None:
         b = self.config.baseline
         if b.prompt_length % 2:
             raise ValueError(
