@@ -59,13 +59,16 @@ def block_with_prefix(
 
 def gram_schmidt(old: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
     """``n`` unit rows, orthogonal to each other and to the rows of ``old`` (CODA-Prompt's per-task
-    initialisation): random normal rows, each projected off all earlier rows, then normalised."""
+    initialisation): random normal rows, each minus its projections on all earlier rows, then normalised.
+    Classical Gram-Schmidt, as the released code: every projection is of the raw draw (the same rows as
+    the modified form when ``old`` is orthonormal; not once training has moved the old rows)."""
     rows = [r for r in old.double()]
     out = []
     for _ in range(n):
-        v = torch.randn(old.shape[1], generator=generator, dtype=torch.float64)
+        raw = torch.randn(old.shape[1], generator=generator, dtype=torch.float64)
+        v = raw.clone()
         for u in rows:
-            v = v - (v @ u) / (u @ u) * u
+            v = v - (raw @ u) / (u @ u) * u
         v = v / v.norm()
         rows.append(v)
         out.append(v)
