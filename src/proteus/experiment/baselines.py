@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from proteus.baselines import ContinualClassifier, build_baseline
 from proteus.config import RunConfig
 from proteus.experiment.results import build_results
+from proteus.experiment.store import setup_run_log
 from proteus.streams import TaskStream, build_benchmark
 
 log = logging.getLogger("proteus")
@@ -59,10 +60,8 @@ def save_model(clf: ContinualClassifier, out: Path) -> int:
 
 def run_baseline(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any]:
     """The whole stream with one baseline; writes config.yaml, split.json, log.txt, model.*, results.json."""
-    from proteus.experiment.loop import _setup_log
-
     out = Path(out)
-    handler = _setup_log(out)
+    handler = setup_run_log(out)
     try:
         t0 = time.perf_counter()
         if (out / "results.json").exists() or (out / "model.json").exists():

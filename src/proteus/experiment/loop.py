@@ -21,7 +21,7 @@ from proteus.engine.records import TaskStats
 from proteus.estimator import Proteus
 from proteus.experiment.evaluate import Evaluator
 from proteus.experiment.results import build_results
-from proteus.experiment.store import kb_header
+from proteus.experiment.store import kb_header, setup_run_log
 from proteus.faults import crash_point
 from proteus.kb import KBError, KnowledgeBase
 from proteus.streams import TaskStream, build_benchmark
@@ -56,15 +56,6 @@ def create_kb(root: str | Path, header: dict[str, Any]) -> KnowledgeBase:
     return KnowledgeBase.new(root, header)
 
 
-def _setup_log(out: Path) -> logging.Handler:
-    out.mkdir(parents=True, exist_ok=True)
-    h = logging.FileHandler(out / "log.txt")
-    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    logging.getLogger("proteus").addHandler(h)
-    logging.getLogger("proteus").setLevel(logging.INFO)
-    return h
-
-
 def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any]:
     """The whole continual loop in one process; writes config.yaml, split.json, log.txt, kb/, results.json,
     analysis.json and (``report.figures``) report.md with figures/ (:mod:`proteus.report`)."""
@@ -76,7 +67,7 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
         return run_baseline(cfg, out, progress)
     out = Path(out)
     main = dist.is_main()  # under torchrun only rank 0 writes files (proteus.distributed)
-    handler = _setup_log(out) if main else None
+    handler = setup_run_log(out) if main else None
     try:
         t0 = time.perf_counter()
         if main:
