@@ -13,32 +13,24 @@ string in both codes).
 import importlib.util
 import os
 
-import numpy as np
+import common
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from common import add_path, build, cpu_cuda, info, mad, plain_vit, report, summary, theirs
-from PIL import Image
+from common import info, mad, report
 
 from proteus.baselines.learner import epoch_lr
 from proteus.baselines.prompts import gram_schmidt
-from proteus.streams.base import Task
 
-clf = build("coda-prompt")
-clf.config.train.epochs, clf.config.train.batch_size = 2, 4
-add_path("theirs_coda")
-cpu_cuda()
+clf, plain = common.setup_ours("coda-prompt", epochs=2, batch_size=4)
+b = clf.config.baseline
+common.add_path("theirs_coda")
+common.cpu_cuda()
 # their code, importable only after add_path:
 import models.zoo as zoo  # noqa: E402
 from models.vit import VisionTransformer as CodaViT  # noqa: E402
 from utils.schedulers import CosineSchedule  # noqa: E402
 
-g = torch.Generator().manual_seed(1)
-with torch.no_grad():
-    for p in clf.backbone_.vit.parameters():
-        p.add_(0.05 * torch.randn(p.shape, generator=g))
-plain = plain_vit(clf)
-b = clf.config.baseline
 T = 10
 info(
     "our config",
@@ -59,26 +51,9 @@ def einsum_rec(eq, *ops):
 
 torch.einsum = einsum_rec
 
-rng = np.random.default_rng(0)
-tasks = []
-for k in range(2):
-    imgs = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(4)]
-    tasks.append(Task(k, [2 * k, 2 * k + 1], ["a", "b"], list(zip(imgs, [2 * k, 2 * k + 1] * 2)), []))
+tasks = common.random_tasks(2)
 clf.fit_task(tasks[0], stream_tasks=T)
 
-cap = {}
-_Adam = torch.optim.Adam
-
-
-class RecAdam(_Adam):
-    def __init__(self, params, *a, **k):
-        params = list(params)
-        cap["init"] = [p.detach().clone() for p in params]
-        cap["kw"] = k
-        super().__init__(params, *a, **k)
-
-
-torch.optim.Adam = RecAdam
 feat_calls = []
 _feat = clf.features
 
@@ -95,16 +70,16 @@ def rec_features(z, train):
 
 clf.features = rec_features
 task = tasks[1]
-X = torch.stack([clf.eval_transform_(im) for im, _ in task.train])
+X = common.task_images(clf, task)
 Y = torch.tensor([0, 1, 0, 1])
 z = clf.prefix(X)
 # task 1: 3 epochs x 1 batch = 3 Adam steps at lr, lr, lr cos(99 pi / 400): the schedule changes the lr
 # within the compared steps
 EPOCHS = 3
 clf.config.train.epochs = EPOCHS
-stats = clf.fit_task(task, stream_tasks=T)
-torch.optim.Adam = _Adam
-init = cap["init"]  # trainable(): P_l for l in layers, then K_l, then A_l; then head w, b
+with common.recording_optimizer("Adam") as opt_rec:
+    stats = clf.fit_task(task, stream_tasks=T)
+init = opt_rec["init"][-1]  # trainable(): P_l for l in layers, then K_l, then A_l; then head w, b
 nl = len(b.prompt_layers)
 P0, K0, A0 = init[:nl], init[nl : 2 * nl], init[2 * nl : 3 * nl]
 
@@ -158,7 +133,7 @@ def their_steps():
     with torch.no_grad():
         mm.last.weight.copy_(init[-2])
         mm.last.bias.copy_(init[-1])
-    opt = _Adam(
+    opt = torch.optim.Adam(
         list(mm.prompt.parameters()) + list(mm.last.parameters()),
         lr=b.lr,
         weight_decay=0.0,
@@ -207,16 +182,16 @@ report(
 )
 # the schedule over several task lengths (CODA / InfLoRA configs use 20 epochs): their CosineSchedule
 # stepped as their learners do
-add_path(os.path.join("theirs_inflora", "utils"))
+common.add_path(os.path.join("theirs_inflora", "utils"))
 spec = importlib.util.spec_from_file_location(
-    "inflora_sched", os.path.join(theirs("theirs_inflora"), "utils", "schedulers.py")
+    "inflora_sched", os.path.join(common.theirs("theirs_inflora"), "utils", "schedulers.py")
 )
 isch = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(isch)
 for name, cls in (("CODA", CosineSchedule), ("InfLoRA", isch.CosineSchedule)):
     diff = 0.0
     for E in (2, 3, 5, 10, 20):
-        o = _Adam([nn.Parameter(torch.zeros(1))], lr=1.0)
+        o = torch.optim.Adam([nn.Parameter(torch.zeros(1))], lr=1.0)
         sc = cls(o, K=E)
         lrs = []
         for e in range(E):
@@ -232,7 +207,7 @@ for name, cls in (("CODA", CosineSchedule), ("InfLoRA", isch.CosineSchedule)):
         f"E=20: theirs e0..2 {[round(x, 4) for x in lrs[:3]]} last {lrs[-1]:.4f}; "
         f"ours e0..2 {[round(x, 4) for x in ours[:3]]} last {ours[-1]:.4f}",
     )
-info("our optimiser", f"Adam {cap['kw']}")
+info("our optimiser", f"Adam {opt_rec['kw'][-1]}")
 
 # inference (task 1 model: components 0..19) and its attention weights
 with torch.no_grad():
@@ -309,4 +284,4 @@ oo = float((ours_t.double() @ trained.double().T).abs().max())
 tt = float((their_t.double() @ trained.double().T).abs().max())
 info("max |<new, old>| after Gram-Schmidt from the trained rows (ours / theirs)", f"{oo:.2e} / {tt:.2e}")
 torch.einsum = _einsum
-summary()
+common.summary()

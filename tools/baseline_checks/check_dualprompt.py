@@ -14,26 +14,17 @@ baseline.clip_grad, set by the dualprompt method declaration).
 
 import copy as _copy
 
-import numpy as np
+import common
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from common import add_path, build, info, mad, plain_vit, report, summary
-from PIL import Image
+from common import info, mad, report
 
-from proteus.streams.base import Task
-
-clf = build("dualprompt")
-clf.config.train.epochs, clf.config.train.batch_size = 2, 4
-add_path("theirs_dualprompt")
+clf, plain = common.setup_ours("dualprompt", epochs=2, batch_size=4)
+b = clf.config.baseline
+common.add_path("theirs_dualprompt")
 import vision_transformer as tvt  # noqa: E402  (their code, importable only after add_path)
 
-g = torch.Generator().manual_seed(1)
-with torch.no_grad():
-    for p in clf.backbone_.vit.parameters():
-        p.add_(0.05 * torch.randn(p.shape, generator=g))
-plain = plain_vit(clf)
-b = clf.config.baseline
 H, hd = 3, 64
 info(
     "our config",
@@ -42,40 +33,14 @@ info(
     "port cifar100: g [0,1] len 5, e [2,3,4] len 5, coeff 1.0, clip_grad 1.0",
 )
 
-rng = np.random.default_rng(0)
-tasks = []
-for k in range(2):
-    imgs = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(4)]
-    tasks.append(Task(k, [2 * k, 2 * k + 1], ["a", "b"], list(zip(imgs, [2 * k, 2 * k + 1] * 2)), []))
+tasks = common.random_tasks(2)
 clf.fit_task(tasks[0], stream_tasks=2)
-
-cap = {}
-_Adam = torch.optim.Adam
-
-
-class RecAdam(_Adam):
-    def __init__(self, params, *a, **k):
-        params = list(params)
-        cap["init"] = [p.detach().clone() for p in params]
-        cap["kw"] = k
-        super().__init__(params, *a, **k)
-
-
-torch.optim.Adam = RecAdam
 
 
 def their_vit(prompt=True, nc=2, pool=2, batchwise=False, mask=True):
     kw = (
         dict(
-            prompt_length=b.prompt_length,
-            embedding_key="cls",
-            prompt_init="uniform",
-            prompt_pool=True,
-            prompt_key=True,
-            pool_size=pool,
-            top_k=1,
-            batchwise_prompt=batchwise,
-            prompt_key_init="uniform",
+            **common.port_prompt_pool(b.prompt_length, pool, 1, batchwise),
             head_type="token",
             use_prompt_mask=mask,
             use_g_prompt=True,
@@ -93,15 +58,8 @@ def their_vit(prompt=True, nc=2, pool=2, batchwise=False, mask=True):
     m = tvt.VisionTransformer(
         img_size=32, patch_size=16, embed_dim=192, depth=12, num_heads=H, num_classes=nc, **kw
     )
-    missing, unexpected = m.load_state_dict(plain.state_dict(), strict=False)
-    assert not unexpected and set(missing) <= {
-        "head.weight",
-        "head.bias",
-        "g_prompt",
-        "e_prompt.prompt",
-        "e_prompt.prompt_key",
-    }, (missing, unexpected)
-    return m.eval()
+    optional = {"head.weight", "head.bias", "g_prompt", "e_prompt.prompt", "e_prompt.prompt_key"}
+    return common.load_port_vit(m, plain.state_dict(), optional)
 
 
 def load_state(m, g_prompt, e_prompts, e_keys, head=None):
@@ -119,18 +77,18 @@ def load_state(m, g_prompt, e_prompts, e_keys, head=None):
 
 orig = their_vit(prompt=False, nc=0)
 task = tasks[1]
-X = torch.stack([clf.eval_transform_(im) for im, _ in task.train])
+X = common.task_images(clf, task)
 Y = torch.tensor([0, 1, 0, 1])
 z = clf.prefix(X)
 
 # ---------------------------------------------------------------- task 1: two Adam steps through our fit_task
-stats = clf.fit_task(task, stream_tasks=2)
-torch.optim.Adam = _Adam
-init = cap["init"]  # [g_prompt, e_prompt_1, e_key_1, head.w, head.b]
+with common.recording_optimizer("Adam") as opt_rec:
+    stats = clf.fit_task(task, stream_tasks=2)
+init = opt_rec["init"][-1]  # [g_prompt, e_prompt_1, e_key_1, head.w, head.b]
 report(
     "shared pool: task 1's e-prompt starts as task 0's trained e-prompt", mad(init[1], clf.e_prompts_[0]), 0
 )
-info("our optimiser", f"Adam {cap['kw']}")
+info("our optimiser", f"Adam {opt_rec['kw'][-1]}")
 
 m = their_vit()
 load_state(m, init[0], [clf.e_prompts_[0], init[1]], [clf.e_keys_[0], init[2]], init[3:])
@@ -178,18 +136,10 @@ with torch.no_grad():
 CLIP = 1.0
 report("our gradient clipping = the port's clip_grad_norm 1.0", abs((b.clip_grad or 0.0) - CLIP), 0)
 m_init = _copy.deepcopy(m)  # for the no-clipping contrast below
-for n, p in m.named_parameters():
-    p.requires_grad = not n.startswith(("blocks", "patch_embed", "cls_token", "norm", "pos_embed"))
 
 
 def their_steps(m, clip):
-    opt = _Adam(
-        [p for p in m.parameters() if p.requires_grad],
-        lr=b.lr,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.0,
-    )
+    opt = common.port_adam(m, b.lr)  # main.py's freeze, then Adam
     losses, norms = [], []
     for _ in range(2):
         outs = [m(X[j : j + 1], task_id=1, cls_features=qt[j : j + 1], train=True) for j in range(4)]
@@ -226,8 +176,6 @@ report(
     max(mad(clf.heads_[1].weight, m.head.weight), mad(clf.heads_[1].bias, m.head.bias)),
     1e-5,
 )
-for n, p in m_init.named_parameters():
-    p.requires_grad = not n.startswith(("blocks", "patch_embed", "cls_token", "norm", "pos_embed"))
 their_steps(m_init, clip=False)
 info(
     "port WITHOUT clipping vs ours (expected to differ when a norm > 1.0: the steps check sees the clip)",
@@ -269,4 +217,4 @@ info(
     "ours only the seen tasks' keys",
     "compared with pool_size = tasks seen",
 )
-summary()
+common.summary()

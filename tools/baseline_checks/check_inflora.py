@@ -12,20 +12,20 @@ Part C: the known deviation: first task already in 'retain' mode.
 
 import types
 
+import common
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from common import add_path, build, info, mad, plain_vit, report, stub, summary
-from PIL import Image
+from common import info, mad, report
 
 from proteus.baselines.lora_methods import DualGPM
-from proteus.streams.base import Task
 
-# ours is built first: importing their models/vit.py re-registers timm's vit_* names with their builders
-clf = build("inflora")
-add_path("theirs_inflora")
-stub("ipdb", set_trace=lambda *a, **k: None)
+# ours is built first: importing their models/vit.py re-registers timm's vit_* names with their builders.
+# Part A: 1 epoch of one batch of 4 per task; the random ViT perturbed (plain: shared by both sides)
+clf, plain = common.setup_ours("inflora", epochs=1, batch_size=4)
+common.add_path("theirs_inflora")
+common.stub("ipdb", set_trace=lambda *a, **k: None)
 # their code, importable only after add_path:
 from methods.inflora import InfLoRA as TheirInfLoRA  # noqa: E402
 from models.sinet_inflora import SiNet, ViT_lora_co  # noqa: E402
@@ -61,12 +61,6 @@ def their_stub(net):
 
 # =============================================================================== Part A
 print("== Part A: tiny ViT, 3 tasks through both pipelines")
-clf.config.train.epochs, clf.config.train.batch_size = 1, 4
-g = torch.Generator().manual_seed(1)
-with torch.no_grad():  # make the random ViT less degenerate (shared by both sides: copied below)
-    for p in clf.backbone_.vit.parameters():
-        p.add_(0.05 * torch.randn(p.shape, generator=g))
-plain = plain_vit(clf)
 
 tv = ViT_lora_co(
     img_size=32, patch_size=16, embed_dim=192, depth=12, num_heads=3, num_classes=0, n_tasks=T, rank=RANK
@@ -88,19 +82,6 @@ wnames = list(clf.model_.wrappers)
 
 # capture hooks --------------------------------------------------------------------------------
 cap = {}
-_Adam = torch.optim.Adam
-
-
-class RecAdam(_Adam):
-    def __init__(self, params, *a, **k):
-        params = list(params)
-        cap.setdefault("opt_init", []).append([p.detach().clone() for p in params])
-        cap.setdefault("opt_params", []).append(params)
-        cap.setdefault("opt_kw", []).append(k)
-        super().__init__(params, *a, **k)
-
-
-torch.optim.Adam = RecAdam
 _feat = clf.features
 
 
@@ -149,107 +130,109 @@ def rec_gpm(self, mat_list):
 their.update_DualGPM = types.MethodType(rec_gpm, their)
 
 # data -----------------------------------------------------------------------------------------
-rng = np.random.default_rng(0)
-tasks = []
-for k in range(T):
-    imgs = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(4)]
-    labels = [2 * k, 2 * k + 1, 2 * k, 2 * k + 1]
-    tasks.append(Task(k, [2 * k, 2 * k + 1], ["a", "b"], list(zip(imgs, labels)), []))
+tasks = common.random_tasks(T)
 
-for k, task in enumerate(tasks):
-    X = torch.stack([clf.eval_transform_(im) for im, _ in task.train])
-    Y = torch.as_tensor([y for _, y in task.train])
-    cap.pop("opt_init", None)
-    cap.pop("opt_params", None)
-    # ours: the real fit_task (1 epoch, batch 4 -> one Adam step)
-    stats = clf.fit_task(task, stream_tasks=T)
-    init = cap["opt_init"][0]
-    head0 = init[-2:]  # head weight, bias at the optimiser's construction
-    # theirs: same initial head, then their _train (design -> train_function -> DualGPM)
-    with torch.no_grad():
-        net.classifier_pool[k].weight.copy_(head0[0])
-        net.classifier_pool[k].bias.copy_(head0[1])
-    net.numtask = k + 1
-    their._cur_task, their._known_classes = k, 2 * k
-    TheirInfLoRA._train(their, [(None, X, Y)], None)
+# torch.optim.Adam records every construction during the tasks (ours in fit_task, theirs in _train)
+with common.recording_optimizer("Adam") as opt_rec:
+    for k, task in enumerate(tasks):
+        X = common.task_images(clf, task)
+        Y = torch.as_tensor([y for _, y in task.train])
+        n_opt = len(opt_rec["init"])
+        # ours: the real fit_task (1 epoch, batch 4 -> one Adam step)
+        stats = clf.fit_task(task, stream_tasks=T)
+        init = opt_rec["init"][n_opt]  # the first optimiser of this task (ours; theirs follows in _train)
+        head0 = init[-2:]  # head weight, bias at the optimiser's construction
+        # theirs: same initial head, then their _train (design -> train_function -> DualGPM)
+        with torch.no_grad():
+            net.classifier_pool[k].weight.copy_(head0[0])
+            net.classifier_pool[k].bias.copy_(head0[1])
+        net.numtask = k + 1
+        their._cur_task, their._known_classes = k, 2 * k
+        TheirInfLoRA._train(their, [(None, X, Y)], None)
 
-    # --- compare the training-time input moments (design pass) and the post-training ones
-    om_design = cap["our_moments"][2 * k]
-    om_after = cap["our_moments"][2 * k + 1]
-    tm_after = cap["their_moments"][k]
-    report(
-        f"A.task{k}: input moments after training (12 layers, C=mean xx^T)",
-        max(mad(om_after[n], tm_after[i]) for i, n in enumerate(wnames)),
-        1e-5,
-    )
-    # --- designed A (k and v units share it in both)
-    dA, dA_raw, dW, dB, nbig, ntot = 0.0, 0.0, 0.0, 0.0, 0, 0
-    for i, n in enumerate(wnames):
-        w = clf.model_.wrappers[n]
-        for row in ("k", "v"):
-            u = w.units[row]
-            cols = u.columns(k)
-            A_o, B_o = u.A[:, cols].double(), u.B[:, cols].double()
-            A_t = getattr(attn_mods[i], f"lora_A_{row}")[k].weight.detach().T.double()
-            B_t = getattr(attn_mods[i], f"lora_B_{row}")[k].weight.detach().double()
-            A_al, sgn = align(A_o, A_t)
-            dA = max(dA, mad(A_al, A_t))
-            dA_raw = max(dA_raw, mad(A_o, A_t))
-            dB = max(dB, mad(B_o * sgn, B_t))
-            nbig += int(((B_o * sgn - B_t).abs() > 1e-6).sum())
-            ntot += B_t.numel()
-            dW = max(dW, mad(B_o @ A_o.T, B_t @ A_t.T))
-    report(
-        f"A.task{k}: designed A = U[:,:r]/sqrt3 (sign-aligned, all layers, k&v)",
-        dA,
-        1e-4,
-        "remove" if k else "first task (plain SVD)",
-    )
-    info(
-        f"A.task{k}: designed A raw max diff (no sign alignment)", f"{dA_raw:.3e}", "SVD sign ambiguity only"
-    )
-    ADAM_NOTE = (
-        "tol 0.1*lr: Adam's first step is lr*g/(|g|+1e-8), so entries whose gradient is ~1e-8 "
-        "amplify fp32 round-off; " + f"{nbig}/{ntot} entries differ by > 1e-6"
-    )
-    report(f"A.task{k}: B after one Adam step (sign-aligned; B starts at 0)", dB, 5e-5, ADAM_NOTE)
-    report(f"A.task{k}: branch B A^T after one Adam step", dW, 3e-5, "tol 0.1*lr*max|A|")
-    # --- forward / loss at the training state (before the step)
-    zq = clf.prefix(X)
-    perm = [int(((cap["our_z"] - zq[j]).abs().flatten(1).amax(1) == 0).nonzero()[0]) for j in range(4)]
-    report(
-        f"A.task{k}: features (train forward, cls after norm)", mad(cap["our_h"][perm], cap["their_h"]), 1e-5
-    )
-    report(
-        f"A.task{k}: CE loss on current task's classes", abs(stats["loss_first"] - cap["their_loss"]), 1e-5
-    )
-    report(
-        f"A.task{k}: head after one Adam step",
-        max(
-            mad(clf.heads_[k].weight, net.classifier_pool[k].weight),
-            mad(clf.heads_[k].bias, net.classifier_pool[k].bias),
-        ),
-        1e-6,
-    )
-    kw = cap["opt_kw"][-1]
-    info(
-        f"A.task{k}: our optimiser",
-        f"Adam lr={kw.get('lr')} betas={kw.get('betas')} wd={kw.get('weight_decay')}",
-        "theirs: Adam lr=5e-4 betas=(0.9,0.999) wd=0",
-    )
-    # --- DualGPM memory after the task
-    dP, modes = 0.0, []
-    for i, n in enumerate(wnames):
-        gm = clf.gpm_[n]
-        modes.append((gm.mode, their.project_type[i], gm.basis.shape[1], their.feature_list[i].shape[1]))
-        dP = max(dP, mad(proj(gm.basis), proj(their.feature_list[i])))
-    report(f"A.task{k}: DualGPM ||P_ours - P_theirs||_max (12 layers)", dP, 1e-4)
-    report(
-        f"A.task{k}: DualGPM mode and dim equal in all layers",
-        float(sum(a != b or c != d for a, b, c, d in modes)),
-        0,
-        f"layer0 {modes[0]}",
-    )
+        # --- compare the training-time input moments (design pass) and the post-training ones
+        om_design = cap["our_moments"][2 * k]
+        om_after = cap["our_moments"][2 * k + 1]
+        tm_after = cap["their_moments"][k]
+        report(
+            f"A.task{k}: input moments after training (12 layers, C=mean xx^T)",
+            max(mad(om_after[n], tm_after[i]) for i, n in enumerate(wnames)),
+            1e-5,
+        )
+        # --- designed A (k and v units share it in both)
+        dA, dA_raw, dW, dB, nbig, ntot = 0.0, 0.0, 0.0, 0.0, 0, 0
+        for i, n in enumerate(wnames):
+            w = clf.model_.wrappers[n]
+            for row in ("k", "v"):
+                u = w.units[row]
+                cols = u.columns(k)
+                A_o, B_o = u.A[:, cols].double(), u.B[:, cols].double()
+                A_t = getattr(attn_mods[i], f"lora_A_{row}")[k].weight.detach().T.double()
+                B_t = getattr(attn_mods[i], f"lora_B_{row}")[k].weight.detach().double()
+                A_al, sgn = align(A_o, A_t)
+                dA = max(dA, mad(A_al, A_t))
+                dA_raw = max(dA_raw, mad(A_o, A_t))
+                dB = max(dB, mad(B_o * sgn, B_t))
+                nbig += int(((B_o * sgn - B_t).abs() > 1e-6).sum())
+                ntot += B_t.numel()
+                dW = max(dW, mad(B_o @ A_o.T, B_t @ A_t.T))
+        report(
+            f"A.task{k}: designed A = U[:,:r]/sqrt3 (sign-aligned, all layers, k&v)",
+            dA,
+            1e-4,
+            "remove" if k else "first task (plain SVD)",
+        )
+        info(
+            f"A.task{k}: designed A raw max diff (no sign alignment)",
+            f"{dA_raw:.3e}",
+            "SVD sign ambiguity only",
+        )
+        ADAM_NOTE = (
+            "tol 0.1*lr: Adam's first step is lr*g/(|g|+1e-8), so entries whose gradient is ~1e-8 "
+            "amplify fp32 round-off; " + f"{nbig}/{ntot} entries differ by > 1e-6"
+        )
+        report(f"A.task{k}: B after one Adam step (sign-aligned; B starts at 0)", dB, 5e-5, ADAM_NOTE)
+        report(f"A.task{k}: branch B A^T after one Adam step", dW, 3e-5, "tol 0.1*lr*max|A|")
+        # --- forward / loss at the training state (before the step)
+        zq = clf.prefix(X)
+        perm = [int(((cap["our_z"] - zq[j]).abs().flatten(1).amax(1) == 0).nonzero()[0]) for j in range(4)]
+        report(
+            f"A.task{k}: features (train forward, cls after norm)",
+            mad(cap["our_h"][perm], cap["their_h"]),
+            1e-5,
+        )
+        report(
+            f"A.task{k}: CE loss on current task's classes",
+            abs(stats["loss_first"] - cap["their_loss"]),
+            1e-5,
+        )
+        report(
+            f"A.task{k}: head after one Adam step",
+            max(
+                mad(clf.heads_[k].weight, net.classifier_pool[k].weight),
+                mad(clf.heads_[k].bias, net.classifier_pool[k].bias),
+            ),
+            1e-6,
+        )
+        kw = opt_rec["kw"][-1]
+        info(
+            f"A.task{k}: our optimiser",
+            f"Adam lr={kw.get('lr')} betas={kw.get('betas')} wd={kw.get('weight_decay')}",
+            "theirs: Adam lr=5e-4 betas=(0.9,0.999) wd=0",
+        )
+        # --- DualGPM memory after the task
+        dP, modes = 0.0, []
+        for i, n in enumerate(wnames):
+            gm = clf.gpm_[n]
+            modes.append((gm.mode, their.project_type[i], gm.basis.shape[1], their.feature_list[i].shape[1]))
+            dP = max(dP, mad(proj(gm.basis), proj(their.feature_list[i])))
+        report(f"A.task{k}: DualGPM ||P_ours - P_theirs||_max (12 layers)", dP, 1e-4)
+        report(
+            f"A.task{k}: DualGPM mode and dim equal in all layers",
+            float(sum(a != b or c != d for a, b, c, d in modes)),
+            0,
+            f"layer0 {modes[0]}",
+        )
 
 # inference with the last model: every branch summed
 zq = clf.prefix(X)
@@ -263,7 +246,6 @@ with torch.no_grad(), clf.model_.compose([T - 1]):
     b_our = clf.backbone_.vit.blocks[0](x0)
     b_their = tv.blocks[0](x0, T - 1)
 report("A.final: block-0 output (attention with k,v LoRA, task 2 model)", mad(b_our, b_their), 1e-5)
-torch.optim.Adam = _Adam
 
 # =============================================================================== Part B
 print("== Part B: DualGPM + design on random activation matrices (q=24, 2 layers, 4 tasks)")
@@ -361,4 +343,4 @@ report(
     mad(proj(o.basis), torch.eye(q, dtype=torch.float64) - Pt),
     1e-5,
 )
-summary()
+common.summary()

@@ -9,25 +9,16 @@ Ours clips at baseline.clip_grad (1.0 in the l2p method declaration); the optimi
 clipping on both sides, and the port without clipping is shown as info (it must differ: the clip is active).
 """
 
-import numpy as np
+import common
 import torch
 import torch.nn.functional as F
-from common import add_path, build, info, mad, plain_vit, report, summary
-from PIL import Image
+from common import info, mad, report
 
-from proteus.streams.base import Task
-
-clf = build("l2p")
-clf.config.train.epochs, clf.config.train.batch_size = 2, 4  # 2 epochs x 1 batch: 2 Adam steps
-add_path("theirs_l2p")
+clf, plain = common.setup_ours("l2p", epochs=2, batch_size=4)  # 2 epochs x 1 batch: 2 Adam steps
+b = clf.config.baseline
+common.add_path("theirs_l2p")
 import vision_transformer as tvt  # noqa: E402  (their code, importable only after add_path)
 
-g = torch.Generator().manual_seed(1)
-with torch.no_grad():
-    for p in clf.backbone_.vit.parameters():
-        p.add_(0.05 * torch.randn(p.shape, generator=g))
-plain = plain_vit(clf)
-b = clf.config.baseline
 info(
     "our config",
     f"pool={b.pool_size} L={b.prompt_length} top_k={b.top_k} coeff={b.match_weight} Adam lr={b.lr} "
@@ -39,15 +30,7 @@ info(
 def their_vit(batchwise=False, prompt=True, nc=2):
     kw = (
         dict(
-            prompt_length=b.prompt_length,
-            embedding_key="cls",
-            prompt_init="uniform",
-            prompt_pool=True,
-            prompt_key=True,
-            pool_size=b.pool_size,
-            top_k=b.top_k,
-            batchwise_prompt=batchwise,
-            prompt_key_init="uniform",
+            **common.port_prompt_pool(b.prompt_length, b.pool_size, b.top_k, batchwise),
             head_type="prompt",
             use_prompt_mask=False,
         )
@@ -59,14 +42,7 @@ def their_vit(batchwise=False, prompt=True, nc=2):
     )
     sd = {k: v for k, v in plain.state_dict().items()}
     sd["pos_embed"] = tvt.resize_pos_embed(plain.pos_embed.detach(), m.pos_embed, 1, m.patch_embed.grid_size)
-    missing, unexpected = m.load_state_dict(sd, strict=False)
-    assert not unexpected and set(missing) <= {
-        "head.weight",
-        "head.bias",
-        "prompt.prompt",
-        "prompt.prompt_key",
-    }, (missing, unexpected)
-    return m.eval()
+    return common.load_port_vit(m, sd, {"head.weight", "head.bias", "prompt.prompt", "prompt.prompt_key"})
 
 
 orig = their_vit(prompt=False, nc=0)
@@ -75,10 +51,8 @@ with torch.no_grad():
     model.prompt.prompt.copy_(clf.prompt_)
     model.prompt.prompt_key.copy_(clf.key_)
 
-rng = np.random.default_rng(0)
-imgs = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(4)]
-task = Task(0, [0, 1], ["a", "b"], list(zip(imgs, [0, 1, 0, 1])), [])
-X = torch.stack([clf.eval_transform_(im) for im in imgs])
+task = common.random_tasks(1)[0]
+X = common.task_images(clf, task)
 Y = torch.tensor([0, 1, 0, 1])
 z = clf.prefix(X)
 
@@ -114,22 +88,9 @@ with torch.no_grad():
     )
 
 # ----------------------------------------------------------------- two training steps
-cap = {}
-_Adam = torch.optim.Adam
-
-
-class RecAdam(_Adam):
-    def __init__(self, params, *a, **k):
-        params = list(params)
-        cap["init"] = [p.detach().clone() for p in params]
-        cap["kw"] = k
-        super().__init__(params, *a, **k)
-
-
-torch.optim.Adam = RecAdam
-stats = clf.fit_task(task, stream_tasks=10)
-torch.optim.Adam = _Adam
-init = cap["init"]  # [prompt, key, head.w, head.b]
+with common.recording_optimizer("Adam") as opt_rec:
+    stats = clf.fit_task(task, stream_tasks=10)
+init = opt_rec["init"][-1]  # [prompt, key, head.w, head.b]
 
 
 def their_steps(clip):
@@ -139,15 +100,7 @@ def their_steps(clip):
         m.prompt.prompt_key.copy_(init[1])
         m.head.weight.copy_(init[2])
         m.head.bias.copy_(init[3])
-    for n, p in m.named_parameters():  # main.py: freeze blocks, patch_embed, cls_token, norm, pos_embed
-        p.requires_grad = not n.startswith(("blocks", "patch_embed", "cls_token", "norm", "pos_embed"))
-    opt = _Adam(
-        [p for p in m.parameters() if p.requires_grad],
-        lr=b.lr,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.0,
-    )
+    opt = common.port_adam(m, b.lr)  # main.py: freeze blocks, patch_embed, cls_token, norm, pos_embed
     losses, norms = [], []
     for _ in range(2):  # engine.train_one_epoch
         with torch.no_grad():
@@ -186,5 +139,5 @@ info(
     f"{max(mad(clf.prompt_, m0.prompt.prompt), mad(clf.key_, m0.prompt.prompt_key)):.3e}",
     "max over prompt pool and keys",
 )
-info("our optimiser", f"Adam {cap['kw']}")
-summary()
+info("our optimiser", f"Adam {opt_rec['kw'][-1]}")
+common.summary()

@@ -15,28 +15,20 @@ import copy
 import shutil
 import tempfile
 
-import numpy as np
+import common
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from common import add_path, build, cpu_cuda, info, mad, plain_vit, report, stub, summary
-from PIL import Image
+from common import info, mad, report
 
-from proteus.streams.base import Task
-
-clf = build("sd-lora")
-clf.config.train.epochs, clf.config.train.batch_size = 2, 4  # 2 epochs x 1 batch: 2 SGD steps per task
-add_path("theirs_sdlora")
-cpu_cuda()
-stub("einops", rearrange=None)
+# 2 epochs x 1 batch: 2 SGD steps per task
+clf, plain = common.setup_ours("sd-lora", epochs=2, batch_size=4)
+b = clf.config.baseline
+common.add_path("theirs_sdlora")
+common.cpu_cuda()
+common.stub("einops", rearrange=None)
 import backbone.lora as their_lora  # noqa: E402  (their code, importable only after add_path)
 
-g = torch.Generator().manual_seed(1)
-with torch.no_grad():
-    for p in clf.backbone_.vit.parameters():
-        p.add_(0.05 * torch.randn(p.shape, generator=g))
-plain = plain_vit(clf)
-b = clf.config.baseline
 info(
     "our config",
     f"optimizer={b.optimizer} lr={b.lr} momentum={b.momentum} wd={clf.config.train.weight_decay} "
@@ -45,19 +37,6 @@ info(
 )
 
 cap = {}
-_SGD = torch.optim.SGD
-
-
-class RecSGD(_SGD):
-    def __init__(self, params, *a, **k):
-        params = list(params)
-        cap["opt_init"] = [p.detach().clone() for p in params]
-        cap["opt_params"] = params
-        cap["opt_kw"] = k
-        super().__init__(params, *a, **k)
-
-
-torch.optim.SGD = RecSGD
 _feat = clf.features
 
 
@@ -71,12 +50,7 @@ def rec_features(z, train):
 
 clf.features = rec_features
 
-rng = np.random.default_rng(0)
-tasks = []
-for k in range(3):
-    imgs = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(4)]
-    labels = [2 * k, 2 * k + 1, 2 * k, 2 * k + 1]
-    tasks.append(Task(k, [2 * k, 2 * k + 1], ["a", "b"], list(zip(imgs, labels)), []))
+tasks = common.random_tasks(3)
 for k in range(2):  # two old tasks, trained by our real loop
     clf.fit_task(tasks[k], stream_tasks=3)
 info(
@@ -131,7 +105,7 @@ def their_model(alpha, A_new, B_new):
 
 # ============================================================== 1. qkv output with 2 old tasks
 print("== 1. qkv output with 2 old tasks (normalised, magnitudes) + current unnormalised branch")
-X = torch.stack([clf.eval_transform_(im) for im, _ in tasks[2].train])
+X = common.task_images(clf, tasks[2])
 Y = torch.as_tensor([y for _, y in tasks[2].train]) - 4
 clf._begin_task(2, None, None)
 gq = torch.Generator().manual_seed(3)
@@ -173,8 +147,9 @@ clf.model_.truncate(2)  # drop the open task: fit_task below re-opens it
 print("== 2./3. task 2: loss and two SGD steps")
 cap.pop("our_z", None)
 cap.pop("our_h", None)
-stats = clf.fit_task(tasks[2], stream_tasks=3)
-init, params = cap["opt_init"], cap["opt_params"]
+with common.recording_optimizer("SGD") as opt_rec:
+    stats = clf.fit_task(tasks[2], stream_tasks=3)
+init = opt_rec["init"][-1]
 n_lora = 4 * blocks
 A0 = {r: [init[4 * i + (0 if r == "q" else 2)] for i in range(blocks)] for r in "qv"}
 B0 = {r: [init[4 * i + (1 if r == "q" else 3)] for i in range(blocks)] for r in "qv"}
@@ -186,7 +161,7 @@ with torch.no_grad():
     head.bias.copy_(init[-1])
 # their _update_representation: SGD(self._network.parameters(), lr, momentum=0.9);
 # loss = CE(logits[:, known:])
-opt = _SGD(list(tm.parameters()) + list(head.parameters()), lr=b.lr, momentum=0.9)
+opt = torch.optim.SGD(list(tm.parameters()) + list(head.parameters()), lr=b.lr, momentum=0.9)
 losses = []
 for step in range(2):
     feats = tm.lora_vit(X)
@@ -238,8 +213,7 @@ with torch.no_grad():
         mad(clf.features(z, train=False), tm.lora_vit(X)),
         1e-5,
     )
-kw = cap["opt_kw"]
+kw = opt_rec["kw"][-1]
 info("our optimiser", f"SGD lr={kw.get('lr')} momentum={kw.get('momentum')} wd={kw.get('weight_decay')}")
-torch.optim.SGD = _SGD
 shutil.rmtree(tmp)
-summary()
+common.summary()

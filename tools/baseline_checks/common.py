@@ -5,18 +5,22 @@ The authors' checkouts are looked up in ``$PROTEUS_THEIRS`` (a folder holding ``
 See README.md.
 """
 
+import contextlib
 import os
 import sys
 import types
 import warnings
 
+import numpy as np
 import torch
+from PIL import Image
 
 from proteus.baselines import build_baseline
 from proteus.config import RunConfig
 from proteus.methods import apply_method
+from proteus.streams.base import Task
 
-# one thread (the scripts import torch before this module, so OMP_NUM_THREADS=1 belongs on the command line)
+# one thread (torch is imported above, so OMP_NUM_THREADS=1 belongs on the command line)
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore")
 
@@ -40,6 +44,104 @@ def build(method, **over):
     clf._build()
     clf._stream_tasks = 10
     return clf
+
+
+def setup_ours(method, epochs, batch_size):
+    """our learner for `method` (build), set to train `epochs` epochs of batches of batch_size, its ViT
+    perturbed (perturb_backbone); returns (clf, plain), plain: the ViT their side is built from"""
+    clf = build(method)
+    clf.config.train.epochs, clf.config.train.batch_size = epochs, batch_size
+    return clf, perturb_backbone(clf)
+
+
+def perturb_backbone(clf, scale=0.05, seed=1):
+    """adds scale * N(0, 1) noise (a generator of its own, seeded) to every weight of the learner's ViT, so
+    that the random ViT is less degenerate; returns plain_vit(clf) of the result (their side's weights)"""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clf.backbone_.vit.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return plain_vit(clf)
+
+
+def random_tasks(n):
+    """n tasks of 4 random 32x32 RGB images (numpy seed 0): task k has classes 2k, 2k+1 and the labels
+    2k, 2k+1, 2k, 2k+1"""
+    rng = np.random.default_rng(0)
+    tasks = []
+    for k in range(n):
+        imgs = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(4)]
+        labels = [2 * k, 2 * k + 1, 2 * k, 2 * k + 1]
+        tasks.append(Task(k, [2 * k, 2 * k + 1], ["a", "b"], list(zip(imgs, labels)), []))
+    return tasks
+
+
+def task_images(clf, task):
+    """the task's training images through the learner's eval transform, stacked"""
+    return torch.stack([clf.eval_transform_(im) for im, _ in task.train])
+
+
+@contextlib.contextmanager
+def recording_optimizer(name):
+    """inside the block, torch.optim.<name> (e.g. "Adam", "SGD") is a subclass that records, at each
+    construction, the parameters (rec["params"]), copies of their initial values (rec["init"]) and the
+    keyword arguments (rec["kw"]): one list entry per construction, in order (their code's as well where it
+    looks the class up in torch.optim). Yields rec; torch.optim.<name> is restored on exit."""
+    base = getattr(torch.optim, name)
+    rec = {"init": [], "params": [], "kw": []}
+
+    class Recording(base):
+        def __init__(self, params, *a, **k):
+            params = list(params)
+            rec["init"].append([p.detach().clone() for p in params])
+            rec["params"].append(params)
+            rec["kw"].append(k)
+            super().__init__(params, *a, **k)
+
+    setattr(torch.optim, name, Recording)
+    try:
+        yield rec
+    finally:
+        setattr(torch.optim, name, base)
+
+
+def port_prompt_pool(length, pool_size, top_k, batchwise):
+    """the prompt-pool keyword arguments of the L2P / DualPrompt ports' VisionTransformer that both checks
+    use: queries from the cls feature, prompts and keys initialised uniform"""
+    return dict(
+        prompt_length=length,
+        embedding_key="cls",
+        prompt_init="uniform",
+        prompt_pool=True,
+        prompt_key=True,
+        pool_size=pool_size,
+        top_k=top_k,
+        batchwise_prompt=batchwise,
+        prompt_key_init="uniform",
+    )
+
+
+def load_port_vit(m, state, optional):
+    """loads state into the port's model m, every key but those in optional (heads, prompts: set by the
+    caller) required; returns m in eval mode"""
+    missing, unexpected = m.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= set(optional), (missing, unexpected)
+    return m.eval()
+
+
+def port_adam(m, lr):
+    """the optimiser of the L2P / DualPrompt PyTorch ports (JH-LEE-KR): main.py freezes blocks, patch_embed,
+    cls_token, norm and pos_embed of the model m; Adam over the rest (betas (0.9, 0.999), eps 1e-8, no weight
+    decay)"""
+    for n, p in m.named_parameters():
+        p.requires_grad = not n.startswith(("blocks", "patch_embed", "cls_token", "norm", "pos_embed"))
+    return torch.optim.Adam(
+        [p for p in m.parameters() if p.requires_grad],
+        lr=lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+    )
 
 
 def mad(a, b):
