@@ -289,3 +289,23 @@ def test_cosine_schedule_as_the_released_loops_step_it() -> None:
     assert lrs[0] == lrs[1] == 1.0 and lrs[2] == pytest.approx(0.9967, abs=1e-4)
     assert lrs[-1] == pytest.approx(0.0974, abs=1e-3)
     assert epoch_lr(1.0, "constant", 7, 20) == 1.0
+
+
+@pytest.mark.parametrize("method", ["inflora", "dualprompt"])
+def test_a_failed_task_leaves_the_learner_as_it_was(method: str, stream, monkeypatch) -> None:
+    clf = build_baseline(_cfg(method), progress=False)
+    clf.fit_task(stream.tasks[0], stream_tasks=2)
+    z = _batch(clf, stream)
+    before = clf.logits_prefix(z)
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.optim.Adam, "step", boom)
+    with pytest.raises(KeyboardInterrupt):
+        clf.fit_task(stream.tasks[1], stream_tasks=2)
+    monkeypatch.undo()
+    assert clf.num_tasks == 1 and clf.classes_ == list(stream.tasks[0].classes)
+    torch.testing.assert_close(clf.logits_prefix(z), before)
+    clf.fit_task(stream.tasks[1], stream_tasks=2)  # and the task can be learned again
+    assert clf.num_tasks == 2

@@ -169,11 +169,27 @@ class ContinualClassifier:
                 yield self.prefix(xb.to(self.device_))
 
     def fit_task(self, task: Task, stream_tasks: int | None = None) -> dict[str, Any]:
-        """Learn one task: open its state, train it with its head, freeze it. Returns training stats."""
+        """Learn one task: open its state, train it with its head, freeze it. Returns training stats. On an
+        exception (Ctrl-C included) the task's state is dropped: the learner is as before the call."""
         self._build()
+        if len(task.train) == 0:  # type: ignore[arg-type]
+            raise ValueError(f"{self.name}: task {task.index + 1} has no training images")
         self._stream_tasks = stream_tasks
-        cfg, b = self.config, self.config.baseline
         k = self.num_tasks
+        try:
+            return self._fit_task(task, k)
+        except BaseException:
+            del self.heads_[k:]
+            del self.task_classes_[k:]
+            self.classes_ = [c for cs in self.task_classes_ for c in cs]
+            self._abort_task(k)
+            raise
+
+    def _abort_task(self, k: int) -> None:
+        """Drop whatever task k (not finished) added to the method's state."""
+
+    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
+        cfg, b = self.config, self.config.baseline
         seed = cfg.seed * 1000 + k
         torch.manual_seed(seed)
         classes = [int(c) for c in task.classes]
@@ -225,7 +241,6 @@ class ContinualClassifier:
                 if b.clip_grad is not None:
                     torch.nn.utils.clip_grad_norm_(params, b.clip_grad)
                 opt.step()
-                self._after_step()
                 losses.append(float(loss.detach()))
                 bar.update(1)
                 if len(losses) % 10 == 0:
@@ -244,9 +259,6 @@ class ContinualClassifier:
             "loss_last": float(np.mean(losses[-tenth:])) if losses else None,
             "trainable_params": int(sum(p.numel() for p in params)),
         }
-
-    def _after_step(self) -> None:
-        """Called after each optimiser step (constraints that the method keeps by projection)."""
 
     def _autocast(self) -> torch.autocast:
         return torch.autocast(self.device_.type, dtype=torch.bfloat16, enabled=self.device_.type == "cuda")

@@ -51,6 +51,9 @@ class LoRAClassifier(ContinualClassifier):
     def prefix(self, x: torch.Tensor) -> torch.Tensor:
         return self.model_.prefix(x)
 
+    def _abort_task(self, k: int) -> None:
+        self.model_.truncate(k)
+
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
         if train:
             return self.model_.suffix(z)

@@ -197,6 +197,10 @@ class DualPrompt(PromptClassifier):
         self.e_prompts_.append(self._to(e.cpu()))
         self.e_keys_.append(self._to(key))
 
+    def _abort_task(self, k: int) -> None:
+        del self.e_prompts_[k:]
+        del self.e_keys_[k:]
+
     def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         self.e_prompts_[-1].requires_grad_(False)
         self.e_keys_[-1].requires_grad_(False)
