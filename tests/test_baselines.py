@@ -205,8 +205,10 @@ def test_l2p_selection(stream) -> None:
     z = _batch(clf, stream)
     q = clf.query(z)
     assert not q.requires_grad  # the query never depends on the prompts
+    x = torch.stack([clf.eval_transform_(stream.tasks[0].train[i][0]) for i in range(6)])
+    torch.testing.assert_close(q, clf.backbone_(x))  # the frozen ViT's pre-logits class token
     clf.prompt_.data.add_(1.0)
-    torch.testing.assert_close(clf.query(z), q)
+    torch.testing.assert_close(clf.query(_batch(clf, stream)), q)
     idx, cos = clf.select(q)
     assert idx.shape == (6, 3) and bool((cos.abs() <= 1 + 1e-6).all())
     sim = F.normalize(q, dim=-1) @ F.normalize(clf.key_, dim=-1).T

@@ -96,8 +96,8 @@ clf.features = rec_features
 _mom = clf.input_moments
 
 
-def rec_moments(z, loader):
-    m = _mom(z, loader)
+def rec_moments(z, loader, tasks=None):
+    m = _mom(z, loader, tasks)
     cap.setdefault("our_moments", []).append(m)
     return m
 

@@ -150,10 +150,13 @@ class ContinualClassifier:
         }
 
     # ------------------------------------------------------------------ training
-    def _batches(self, z: torch.Tensor | None, loader: Any, n: int, g: torch.Generator) -> Iterator[Any]:
-        if z is not None:
-            for idx in torch.randperm(n, generator=g).split(self.config.train.batch_size):
-                yield z[idx], idx
+    def _batches(
+        self, z: torch.Tensor | None, y: torch.Tensor | None, loader: Any, g: torch.Generator
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One epoch of (prefix outputs, global labels): shuffled cached outputs, or augmented images."""
+        if z is not None and y is not None:
+            for idx in torch.randperm(len(z), generator=g).split(self.config.train.batch_size):
+                yield z[idx], y[idx]
         else:
             for xb, yb in loader:
                 yield self.prefix(xb.to(self.device_)), yb
@@ -226,10 +229,7 @@ class ContinualClassifier:
         for epoch in range(cfg.train.epochs):
             for group in opt.param_groups:
                 group["lr"] = epoch_lr(b.lr, b.schedule, epoch, cfg.train.epochs)
-            for zb, yb in self._batches(z, loader, n, g):
-                if z is not None:
-                    assert y_all is not None
-                    yb = y_all[yb]
+            for zb, yb in self._batches(z, y_all, loader, g):
                 target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=self.device_)
                 self.aux_loss: torch.Tensor | float = 0.0
                 with self._autocast():

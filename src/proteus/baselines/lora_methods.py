@@ -70,9 +70,12 @@ class LoRAClassifier(ContinualClassifier):
         return out
 
     @torch.no_grad()
-    def input_moments(self, z: torch.Tensor | None, loader: Any) -> dict[str, torch.Tensor]:
+    def input_moments(
+        self, z: torch.Tensor | None, loader: Any, tasks: list[int] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Per wrapped map: C = mean x x^T over every input token (pixel) of a pass over the task's training
-        inputs under the current training composition (float64, CPU)."""
+        inputs, under the open task's training composition (``tasks=None``) or under task ``tasks[0]``'s
+        composition (float64, CPU)."""
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
         hooks = []
@@ -90,7 +93,7 @@ class LoRAClassifier(ContinualClassifier):
             hooks.append(w.register_forward_pre_hook(hook(name, w)))
         try:
             for zb in self.input_pass(z, loader):
-                self.model_.suffix(zb)
+                self.model_.suffix(zb, tasks)
         finally:
             for h in hooks:
                 h.remove()
@@ -206,11 +209,7 @@ class InfLoRA(LoRAClassifier):
 
     def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         self.model_.end_task()
-        self.model_.begin_task(0, "identity", False, 0)  # an empty open task: the pass uses every branch
-        try:
-            moments = self.input_moments(z, loader)
-        finally:
-            self.model_.truncate(k + 1)
+        moments = self.input_moments(z, loader, [k])  # task k's model: every branch, weight 1
         eps = self.threshold(k)
         for name, C in moments.items():
             self.gpm_[name].update(C, eps)
@@ -227,6 +226,11 @@ class SDLoRA(LoRAClassifier):
 
     name = "sd-lora"
 
+    def _setup(self) -> None:
+        super()._setup()
+        #: the magnitudes each task ended with (alpha_0..alpha_k)
+        self.magnitudes_: list[list[float]] = []
+
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         b = self.config.baseline
         self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)
@@ -234,30 +238,29 @@ class SDLoRA(LoRAClassifier):
         #: alpha_0..alpha_{k-1} for the old directions, alpha_k for the new one (one scalar each, shared
         #: by every layer; re-initialised every task as in the released code)
         self.alpha_ = nn.Parameter(torch.full((k + 1,), b.magnitude_init, device=dev))
-        self._norms = {n: self._old_norms(u) for n, u in self.model_.units.items()}
+        self._old = {n: self._old_columns(u) for n, u in self.model_.units.items()}
 
     @staticmethod
-    def _old_norms(u: LoRAUnit) -> torch.Tensor:
-        """Per old column: ||B_j|| ||A_j|| of the task j it belongs to (the released code's normaliser)."""
-        out = []
-        for j in range(u.num_tasks):
-            c = u.columns(j)
-            n = (u.A[:, c].norm() * u.B[:, c].norm()).clamp_min(1e-12)
-            out.append(n.expand(c.stop - c.start))
-        return torch.cat(out) if out else u.A.new_zeros(0)
+    def _old_columns(u: LoRAUnit) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per old column: the task j it belongs to, and ||B_j|| ||A_j|| (the released code's normaliser)."""
+        if not u.num_tasks:
+            return torch.zeros(0, dtype=torch.long, device=u.A.device), u.A.new_zeros(0)
+        owners = torch.repeat_interleave(torch.arange(u.num_tasks), torch.as_tensor(u.ranks)).to(u.A.device)
+        cols = [u.columns(j) for j in range(u.num_tasks)]
+        norms = torch.stack([u.A[:, c].norm() * u.B[:, c].norm() for c in cols]).clamp_min(1e-12)
+        return owners, norms[owners]
 
-    def _owners(self, u: LoRAUnit) -> torch.Tensor:
-        return torch.cat(
-            [torch.full((r,), j, dtype=torch.long) for j, r in enumerate(u.ranks)]
-            or [torch.zeros(0, dtype=torch.long)]
-        ).to(u.A.device)
+    def _compose(self, alpha: torch.Tensor) -> None:
+        """Old columns: alpha_j / (||B_j|| ||A_j||); the open task's own: alpha_k (set before a forward)."""
+        for n, u in self.model_.units.items():
+            owners, norms = self._old[n]
+            u.s_fixed = alpha[owners] / norms
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
         if train:
-            a = self.alpha_
-            for n, u in self.model_.units.items():
-                u.s_fixed = a[self._owners(u)] / self._norms[n]
-                u.new_scale = a[-1:]
+            self._compose(self.alpha_)
+            for u in self.model_.units.values():
+                u.new_scale = self.alpha_[-1:]
         return super().features(z, train)
 
     def trainable(self) -> list[nn.Parameter]:
@@ -266,12 +269,12 @@ class SDLoRA(LoRAClassifier):
     @torch.no_grad()
     def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         a = self.alpha_.detach()
-        for n, u in self.model_.units.items():
-            u.s_fixed = a[self._owners(u)] / self._norms[n]
+        self._compose(a)
+        for u in self.model_.units.values():
             u.new_scale = None
         R = {n: u.total_rank for n, u in self.model_.units.items()}
         self.model_.end_task()
         for n, u in self.model_.units.items():
             u.C[k, R[n] :] = a[-1]  # the task's own directions enter its model with alpha_k, unnormalised
         self.model_.clear_merged()
-        self.magnitudes_ = getattr(self, "magnitudes_", []) + [a.cpu().tolist()]
+        self.magnitudes_.append(a.cpu().tolist())

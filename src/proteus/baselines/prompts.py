@@ -76,7 +76,7 @@ def gram_schmidt(old: torch.Tensor, n: int, generator: torch.Generator) -> torch
 
 
 class PromptClassifier(ContinualClassifier):
-    """A prompt baseline: the prefix is the patch embedding; the query is the frozen class token."""
+    """A prompt baseline: the prefix is the patch embedding plus the query, the frozen class token."""
 
     needs_tokens = True
 
@@ -92,22 +92,28 @@ class PromptClassifier(ContinualClassifier):
     def _make_state(self, d: int) -> None:
         raise NotImplementedError
 
-    def prefix(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.vit.patch_embed(x)
-
-    def tokens(self, z: torch.Tensor) -> torch.Tensor:
-        """Patch tokens -> the sequence with the class token and position embedding."""
-        v = self.vit
-        return v.norm_pre(v._pos_embed(z))
-
     @torch.no_grad()
-    def query(self, z: torch.Tensor) -> torch.Tensor:
-        """The frozen ViT's class token after the final norm, without prompts (B, d)."""
-        x = self.tokens(z)
+    def prefix(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, P + 1, d): the patch tokens, then the query (frozen: cached with the patches, so a training
+        epoch or an evaluation never runs the prompt-free pass again)."""
+        patches = self.vit.patch_embed(x)
+        x = self._sequence(patches)
         for blk in self.vit.blocks:
             x = blk(x)
-        return self.vit.norm(x)[:, 0]
+        return torch.cat([patches, self.vit.norm(x)[:, :1]], 1)
+
+    def _sequence(self, patches: torch.Tensor) -> torch.Tensor:
+        v = self.vit
+        return v.norm_pre(v._pos_embed(patches))
+
+    def tokens(self, z: torch.Tensor) -> torch.Tensor:
+        """Prefix outputs -> the sequence of class token and patches with the position embedding."""
+        return self._sequence(z[:, :-1])
+
+    @staticmethod
+    def query(z: torch.Tensor) -> torch.Tensor:
+        """The frozen ViT's class token after the final norm, without prompts (B, d)."""
+        return z[:, -1]
 
     def run_blocks(
         self, x: torch.Tensor, prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]]
