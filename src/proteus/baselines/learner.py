@@ -115,9 +115,11 @@ class ContinualClassifier:
     def num_tasks(self) -> int:
         return len(self.heads_)
 
-    def max_tasks(self, stream_tasks: int | None = None) -> int:
-        """The number of tasks a pool is divided over (``baseline.max_tasks``, else the stream's)."""
-        return int(self.config.baseline.max_tasks or stream_tasks or 10)
+    @property
+    def task_budget(self) -> int:
+        """The number of tasks a pool or threshold schedule is divided over (``baseline.max_tasks``, else
+        the stream's number of tasks, given to :meth:`fit_task`; 10 when neither is known)."""
+        return int(self.config.baseline.max_tasks or self._stream_tasks or 10)
 
     # ------------------------------------------------------------------ method hooks
     def prefix(self, x: torch.Tensor) -> torch.Tensor:

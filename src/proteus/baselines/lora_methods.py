@@ -194,7 +194,7 @@ class InfLoRA(LoRAClassifier):
     def threshold(self, k: int) -> float:
         """eps_t = gpm_start + (1 - gpm_start) t / T (T: the stream's number of tasks)."""
         start = self.config.baseline.gpm_start
-        return start + (1.0 - start) * k / self.max_tasks(self._stream_tasks)
+        return start + (1.0 - start) * k / self.task_budget
 
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         rank = self.config.baseline.rank

@@ -273,7 +273,7 @@ class CodaPrompt(PromptClassifier):
 
     def span(self, k: int) -> tuple[int, int]:
         """Task k's components [s, f) of the pool."""
-        per = self.config.baseline.pool_size // self.max_tasks(self._stream_tasks)
+        per = self.config.baseline.pool_size // self.task_budget
         if per < 1 or (k + 1) * per > self.config.baseline.pool_size:
             raise ValueError(
                 f"coda-prompt: pool_size {self.config.baseline.pool_size} cannot give task {k + 1} its "
