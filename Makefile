@@ -33,8 +33,15 @@ bench: $(VENV)/.installed
 	$(PY) tools/perf/run.py --out runs/bench.json
 
 # What a user with a GPU runs first (tools/gpu_check.py); without a GPU it says so and exits 0.
+# `make gpu-check SYSTEM_PYTHON=1` uses python3 as it is (an image that already has torch, timm, torchvision
+# and scikit-learn, after `python3 -m pip install --no-deps -e .`) instead of creating .venv.
+ifeq ($(SYSTEM_PYTHON),1)
+gpu-check:
+	$(PYTHON) tools/gpu_check.py --out runs/gpu-check.json
+else
 gpu-check: $(VENV)/.installed
 	$(PY) tools/gpu_check.py --out runs/gpu-check.json
+endif
 
 clean-venv:
 	rm -rf $(VENV)

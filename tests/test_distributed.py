@@ -52,10 +52,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(out: Path, extra: list[str]) -> None:
+def _torchrun(out: Path, extra: list[str], nproc: int = 2) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
         "-m", "proteus", "run", "--out", str(out), "--device", "cpu", *ARGS, *extra,
     ]  # fmt: skip
@@ -117,6 +117,23 @@ def test_two_ranks_match_one_when_training(tmp_path: Path) -> None:
         for key in ("loss_first", "loss_last"):
             assert abs(t1["train"][key] - t2["train"][key]) <= LOSS_TOL, (key, t1["train"], t2["train"])
     assert _strip(one["kb_bytes"]) == _strip(two["kb_bytes"])  # the manifest records the logged losses
+
+
+def test_one_rank_under_torchrun_joins_the_group_and_equals_a_plain_run(tmp_path: Path) -> None:
+    """``torchrun --nproc_per_node=1`` joins a process group (gloo here, NCCL on a GPU: how `make gpu-check`
+    runs NCCL on a machine with one GPU) and runs every collective through it; the results and the
+    knowledge base are those of a plain run, bit for bit (trained adapters included)."""
+    extra = ["--set", "train.epochs=1"]
+    _single(tmp_path / "one", extra)
+    _torchrun(tmp_path / "rank", extra, nproc=1)
+    assert "torch.distributed: gloo, 1 process" in (tmp_path / "rank" / "log.txt").read_text()
+    assert "one process" in (tmp_path / "one" / "log.txt").read_text()
+    one, rank = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "rank"))
+    assert all(t["train"]["steps"] > 0 for t in one["tasks"])
+    strip = lambda d: {k: v for k, v in _strip(d).items() if k != "kb_bytes"}  # noqa: E731
+    assert strip(one) == strip(rank)
+    assert [t["train"]["loss_last"] for t in one["tasks"]] == [t["train"]["loss_last"] for t in rank["tasks"]]
+    assert _hashes(tmp_path / "one") == _hashes(tmp_path / "rank")
 
 
 def test_helpers_in_a_single_process() -> None:

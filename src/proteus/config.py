@@ -241,6 +241,8 @@ class RunConfig:
     method: str = "proteus"
     seed: int = 0
     device: str = "auto"
+    #: the backbone's forward passes: "auto" (bfloat16 autocast on CUDA, float32 elsewhere), "bf16", "fp32"
+    precision: str = "auto"
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -277,6 +279,14 @@ class RunConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def task_settings(self) -> dict[str, Any]:
+        """What a task's record keeps of how it was learned: the keys that may change per task
+        (:data:`PER_TASK_KEYS`) but the device (the learner records the one it resolved), the data's location
+        and the report."""
+        flat = flatten(self.to_dict())
+        skip = ("device", "report.", "benchmark.")
+        return {k: v for k, v in flat.items() if per_task(k) and not k.startswith(skip)}
+
     def fingerprint(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
@@ -296,6 +306,7 @@ LEGACY_DEFAULTS: dict[str, Any] = {
 #: defines the model and is fixed when a knowledge base is created (``report.`` covers a whole section)
 PER_TASK_KEYS = (
     "device",
+    "precision",
     "train.epochs",
     "train.lr",
     "train.batch_size",

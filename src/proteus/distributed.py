@@ -3,8 +3,10 @@
 The paper trains on 2 GPUs (App. "Datasets, Hyperparameters"). ``torchrun --nproc_per_node=N -m proteus run
 ...`` starts N processes; :func:`init_from_env` reads torchrun's variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and joins the default process group: NCCL with
-``cuda:LOCAL_RANK`` when CUDA is available, gloo on the CPU. Without those variables (a plain ``proteus``
-process) every helper here is a no-op for a world of one, so single-process code pays nothing.
+``cuda:LOCAL_RANK`` when CUDA is available, gloo on the CPU. Under torchrun the group is joined whatever the
+number of processes, so ``torchrun --nproc_per_node=1`` runs every collective through the backend (how NCCL
+is checked on a machine with one GPU; the results equal a plain run's). Without those variables (a plain
+``proteus`` process) every helper here is a no-op, so single-process code pays nothing.
 
 How the learner uses it (:mod:`proteus.learner`, :mod:`proteus.runner`):
 
@@ -47,10 +49,12 @@ __all__ = [
     "all_reduce_sum_",
     "barrier",
     "broadcast_",
+    "describe",
     "device_for_rank",
     "env_world_size",
     "init_from_env",
     "is_distributed",
+    "launched_by_torchrun",
     "is_main",
     "local_rank",
     "rank",
@@ -77,22 +81,28 @@ def local_rank() -> int:
         return 0
 
 
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (``torch.distributed.run``) started this process, whatever its number of processes."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> bool:
-    """Join the default process group from torchrun's environment; True when running distributed.
+    """Join the default process group from torchrun's environment; True when this process is in one.
 
     ``backend=None`` picks ``nccl`` when CUDA is available (and binds this process to ``cuda:LOCAL_RANK``),
-    else ``gloo``. Does nothing (returns False) for a world of one, and nothing more when already joined.
+    else ``gloo``. Does nothing (returns False) outside torchrun, and nothing more when already joined. A
+    torchrun world of one joins too: every collective then runs through the backend with one rank.
     """
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size() > 1
-    if env_world_size() <= 1 or not dist.is_available():
+        return True
+    if not launched_by_torchrun() or not dist.is_available():
         return False
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    return dist.get_world_size() > 1
+    return True
 
 
 def shutdown() -> None:
@@ -102,7 +112,16 @@ def shutdown() -> None:
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """Whether this process is in a process group (a torchrun launch, of any size)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def describe() -> str:
+    """``"torch.distributed: nccl, 2 processes"``, or ``"one process"`` outside a process group."""
+    if not is_distributed():
+        return "one process"
+    n = dist.get_world_size()
+    return f"torch.distributed: {dist.get_backend()}, {n} process{'es' if n != 1 else ''}"
 
 
 def rank() -> int:

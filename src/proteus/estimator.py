@@ -36,16 +36,18 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from PIL import Image
 
+from proteus import devices
 from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
 from proteus.backbones import Backbone, build_backbone
 from proteus.backbones.transforms import build_transform
-from proteus.config import RunConfig, flatten, per_task
+from proteus.config import RunConfig
 from proteus.engine import staged
 from proteus.engine.batches import ImageBatch, predict_batches
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES, Composition
@@ -113,7 +115,7 @@ class Proteus(KnowledgeBaseState):
         train_tf = build_transform(self.backbone_.data_config, train=True, augment=cfg.train.augment)
         self.embedder_ = Embedder(
             self.model_, self.device_, cfg.eval.batch_size, cfg.train.num_workers, self.eval_transform_,
-            progress=self.progress,
+            progress=self.progress, precision=cfg.precision,
         )  # fmt: skip
         self.trainer_ = AdapterTrainer(self.embedder_, cfg.adapter, cfg.train, train_tf)
         keys_cls = KEYS.get(cfg.signature.keys) if self.composition.retrieves else NoKeys
@@ -211,18 +213,20 @@ class Proteus(KnowledgeBaseState):
     def _fit_task(self, task: Task, k: int) -> TaskStats:
         stats = TaskStats(task=k)
         sec = stats.seconds
-        t0 = time.perf_counter()
+        devices.reset_peak_memory(self.device_)
+        clock = partial(devices.clock, self.device_)  # waits for the GPU's queued work
+        t0 = clock()
         z, y = self.embedder_.prefix_dataset(task.train, f"task {k + 1}: prefix")
-        sec["prefix"] = time.perf_counter() - t0
+        sec["prefix"] = clock() - t0
         crash_point("learn:prefix")
-        t0 = time.perf_counter()
+        t0 = clock()
         if self.trains_adapter(k):
             cache = self.config.train.cache_prefix in ("auto", "true", True) and not self.config.train.augment
             stats.train = self.trainer_.fit(task, k, self.task_seed(k), z if cache else None, y)
-        sec["train"] = time.perf_counter() - t0
+        sec["train"] = clock() - t0
         crash_point("learn:train")
 
-        t0 = time.perf_counter()  # line 6: the task's retrieval keys
+        t0 = clock()  # line 6: the task's retrieval keys
         num_classes = max(task.classes) + 1
         rc = self.config.retrieval
         zk, yk, held = z, y, None
@@ -233,10 +237,10 @@ class Proteus(KnowledgeBaseState):
         fit = KeyFit(k, zk, yk, num_classes, seed, m, lambda t: self.embed_prefix(zk, t))
         stats.signature = self.keys_.add_task(fit)
         calibration = None if held is None else self._calibrate(k, z[held], list(task.classes))
-        sec["signature"] = time.perf_counter() - t0
+        sec["signature"] = clock() - t0
         crash_point("learn:signature")
 
-        t0 = time.perf_counter()  # lines 8-12: head statistics from the embeddings the method predicts with
+        t0 = clock()  # lines 8-12: head statistics from the embeddings the method predicts with
         tasks, kind = self.head_composition(k)
         h = self.embed_prefix(z, tasks, kind)[0]
         if not torch.isfinite(h).all():
@@ -250,14 +254,9 @@ class Proteus(KnowledgeBaseState):
         self.head_ = head
         if self.config.head.forgettable:
             self.forget_inputs_[k] = (h.float().cpu().clone(), y.cpu().clone())
-        sec["head"] = time.perf_counter() - t0
+        sec["head"] = clock() - t0
         stats.gamma = float(head.gamma_)
         crash_point("learn:head")
-        settings = {
-            key: v for key, v in flatten(self.config.to_dict()).items() if per_task(key) and "." in key
-        }
-        settings = {key: v for key, v in settings.items() if not key.startswith(("report.", "benchmark."))}
-        settings["device"] = str(self.device_)
         self.records_.append(
             TaskRecord(
                 k,
@@ -266,12 +265,13 @@ class Proteus(KnowledgeBaseState):
                 int(len(task.train)),
                 self.trains_adapter(k),
                 stats,
-                settings,
+                {**self.config.task_settings(), "device": str(self.device_)},
                 time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 calibration,
                 source_classes=task.source_classes,
             )
         )
+        stats.peak_gpu_mb = devices.peak_memory_mb(self.device_)
         return stats
 
     def _calibrate(self, k: int, z_held: torch.Tensor, classes: list[int]) -> dict[str, Any] | None:

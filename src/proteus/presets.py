@@ -25,6 +25,7 @@ from proteus.config import (
     merge,
     parse_set,
 )
+from proteus.devices import PRECISIONS
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
 from proteus.engine.keys import KEYS
 from proteus.engine.trainer import S_UPDATES
@@ -36,6 +37,7 @@ __all__ = ["CHOICES", "RANGES", "Interval", "packaged_config", "resolve_config",
 
 #: key -> allowed values (a registry or a tuple)
 CHOICES: dict[str, Collection[str]] = {
+    "precision": tuple(PRECISIONS),
     "adapter.transfer": tuple(TRANSFER_INIT),
     "adapter.s_update": S_UPDATES,
     "train.tasks": TRAIN_SCHEDULES,

@@ -59,11 +59,12 @@ class KBServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], kb_dir: str | Path, device: str | None = None,
-                 poll_seconds: float = 1.0) -> None:  # fmt: skip
+                 poll_seconds: float = 1.0, precision: str | None = None) -> None:  # fmt: skip
         super().__init__(address, _Handler)
         self.kb_dir, self.device, self.poll_seconds = Path(kb_dir), device, poll_seconds
+        self.precision = precision
         self.stamp = _manifest_stamp(self.kb_dir)
-        self.clf = Proteus.load(self.kb_dir, device=device)
+        self.clf = Proteus.load(self.kb_dir, device=device, precision=precision)
         self.predict_lock = threading.Lock()
         self.reloads = 0
         self._stop = threading.Event()
@@ -78,7 +79,7 @@ class KBServer(ThreadingHTTPServer):
         if stamp is None or stamp == self.stamp:
             return False
         try:
-            clf = Proteus.load(self.kb_dir, device=self.device)
+            clf = Proteus.load(self.kb_dir, device=self.device, precision=self.precision)
         except Exception as e:  # noqa: BLE001 - keep serving the old state
             log.warning(
                 "serve: reloading %s failed, still serving %d tasks: %s", self.kb_dir, self.clf.num_tasks, e
@@ -177,9 +178,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve(kb_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
-          poll_seconds: float = 1.0) -> None:  # fmt: skip
+          poll_seconds: float = 1.0, precision: str | None = None) -> None:  # fmt: skip
     """Serve until interrupted (Ctrl-C)."""
-    server = KBServer((host, port), kb_dir, device=device, poll_seconds=poll_seconds)
+    server = KBServer((host, port), kb_dir, device=device, poll_seconds=poll_seconds, precision=precision)
     server.start_watching()
     print(
         f"serving {kb_dir} ({server.clf.num_tasks} tasks) on http://{host}:{server.server_address[1]}",

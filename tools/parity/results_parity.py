@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 #: results.json keys (at any depth) that hold wall-clock measurements, not computed results
-TIMING_KEYS = ("seconds", "latency", "figures")
+TIMING_KEYS = ("seconds", "latency", "figures", "peak_gpu_mb")
 
 
 def strip_timings(d: Any) -> Any:

@@ -211,6 +211,9 @@ def _run_sections(
             else:
                 report[key] = val
         report["section_seconds"][name] = time.perf_counter() - t0
+        if out_path is not None:  # what is measured so far survives a run stopped by a time limit
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 

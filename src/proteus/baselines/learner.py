@@ -33,6 +33,7 @@ from proteus import distributed as dist
 from proteus.backbones import Backbone, build_backbone
 from proteus.backbones.transforms import build_transform
 from proteus.config import BASELINE_OPTIMIZERS, BASELINE_SCHEDULES, RunConfig
+from proteus.devices import autocast as precision_autocast
 from proteus.engine.embedder import ImageDataset
 from proteus.streams import Task
 
@@ -81,7 +82,7 @@ class ContinualClassifier:
     def _build(self) -> None:
         if hasattr(self, "backbone_"):
             return
-        if dist.is_distributed():
+        if dist.world_size() > 1:
             raise RuntimeError(f"{self.name}: the baselines run in one process; launch without torchrun")
         cfg = self.config
         self.device_ = dist.device_for_rank(cfg.device)
@@ -127,6 +128,13 @@ class ContinualClassifier:
         with torch.no_grad():
             return self.backbone_.forward_prefix(x)
 
+    @torch.no_grad()
+    def prefix_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`prefix` of a batch on the device, under the learner's autocast, in float32: one way for the
+        cached pass, augmented training batches and prediction alike."""
+        with self._autocast():
+            return self.prefix(x.to(self.device_)).float()
+
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
         """(N, d) embeddings of prefix outputs ``z`` under the current state (``train``: the open task's
         training forward; may set :attr:`aux_loss`)."""
@@ -161,7 +169,7 @@ class ContinualClassifier:
                 yield z[idx], y[idx]
         else:
             for xb, yb in loader:
-                yield self.prefix(xb.to(self.device_)), yb
+                yield self.prefix_batch(xb), yb
 
     def input_pass(self, z: torch.Tensor | None, loader: Any) -> Iterator[torch.Tensor]:
         """The task's training inputs once, in order, as prefix outputs on the device (no grad)."""
@@ -171,7 +179,7 @@ class ContinualClassifier:
                 yield chunk.to(self.device_)
         else:
             for xb, _ in loader:
-                yield self.prefix(xb.to(self.device_))
+                yield self.prefix_batch(xb)
 
     def fit_task(self, task: Task, stream_tasks: int | None = None) -> dict[str, Any]:
         """Learn one task: open its state, train it with its head, freeze it. Returns training stats. On an
@@ -263,7 +271,7 @@ class ContinualClassifier:
         }
 
     def _autocast(self) -> torch.autocast:
-        return torch.autocast(self.device_.type, dtype=torch.bfloat16, enabled=self.device_.type == "cuda")
+        return precision_autocast(self.device_, self.config.precision)
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
@@ -279,8 +287,7 @@ class ContinualClassifier:
         )
         zs, ys = [], []
         for x, y in tqdm(loader, desc=desc, disable=not self.progress, leave=False):
-            with self._autocast():
-                zs.append(self.prefix(x.to(self.device_)).float().cpu())
+            zs.append(self.prefix_batch(x).cpu())
             ys.append(y)
         return torch.cat(zs), torch.cat(ys)
 
@@ -304,7 +311,7 @@ class ContinualClassifier:
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Global labels of a batch of transformed images."""
         self._build()
-        return self.predict_prefix(self.prefix(x.to(self.device_)).float())
+        return self.predict_prefix(self.prefix_batch(x))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(method={self.name!r}, tasks={self.num_tasks})"

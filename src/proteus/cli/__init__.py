@@ -8,7 +8,6 @@ codes).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from proteus.cli.parser import build_parser
@@ -36,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "wait", None) is not None and args.wait < 0:
         args.wait = None  # --wait without a value: as long as it takes
-    if os.environ.get("WORLD_SIZE", "1") != "1":  # launched by torchrun: join the process group
-        from proteus.distributed import init_from_env
+    from proteus.distributed import init_from_env, launched_by_torchrun
 
+    if launched_by_torchrun():  # join the process group (also with one process: proteus.distributed)
         init_from_env()
     try:
         return int(args.func(args) or 0)

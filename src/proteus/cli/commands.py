@@ -30,6 +30,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         o["seed"] = args.seed
     if getattr(args, "device", None):
         o["device"] = args.device
+    if getattr(args, "precision", None):
+        o["precision"] = args.precision
     return o
 
 
@@ -97,7 +99,7 @@ def _is_main() -> bool:
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
     args.benchmark = "quickstart"
-    for k in ("data", "tasks_file", "num_tasks", "backbone", "weights", "seed", "device"):
+    for k in ("data", "tasks_file", "num_tasks", "backbone", "weights", "seed", "device", "precision"):
         setattr(args, k, getattr(args, k, None))
     args.config, args.set = getattr(args, "config", []), getattr(args, "set", [])
     if args.out and Path(args.out, "kb", "manifest.json").exists():
@@ -147,7 +149,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.out:
         _check_out_dir(Path(args.out), "--out")
     kb = KnowledgeBase.open(args.kb)
-    clf = Proteus.from_kb(kb, progress=not args.quiet, device=args.device)
+    clf = Proteus.from_kb(kb, progress=not args.quiet, device=args.device, precision=args.precision)
     cfg = clf.config
     if args.benchmark and args.benchmark != cfg.benchmark.name:
         raise KBError(
@@ -183,7 +185,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from proteus.images import describe_skipped
     from proteus.kb import KBError
 
-    clf = Proteus.load(args.kb, device=args.device)
+    clf = Proteus.load(args.kb, device=args.device, precision=args.precision)
     if clf.num_tasks == 0:
         raise KBError(f"{args.kb}: the knowledge base holds no task yet; learn task 1 first (proteus learn)")
     bs = clf.config.eval.batch_size
@@ -268,7 +270,8 @@ def cmd_kb(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from proteus.serve import serve
 
-    serve(args.kb, host=args.host, port=args.port, device=args.device, poll_seconds=args.poll)
+    serve(args.kb, host=args.host, port=args.port, device=args.device, precision=args.precision,
+          poll_seconds=args.poll)  # fmt: skip
     return 0
 
 

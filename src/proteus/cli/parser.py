@@ -18,6 +18,7 @@ from proteus.cli.commands import (
     cmd_serve,
     cmd_weights,
 )
+from proteus.devices import PRECISIONS
 
 EPILOG = """\
 examples:
@@ -53,7 +54,17 @@ def _add_run_args(p: argparse.ArgumentParser, benchmark_required: bool = True) -
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--seed", type=int, help="seed (class order stays benchmark.class_order_seed)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: auto)")
+    _add_precision(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def _add_precision(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        help="the backbone's forward passes: auto (default: bf16 autocast on CUDA, fp32 elsewhere), bf16 "
+        "or fp32",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--tasks", dest="tasks_file")
     ev.add_argument("--out", help="write results.json here")
     ev.add_argument("--device")
+    _add_precision(ev)
     ev.add_argument("-q", "--quiet", action="store_true")
     ev.set_defaults(func=cmd_evaluate)
 
@@ -116,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("images", nargs="+", help="image files")
     pr.add_argument("--json", action="store_true", help="print JSON")
     pr.add_argument("--device")
+    _add_precision(pr)
     pr.add_argument(
         "--skip-unreadable", action="store_true", help="report unreadable files and go on with the rest"
     )
@@ -214,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--device")
+    _add_precision(sv)
     sv.add_argument("--poll", type=float, default=1.0, help="seconds between checks for a new commit")
     sv.set_defaults(func=cmd_serve)
 

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
+from proteus.devices import autocast as precision_autocast
 
 __all__ = ["Embedder", "ImageDataset"]
 
@@ -39,7 +40,9 @@ class Embedder:
 
     Args:
         model: the backbone with its adapters.
-        device: where the forward passes run (bfloat16 autocast on CUDA).
+        device: where the forward passes run.
+        precision: ``auto`` (bfloat16 autocast on CUDA, float32 elsewhere), ``bf16`` or ``fp32``
+            (:mod:`proteus.devices`).
         batch_size: images per forward in evaluation passes (split across the requested compositions).
         num_workers: data-loader workers.
         transform: the evaluation transform (PIL image -> tensor).
@@ -54,6 +57,7 @@ class Embedder:
         num_workers: int,
         transform: Callable,
         progress: bool = True,
+        precision: str = "auto",
     ) -> None:
         self.model = model
         self.device = device
@@ -61,7 +65,7 @@ class Embedder:
         self.num_workers = num_workers
         self.transform = transform
         self.progress = progress and dist.is_main()
-        self.amp = device.type == "cuda"
+        self.precision = precision
 
     def loader(self, ds: Dataset, shuffle: bool, seed: int, batch_size: int) -> DataLoader:
         g = torch.Generator().manual_seed(seed)
@@ -73,12 +77,14 @@ class Embedder:
         return tqdm(it, desc=desc, total=total, disable=not self.progress, leave=False, dynamic_ncols=True)
 
     def autocast(self) -> torch.autocast:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
+        return precision_autocast(self.device, self.precision)
 
     @torch.no_grad()
     def prefix(self, x: torch.Tensor) -> torch.Tensor:
-        """The frozen prefix h_0(x) of a batch of transformed images (shared by every task)."""
-        return self.model.prefix(x.to(self.device))
+        """The frozen prefix h_0(x) of a batch of transformed images (shared by every task), float32, computed
+        as :meth:`prefix_dataset` computes it (under the same autocast)."""
+        with self.autocast():
+            return self.model.prefix(x.to(self.device)).float()
 
     @torch.no_grad()
     def prefix_dataset(self, ds: Dataset, desc: str = "prefix") -> tuple[torch.Tensor, torch.Tensor]:

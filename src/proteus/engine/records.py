@@ -54,10 +54,13 @@ class TaskStats:
     signature: dict[str, int] | None = None
     gamma: float | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    #: peak GPU memory (MiB, ``torch.cuda.max_memory_allocated``) while learning and evaluating the task;
+    #: None on other devices
+    peak_gpu_mb: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"task": self.task}
-        for key in ("prefix", "train", "signature", "head", "task"):
+        for key in ("prefix", "train", "signature", "head", "evaluate", "task"):
             if key == "train" and self.train is not None:
                 out["train"] = self.train.to_dict()
             if key == "signature" and self.signature is not None:
@@ -66,13 +69,15 @@ class TaskStats:
                 out[f"seconds_{key}"] = self.seconds[key]
             if key == "head" and self.gamma is not None:
                 out["gamma"] = self.gamma
+        if self.peak_gpu_mb is not None:
+            out["peak_gpu_mb"] = self.peak_gpu_mb
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TaskStats:
         seconds = {k[len("seconds_") :]: v for k, v in d.items() if k.startswith("seconds_")}
         train = TrainStats.from_dict(d["train"]) if d.get("train") else None
-        return cls(int(d["task"]), train, d.get("signature"), d.get("gamma"), seconds)
+        return cls(int(d["task"]), train, d.get("signature"), d.get("gamma"), seconds, d.get("peak_gpu_mb"))
 
 
 @dataclass

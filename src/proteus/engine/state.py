@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from proteus import __version__
-from proteus.config import RunConfig
+from proteus.config import ConfigError, RunConfig
+from proteus.devices import PRECISIONS
 from proteus.engine.errors import TaskError
 from proteus.engine.records import TaskRecord
 from proteus.kb import KnowledgeBase
@@ -32,9 +33,10 @@ __all__ = ["KnowledgeBaseState", "without_timings"]
 
 
 def without_timings(d: Any) -> Any:
-    """``d`` without the keys that hold wall-clock seconds (recursively)."""
+    """``d`` without the keys that hold measurements of the run rather than of the model (wall-clock
+    seconds, peak GPU memory), recursively."""
     if isinstance(d, dict):
-        return {k: without_timings(v) for k, v in d.items() if "seconds" not in k}
+        return {k: without_timings(v) for k, v in d.items() if "seconds" not in k and k != "peak_gpu_mb"}
     if isinstance(d, list):
         return [without_timings(v) for v in d]
     return d
@@ -151,11 +153,23 @@ class KnowledgeBaseState:
         }
 
     @classmethod
-    def from_kb(cls: type[L], kb: KnowledgeBase, *, device: str | None = None, progress: bool = False) -> L:
-        """The learner a knowledge base holds (backbone identity checked)."""
+    def from_kb(
+        cls: type[L],
+        kb: KnowledgeBase,
+        *,
+        device: str | None = None,
+        precision: str | None = None,
+        progress: bool = False,
+    ) -> L:
+        """The learner a knowledge base holds (backbone identity checked); ``device`` and ``precision``
+        (:mod:`proteus.devices`) replace the stored ones for this process."""
         cfg = RunConfig.from_stored(kb.manifest["config"])
         if device:
             cfg.device = device
+        if precision:
+            if precision not in PRECISIONS:
+                raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+            cfg.precision = precision
         clf = cls(cfg, progress=progress)
         kb.check_backbone(clf.backbone_identity())
         for t in kb.manifest["tasks"]:
@@ -175,6 +189,13 @@ class KnowledgeBaseState:
         self.commit(kb)
 
     @classmethod
-    def load(cls: type[L], kb_dir: str | Path, *, device: str | None = None, progress: bool = False) -> L:
+    def load(
+        cls: type[L],
+        kb_dir: str | Path,
+        *,
+        device: str | None = None,
+        precision: str | None = None,
+        progress: bool = False,
+    ) -> L:
         """The learner held by a knowledge base directory (every checksum verified)."""
-        return cls.from_kb(KnowledgeBase.open(kb_dir), device=device, progress=progress)
+        return cls.from_kb(KnowledgeBase.open(kb_dir), device=device, precision=precision, progress=progress)

@@ -237,7 +237,7 @@ class AdapterTrainer:
                     mine = dist.shard_range(len(yb_g))
                     part = len(mine) / len(yb_g)
                     xb, yb_g = xb[mine.start : mine.stop], yb_g[mine.start : mine.stop]
-                zb = self.model.prefix(xb.to(device))
+                zb = emb.prefix(xb)  # frozen: under the embedder's autocast, as the cached prefix
                 yb = torch.as_tensor([local[int(c)] for c in yb_g.tolist()], device=device)
             loss = self.step(t, zb, yb, part)
             losses.append(float(loss.detach()))

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from proteus import devices
 from proteus import distributed as dist
 from proteus.config import RunConfig
 from proteus.engine.records import TaskStats
@@ -39,9 +40,12 @@ def learn_and_commit(
     stats = clf.fit_task(stream.tasks[k])
     evaluation = list(kb.manifest.get("evaluation", []))
     if evaluator is not None:
+        t1 = devices.clock(clf.device_)
         evaluation = evaluation[:k] + [evaluator.evaluate(k).to_dict()]
+        stats.seconds["evaluate"] = devices.clock(clf.device_) - t1
+        stats.peak_gpu_mb = devices.peak_memory_mb(clf.device_)
     crash_point("evaluate")
-    stats.seconds["task"] = time.perf_counter() - t0
+    stats.seconds["task"] = devices.clock(clf.device_) - t0
     if dist.is_main():  # under torchrun rank 0 writes; the others read its commit back
         clf.commit(kb, evaluation)
     dist.barrier()
@@ -75,7 +79,7 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
         stream = build_benchmark(cfg.benchmark)
         if main:
             stream.write_manifest(out / "split.json")
-        log.info("run %s on %s: %d tasks", cfg.method, stream.name, len(stream.tasks))
+        log.info("run %s on %s: %d tasks (%s)", cfg.method, stream.name, len(stream.tasks), dist.describe())
         clf = Proteus(cfg, progress=progress)
         kb_dir = out / "kb"
         if KnowledgeBase.exists(kb_dir):

@@ -1,0 +1,56 @@
+"""What depends on the device beyond where tensors live (the device itself:
+:func:`proteus.distributed.device_for_rank`).
+
+* The numeric precision of the backbone's forward passes: bfloat16 autocast on CUDA by default, float32
+  elsewhere (``precision`` in the config; ``--precision`` on the command line). Only the backbone runs
+  under autocast: the DP-GMM signatures (Eq. 18), the retrieval scores and the RanPAC head (Eq. 23) compute
+  in float32 or float64 on the embeddings cast back to float32.
+* Clocks that wait for the device's queued work (per-phase timings of GPU work), and peak GPU memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["PRECISIONS", "autocast", "autocast_dtype", "clock", "peak_memory_mb", "reset_peak_memory"]
+
+#: ``precision`` -> the autocast dtype on CUDA (None: no autocast). ``auto`` is bf16 on CUDA, fp32 elsewhere.
+PRECISIONS: dict[str, torch.dtype | None] = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": None}
+
+
+def autocast_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
+    """The dtype the backbone's forward passes autocast to on ``device`` (None: plain float32).
+
+    ``auto`` autocasts on CUDA only; ``bf16`` also on the CPU (slower there on most processors, but the same
+    numbers as a GPU's bf16 forward, which is how the GPU path's precision is tested without a GPU)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    if precision == "auto" and device.type != "cuda":
+        return None
+    return PRECISIONS[precision]
+
+
+def autocast(device: torch.device, precision: str = "auto") -> torch.autocast:
+    """The autocast context of the backbone's forward passes on ``device``."""
+    dtype = autocast_dtype(device, precision)
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device's queued work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for :func:`peak_memory_mb` (CUDA; nothing elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> float | None:
+    """Peak GPU memory allocated since the last :func:`reset_peak_memory` (MiB); None off CUDA."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None

@@ -1,0 +1,70 @@
+"""The GPU path's precision, reproduced on the CPU (``precision=bf16`` autocasts there too): every way an
+image reaches the backbone runs under the same autocast, and ``--precision`` reaches the learner.
+
+Found by the first ``make gpu-check`` (issue 22): ``predict`` ran the frozen prefix outside autocast while
+training and evaluation ran it under bf16 autocast, so a prediction did not see the embeddings its
+signatures and head were fitted on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from torch.utils.data import Subset
+
+from proteus import Proteus, devices
+from proteus.config import ConfigError
+from proteus.streams import build_benchmark
+from tiny import TINY_SETS
+
+
+def _learner(precision: str, method: str = "proteus") -> tuple[Proteus, object]:
+    sets = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in TINY_SETS)}
+    clf = Proteus.from_method(
+        method, progress=False, **sets, **{"benchmark.max_train_per_class": 20, "precision": precision,
+                                           "device": "cpu"}
+    )  # fmt: skip
+    stream = build_benchmark(clf.config.benchmark)
+    clf.fit_task(stream.tasks[0])
+    return clf, stream
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_predict_embeds_as_evaluation_does(precision: str) -> None:
+    clf, stream = _learner(precision)
+    test = Subset(stream.tasks[0].test, range(6))
+    z, _ = clf.prefix_dataset(test)  # the evaluation path: cached prefix, then the suffix
+    H_eval = clf.embed_prefix(z, [0], shard=False)
+    x = clf.transform_images([test[i][0] for i in range(6)])
+    H_pred, _ = clf.embed(x)  # the prediction path
+    assert torch.equal(H_pred, H_eval)
+
+
+def test_bf16_changes_the_numbers_and_fp32_does_not_autocast() -> None:
+    cpu = torch.device("cpu")
+    assert devices.autocast_dtype(cpu, "auto") is None and devices.autocast_dtype(cpu, "fp32") is None
+    assert devices.autocast_dtype(cpu, "bf16") is torch.bfloat16
+    assert devices.autocast_dtype(torch.device("cuda"), "auto") is torch.bfloat16
+    bf, _ = _learner("bf16")
+    fp, stream = _learner("fp32")
+    x = fp.transform_images([stream.tasks[0].test[i][0] for i in range(4)])
+    h_bf, h_fp = bf.embed(x)[0], fp.embed(x)[0]
+    rel = float((h_bf - h_fp).norm() / h_fp.norm())
+    assert 0 < rel < 0.1  # a bf16 forward, not another model
+
+
+def test_precision_is_per_task_and_recorded(tmp_path) -> None:
+    clf, _ = _learner("bf16")
+    assert clf.records_[0].settings["precision"] == "bf16"
+    clf.save(tmp_path / "kb")
+    loaded = Proteus.load(tmp_path / "kb", precision="fp32")
+    assert loaded.config.precision == "fp32" and loaded.embedder_.precision == "fp32"
+    with pytest.raises(ConfigError, match="precision must be one of auto, bf16, fp32"):
+        Proteus.load(tmp_path / "kb", precision="fp16")
+
+
+def test_peak_memory_is_none_off_cuda() -> None:
+    cpu = torch.device("cpu")
+    devices.reset_peak_memory(cpu)
+    assert devices.peak_memory_mb(cpu) is None and devices.clock(cpu) > 0
