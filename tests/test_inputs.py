@@ -358,6 +358,10 @@ def test_auto_and_torchrun_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     assert device_for_rank("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # a plain run names the GPU by its index, as torchrun does: the records of both say cuda:0 (the first
+    # gpu-check found "cuda" in one and "cuda:0" in the other)
+    assert device_for_rank("auto") == torch.device("cuda", 0) == device_for_rank("cuda")
     monkeypatch.setattr(distributed, "is_distributed", lambda: True)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert device_for_rank("auto") == torch.device("cuda", 3)

@@ -156,8 +156,9 @@ def _torch_version() -> str:
 def device_for_rank(name: str) -> torch.device:
     """The device ``name`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``, or ``mps`` where available) denotes.
 
-    ``auto`` is CUDA when torch sees a GPU, else the CPU; under torchrun, ``auto``/``cuda`` mean
-    ``cuda:LOCAL_RANK``. A device that does not exist here raises :class:`DeviceError` (a ``ValueError``):
+    ``auto`` is CUDA when torch sees a GPU, else the CPU; ``auto``/``cuda`` mean the current GPU by its index
+    (``cuda:0``), under torchrun ``cuda:LOCAL_RANK``. A device that does not exist here raises
+    :class:`DeviceError` (a ``ValueError``):
 
     * ``"device 'cuda' was requested but no CUDA GPU is visible to torch (torch X.Y, CUDA build: yes/no);
       use --device cpu"``;
@@ -204,8 +205,8 @@ def device_for_rank(name: str) -> torch.device:
                     f"only {count} CUDA GPU(s) on this node; start at most {count} processes per node "
                     "(--nproc_per_node) or use --device cpu"
                 )
-        if index is None:
-            return torch.device("cuda")
+        if index is None:  # the current GPU, by its index: a plain run and torchrun record the same name
+            return torch.device("cuda", torch.cuda.current_device())
         if index >= count:
             raise DeviceError(
                 f"device {raw!r} was requested but torch sees only {count} CUDA GPU(s) "
