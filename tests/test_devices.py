@@ -68,3 +68,35 @@ def test_peak_memory_is_none_off_cuda() -> None:
     cpu = torch.device("cpu")
     devices.reset_peak_memory(cpu)
     assert devices.peak_memory_mb(cpu) is None and devices.clock(cpu) > 0
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_index_add_by_one_hot_product_equals_index_add(dim: int) -> None:
+    """The order-fixed sum used on CUDA (a one-hot product) is the sum ``index_add_`` computes."""
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn((50, 7) if dim == 0 else (7, 50), generator=g, dtype=torch.float64)
+    idx = torch.randint(0, 5, (50,), generator=g)
+    shape = (5, 7) if dim == 0 else (7, 5)
+    base = torch.randn(shape, generator=g, dtype=torch.float64)
+    a = devices.index_add(base.clone(), dim, idx, src, one_hot=True)
+    b = base.clone().index_add_(dim, idx, src)
+    assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    assert torch.equal(devices.index_add(base.clone(), dim, idx, src), b)  # the CPU keeps index_add_
+
+
+def test_torchrun_backend_follows_the_requested_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torchrun ... --device cpu`` on a GPU machine joins gloo (it joined NCCL and bound rank 1 to a GPU
+    the machine did not have: the first test run on a GPU)."""
+    import torch.distributed as tdist
+
+    from proteus import distributed
+
+    chosen: list[str] = []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setattr(tdist, "is_initialized", lambda: False)
+    monkeypatch.setattr(tdist, "init_process_group", lambda backend, timeout: chosen.append(backend))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    for device, backend in (("cpu", "gloo"), ("cuda", "nccl"), (None, "nccl"), ("auto", "nccl")):
+        assert distributed.init_from_env(device=device)
+        assert chosen.pop() == backend, device

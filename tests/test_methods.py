@@ -242,7 +242,7 @@ def test_lda_keys_live_in_the_first_adapters_space(run_method: Callable[[str], P
     assert learner.config.signature.keys == "first-adapter-lda" and not learner.needs_frozen
     torch.manual_seed(0)
     x = torch.randn(6, 3, 32, 32)
-    H = learner.embed_prefix(learner.model_.prefix(x), list(range(learner.num_adapters)), shard=False)
+    H = learner.embed_prefix(learner.embedder_.prefix(x), list(range(learner.num_adapters)), shard=False)
     res = learner.retrieve(H)
     logits = learner.keys_.head.decision_function(torch.nn.functional.normalize(H[0], dim=1)).float()
     expect = torch.stack([logits[:, t.classes].max(1).values for t in learner.records_], 1).argmax(1)

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -113,14 +114,14 @@ def test_concurrent_clients_and_a_commit_during_the_stream(server, world: dict) 
     learn = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: list[int] = []
 
-    def client() -> list[int]:
-        out = []
-        for _ in range(200):
+    def client() -> list[int]:  # posts until the new commit answers (or 5 minutes: then the test fails)
+        out: list[int] = []
+        deadline = time.monotonic() + 300
+        done = lambda: learn.poll() is not None and srv.reloads and out and out[-1] == 2  # noqa: E731
+        while time.monotonic() < deadline and not done():
             status, res = _post(url + "/predict", data)
             assert status == 200, res
             out.append(res["kb_tasks"])
-            if learn.poll() is not None and srv.reloads and out[-1] == 2:
-                break
         return out
 
     with ThreadPoolExecutor(4) as pool:

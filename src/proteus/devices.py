@@ -5,6 +5,8 @@
   elsewhere (``precision`` in the config; ``--precision`` on the command line). Only the backbone runs
   under autocast: the DP-GMM signatures (Eq. 18), the retrieval scores and the RanPAC head (Eq. 23) compute
   in float32 or float64 on the embeddings cast back to float32.
+* Sums by class that give the same bits in every process (:func:`index_add`): a knowledge base learned
+  task by task in separate processes, or recovered after a crash, must equal the one a single run writes.
 * Clocks that wait for the device's queued work (per-phase timings of GPU work), and peak GPU memory.
 """
 
@@ -14,7 +16,15 @@ import time
 
 import torch
 
-__all__ = ["PRECISIONS", "autocast", "autocast_dtype", "clock", "peak_memory_mb", "reset_peak_memory"]
+__all__ = [
+    "PRECISIONS",
+    "autocast",
+    "autocast_dtype",
+    "clock",
+    "index_add",
+    "peak_memory_mb",
+    "reset_peak_memory",
+]
 
 #: ``precision`` -> the autocast dtype on CUDA (None: no autocast). ``auto`` is bf16 on CUDA, fp32 elsewhere.
 PRECISIONS: dict[str, torch.dtype | None] = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": None}
@@ -54,3 +64,19 @@ def reset_peak_memory(device: torch.device) -> None:
 def peak_memory_mb(device: torch.device) -> float | None:
     """Peak GPU memory allocated since the last :func:`reset_peak_memory` (MiB); None off CUDA."""
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def index_add(
+    target: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, one_hot: bool | None = None
+) -> torch.Tensor:
+    """``target.index_add_(dim, index, source)`` for 2-D tensors (``dim`` 0 or 1), in place, with the same
+    result in every run. CUDA's ``index_add_`` sums with atomics in an order that changes from run to run, so
+    two processes that learn the same task stored heads that differed in the last bits (found by the first
+    ``make gpu-check``'s test run on a GPU); there (``one_hot=None`` on CUDA, or ``one_hot=True``) the rows
+    are summed by one product with a one-hot matrix, whose order is fixed. Elsewhere ``index_add_`` as is."""
+    if not (one_hot if one_hot is not None else target.device.type == "cuda"):
+        return target.index_add_(dim, index, source)
+    n, k = index.shape[0], target.shape[dim]
+    hot = torch.zeros(n, k, dtype=source.dtype, device=source.device)
+    hot[torch.arange(n, device=source.device), index.to(source.device)] = 1
+    return target.add_(hot.T @ source if dim == 0 else source @ hot)

@@ -86,19 +86,22 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1
 
 
-def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> bool:
+def init_from_env(backend: str | None = None, timeout_s: float = 1800.0, device: str | None = None) -> bool:
     """Join the default process group from torchrun's environment; True when this process is in one.
 
-    ``backend=None`` picks ``nccl`` when CUDA is available (and binds this process to ``cuda:LOCAL_RANK``),
-    else ``gloo``. Does nothing (returns False) outside torchrun, and nothing more when already joined. A
-    torchrun world of one joins too: every collective then runs through the backend with one rank.
+    ``backend=None`` picks ``nccl`` when CUDA is available and the requested ``device`` is not the CPU (and
+    binds this process to ``cuda:LOCAL_RANK``), else ``gloo`` (``--device cpu`` on a GPU machine runs on the
+    CPU: NCCL there would bind each rank to a GPU it may not have). Does nothing (returns False) outside
+    torchrun, and nothing more when already joined. A torchrun world of one joins too: every collective
+    then runs through the backend with one rank.
     """
     if dist.is_available() and dist.is_initialized():
         return True
     if not launched_by_torchrun() or not dist.is_available():
         return False
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        on_cpu = device is not None and str(device).strip().lower().startswith("cpu")
+        backend = "nccl" if torch.cuda.is_available() and not on_cpu else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))

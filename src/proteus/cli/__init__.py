@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from proteus.distributed import init_from_env, launched_by_torchrun
 
     if launched_by_torchrun():  # join the process group (also with one process: proteus.distributed)
-        init_from_env()
+        init_from_env(device=getattr(args, "device", None))
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -39,6 +39,7 @@ import math
 import torch
 from torch import Tensor
 
+from proteus.devices import index_add
 from proteus.heads.checks import allowed_mask, check_embeddings, check_labels
 from proteus.heads.gamma import (
     GAMMA_SELECTIONS,
@@ -271,12 +272,12 @@ class RanPACHead(HeadState):
         y_dev = y.to(device)
         G_new = G_old + phi.T @ phi
         Q_new = Q_old.clone()
-        Q_new.index_add_(1, y_dev, phi.T)  # column c += sum of phi over samples of class c: e_S(c)
+        index_add(Q_new, 1, y_dev, phi.T)  # column c += sum of phi over samples of class c: e_S(c)
         counts_new = counts_old + torch.bincount(y_dev, minlength=total)
         P_new = None
         if self.prototypes == "task-mean":
             P_new = torch.cat([P_old, P_old.new_zeros(m, total - P_old.shape[1])], dim=1)
-            P_new.index_add_(1, y_dev, phi.T / phi.shape[0])  # e_S(c) += |D_k|^{-1} h_S(x)
+            index_add(P_new, 1, y_dev, phi.T / phi.shape[0])  # e_S(c) += |D_k|^{-1} h_S(x)
 
         gamma, selection = choose_gamma(self, phi, y, total, device, G_old, Q_old)
         W_out = self._ridge_solve(G_new, Q_new if P_new is None else P_new, gamma)
@@ -305,13 +306,13 @@ class RanPACHead(HeadState):
         cls = torch.as_tensor(classes, dtype=torch.long, device=phi.device)
         G = self.G_ - phi.T @ phi
         Q = self.Q_.clone()
-        Q.index_add_(1, y_dev, -phi.T)
+        index_add(Q, 1, y_dev, -phi.T)
         Q[:, cls] = 0.0
         counts[cls] = 0
         P = None
         if self.P_ is not None:
             P = self.P_.clone()
-            P.index_add_(1, y_dev, -phi.T / phi.shape[0])
+            index_add(P, 1, y_dev, -phi.T / phi.shape[0])
             P[:, cls] = 0.0
         assert self.gamma_ is not None
         W_out = self._ridge_solve(G, Q if P is None else P, self.gamma_)

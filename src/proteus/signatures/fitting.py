@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from proteus.config import SignatureConfig
+from proteus.devices import index_add
 from proteus.signatures.dpgmm import DPGMM, PosteriorFactors
 from proteus.signatures.kmeans import kmeans
 
@@ -148,7 +149,7 @@ def fit_kmeans(X: Tensor, cfg: SignatureConfig, seed: int, lam: float) -> Cluste
     counts = torch.bincount(labels, minlength=K)
     nk = counts.to(X.dtype)
     means = (
-        torch.zeros((K, d), dtype=X.dtype, device=X.device).index_add_(0, labels, X)
+        index_add(torch.zeros((K, d), dtype=X.dtype, device=X.device), 0, labels, X)
         / nk.clamp_min(1)[:, None]
     )
     scatter = torch.zeros((K, d, d), dtype=X.dtype, device=X.device)
