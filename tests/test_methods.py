@@ -245,7 +245,7 @@ def test_lda_keys_live_in_the_first_adapters_space(run_method: Callable[[str], P
     H = learner.embed_prefix(learner.embedder_.prefix(x), list(range(learner.num_adapters)), shard=False)
     res = learner.retrieve(H)
     logits = learner.keys_.head.decision_function(torch.nn.functional.normalize(H[0], dim=1)).float()
-    expect = torch.stack([logits[:, t.classes].max(1).values for t in learner.records_], 1).argmax(1)
+    expect = torch.stack([logits[:, t.classes].max(1).values for t in learner.records_], 1).argmax(1).cpu()
     assert torch.equal(res.task, expect)
     H2 = H.clone()
     H2[1:] = torch.randn_like(H2[1:])  # other adapters' embeddings do not enter the keys
