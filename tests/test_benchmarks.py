@@ -44,6 +44,9 @@ ALL_NAMES = {
     "vtab5t",
     "vtab-sim50",
     "folder",
+    "domains5",
+    "domains-sim",
+    "domains-mixed",
 }
 
 

@@ -31,6 +31,9 @@ PAPER = {
     "cifar100-budget": ("cifar100", 20, 10, 1e-3, 32),
     "imagenet-r-budget": ("imagenet-r", 20, 10, 1e-3, 32),
 }
+#: the multi-domain streams on local data (issue 23) -> (rank, lr, batch size) of the paper's benchmark of
+#: the same shape: VTAB5T for the abrupt ones, VTAB-Sim50 for the varying one
+DOMAINS = {"domains5": (16, 5e-4, 16), "domains-sim": (4, 1e-4, 24), "domains-mixed": (16, 5e-4, 16)}
 ADD_ON = {"mobilenet_cpu"}  # applied on top of a benchmark with --config
 #: a baseline's official setting on a paper benchmark (--config NAME on top of --benchmark / --method):
 #: name -> (method, benchmark, epochs, batch size, optimizer, lr), from the authors' released code
@@ -48,7 +51,18 @@ BASELINE = {
 
 
 def test_every_config_is_known() -> None:
-    assert set(CONFIGS) == set(PAPER) | ADD_ON | set(BASELINE) | {"quickstart"}
+    assert set(CONFIGS) == set(PAPER) | set(DOMAINS) | ADD_ON | set(BASELINE) | {"quickstart"}
+
+
+@pytest.mark.parametrize("name", sorted(DOMAINS))
+def test_domain_streams_take_the_settings_of_their_paper_shape(name: str) -> None:
+    cfg = resolve_config(name)
+    assert (cfg.adapter.rank, cfg.train.lr, cfg.train.batch_size) == (
+        DOMAINS[name][0],
+        pytest.approx(DOMAINS[name][1]),
+        DOMAINS[name][2],
+    )
+    assert cfg.backbone.name == "vit_b16" and cfg.head.rp_dim == 10000 and cfg.train.augment is True
 
 
 @pytest.mark.parametrize("name", sorted(BASELINE))

@@ -157,6 +157,22 @@ def validate(cfg: RunConfig) -> None:
         )
 
 
+#: the key of a config file that holds settings for named benchmarks only
+PER_BENCHMARK = "benchmarks"
+
+
+def merge_config_file(cfg: RunConfig, data: dict[str, Any], where: str) -> None:
+    """Merge a ``--config`` file; its ``benchmarks: {NAME: {...}}`` section applies only to benchmark NAME
+    (``mobilenet_cpu`` caps the training images of the multi-domain streams, not of CIFAR-10)."""
+    data = dict(data)
+    per = data.pop(PER_BENCHMARK, None) or {}
+    if not isinstance(per, dict) or not all(isinstance(v, dict) for v in per.values()):
+        raise ConfigError(f"{where}: '{PER_BENCHMARK}' must map benchmark names to config sections")
+    merge(cfg, data)
+    if cfg.benchmark.name in per:
+        merge(cfg, per[cfg.benchmark.name], where="config")
+
+
 def packaged_config(name: str) -> Path | None:
     p = resources.files("proteus") / "configs" / f"{name}.yaml"
     return Path(str(p)) if p.is_file() else None
@@ -195,7 +211,7 @@ def resolve_config(
         path = Path(f)
         if not path.is_file() and packaged_config(f) is not None:
             path = packaged_config(f)  # type: ignore[assignment]
-        merge(cfg, load_yaml(path))
+        merge_config_file(cfg, load_yaml(path), str(path))
     if sets:
         merge(cfg, parse_set(sets))
     if overrides:

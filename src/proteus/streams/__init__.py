@@ -7,6 +7,7 @@ names. Items are ``(PIL.Image RGB, int global label)``; transforms are the learn
 """
 
 from proteus.streams import builtin as _builtin  # noqa: F401  (registers quickstart, cifar, imagenet, folder)
+from proteus.streams import domains as _domains  # noqa: F401  (registers domains5, domains-sim, domains-mixed)
 from proteus.streams import vtab as _vtab  # noqa: F401  (registers vtab5t, vtab-sim50)
 from proteus.streams.abrupt import build_abrupt_sequence
 from proteus.streams.base import (

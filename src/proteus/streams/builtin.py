@@ -128,6 +128,25 @@ def _check_class_count(name: str, found: int, expected: int, root: Path, strict:
 
 
 # ---------------------------------------------------------------------------------------------- quickstart
+def digits_split() -> tuple[ArrayImageDataset, ArrayImageDataset]:
+    """scikit-learn's digits as 8x8 uint8 images (pixels 0..16 scaled to 0..255, rounded), split by
+    ``train_test_split(test_size=0.3, stratify=labels, random_state=0)``; keys are ``load_digits()`` rows."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = np.clip(np.rint(digits.images * (255.0 / 16.0)), 0, 255).astype(np.uint8)
+    labels = digits.target.astype(np.int64)
+    idx = np.arange(len(images))
+    tr_idx, te_idx = train_test_split(
+        idx, test_size=QUICKSTART_TEST_FRACTION, random_state=QUICKSTART_SPLIT_SEED, stratify=labels
+    )
+    tr_idx, te_idx = np.sort(tr_idx), np.sort(te_idx)
+    return ArrayImageDataset(images, labels[tr_idx], rows=tr_idx), ArrayImageDataset(
+        images, labels[te_idx], rows=te_idx
+    )
+
+
 @BENCHMARKS.register(
     "quickstart",
     help="scikit-learn's bundled 8x8 digits (no download): 10 classes -> 5 tasks of 2, fixed stratified "
@@ -140,19 +159,7 @@ def quickstart(cfg: BenchmarkConfig) -> TaskStream:
     train/test split is ``train_test_split(test_size=0.3, stratify=labels, random_state=0)``, fixed whatever
     ``class_order_seed`` is; keys in the manifest are row indices of ``load_digits()``.
     """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    images = np.clip(np.rint(digits.images * (255.0 / 16.0)), 0, 255).astype(np.uint8)
-    labels = digits.target.astype(np.int64)
-    idx = np.arange(len(images))
-    tr_idx, te_idx = train_test_split(
-        idx, test_size=QUICKSTART_TEST_FRACTION, random_state=QUICKSTART_SPLIT_SEED, stratify=labels
-    )
-    tr_idx, te_idx = np.sort(tr_idx), np.sort(te_idx)
-    train = ArrayImageDataset(images, labels[tr_idx], rows=tr_idx)
-    test = ArrayImageDataset(images, labels[te_idx], rows=te_idx)
+    train, test = digits_split()
     names = [f"digit_{i}" for i in range(10)]
     return _permuted_stream(
         "quickstart",
