@@ -130,7 +130,9 @@ def experts(c: Cache) -> dict[str, list[list[torch.Tensor]]]:
             for j in range(m):
                 full = torch.full((len(c.ys[t]), c.C), NEG)
                 full[:, c.classes[j]] = (
-                    heads[j].decision_function(_l2(c.test(t, j if space is None else space), rp == -1)).float()
+                    heads[j]
+                    .decision_function(_l2(c.test(t, j if space is None else space), rp == -1))
+                    .float()
                 )
                 row.append(full)
             rows.append(row)
@@ -288,9 +290,8 @@ def main() -> None:
         rets = [allres[c][n]["retrieval"] for c in args.caches]
         gain = [allres[c][n]["final"] - allres[c]["ranpac"]["final"] for c in args.caches]
         cells = " ".join(f"{v:6.2f}({r:4.1f})" for v, r in zip(vals, rets))
-        print(
-            f"{n:58s} {cells}  {sum(vals) / len(vals):6.2f}  {sum(gain) / len(gain):+6.2f} min {min(gain):+6.2f}"
-        )
+        mean_gain = sum(gain) / len(gain)
+        print(f"{n:58s} {cells}  {sum(vals) / len(vals):6.2f}  {mean_gain:+6.2f} min {min(gain):+6.2f}")
         if args.per_task:
             for c in args.caches:
                 print(
