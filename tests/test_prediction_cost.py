@@ -131,7 +131,14 @@ def _same(pred, ref) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize(
     ("method", "extra"),
-    [("proteus-lda", {}), ("proteus-flda", {}), ("proteus", {"signature.keys": "frozen"})],
+    [
+        ("proteus-lda", {}),
+        ("proteus-flda", {}),
+        ("proteus", {"signature.keys": "frozen"}),
+        ("proteus-lda", {"head.scope": "task"}),
+        ("proteus-lda", {"head.scope": "task", "retrieval.combine": "soft"}),
+        ("proteus-flda", {"retrieval.combine": "soft", "retrieval.soft_top": 3}),
+    ],
 )
 def test_keys_in_one_space_predict_as_the_m_forward_path(method: str, extra: dict) -> None:
     clf, x = _fit(method, **extra)

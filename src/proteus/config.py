@@ -132,6 +132,11 @@ class HeadConfig:
     #: ``proteus kb forget`` can subtract the task from the head exactly; off by default: the knowledge
     #: base then holds no per-image data
     forgettable: bool = False
+    #: which head classifies an input once its task is known: "global" (Eq. 23: one head over every
+    #: class learned so far, its statistics accumulated from each task's own adapter) or "task" (beyond
+    #: the paper: each task's own ridge head over its own classes, fitted on its adapter's embeddings
+    #: when the task is learned and never changed; needs retrieval; the global head is kept too)
+    scope: str = "global"
 
 
 @dataclass
@@ -154,6 +159,15 @@ class RetrievalConfig:
     candidates: int | None = None
     #: the cheap keys' space: "first-adapter" (task 1's adapter, fixed after task 1) or "frozen"
     candidate_space: str = "first-adapter"
+    #: how the task posterior and the head combine (beyond the paper; proteus.engine.experts): "hard"
+    #: (Alg. 2: the best task's adapter, then its head) or "soft" (the class maximising
+    #: log p(t|x) + log p(c|x, t) over the ``soft_top`` most likely tasks t, each input embedded under
+    #: each of them; p(t|x) = softmax of minus the keys' task scores / ``key_temperature``, p(c|x, t) =
+    #: softmax over task t's classes of the head's scores under adapter t / ``head_temperature``)
+    combine: str = "hard"
+    soft_top: int = 2
+    key_temperature: float = 0.1
+    head_temperature: float = 0.5
 
 
 #: allowed values of baseline.optimizer (the released codes' optimisers) and baseline.schedule
@@ -300,6 +314,8 @@ LEGACY_DEFAULTS: dict[str, Any] = {
     "head.prototypes": "sum",
     "head.forgettable": False,
     "retrieval.candidates": None,
+    "head.scope": "global",
+    "retrieval.combine": "hard",
 }
 
 #: config keys that may differ from task to task (recorded in each task's record); every other key

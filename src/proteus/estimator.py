@@ -48,7 +48,7 @@ from proteus.adapters import AdaptedBackbone
 from proteus.backbones import Backbone, build_backbone
 from proteus.backbones.transforms import build_transform
 from proteus.config import RunConfig
-from proteus.engine import staged
+from proteus.engine import experts, staged
 from proteus.engine.batches import ImageBatch, predict_batches
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES, Composition
 from proteus.engine.embedder import Embedder
@@ -118,6 +118,7 @@ class Proteus(KnowledgeBaseState):
             progress=self.progress, precision=cfg.precision,
         )  # fmt: skip
         self.trainer_ = AdapterTrainer(self.embedder_, cfg.adapter, cfg.train, train_tf)
+        self.experts_ = experts.TaskExperts(self._new_head)
         keys_cls = KEYS.get(cfg.signature.keys) if self.composition.retrieves else NoKeys
         rc = cfg.retrieval
         self.keys_: RetrievalKeys = keys_cls(
@@ -206,6 +207,7 @@ class Proteus(KnowledgeBaseState):
         except BaseException:
             self.model_.truncate(m0)
             self.keys_.truncate(k)
+            self.experts_.truncate(k)
             self.head_ = head0  # RanPACHead.update is atomic: it raises before changing the head
             self.forget_inputs_.pop(k, None)
             raise
@@ -252,6 +254,8 @@ class Proteus(KnowledgeBaseState):
         except (ValueError, FloatingPointError) as e:
             raise TaskError(f"task {k + 1}: head update failed: {e}") from None
         self.head_ = head
+        if self.config.head.scope == "task":  # the task's own head over its own classes
+            self.experts_.add_task(h.to(self.device_), y, list(task.classes))
         if self.config.head.forgettable:
             self.forget_inputs_[k] = (h.float().cpu().clone(), y.cpu().clone())
         sec["head"] = clock() - t0
@@ -325,50 +329,35 @@ class Proteus(KnowledgeBaseState):
         """Task retrieval (Sec. 3.1) among the first ``H.shape[0]`` tasks."""
         return self.keys_.retrieve(H, F, [t.classes for t in self.records_])
 
-    def classify(self, h: torch.Tensor) -> torch.Tensor:
-        """Eq. 23: the head's scores (N, C) for embeddings (N, d); classes of forgotten tasks score -inf."""
+    def classify(self, h: torch.Tensor, tasks: torch.Tensor | None = None) -> torch.Tensor:
+        """Eq. 23: the head's scores (N, C) for embeddings (N, d) under the adapters of ``tasks`` (N,);
+        with ``head.scope=task`` each row is scored by its task's own head (-inf outside its classes,
+        ``tasks`` needed). Classes of forgotten tasks score -inf."""
         self._check_fitted()
         assert self.head_ is not None
-        logits = self.head_.decision_function(h.to(self.device_)).float().cpu()
+        if self.config.head.scope == "task":
+            if tasks is None:
+                raise ValueError("head.scope=task scores an embedding with its task's head: pass tasks")
+            logits = self.experts_.logits(h, tasks, self.num_classes)
+        else:
+            logits = self.head_.decision_function(h.to(self.device_)).float().cpu()
         gone = [c for t in self.records_ if t.forgotten for c in t.classes if c < logits.shape[1]]
         if gone:
             logits[:, gone] = float("-inf")
         return logits
 
-    def forget_task(self, k: int) -> None:
-        """Remove task k (0-based) from what can be predicted (``proteus kb forget``): its contribution to
-        the head's statistics is subtracted exactly (:meth:`RanPACHead.downdate`), its key removed (never
-        retrieved), its classes never predicted. Its adapter directions stay: later tasks' compositions
-        use them. Needs ``head.forgettable`` (the task's embeddings kept). Everything is checked before
-        anything changes; the knowledge base changes only when the result is committed."""
-        self._check_fitted()
-        if not 0 <= k < self.num_tasks:
-            raise TaskError(f"task {k + 1}: the learner holds tasks 1..{self.num_tasks}")
-        rec = self.records_[k]
-        if rec.forgotten:
-            raise TaskError(f"task {k + 1} is already forgotten")
-        if k not in self.forget_inputs_:
-            raise TaskError(
-                f"task {k + 1}: learned without head.forgettable=true, so its contribution to the head "
-                "cannot be subtracted exactly; learn with --set head.forgettable=true to be able to forget"
-            )
-        try:
-            self.keys_.check_forget(k)
-        except ValueError as e:
-            raise TaskError(str(e)) from None
-        assert self.head_ is not None
-        h, y = self.forget_inputs_[k]
-        self.head_.downdate(h.to(self.device_), y.to(self.device_), rec.classes)  # atomic
-        self.keys_.forget(k, rec.classes)
-        del self.forget_inputs_[k]
-        rec.forgotten = True
-
     def predict_embedded(self, H: torch.Tensor, F: torch.Tensor | None = None) -> Prediction:
-        """Retrieve, gather each input's embedding under its retrieved adapter, classify."""
-        res = self.retrieve(H, F)
-        return self._prediction(res, self.classify(H[res.task, torch.arange(H.shape[1])]))
+        """Retrieve, take each input's embedding under its retrieved (or candidate) adapters, classify."""
+        rows = torch.arange(H.shape[1])
+        return self._prediction(self.retrieve(H, F), lambda cand: H[cand, rows[:, None]])
 
-    def _prediction(self, res: RetrievalResult, logits: torch.Tensor) -> Prediction:
+    def _prediction(self, res: RetrievalResult, under: staged.Under) -> Prediction:
+        """The keys' result combined with the head (``retrieval.combine``, proteus.engine.experts)."""
+        task_of = torch.zeros(self.num_classes, dtype=torch.long)
+        for t in self.records_:
+            task_of[t.classes] = t.index
+        res = experts.decide(res, under, self.classify, self.config.retrieval, task_of)
+        logits = res.task_scores
         pred = Prediction(logits.argmax(1), res.task, res.component, res.score, logits)
         thr = self.thresholds()
         if thr is not None:
@@ -388,8 +377,7 @@ class Proteus(KnowledgeBaseState):
         if self.predict_route in ("one-space", "candidates"):
             m = min(self._m(num_tasks), self.num_adapters)
             z, classes = self.embedder_.prefix(x), [t.classes for t in self.records_]
-            res, h = staged.predict_staged(self.embedder_, self.keys_, z, m, classes)
-            return self._prediction(res, self.classify(h))
+            return self._prediction(*staged.predict_staged(self.embedder_, self.keys_, z, m, classes))
         if self.uses_retrieval:
             return self.predict_embedded(*self.embed(x, num_tasks))
         tasks, kind = self.head_composition(self._m(num_tasks) - 1)

@@ -27,7 +27,8 @@ from proteus.config import (
 )
 from proteus.devices import PRECISIONS
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
-from proteus.engine.keys import KEYS
+from proteus.engine.experts import COMBINATIONS, HEAD_SCOPES
+from proteus.engine.keys import KEYS, ONE_SPACE_KEYS
 from proteus.engine.trainer import S_UPDATES
 from proteus.heads import GAMMA_SELECTIONS, PROTOTYPES
 from proteus.methods import apply_method
@@ -43,6 +44,8 @@ CHOICES: dict[str, Collection[str]] = {
     "train.tasks": TRAIN_SCHEDULES,
     "train.cache_prefix": ("auto", "true", "false"),
     "retrieval.candidate_space": ("first-adapter", "frozen"),
+    "retrieval.combine": COMBINATIONS,
+    "head.scope": HEAD_SCOPES,
     "retrieval.mode": COMPOSITIONS,
     "signature.keys": KEYS,
     "head.gamma_selection": GAMMA_SELECTIONS,
@@ -117,6 +120,9 @@ RANGES: dict[str, Interval] = {
     "head.holdout": Interval(0, 1, "neither"),
     "retrieval.top_k": AT_LEAST_1,
     "retrieval.candidates": AT_LEAST_1,
+    "retrieval.soft_top": AT_LEAST_1,
+    "retrieval.key_temperature": POSITIVE,
+    "retrieval.head_temperature": POSITIVE,
     "retrieval.calibration_holdout": Interval(0, 0.5, "neither"),
     "retrieval.reject_tpr": Interval(0, 1, "right"),
     "benchmark.num_tasks": AT_LEAST_1,
@@ -150,6 +156,16 @@ def validate(cfg: RunConfig) -> None:
             continue
         if isinstance(val, bool) or not isinstance(val, (int, float)) or not rng.contains(float(val)):
             raise ConfigError(f"{key} must be a number in {rng}; got {val!r}")
+    if cfg.retrieval.mode != "signature" and (cfg.head.scope, cfg.retrieval.combine) != ("global", "hard"):
+        raise ConfigError(
+            f"head.scope={cfg.head.scope} and retrieval.combine={cfg.retrieval.combine} need task retrieval, "
+            f"but retrieval.mode={cfg.retrieval.mode}; use head.scope=global and retrieval.combine=hard"
+        )
+    if cfg.retrieval.combine == "soft" and cfg.signature.keys not in ONE_SPACE_KEYS:
+        raise ConfigError(
+            f"retrieval.combine=soft needs task keys in one space ({', '.join(ONE_SPACE_KEYS)}); got "
+            f"signature.keys={cfg.signature.keys}"
+        )
     if cfg.head.gamma_max_exp <= cfg.head.gamma_min_exp:
         raise ConfigError(
             f"head.gamma_max_exp ({cfg.head.gamma_max_exp}) must be above head.gamma_min_exp "

@@ -39,7 +39,7 @@ from proteus.registry import Registry
 from proteus.signatures import RetrievalResult, Signature, fit_signature, retrieve
 from proteus.signatures.dpgmm import SignatureFitError
 
-__all__ = ["KEYS", "GaussianKeys", "KeyFit", "LDAKeys", "NoKeys", "RetrievalKeys"]
+__all__ = ["KEYS", "ONE_SPACE_KEYS", "GaussianKeys", "KeyFit", "LDAKeys", "NoKeys", "RetrievalKeys"]
 
 
 def _scores(sigs: list[Signature | None], X: Callable[[int], Tensor]) -> list[Tensor]:
@@ -251,3 +251,7 @@ KEYS.register("frozen-lda", help="LDA keys on frozen features (beyond the paper)
 KEYS.register("first-adapter-lda", help="LDA keys under the first task's adapter (beyond the paper)")(
     partial(LDAKeys, space="first-adapter")
 )
+
+#: keys whose every task's key reads one embedding of an input (:attr:`RetrievalKeys.key_space`):
+#: prediction then needs two forwards per input, and ``retrieval.combine=soft`` applies
+ONE_SPACE_KEYS = ("frozen", "frozen-lda", "first-adapter-lda")

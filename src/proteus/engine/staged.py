@@ -13,11 +13,14 @@ same retrieval rule (the same tasks, scores and labels as the m-forward path, to
   cheap keys in one space shortlist c tasks per input (:meth:`GaussianKeys.shortlist`), which are scored
   with the exact keys on the input's embeddings under those c adapters: c + 1 forwards per input.
 
-Each route returns the retrieval result and every input's embedding under its retrieved adapter, which
-Eq. 23 classifies.
+Each route returns the retrieval result and a function that embeds the inputs under candidate tasks'
+adapters (the retrieved one for Alg. 2; the few most likely ones for ``retrieval.combine=soft``,
+:mod:`proteus.engine.experts`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -62,37 +65,56 @@ def embed_under(embedder: Embedder, z: Tensor, task: Tensor, known: dict[int, Te
     return out
 
 
+#: the inputs' embeddings (N, K, d) under the adapters of candidate tasks (N, K)
+Under = Callable[[Tensor], Tensor]
+
+
 def predict_one_space(
     embedder: Embedder, keys: RetrievalKeys, z: Tensor, m: int, classes: list[list[int]]
-) -> tuple[RetrievalResult, Tensor]:
-    """Keys in one space: a forward there, retrieval among the first m tasks, a forward under each
-    input's retrieved adapter. Returns the retrieval and the embeddings (N, d) to classify."""
+) -> tuple[RetrievalResult, Under]:
+    """Keys in one space: a forward there and retrieval among the first m tasks. Returns the retrieval and
+    ``under``, which embeds the inputs under any candidate tasks' adapters (each input under each of its K
+    candidates, in one grouped forward; the key space's own embedding is reused for task 1)."""
     space = keys.key_space
     assert space is not None
     X = _space_embedding(embedder, z, space)
     res = keys.retrieve_space(X, m, classes)
-    return res, embed_under(embedder, z, res.task, {0: X} if space == "first-adapter" else {})
+
+    def under(cand: Tensor) -> Tensor:
+        N, K = cand.shape
+        rows = torch.arange(N).repeat_interleave(K)
+        known = {0: X[rows]} if space == "first-adapter" else {}
+        return embed_under(embedder, z[rows.to(z.device)], cand.flatten(), known).view(N, K, -1)
+
+    return res, under
 
 
 def predict_candidates(
     embedder: Embedder, keys: GaussianKeys, z: Tensor, m: int, classes: list[list[int]]
-) -> tuple[RetrievalResult, Tensor]:
+) -> tuple[RetrievalResult, Under]:
     """The paper's Gaussian keys scored on a shortlist: a forward in the cheap keys' space, the c best
-    tasks per input, each input under those c adapters (one grouped forward), Eq. 1 among them."""
+    tasks per input, each input under those c adapters (one grouped forward), Eq. 1 among them.
+    ``under`` gives the embeddings under shortlisted tasks (the retrieved one among them)."""
     X = _space_embedding(embedder, z, keys.candidate_space)
-    cand = keys.shortlist(X, m, classes)  # (N, c)
-    N, c = cand.shape
+    short = keys.shortlist(X, m, classes)  # (N, c)
+    N, c = short.shape
     rows = torch.arange(N).repeat_interleave(c)
     known = {0: X[rows]} if keys.candidate_space == "first-adapter" else {}
-    Hc = embed_under(embedder, z[rows.to(z.device)], cand.flatten(), known).view(N, c, -1)
-    res = keys.retrieve_among(Hc, cand, m)
-    pos = (cand == res.task[:, None]).float().argmax(1)
-    return res, Hc[torch.arange(N), pos]
+    Hc = embed_under(embedder, z[rows.to(z.device)], short.flatten(), known).view(N, c, -1)
+    res = keys.retrieve_among(Hc, short, m)
+
+    def under(cand: Tensor) -> Tensor:
+        pos = (short[:, None, :] == cand[:, :, None]).float().argmax(2)  # (N, K) positions in the shortlist
+        if not bool((short.gather(1, pos) == cand).all()):
+            raise ValueError("the candidate route embeds only the shortlisted tasks")
+        return Hc[torch.arange(N)[:, None], pos]
+
+    return res, under
 
 
 def predict_staged(
     embedder: Embedder, keys: RetrievalKeys, z: Tensor, m: int, classes: list[list[int]]
-) -> tuple[RetrievalResult, Tensor]:
+) -> tuple[RetrievalResult, Under]:
     """The route of :func:`route` (``one-space`` or ``candidates``) on prefix outputs ``z``."""
     if keys.key_space is not None:
         return predict_one_space(embedder, keys, z, m, classes)

@@ -24,6 +24,7 @@ from proteus.kb import KnowledgeBase
 
 if TYPE_CHECKING:
     from proteus.adapters import AdaptedBackbone
+    from proteus.engine.experts import TaskExperts
     from proteus.engine.keys import RetrievalKeys
     from proteus.heads import RanPACHead
 
@@ -50,6 +51,7 @@ class KnowledgeBaseState:
     records_: list[TaskRecord]
     model_: AdaptedBackbone
     keys_: RetrievalKeys
+    experts_: TaskExperts
     head_: RanPACHead | None
     device_: torch.device
     forget_inputs_: dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -67,6 +69,9 @@ class KnowledgeBaseState:
     def _new_head(self, rp_dim: int | None = None) -> RanPACHead:
         raise NotImplementedError
 
+    def _check_fitted(self) -> None:
+        raise NotImplementedError
+
     def backbone_identity(self) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -78,9 +83,10 @@ class KnowledgeBaseState:
             for name, u in self.model_.units.items():
                 tensors.update({f"adapter/{name}/{key}": v for key, v in u.task_tensors(k).items()})
         key_meta, key_tensors = self.keys_.task_state(k)
+        expert_meta, expert_tensors = self.experts_.task_state(k)
         if k in self.forget_inputs_:
             tensors["forget/h"], tensors["forget/y"] = self.forget_inputs_[k]
-        return {**rec.to_dict(), **key_meta}, {**tensors, **key_tensors}
+        return {**rec.to_dict(), **key_meta, **expert_meta}, {**tensors, **key_tensors, **expert_tensors}
 
     def load_task(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Append a task from its record and tensors (the inverse of :meth:`task_state`)."""
@@ -97,6 +103,11 @@ class KnowledgeBaseState:
                     )
                 u.append_task(tensors[f"{key}/A"], tensors[f"{key}/B"], tensors[f"{key}/s"])
         self.keys_.load_task(meta, tensors)
+        if self.config.head.scope == "task":
+            try:
+                self.experts_.load_task(meta, tensors, self.device_)
+            except ValueError as e:
+                raise TaskError(str(e)) from None
         if "forget/h" in tensors:
             self.forget_inputs_[k] = (tensors["forget/h"].float(), tensors["forget/y"].long())
         self.records_.append(TaskRecord.from_dict(meta))
@@ -121,6 +132,34 @@ class KnowledgeBaseState:
         self.keys_.load_global(
             meta.get("task_head"), {k[len(pre) :]: v for k, v in tensors.items() if k.startswith(pre)}
         )
+
+    def forget_task(self, k: int) -> None:
+        """Remove task k (0-based) from what can be predicted (``proteus kb forget``): its contribution to
+        the head's statistics is subtracted exactly (:meth:`RanPACHead.downdate`), its key removed (never
+        retrieved), its classes never predicted. Its adapter directions stay: later tasks' compositions
+        use them. Needs ``head.forgettable`` (the task's embeddings kept). Everything is checked before
+        anything changes; the knowledge base changes only when the result is committed."""
+        self._check_fitted()
+        if not 0 <= k < self.num_tasks:
+            raise TaskError(f"task {k + 1}: the learner holds tasks 1..{self.num_tasks}")
+        rec = self.records_[k]
+        if rec.forgotten:
+            raise TaskError(f"task {k + 1} is already forgotten")
+        if k not in self.forget_inputs_:
+            raise TaskError(
+                f"task {k + 1}: learned without head.forgettable=true, so its contribution to the head "
+                "cannot be subtracted exactly; learn with --set head.forgettable=true to be able to forget"
+            )
+        try:
+            self.keys_.check_forget(k)
+        except ValueError as e:
+            raise TaskError(str(e)) from None
+        assert self.head_ is not None
+        h, y = self.forget_inputs_[k]
+        self.head_.downdate(h.to(self.device_), y.to(self.device_), rec.classes)  # atomic
+        self.keys_.forget(k, rec.classes)
+        del self.forget_inputs_[k]
+        rec.forgotten = True
 
     # ------------------------------------------------------------------ the knowledge base
     def commit(self, kb: KnowledgeBase, evaluation: list[dict[str, Any]] | None = None) -> None:

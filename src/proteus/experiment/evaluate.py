@@ -93,7 +93,8 @@ class Evaluator:
                 self.last_prediction[tau] = pred
                 n_correct_ret += int((pred.task == tau).sum())
                 n_total += len(y)
-                oracle = clf.classify(self.embedding(tau, "task", tau)).argmax(1)
+                own = torch.full_like(y, tau)
+                oracle = clf.classify(self.embedding(tau, "task", tau), own).argmax(1)
                 oracle_row.append(100.0 * float((oracle == y).float().mean()))
                 label = pred.label
             else:

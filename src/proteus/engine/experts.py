@@ -1,0 +1,157 @@
+"""Within-task experts, and how task retrieval and the head combine (beyond the paper; docs/retrieval.md).
+
+Algorithm 2 retrieves one task and classifies the input under that task's adapter with Eq. 23's head, a
+ridge (LDA) head over every class learned so far. Two strategies go beyond it, one config key each:
+
+* ``head.scope`` (:data:`HEAD_SCOPES`): ``global`` is Eq. 23; ``task`` gives each task its own ridge head
+  over its own classes (:class:`TaskExperts`), fitted with RanPAC's closed form (γ chosen on a held-out
+  part, no random projection) on the task's embeddings under its own adapter when the task is learned,
+  and never changed after: the expert for "which class, given this task".
+* ``retrieval.combine`` (:data:`COMBINATIONS`): ``hard`` is Alg. 2, the best task and then its head;
+  ``soft`` weighs the ``retrieval.soft_top`` most likely tasks. The predicted class maximises
+
+      log p(t|x) + log p(c|x, t),    p(t|x) = softmax_t(-s_t(x) / T_key),
+                                      p(c|x, t) = softmax_{c in t}(f_c(h_t(x)) / T_head),
+
+  with s_t the keys' task score (lower is better), h_t(x) the input under task t's adapter and f the
+  head's scores (``retrieval.key_temperature`` T_key, ``retrieval.head_temperature`` T_head). A confident
+  key reproduces ``hard``; where two tasks are close, the one whose head is surer of a class wins.
+
+Every expert reads only its own task's data when the task is learned, so the method stays
+parameter-free across tasks: nothing is trained on, or stored from, more than one task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from proteus.config import RetrievalConfig
+from proteus.heads import RanPACHead
+from proteus.signatures import RetrievalResult
+
+__all__ = ["COMBINATIONS", "HEAD_SCOPES", "TaskExpert", "TaskExperts", "candidates", "combine_soft", "decide"]
+
+#: ``head.scope``: Eq. 23's head over every class, or one head per task over its own classes
+HEAD_SCOPES = ("global", "task")
+#: ``retrieval.combine``: the best task, then its head (Alg. 2), or the task posterior times the head's
+COMBINATIONS = ("hard", "soft")
+
+
+@dataclass
+class TaskExpert:
+    """A task's own ridge head: its classes (global labels), the closed-form weights ``W`` (d, C_t) and
+    the γ that was chosen for them."""
+
+    classes: list[int]
+    W: Tensor
+    gamma: float
+
+    def scores(self, h: Tensor) -> Tensor:
+        """(N, C_t) scores of embeddings h (N, d) under this task's adapter."""
+        return (h.to(self.W.device, self.W.dtype) @ self.W).float()
+
+
+class TaskExperts:
+    """One :class:`TaskExpert` per learned task (``head.scope = task``); ``new_head`` builds the ridge
+    head whose closed form gives an expert's weights (the global head's settings, no projection)."""
+
+    def __init__(self, new_head: Callable[..., RanPACHead]) -> None:
+        self.new_head = new_head
+        self.experts: list[TaskExpert] = []
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def add_task(self, h: Tensor, y: Tensor, classes: list[int]) -> TaskExpert:
+        """Fit task k's expert on its training embeddings h (N, d) under its own adapter, labels y."""
+        local = {int(c): i for i, c in enumerate(classes)}
+        y_local = torch.as_tensor([local[int(c)] for c in y.tolist()], dtype=torch.long)
+        head = self.new_head(rp_dim=0)
+        head.update(h, y_local.to(h.device), num_classes=len(classes))
+        assert head.W_out_ is not None and head.gamma_ is not None
+        expert = TaskExpert([int(c) for c in classes], head.W_out_.detach(), float(head.gamma_))
+        self.experts.append(expert)
+        return expert
+
+    def truncate(self, m: int) -> None:
+        del self.experts[m:]
+
+    def logits(self, h: Tensor, tasks: Tensor, num_classes: int) -> Tensor:
+        """(N, C): row i scored by task ``tasks[i]``'s expert in that task's columns, -inf elsewhere."""
+        out = torch.full((h.shape[0], num_classes), float("-inf"))
+        tasks = tasks.cpu()
+        for t in tasks.unique().tolist():
+            rows = (tasks == t).nonzero().flatten()
+            e = self.experts[int(t)]
+            out[rows[:, None], torch.as_tensor(e.classes)[None, :]] = e.scores(h[rows.to(h.device)]).cpu()
+        return out
+
+    # knowledge base: each expert lives in its task's object
+    def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        if k >= len(self.experts):
+            return {}, {}
+        e = self.experts[k]
+        return {"expert": {"gamma": e.gamma}}, {"expert/W": e.W.detach().cpu().contiguous()}
+
+    def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor], device: torch.device) -> None:
+        k = len(self.experts)
+        if "expert/W" not in tensors or not meta.get("expert"):
+            raise ValueError(
+                f"task {k + 1}: no task head in the knowledge base (head.scope=task needs one per task)"
+            )
+        classes = [int(c) for c in meta["classes"]]
+        W = tensors["expert/W"]
+        if W.ndim != 2 or W.shape[1] != len(classes):
+            raise ValueError(f"task {k + 1}: task head of shape {tuple(W.shape)} for {len(classes)} classes")
+        self.experts.append(TaskExpert(classes, W.to(device), float(meta["expert"]["gamma"])))
+
+
+def candidates(task_scores: Tensor, top: int) -> Tensor:
+    """(N, K): the K = min(top, m) tasks of lowest score per input, best first."""
+    return task_scores.topk(min(int(top), task_scores.shape[1]), dim=1, largest=False).indices
+
+
+def combine_soft(
+    task_scores: Tensor, cand: Tensor, class_scores: Tensor, key_temperature: float, head_temperature: float
+) -> Tensor:
+    """(N, C) ``log p(t|x) + log p(c|x, t)`` for the classes of each input's candidate tasks (-inf for the
+    others). ``task_scores`` (N, m): the keys' scores (lower is better; +inf for a task never retrieved);
+    ``cand`` (N, K) candidate tasks; ``class_scores`` (N, K, C): the head's scores of the input under each
+    candidate's adapter, -inf outside that candidate's classes."""
+    log_pt = torch.log_softmax(-task_scores.double() / key_temperature, dim=1).gather(1, cand)  # (N, K)
+    log_pc = torch.log_softmax(class_scores.double() / head_temperature, dim=2)  # within each task
+    return (log_pt[:, :, None] + log_pc).amax(dim=1).float()  # a class belongs to one candidate only
+
+
+def decide(
+    res: RetrievalResult,
+    under: Callable[[Tensor], Tensor],
+    classify: Callable[[Tensor, Tensor], Tensor],
+    rc: RetrievalConfig,
+    task_of: Tensor,
+) -> RetrievalResult:
+    """The task and class of every input from the keys' result ``res`` (:data:`COMBINATIONS`).
+
+    ``under(cand)`` gives the inputs' embeddings (N, K, d) under the adapters of ``cand`` (N, K);
+    ``classify(h, tasks)`` the head's scores (n, C) of embeddings under those tasks' adapters;
+    ``task_of`` (C,) the task of each class. Returns the final retrieval (task, component, score: those
+    of the task of the predicted class) and, as ``task_scores``, the class scores (N, C) whose argmax is
+    the prediction: the head's scores for ``hard``, ``log p(t|x) + log p(c|x, t)`` for ``soft``."""
+    rows = torch.arange(res.task.shape[0])
+    if rc.combine == "hard":
+        logits = classify(under(res.task[:, None])[:, 0], res.task)
+        return RetrievalResult(res.task, res.component, res.score, logits)
+    cand = candidates(res.task_scores, rc.soft_top)
+    N, K = cand.shape
+    scores = classify(under(cand).reshape(N * K, -1), cand.flatten()).view(N, K, -1)
+    own = task_of[None, None, : scores.shape[2]] == cand[:, :, None]  # each candidate's own classes
+    scores = scores.masked_fill(~own, float("-inf"))
+    logits = combine_soft(res.task_scores, cand, scores, rc.key_temperature, rc.head_temperature)
+    task = task_of[logits.argmax(1)]
+    component = torch.where(task == res.task, res.component, torch.zeros_like(res.component))
+    return RetrievalResult(task, component, res.task_scores[rows, task], logits)
