@@ -75,9 +75,10 @@ def _folder_args(tree: Path, spec: Path) -> list[str]:
     return ["--benchmark", "folder", "--data", str(tree), "--tasks", str(spec)]
 
 
-def _cfg(tree: Path, spec: Path, *sets: str) -> RunConfig:
+def _cfg(tree: Path, spec: Path, *sets: str, method: str = "proteus") -> RunConfig:
     return resolve_config(
         "folder",
+        method,
         sets=[*SETS, *sets],
         overrides={"backbone": {"name": "vit_ti16"}, "device": "cpu",
                    "benchmark": {"data": str(tree), "tasks_file": str(spec)}},
@@ -243,7 +244,9 @@ def test_empty_task_and_out_of_order_task(tree: Path, tmp_path: Path) -> None:
 def test_single_class_and_tiny_tasks_are_learned(tree: Path, tmp_path: Path) -> None:
     # task 1 has one class; task 2 has 2 images per class (4 < the DP-GMM truncation T = 20)
     spec = write_spec(tmp_path / "spec.yaml", [["a"], ["b", "c"]])
-    cfg = _cfg(tree, spec, "signature.max_components=20", "benchmark.max_train_per_class=2")
+    cfg = _cfg(
+        tree, spec, "signature.max_components=20", "benchmark.max_train_per_class=2", method="proteus-dpgmm"
+    )
     stream = _stream(cfg)
     assert len(stream.tasks[1].train) == 4
     learner = Proteus(cfg, progress=False)
@@ -265,7 +268,7 @@ def test_singular_covariance(tree: Path, tmp_path: Path) -> None:
         _image(f, 5)
     for i, f in enumerate(sorted((data / "train" / "d").iterdir())):  # class d: two distinct images
         _image(f, 6 + i % 2)
-    cfg = _cfg(data, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c"], ["d"]]))
+    cfg = _cfg(data, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c"], ["d"]]), method="proteus-dpgmm")
     stream = _stream(cfg)
     learner = Proteus(cfg, progress=False)
     learner.fit_task(stream.tasks[0])
@@ -282,13 +285,20 @@ def test_singular_covariance(tree: Path, tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- failures
-@pytest.mark.parametrize(("mode", "value", "pattern"), [
-    ("signature", float("nan"), r"task 2: signature fit failed: embeddings contain 3 NaN rows"),
-    ("signature", float("inf"), r"task 2: signature fit failed: embeddings contain 3 rows with inf"),
-    ("last", float("nan"), r"task 2: embeddings contain NaN or inf \(3 of 12 images\)"),
+@pytest.mark.parametrize(("method", "mode", "value", "pattern"), [
+    ("proteus-dpgmm", "signature", float("nan"),
+     r"task 2: signature fit failed: embeddings contain 3 NaN rows"),
+    ("proteus-dpgmm", "signature", float("inf"),
+     r"task 2: signature fit failed: embeddings contain 3 rows with inf"),
+    ("proteus", "signature", float("nan"),
+     r"task 2: LDA key update failed: H contains NaN or inf .* 3 of 12 rows"),
+    ("proteus-dpgmm", "last", float("nan"), r"task 2: embeddings contain NaN or inf \(3 of 12 images\)"),
 ])  # fmt: skip
-def test_nan_or_inf_embeddings_name_the_task(tree: Path, tmp_path: Path, mode, value, pattern) -> None:
-    cfg = _cfg(tree, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]]), f"retrieval.mode={mode}")
+def test_nan_or_inf_embeddings_name_the_task(
+    tree: Path, tmp_path: Path, method, mode, value, pattern
+) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]])
+    cfg = _cfg(tree, spec, f"retrieval.mode={mode}", method=method)
     stream = _stream(cfg)
     learner = Proteus(cfg, progress=False)
     learner.fit_task(stream.tasks[0])
@@ -311,7 +321,10 @@ def test_failed_task_rolls_back_exactly(tree: Path, tmp_path: Path, monkeypatch)
     then gives bit for bit what an uninterrupted learner gives."""
     from proteus.heads import RanPACHead
 
-    cfg = _cfg(tree, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"], ["e", "f"]]))
+    # the paper's keys: the patched ridge solve fails in the head update (LDA keys would fail first)
+    cfg = _cfg(
+        tree, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"], ["e", "f"]]), method="proteus-dpgmm"
+    )
     stream = _stream(cfg)
     ref = Proteus(cfg, progress=False)
     for t in stream.tasks[:2]:

@@ -71,9 +71,12 @@ def test_no_source_file_over_about_400_lines() -> None:
 
 
 def test_predict_is_embed_retrieve_classify() -> None:
-    """One retrieval path: predict equals the public steps composed by hand."""
+    """One retrieval path: predict equals the public steps composed by hand (Alg. 2: the best task, then
+    the head; the soft combination of ``proteus`` is checked in test_experts.py)."""
     sets = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in TINY_SETS)}
-    clf = Proteus.from_method("proteus", progress=False, **sets, **{"benchmark.max_train_per_class": 30})
+    clf = Proteus.from_method(
+        "proteus-dpgmm", progress=False, **sets, **{"benchmark.max_train_per_class": 30}
+    )
     stream = build_benchmark(clf.config.benchmark)
     for task in stream.tasks[:2]:
         clf.fit_task(task)

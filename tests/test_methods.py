@@ -20,8 +20,9 @@ import torch
 import yaml
 
 from proteus.cli import main
+from proteus.config import RunConfig
 from proteus.kb import KnowledgeBase
-from proteus.methods import METHODS
+from proteus.methods import METHODS, apply_method
 
 TINY = [
     "--set", "backbone.name=vit_ti16",
@@ -43,8 +44,13 @@ TINY = [
 #: per-method extra settings (the budget schedule needs a rank that visibly shrinks within 2 tasks)
 EXTRA: dict[str, list[str]] = {"proteus-budget": ["--set", "adapter.rank=20"]}
 NO_RETRIEVAL = {"frozen", "ranpac", "last-lora", "proteus-all-units"}
-LDA_METHODS = {"proteus-flda", "proteus-lda"}
-WITH_FIGURES = "proteus"
+#: methods whose task keys are LDA heads (no Gaussian signature, no theory report)
+LDA_METHODS = {
+    n for n in METHODS.names()
+    if n not in NO_RETRIEVAL
+    and apply_method(RunConfig(), n).signature.keys in ("frozen-lda", "first-adapter-lda")
+}  # fmt: skip
+WITH_FIGURES = "proteus-dpgmm"  # the Gaussian keys draw every figure (delta boxplot)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +112,12 @@ def test_every_method_runs(method: str, run_method: Callable[[str], Path]) -> No
             assert "task_head" in manifest["head"]["meta"]
         else:
             assert th["components"] and 0.0 <= th["summary"]["frac_delta_ok"] <= 1.0
+            for t, row in enumerate(th["per_task"]):  # the measured error beside the bound, per task
+                wrong = cm[t][1 - t] / sum(cm[t])
+                assert row["retrieval_error"] == pytest.approx(wrong) and row["own_distance_per_dim"] > 0
+            premise = th["summary"]["premise"]
+            said = "holds" if premise["holds"] else "does not hold"
+            assert premise["statement"].startswith(f"the premise {said}")
         assert all(has_adapter)
 
     if method == "frozen":

@@ -29,13 +29,13 @@ def test_calibration_threshold_and_split() -> None:
         c.at(0.0)
 
 
-@pytest.mark.parametrize("keys", ["adapter", "first-adapter-lda"])
-def test_known_flags_and_recalibration(tmp_path: Path, capsys, keys: str) -> None:
+@pytest.mark.parametrize("method", ["proteus-dpgmm", "proteus"])
+def test_known_flags_and_recalibration(tmp_path: Path, capsys, method: str) -> None:
     tree = make_tree(tmp_path / "data", classes="abcd", n_train=12, n_test=3)
     spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]])
     kb = tmp_path / "kb"
     extra = ["--set", "retrieval.reject=true", "--set", "retrieval.calibration_holdout=0.25",
-             "--set", f"signature.keys={keys}", "--set", "signature.normalize=l2"]  # fmt: skip
+             "--method", method]  # fmt: skip
     for t in (1, 2):
         assert (
             main(["learn", "--kb", str(kb), "--task", str(t), *_folder_args(tree, spec), *TINY, *extra]) == 0

@@ -132,6 +132,7 @@ def _same(pred, ref) -> None:  # noqa: ANN001
 @pytest.mark.parametrize(
     ("method", "extra"),
     [
+        ("proteus", {}),
         ("proteus-lda", {}),
         ("proteus-flda", {}),
         ("proteus", {"signature.keys": "frozen"}),
@@ -149,7 +150,7 @@ def test_keys_in_one_space_predict_as_the_m_forward_path(method: str, extra: dic
 
 @pytest.fixture(scope="module")
 def shortlisted() -> tuple[Proteus, torch.Tensor]:
-    return _fit("proteus", **{"retrieval.candidates": 2})
+    return _fit("proteus-dpgmm", **{"retrieval.candidates": 2})
 
 
 def test_candidates_predict_as_the_shortlist_rule_and_all_candidates_as_the_paper(

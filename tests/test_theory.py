@@ -148,3 +148,15 @@ def test_theory_report_on_separated_tasks() -> None:
     rep2 = theory_report(maha, logdets, d)
     assert all(math.isnan(r["error"]) and r["sigma2"] > 0 for r in rep2.values())
     assert theory_report(maha[:1], logdets[:1], d) == {}
+
+
+def test_premise_statement_names_the_tasks_far_from_d() -> None:
+    from proteus.report.analysis import PREMISE_FACTOR, premise
+
+    ok = premise([0.9, 1.3])
+    assert ok["holds"] and ok["statement"].startswith("the premise holds")
+    # the regime of few images per dimension: test inputs far beyond d from their own components
+    bad = premise([1.1, 2.5e4, 0.9])
+    assert not bad["holds"] and "does not hold" in bad["statement"]
+    assert "task 2: 2.5e+04 d" in bad["statement"] and "task 1" not in bad["statement"]
+    assert not premise([1 / (PREMISE_FACTOR * 1.01)])["holds"] and not premise([])["holds"]

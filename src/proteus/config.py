@@ -99,13 +99,20 @@ class SignatureConfig:
     #: degrees of freedom of the DP-GMM's Wishart prior (the weight of the covariance prior, in points);
     #: None = d (scikit-learn's default)
     prior_dof: float | None = None
-    #: where a task's keys live: "adapter" (the paper: h_k(x) under the task's own adapter), "frozen"
+    #: where a task's keys live: "first-adapter-lda" (default, beyond the paper: an LDA head over all
+    #: classes on the embeddings under the first task's adapter, which stays fixed after task 1,
+    #: accumulated like G: docs/retrieval.md), "adapter" (the paper: h_k(x) under the task's own
+    #: adapter), "frozen"
     #: (the frozen backbone's features, the same space for every task), or "adapter+frozen" (both
-    #: signatures; a task's score is the sum of its two best negative log-likelihoods), "frozen-lda" (an
-    #: LDA head over all classes on the frozen features, accumulated like G: docs/retrieval.md) or
-    #: "first-adapter-lda" (the same head on the embeddings under the first task's adapter, which stays
-    #: fixed after task 1). ``normalize`` applies to the LDA keys' features too.
-    keys: str = "adapter"
+    #: signatures; a task's score is the sum of its two best negative log-likelihoods) or "frozen-lda"
+    #: (the LDA head on the frozen features). ``normalize`` applies to the LDA keys' features too.
+    keys: str = "first-adapter-lda"
+    #: how the LDA keys turn class scores f_c into a task's score (lower is better; Gaussian keys ignore
+    #: it): "mean" (default: s_t = -log mean_{c in t} softmax_c(f / class_temperature), minus the log of
+    #: the task's average class probability, so that a task with more classes is not favoured) or "max"
+    #: (s_t = -max_{c in t} f_c, the best class)
+    task_score: str = "mean"
+    class_temperature: float = 0.1
     max_iter: int = 100
     tol: float = 1e-3
     reg_covar: float = 1e-6
@@ -135,8 +142,9 @@ class HeadConfig:
     #: which head classifies an input once its task is known: "global" (Eq. 23: one head over every
     #: class learned so far, its statistics accumulated from each task's own adapter) or "task" (beyond
     #: the paper: each task's own ridge head over its own classes, fitted on its adapter's embeddings
-    #: when the task is learned and never changed; needs retrieval; the global head is kept too)
-    scope: str = "global"
+    #: when the task is learned and never changed; needs retrieval; the global head is kept too).
+    #: Default "task", beyond the paper (docs/retrieval.md)
+    scope: str = "task"
 
 
 @dataclass
@@ -163,11 +171,13 @@ class RetrievalConfig:
     #: (Alg. 2: the best task's adapter, then its head) or "soft" (the class maximising
     #: log p(t|x) + log p(c|x, t) over the ``soft_top`` most likely tasks t, each input embedded under
     #: each of them; p(t|x) = softmax of minus the keys' task scores / ``key_temperature``, p(c|x, t) =
-    #: softmax over task t's classes of the head's scores under adapter t / ``head_temperature``)
-    combine: str = "hard"
+    #: softmax over task t's classes of the head's scores under adapter t / ``head_temperature``).
+    #: Default "soft", beyond the paper (docs/retrieval.md)
+    combine: str = "soft"
     soft_top: int = 2
-    key_temperature: float = 0.1
-    head_temperature: float = 0.5
+    #: 1 for task scores already in nats (``signature.task_score = mean``); about 0.1 for "max"
+    key_temperature: float = 1.0
+    head_temperature: float = 1.0
 
 
 #: allowed values of baseline.optimizer (the released codes' optimisers) and baseline.schedule
@@ -316,6 +326,9 @@ LEGACY_DEFAULTS: dict[str, Any] = {
     "retrieval.candidates": None,
     "head.scope": "global",
     "retrieval.combine": "hard",
+    "retrieval.key_temperature": 0.1,
+    "signature.task_score": "max",
+    "signature.class_temperature": 0.1,
 }
 
 #: config keys that may differ from task to task (recorded in each task's record); every other key

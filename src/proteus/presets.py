@@ -28,7 +28,7 @@ from proteus.config import (
 from proteus.devices import PRECISIONS
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
 from proteus.engine.experts import COMBINATIONS, HEAD_SCOPES
-from proteus.engine.keys import KEYS, ONE_SPACE_KEYS
+from proteus.engine.keys import KEYS, ONE_SPACE_KEYS, TASK_SCORES
 from proteus.engine.trainer import S_UPDATES
 from proteus.heads import GAMMA_SELECTIONS, PROTOTYPES
 from proteus.methods import apply_method
@@ -48,6 +48,7 @@ CHOICES: dict[str, Collection[str]] = {
     "head.scope": HEAD_SCOPES,
     "retrieval.mode": COMPOSITIONS,
     "signature.keys": KEYS,
+    "signature.task_score": TASK_SCORES,
     "head.gamma_selection": GAMMA_SELECTIONS,
     "head.prototypes": PROTOTYPES,
     "baseline.optimizer": BASELINE_OPTIMIZERS,
@@ -116,6 +117,7 @@ RANGES: dict[str, Interval] = {
     "signature.max_iter": AT_LEAST_1,
     "signature.tol": POSITIVE,
     "signature.reg_covar": NON_NEGATIVE,
+    "signature.class_temperature": POSITIVE,
     "head.rp_dim": NON_NEGATIVE,
     "head.holdout": Interval(0, 1, "neither"),
     "retrieval.top_k": AT_LEAST_1,
@@ -159,12 +161,14 @@ def validate(cfg: RunConfig) -> None:
     if cfg.retrieval.mode != "signature" and (cfg.head.scope, cfg.retrieval.combine) != ("global", "hard"):
         raise ConfigError(
             f"head.scope={cfg.head.scope} and retrieval.combine={cfg.retrieval.combine} need task retrieval, "
-            f"but retrieval.mode={cfg.retrieval.mode}; use head.scope=global and retrieval.combine=hard"
+            f"but retrieval.mode={cfg.retrieval.mode}; add --set head.scope=global "
+            "--set retrieval.combine=hard"
         )
     if cfg.retrieval.combine == "soft" and cfg.signature.keys not in ONE_SPACE_KEYS:
         raise ConfigError(
             f"retrieval.combine=soft needs task keys in one space ({', '.join(ONE_SPACE_KEYS)}); got "
-            f"signature.keys={cfg.signature.keys}"
+            f"signature.keys={cfg.signature.keys}; add --set retrieval.combine=hard (the paper's Gaussian "
+            "keys: --method proteus-dpgmm)"
         )
     if cfg.head.gamma_max_exp <= cfg.head.gamma_min_exp:
         raise ConfigError(

@@ -30,8 +30,11 @@ def _learner(case: Case, dev: torch.device, s: Settings) -> Proteus:
         name=case.backbone, pretrained=False, img_size=case.img, adapt_last=case.adapt_last
     )
     cfg.adapter.rank = s.rank
-    cfg.signature = SignatureConfig(max_components=s.sig_components, covariance="ppca", rank=s.sig_rank)
-    cfg.head.rp_dim = s.rp_dim
+    # the paper's route: Gaussian keys under every adapter, the best task, Eq. 23's head
+    cfg.signature = SignatureConfig(
+        max_components=s.sig_components, covariance="ppca", rank=s.sig_rank, keys="adapter"
+    )
+    cfg.head.rp_dim, cfg.head.scope, cfg.retrieval.combine = s.rp_dim, "global", "hard"
     cfg.retrieval.candidates = s.candidates  # the cheap keys exist; the m-forward route switches them off
     clf = Proteus(cfg, progress=False)
     clf.backbone_identity()  # builds the backbone and its adapters

@@ -10,7 +10,8 @@ knowledge base (per-task and global tensors), and its rollback (:meth:`Retrieval
   checks of Sec. 3.2 are about it).
 * ``frozen-lda`` / ``first-adapter-lda`` -- beyond the paper (docs/retrieval.md): an LDA (ridge) head
   over all classes accumulated like G, on the frozen features or under the first task's adapter (which
-  never changes after task 1); a task's score is minus its best class score.
+  never changes after task 1); a task's score is minus the log of its average class probability
+  (``signature.task_score``, default) or minus its best class score. ``first-adapter-lda`` is the default.
 
 Scores are "lower is better" everywhere (:class:`~proteus.signatures.RetrievalResult`).
 
@@ -34,12 +35,14 @@ from torch import Tensor
 
 from proteus.engine.errors import TaskError
 from proteus.engine.key_base import KeyFit, NoKeys, RetrievalKeys
-from proteus.engine.lda_keys import LDAKeys
+from proteus.engine.lda_keys import TASK_SCORES, LDAKeys
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult, Signature, fit_signature, retrieve
 from proteus.signatures.dpgmm import SignatureFitError
 
-__all__ = ["KEYS", "ONE_SPACE_KEYS", "GaussianKeys", "KeyFit", "LDAKeys", "NoKeys", "RetrievalKeys"]
+__all__ = [
+    "KEYS", "ONE_SPACE_KEYS", "TASK_SCORES", "GaussianKeys", "KeyFit", "LDAKeys", "NoKeys", "RetrievalKeys",
+]  # fmt: skip
 
 
 def _scores(sigs: list[Signature | None], X: Callable[[int], Tensor]) -> list[Tensor]:

@@ -1,10 +1,14 @@
 """LDA task keys in one fixed space (beyond the paper, docs/retrieval.md): a ridge head over all classes
 accumulated task by task like the head's G (Eq. 23's statistics), on the frozen backbone's features or
-under the first task's adapter; a task's score is minus its best class score."""
+under the first task's adapter. A task's score (``signature.task_score``, :data:`TASK_SCORES`) is minus
+the log of its average class probability, ``-log mean_{c in t} softmax(f / T)_c`` with T =
+``signature.class_temperature`` ("mean", so that a task with more classes is not favoured), or minus its
+best class score ("max")."""
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -16,7 +20,28 @@ from proteus.engine.key_base import KeyFit, RetrievalKeys
 from proteus.heads import RanPACHead
 from proteus.signatures import RetrievalResult
 
-__all__ = ["LDAKeys"]
+__all__ = ["TASK_SCORES", "LDAKeys", "task_scores"]
+
+#: ``signature.task_score``: how class scores f (N, C) become a task's score (lower is better)
+TASK_SCORES = ("mean", "max")
+
+
+def task_scores(logits: Tensor, classes: list[list[int]], how: str, temperature: float) -> Tensor:
+    """(N, m) task scores from class scores ``logits`` (N, C) and each task's classes (:data:`TASK_SCORES`).
+
+    "mean": ``-log mean_{c in t} p(c|x)`` with ``p = softmax(logits / temperature)`` over every class,
+    so that ``softmax_t(-scores)`` is the posterior over tasks under a uniform prior on tasks (a task's
+    classes share its prior); "max": ``-max_{c in t} logits_c``."""
+    out = torch.full((logits.shape[0], len(classes)), float("inf"))
+    logp = torch.log_softmax(logits.double() / temperature, dim=1) if how == "mean" else logits
+    for j, c in enumerate(classes):
+        if not c:  # a task left with no class (forgotten) is never retrieved
+            continue
+        if how == "max":
+            out[:, j] = -logits[:, c].max(1).values
+        else:
+            out[:, j] = (math.log(len(c)) - torch.logsumexp(logp[:, c], 1)).float()
+    return out
 
 
 class LDAKeys(RetrievalKeys):
@@ -91,10 +116,10 @@ class LDAKeys(RetrievalKeys):
         if self.head is None:
             raise ValueError(f"LDA keys in the {self.space} space need a fitted key head")
         logits = self.head.decision_function(self.features(X).to(self.device)).float().cpu()
-        scores = torch.full((X.shape[0], m), float("inf"))
-        for j, cls in enumerate(classes[:m]):
-            if j not in self.forgotten:
-                scores[:, j] = -logits[:, cls].max(1).values
+        scores = task_scores(logits, classes[:m], self.cfg.task_score, self.cfg.class_temperature)
+        for j in self.forgotten:
+            if j < m:
+                scores[:, j] = float("inf")
         task = scores.argmin(1)
         rows = torch.arange(len(task))
         return RetrievalResult(

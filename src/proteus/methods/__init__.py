@@ -62,25 +62,51 @@ _PAPER = dict(
     signature__prior_scale="sklearn", head__gamma_selection="task", head__prototypes="task-mean",
 )  # fmt: skip
 
+#: Alg. 2's retrieval as the paper writes it: DP-GMM keys under each task's own adapter, the best task,
+#: then Eq. 23's head over every class (``proteus``'s default before issue 23)
+_GAUSSIAN = dict(signature__keys="adapter", head__scope="global", retrieval__combine="hard")
+#: methods that retrieve no task classify with Eq. 23's head alone
+_NO_RETRIEVAL = dict(head__scope="global", retrieval__combine="hard")
+
 declare(
     "proteus",
-    "PROTEUS (Alg. 1-2): adaptive LoRA + DP-GMM signatures (L2-normalised, shrinkage prior) + LDA head",
+    "PROTEUS (Alg. 1): adaptive LoRA per task; retrieval by LDA task keys under the first adapter, each "
+    "task's own head, the two likeliest tasks weighed (beyond the paper, docs/retrieval.md)",
 )
 declare(
     "proteus-paper",
     "PROTEUS exactly as the paper: raw embeddings, full-covariance DP-GMM NLL, RanPAC's gamma rule",
-    **_PAPER,
+    **_PAPER, **_GAUSSIAN,
+)  # fmt: skip
+declare(
+    "proteus-dpgmm",
+    "PROTEUS with the paper's DP-GMM keys (L2-normalised, shrinkage prior; the default before issue 23)",
+    **_GAUSSIAN,
 )
 declare(
     "proteus-flda",
-    "PROTEUS with frozen-feature LDA task retrieval (beyond the paper)",
+    "proteus with its LDA task keys on the frozen backbone's features",
     signature__keys="frozen-lda",
 )
 declare(
     "proteus-lda",
-    "PROTEUS with LDA task keys on L2-normalised first-adapter embeddings (beyond the paper)",
-    signature__keys="first-adapter-lda",
-    signature__normalize="l2",
+    "ablation: proteus's LDA keys (best class score) with Alg. 2's hard retrieval and Eq. 23's head",
+    signature__task_score="max", head__scope="global", retrieval__combine="hard",
+)  # fmt: skip
+declare(
+    "proteus-max-key",
+    "ablation: proteus with a task scored by its best class (signature.task_score=max)",
+    signature__task_score="max", retrieval__key_temperature=0.1,
+)  # fmt: skip
+declare(
+    "proteus-global-head",
+    "ablation: proteus with Eq. 23's head over every class instead of each task's own (head.scope=global)",
+    head__scope="global",
+)
+declare(
+    "proteus-hard",
+    "ablation: proteus with Alg. 2's hard retrieval (the best task only, retrieval.combine=hard)",
+    retrieval__combine="hard",
 )
 declare(
     "ranpac",
@@ -88,11 +114,13 @@ declare(
     train__tasks="first",
     adapter__transfer="zero",
     retrieval__mode="first",
+    **_NO_RETRIEVAL,
 )
 declare(
     "last-lora",
     "PROTEUS adapters without retrieval: the most recent adapter (InfLoRA/SD-LoRA)",
     retrieval__mode="last",
+    **_NO_RETRIEVAL,
 )
 declare(
     "frozen",
@@ -100,6 +128,7 @@ declare(
     adapter__enabled=False,
     train__tasks="none",
     retrieval__mode="none",
+    **_NO_RETRIEVAL,
 )
 declare(
     "proteus-s0",
@@ -114,14 +143,16 @@ declare(
     "ablation: K-means signatures (K = 20) instead of the DP-GMM",
     signature__method="kmeans",
     signature__max_components=20,
+    **_GAUSSIAN,
 )
-declare("proteus-top3", "ablation: top-3 Gaussian retrieval", retrieval__top_k=3)
-declare("proteus-top5", "ablation: top-5 Gaussian retrieval", retrieval__top_k=5)
+declare("proteus-top3", "ablation: top-3 Gaussian retrieval", retrieval__top_k=3, **_GAUSSIAN)
+declare("proteus-top5", "ablation: top-5 Gaussian retrieval", retrieval__top_k=5, **_GAUSSIAN)
 declare(
     "proteus-all-units",
     "ablation: S = 0, all units summed, no retrieval (O-LoRA-like)",
     adapter__transfer="zero",
     retrieval__mode="all-units",
+    **_NO_RETRIEVAL,
 )
 declare(
     "proteus-budget",

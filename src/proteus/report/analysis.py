@@ -59,6 +59,7 @@ __all__ = [
     "latency_points",
     "measure_latency",
     "retrieval_confusion",
+    "premise",
     "theory_analysis",
     "transfer_matrices",
 ]
@@ -104,6 +105,33 @@ class _SignatureSpace:
         return torch.nn.functional.normalize(rows, dim=1) if self.l2 else rows
 
 
+#: the bounds' premise holds where own-task inputs lie within this factor of d (squared Mahalanobis)
+PREMISE_FACTOR = 2.0
+
+
+def premise(own_per_dim: list[float]) -> dict[str, Any]:
+    """Whether Theorems 3.5/3.6's premise holds: an input's squared Mahalanobis distance to its own
+    task's components is about d (``E[Z_own] ~ d``), given each task's median distance / d. Holds when
+    every task is within :data:`PREMISE_FACTOR` of d; the statement says which tasks are not."""
+    off = [(k, v) for k, v in enumerate(own_per_dim) if not 1 / PREMISE_FACTOR <= v <= PREMISE_FACTOR]
+    holds = bool(own_per_dim) and not off
+    if not own_per_dim:
+        text = "no own-task distances measured"
+    elif holds:
+        text = (
+            f"the premise holds: own-task test inputs lie at {min(own_per_dim):.2g}-{max(own_per_dim):.2g} d "
+            "from their nearest own component (squared Mahalanobis)"
+        )
+    else:
+        worst = ", ".join(f"task {k + 1}: {v:.3g} d" for k, v in off[:5])
+        text = (
+            f"the premise does not hold: own-task test inputs should lie at about d (squared Mahalanobis) "
+            f"from their own components, but they lie at {worst}; the bounds then say nothing about "
+            "this run's retrieval, whose measured error is reported beside them"
+        )
+    return {"holds": holds, "factor": PREMISE_FACTOR, "statement": text}
+
+
 @torch.no_grad()
 def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None:
     """Theorem 3.5 / 3.6 quantities per (task, component) on the test sets; None without retrieval.
@@ -143,10 +171,16 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
             continue
         w = [float(c["n"]) for c in rows]
         ok = [c["delta_ok"] for c in rows if c["delta_ok"] is not None]
+        own = maha[k][k].min(dim=1).values  # each own input's distance to its nearest own component
         per_task.append(
             {
                 "task": k,
                 "n_components": len(rows),
+                # the bounds' premise: an own-task input's squared Mahalanobis distance is about d
+                "own_distance_per_dim": finite(float(own.median()) / d),
+                "bound_mean": _mean([c["bound"] for c in rows], w),
+                # the task's inputs retrieved to another task (not floored, unlike the components' eps)
+                "retrieval_error": float((retrieved[k] != k).double().mean()),
                 "delta_mean": _mean([c["delta"] for c in rows], w),
                 "delta_min": min((c["delta"] for c in rows if c["delta"] is not None), default=None),
                 "min_delta_mean": _mean([c["min_delta"] for c in rows], w),
@@ -159,7 +193,9 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
         )
     ok = [c["delta_ok"] for c in comps if c["delta_ok"] is not None]
     okz = [c["delta_ok_varz"] for c in comps if c["delta_ok_varz"] is not None]
+    own = [t["own_distance_per_dim"] for t in per_task if t["own_distance_per_dim"] is not None]
     summary = {
+        "premise": premise(own),
         "d": d,
         "num_tasks": n,
         "n_components": len(comps),
