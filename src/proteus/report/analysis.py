@@ -351,6 +351,9 @@ def analyse_run(
 
     if rc.theory:
         keys["theory"] = attempt("theory", lambda: theory_analysis(clf, evaluator))
+        said = ((keys["theory"] or {}).get("summary") or {}).get("premise")
+        if said and not said["holds"]:  # plainly, in the log too (report.md says it with the table)
+            log.warning("theory (Thm 3.5/3.6): %s", said["statement"])
     keys["retrieval_confusion"] = attempt("confusion", lambda: retrieval_confusion(clf, evaluator))
     bulky["transfer"] = attempt("transfer matrices", lambda: transfer_matrices(clf))
     cos = attempt("unit cosines", lambda: cosine_analysis(clf))
