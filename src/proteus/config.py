@@ -107,9 +107,10 @@ class SignatureConfig:
     #: signatures; a task's score is the sum of its two best negative log-likelihoods) or "frozen-lda"
     #: (the LDA head on the frozen features). ``normalize`` applies to the LDA keys' features too.
     keys: str = "first-adapter-lda"
-    #: how the LDA keys turn class scores f_c into a task's score (lower is better; Gaussian keys ignore
-    #: it): "mean" (default: s_t = -log mean_{c in t} softmax_c(f / class_temperature), minus the log of
-    #: the task's average class probability, so that a task with more classes is not favoured) or "max"
+    #: how the LDA keys (and the LDA shortlist of ``retrieval.candidates``) turn class scores f_c into a
+    #: task's score (lower is better; Gaussian keys ignore it): "mean" (default:
+    #: s_t = -log mean_{c in t} softmax_c(f / class_temperature), minus the log of the task's average
+    #: class probability, so that a task with more classes is not favoured) or "max"
     #: (s_t = -max_{c in t} f_c, the best class)
     task_score: str = "mean"
     class_temperature: float = 0.1

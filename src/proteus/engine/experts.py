@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from proteus.config import RetrievalConfig
+from proteus.engine.errors import TaskError
 from proteus.heads import RanPACHead
 from proteus.signatures import RetrievalResult
 
@@ -101,13 +102,13 @@ class TaskExperts:
     def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor], device: torch.device) -> None:
         k = len(self.experts)
         if "expert/W" not in tensors or not meta.get("expert"):
-            raise ValueError(
+            raise TaskError(
                 f"task {k + 1}: no task head in the knowledge base (head.scope=task needs one per task)"
             )
         classes = [int(c) for c in meta["classes"]]
         W = tensors["expert/W"]
         if W.ndim != 2 or W.shape[1] != len(classes):
-            raise ValueError(f"task {k + 1}: task head of shape {tuple(W.shape)} for {len(classes)} classes")
+            raise TaskError(f"task {k + 1}: task head of shape {tuple(W.shape)} for {len(classes)} classes")
         self.experts.append(TaskExpert(classes, W.to(device), float(meta["expert"]["gamma"])))
 
 

@@ -256,5 +256,6 @@ KEYS.register("first-adapter-lda", help="LDA keys under the first task's adapter
 )
 
 #: keys whose every task's key reads one embedding of an input (:attr:`RetrievalKeys.key_space`):
-#: prediction then needs two forwards per input, and ``retrieval.combine=soft`` applies
+#: prediction then needs one forward there and one per candidate task (1, or ``retrieval.soft_top``
+#: with ``retrieval.combine=soft``, which only these keys allow)
 ONE_SPACE_KEYS = ("frozen", "frozen-lda", "first-adapter-lda")

@@ -104,10 +104,7 @@ class KnowledgeBaseState:
                 u.append_task(tensors[f"{key}/A"], tensors[f"{key}/B"], tensors[f"{key}/s"])
         self.keys_.load_task(meta, tensors)
         if self.config.head.scope == "task":
-            try:
-                self.experts_.load_task(meta, tensors, self.device_)
-            except ValueError as e:
-                raise TaskError(str(e)) from None
+            self.experts_.load_task(meta, tensors, self.device_)
         if "forget/h" in tensors:
             self.forget_inputs_[k] = (tensors["forget/h"].float(), tensors["forget/y"].long())
         self.records_.append(TaskRecord.from_dict(meta))
