@@ -48,12 +48,12 @@ from proteus.adapters import AdaptedBackbone
 from proteus.backbones import Backbone, build_backbone
 from proteus.backbones.transforms import build_transform
 from proteus.config import RunConfig
-from proteus.engine import experts, staged
+from proteus.engine import experts
 from proteus.engine.batches import ImageBatch, predict_batches
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES, Composition
 from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
-from proteus.engine.keys import KEYS, KeyFit, NoKeys, RetrievalKeys
+from proteus.engine.keys import KEYS, KeyFit, NoKeys, RetrievalKeys, Under
 from proteus.engine.novelty import Calibration, holdout_split
 from proteus.engine.records import Prediction, TaskRecord, TaskStats
 from proteus.engine.state import KnowledgeBaseState
@@ -119,12 +119,8 @@ class Proteus(KnowledgeBaseState):
         )  # fmt: skip
         self.trainer_ = AdapterTrainer(self.embedder_, cfg.adapter, cfg.train, train_tf)
         self.experts_ = experts.TaskExperts(self._new_head)
-        keys_cls = KEYS.get(cfg.signature.keys) if self.composition.retrieves else NoKeys
-        rc = cfg.retrieval
-        self.keys_: RetrievalKeys = keys_cls(
-            cfg.signature, rc.top_k, self.device_, self._new_head, rc.candidates, rc.candidate_space,
-            keep_inputs=cfg.head.forgettable,
-        )  # fmt: skip
+        keys = KEYS.get(cfg.signature.keys) if self.composition.retrieves else NoKeys.from_config
+        self.keys_: RetrievalKeys = keys(cfg, self.device_, self._new_head)
 
     def _new_head(self, rp_dim: int | None = None) -> RanPACHead:
         h = self.config.head
@@ -236,7 +232,7 @@ class Proteus(KnowledgeBaseState):
             keep, held = holdout_split(len(y), rc.calibration_holdout, self.task_seed(k) + 2)
             zk, yk = z[keep], y[keep]
         seed, m = self.task_seed(k), self.num_adapters
-        fit = KeyFit(k, zk, yk, num_classes, seed, m, lambda t: self.embed_prefix(zk, t))
+        fit = KeyFit(k, zk, yk, num_classes, seed, m, self.embedder_)
         stats.signature = self.keys_.add_task(fit)
         calibration = None if held is None else self._calibrate(k, z[held], list(task.classes))
         sec["signature"] = clock() - t0
@@ -351,7 +347,7 @@ class Proteus(KnowledgeBaseState):
         rows = torch.arange(H.shape[1])
         return self._prediction(self.retrieve(H, F), lambda cand: H[cand, rows[:, None]])
 
-    def _prediction(self, res: RetrievalResult, under: staged.Under) -> Prediction:
+    def _prediction(self, res: RetrievalResult, under: Under) -> Prediction:
         """The keys' result combined with the head (``retrieval.combine``, proteus.engine.experts)."""
         task_of = torch.zeros(self.num_classes, dtype=torch.long)
         for t in self.records_:
@@ -374,12 +370,10 @@ class Proteus(KnowledgeBaseState):
         or a candidate shortlist take 2 (c + 1) forwards per input instead of m (:attr:`predict_route`),
         with the result of :meth:`predict_embedded` on :meth:`embed` (to float round-off)."""
         self._check_fitted()
-        if self.predict_route in ("one-space", "candidates"):
+        if self.uses_retrieval:  # the keys' own route (proteus.engine.key_base)
             m = min(self._m(num_tasks), self.num_adapters)
             z, classes = self.embedder_.prefix(x), [t.classes for t in self.records_]
-            return self._prediction(*staged.predict_staged(self.embedder_, self.keys_, z, m, classes))
-        if self.uses_retrieval:
-            return self.predict_embedded(*self.embed(x, num_tasks))
+            return self._prediction(*self.keys_.predict(self.embedder_, z, m, classes))
         tasks, kind = self.head_composition(self._m(num_tasks) - 1)
         h = self.embed_prefix(self.embedder_.prefix(x), tasks, kind, shard=False)[0]
         logits = self.classify(h)
@@ -390,7 +384,7 @@ class Proteus(KnowledgeBaseState):
         """How :meth:`predict` embeds: ``one-space`` (keys in one space: a forward there, then one under
         the retrieved adapter), ``candidates`` (``retrieval.candidates``: the shortlist's c adapters),
         ``all-adapters`` (Alg. 2: every task's adapter), or ``none`` (a method without retrieval)."""
-        return staged.route(self.keys_) if self.uses_retrieval else "none"
+        return self.keys_.route if self.uses_retrieval else "none"
 
     def predict_images(
         self,

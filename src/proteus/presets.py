@@ -28,6 +28,7 @@ from proteus.config import (
 from proteus.devices import PRECISIONS
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
 from proteus.engine.experts import COMBINATIONS, HEAD_SCOPES
+from proteus.engine.key_space import SPACES
 from proteus.engine.keys import KEYS, ONE_SPACE_KEYS, TASK_SCORES
 from proteus.engine.trainer import S_UPDATES
 from proteus.heads import GAMMA_SELECTIONS, PROTOTYPES
@@ -43,7 +44,7 @@ CHOICES: dict[str, Collection[str]] = {
     "adapter.s_update": S_UPDATES,
     "train.tasks": TRAIN_SCHEDULES,
     "train.cache_prefix": ("auto", "true", "false"),
-    "retrieval.candidate_space": ("first-adapter", "frozen"),
+    "retrieval.candidate_space": SPACES,
     "retrieval.combine": COMBINATIONS,
     "head.scope": HEAD_SCOPES,
     "retrieval.mode": COMPOSITIONS,

@@ -45,7 +45,7 @@ def measure(kb: str, data: str | None = None, cs: list[int] | None = None) -> di
             hits = total = 0
             for tau in range(m):
                 H, F = ev.embedded(tau)
-                X = F if clf.keys_.candidate_space == "frozen" else H[0]
+                X = clf.keys_.candidate_space.select(H, F)
                 cand = clf.keys_.shortlist(X, m, [t.classes for t in clf.records_])
                 hits += int((cand == tau).any(1).sum())
                 total += cand.shape[0]

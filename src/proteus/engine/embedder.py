@@ -169,3 +169,20 @@ class Embedder:
                 h = self.model.suffix_each(z[idx].to(self.device), tasks.cpu()[idx], kind)
             out[idx] = h.float().cpu()
         return out
+
+    def embed_under(
+        self, z: torch.Tensor, task: torch.Tensor, known: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """(N, d): prefix output i under task ``task[i]``'s adapter (:meth:`embed_each`); ``known[t]``
+        (N, d) are embeddings under task t already computed (reused, not recomputed)."""
+        task = task.cpu()
+        out = torch.empty(z.shape[0], self.model.embed_dim)
+        todo = torch.ones(len(task), dtype=torch.bool)
+        for t, H in known.items():
+            sel = task == t
+            out[sel] = H[sel].float()
+            todo &= ~sel
+        if bool(todo.any()):
+            idx = todo.nonzero().flatten()
+            out[idx] = self.embed_each(z[idx.to(z.device)], task[idx])
+        return out

@@ -1,28 +1,49 @@
 """The retrieval-key protocol (Sec. 3.1): what a key strategy is given when a task ends
-(:class:`KeyFit`) and what it must do (:class:`RetrievalKeys`); :mod:`proteus.engine.keys` has the
-strategies and their registry."""
+(:class:`KeyFit`), what it must do (:class:`RetrievalKeys`), and how it predicts (its *route*):
+
+* ``all-adapters`` -- Algorithm 2: every input under every task's adapter (m forwards per input), the
+  keys read each task's own embedding (the paper's Eq. 18).
+* ``one-space`` -- keys that read one embedding per input for every task (:attr:`RetrievalKeys.space`,
+  :mod:`proteus.engine.key_space`): one forward there, retrieval, then one forward under each input's
+  retrieved (or candidate) adapter -- two forwards per input whatever m is, one when the retrieved
+  adapter is the space's own. The same tasks, scores and labels as the m-forward path, to float round-off.
+* ``candidates`` -- per-adapter keys with a shortlist (:class:`~proteus.engine.keys.GaussianKeys`).
+
+:meth:`RetrievalKeys.predict` returns the retrieval and a function that embeds the inputs under candidate
+tasks' adapters (the retrieved one for Alg. 2; the few most likely ones for ``retrieval.combine=soft``,
+:mod:`proteus.engine.experts`). :mod:`proteus.engine.keys` has the strategies and their registry.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from proteus.config import SignatureConfig
+from proteus.config import RunConfig, SignatureConfig
+from proteus.engine.embedder import Embedder
+from proteus.engine.key_space import FIRST_ADAPTER, SPACES, KeySpace
 from proteus.heads import RanPACHead
 from proteus.signatures import RetrievalResult, Signature
 
-__all__ = ["KeyFit", "NoKeys", "RetrievalKeys"]
+__all__ = ["KeyFit", "NewHead", "NoKeys", "RetrievalKeys", "Under"]
+
+K = TypeVar("K", bound="RetrievalKeys")
+
+#: builds an empty ridge head (``rp_dim=0``: no random projection) for keys that are LDA heads
+NewHead = Callable[..., RanPACHead]
+
+#: the inputs' embeddings (N, K, d) under the adapters of candidate tasks (N, K)
+Under = Callable[[Tensor], Tensor]
 
 
 @dataclass
 class KeyFit:
     """What a key strategy gets when task k ends: the task's training inputs as cached prefix outputs
-    ``z`` with labels ``y``, and ``embed(tasks)``, which embeds ``z`` under the compositions of ``tasks``
-    (None: the frozen backbone) as (G, N, d)."""
+    ``z`` with labels ``y``, and the embedder that embeds them (:meth:`embed`)."""
 
     k: int
     z: Tensor
@@ -30,16 +51,22 @@ class KeyFit:
     num_classes: int
     seed: int
     num_adapters: int
-    embed: Callable[[list[int] | None], Tensor]
+    embedder: Embedder
+
+    def embed(self, tasks: list[int] | None) -> Tensor:
+        """(G, N, d): ``z`` under the compositions of ``tasks`` (None: the frozen backbone, G = 1)."""
+        return self.embedder.embed_prefix(self.z, tasks)
 
 
 class RetrievalKeys:
-    """Base class: the per-task signatures or key heads, their scores and their knowledge-base share.
+    """Base class: the per-task signatures or key heads, their scores, their prediction route and their
+    knowledge-base share.
 
-    ``space`` says which embeddings :meth:`retrieve` reads: ``adapter`` (every task's own, ``H``),
-    ``frozen`` (the frozen backbone's features ``F``) or ``first-adapter`` (``H[0]``)."""
+    :attr:`space` is the one :class:`~proteus.engine.key_space.KeySpace` every task's key reads, or None
+    when each task's key reads the input under that task's own adapter (``H``)."""
 
-    space = "adapter"
+    #: the one space of every task's key (None: each task's own adapter)
+    space: KeySpace | None = None
 
     def __init__(
         self,
@@ -48,7 +75,7 @@ class RetrievalKeys:
         device: torch.device,
         new_head: Callable[..., RanPACHead],
         candidates: int | None = None,
-        candidate_space: str = "first-adapter",
+        candidate_space: KeySpace = FIRST_ADAPTER,
         keep_inputs: bool = False,
     ):
         self.cfg, self.top_k, self.device, self.new_head = cfg, top_k, device, new_head
@@ -58,19 +85,58 @@ class RetrievalKeys:
         #: tasks removed by :meth:`forget`: never retrieved
         self.forgotten: set[int] = set()
 
+    @classmethod
+    def from_config(
+        cls: type[K],
+        cfg: RunConfig,
+        device: torch.device,
+        new_head: Callable[..., RanPACHead],
+        **options: Any,
+    ) -> K:
+        """The keys a configuration asks for (``signature.*``, ``retrieval.*``, ``head.forgettable``)."""
+        rc = cfg.retrieval
+        return cls(
+            cfg.signature, rc.top_k, device, new_head, rc.candidates, SPACES.get(rc.candidate_space),
+            keep_inputs=cfg.head.forgettable, **options,
+        )  # fmt: skip
+
     @property
     def needs_frozen(self) -> bool:
         """:meth:`retrieve` reads the frozen backbone's features F."""
-        return self.space == "frozen"
+        return self.space is not None and self.space.needs_frozen
 
     @property
-    def key_space(self) -> str | None:
-        """``frozen`` or ``first-adapter`` when every task's key reads that one embedding of an input
-        (:meth:`retrieve_space`); None when the keys need every task's adapter."""
-        return self.space if self.space in ("frozen", "first-adapter") else None
+    def route(self) -> str:
+        """How :meth:`predict` embeds: ``one-space``, ``candidates`` or ``all-adapters`` (module doc)."""
+        return "all-adapters" if self.space is None else "one-space"
+
+    def predict(
+        self, embedder: Embedder, z: Tensor, m: int, classes: list[list[int]]
+    ) -> tuple[RetrievalResult, Under]:
+        """Retrieval among the first m tasks for prefix outputs ``z``, along :attr:`route`."""
+        if self.space is not None:
+            return self._predict_one_space(self.space, embedder, z, m, classes)
+        H = embedder.embed_prefix(z, list(range(m)), shard=False)
+        F = embedder.embed_prefix(z, None, shard=False)[0] if self.needs_frozen else None
+        rows = torch.arange(H.shape[1])
+        return self.retrieve(H, F, classes), lambda cand: H[cand, rows[:, None]]
+
+    def _predict_one_space(
+        self, space: KeySpace, embedder: Embedder, z: Tensor, m: int, classes: list[list[int]]
+    ) -> tuple[RetrievalResult, Under]:
+        X = space.embed(embedder, z, shard=False)
+        res = self.retrieve_space(X, m, classes)
+
+        def under(cand: Tensor) -> Tensor:
+            N, K = cand.shape
+            rows = torch.arange(N).repeat_interleave(K)
+            known = space.known(X[rows])
+            return embedder.embed_under(z[rows.to(z.device)], cand.flatten(), known).view(N, K, -1)
+
+        return res, under
 
     def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
-        """Retrieval among the first m tasks from the inputs' embeddings X (N, d) in :attr:`key_space`."""
+        """Retrieval among the first m tasks from the inputs' embeddings X (N, d) in :attr:`space`."""
         raise ValueError(f"{type(self).__name__} keys do not live in one space")
 
     @property
@@ -95,7 +161,9 @@ class RetrievalKeys:
     def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
         """H (m, N, d): embeddings under the first m tasks' adapters; F (N, d): frozen features (when
         :attr:`needs_frozen`); ``classes``: each of those tasks' classes."""
-        raise NotImplementedError
+        if self.space is None:
+            raise NotImplementedError
+        return self.retrieve_space(self.space.select(H, F), H.shape[0], classes)
 
     # knowledge base: per task (stored in the task's object) and global (stored in the head's object)
     def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:

@@ -15,33 +15,38 @@ knowledge base (per-task and global tensors), and its rollback (:meth:`Retrieval
 
 Scores are "lower is better" everywhere (:class:`~proteus.signatures.RetrievalResult`).
 
-Keys in one space (:attr:`RetrievalKeys.key_space`: ``frozen``, ``frozen-lda``, ``first-adapter-lda``)
-retrieve from a single embedding per input (:meth:`RetrievalKeys.retrieve_space`), so prediction needs
-one forward in that space and one under the retrieved adapter, whatever m is
-(:mod:`proteus.engine.staged`). The paper's per-adapter keys can shortlist: with ``retrieval.candidates
-= c`` a task also leaves an LDA key in one space (accumulated like G, no old data, no training), and only
-the c best tasks by it are scored with the exact Gaussian keys (:meth:`GaussianKeys.shortlist`).
+Keys in one space (:attr:`RetrievalKeys.space`, :mod:`proteus.engine.key_space`: ``frozen``, ``frozen-lda``,
+``first-adapter-lda``) retrieve from a single embedding per input (:meth:`RetrievalKeys.retrieve_space`), so
+prediction needs one forward in that space and one under the retrieved adapter, whatever m is (each key owns
+its route: :meth:`RetrievalKeys.predict`). The paper's per-adapter keys can shortlist: with
+``retrieval.candidates = c`` a task also leaves an LDA key in one space (accumulated like G, no old data, no
+training), and only the c best tasks by it are scored with the exact Gaussian keys
+(:meth:`GaussianKeys.shortlist`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from proteus.config import RunConfig
+from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
-from proteus.engine.key_base import KeyFit, NoKeys, RetrievalKeys
+from proteus.engine.key_base import KeyFit, NewHead, NoKeys, RetrievalKeys, Under
+from proteus.engine.key_space import FIRST_ADAPTER, FROZEN
 from proteus.engine.lda_keys import TASK_SCORES, LDAKeys
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult, Signature, fit_signature, retrieve
 from proteus.signatures.dpgmm import SignatureFitError
 
 __all__ = [
-    "KEYS", "ONE_SPACE_KEYS", "TASK_SCORES", "GaussianKeys", "KeyFit", "LDAKeys", "NoKeys", "RetrievalKeys",
+    "KEYS", "ONE_SPACE_KEYS", "TASK_SCORES", "GaussianKeys", "KeyFit", "KeyKind", "LDAKeys", "NoKeys",
+    "RetrievalKeys",
 ]  # fmt: skip
 
 
@@ -61,18 +66,20 @@ def _sub(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 class GaussianKeys(RetrievalKeys):
-    """DP-GMM signatures (Eq. 18); ``spaces`` are those whose scores retrieve: ``("adapter",)`` (the
-    paper), ``("frozen",)`` or both (scores summed per task; the component reported is the adapter
-    key's). The adapter signature is fitted in every case."""
+    """DP-GMM signatures (Eq. 18) whose scores retrieve: under each task's own adapter (``adapter``, the
+    paper), of the frozen backbone's features (``frozen``: keys in one space) or both (scores summed per
+    task; the component reported is the adapter key's). The adapter signature is fitted in every case."""
 
-    def __init__(self, *args: Any, spaces: tuple[str, ...] = ("adapter",), **kw: Any) -> None:
+    def __init__(self, *args: Any, adapter: bool = True, frozen: bool = False, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.spaces = spaces
+        self.adapter_keys, self.frozen_keys = adapter, frozen
+        #: frozen keys alone live in one space: prediction takes the one-space route
+        self.space = FROZEN if frozen and not adapter else None
         self.signatures: list[Signature | None] = []
         self.frozen_signatures: list[Signature | None] = []
         #: the cheap keys that shortlist candidates (``retrieval.candidates``; adapter keys only)
         self.shortlist_keys: LDAKeys | None = None
-        if self.candidates is not None and spaces == ("adapter",):
+        if self.candidates is not None and adapter and not frozen:
             lda_cfg = dataclasses.replace(self.cfg, normalize="l2")
             self.shortlist_keys = LDAKeys(
                 lda_cfg, 1, self.device, self.new_head, space=self.candidate_space,
@@ -85,11 +92,35 @@ class GaussianKeys(RetrievalKeys):
 
     @property
     def needs_frozen(self) -> bool:
-        return "frozen" in self.spaces or (self.shortlists and self.candidate_space == "frozen")
+        return self.frozen_keys or (self.shortlists and self.candidate_space.needs_frozen)
 
     @property
-    def key_space(self) -> str | None:
-        return "frozen" if self.spaces == ("frozen",) else None
+    def route(self) -> str:
+        return "candidates" if self.shortlists else super().route
+
+    def predict(
+        self, embedder: Embedder, z: Tensor, m: int, classes: list[list[int]]
+    ) -> tuple[RetrievalResult, Under]:
+        """With a shortlist (:attr:`shortlists`): a forward in the cheap keys' space, the c best tasks per
+        input, each input under those c adapters (one grouped forward), Eq. 1 among them (c + 1 forwards
+        per input); ``under`` gives the embeddings under shortlisted tasks. Otherwise the base routes."""
+        if not self.shortlists:
+            return super().predict(embedder, z, m, classes)
+        space = self.candidate_space
+        X = space.embed(embedder, z, shard=False)
+        short = self.shortlist(X, m, classes)  # (N, c)
+        N, c = short.shape
+        rows = torch.arange(N).repeat_interleave(c)
+        Hc = embedder.embed_under(z[rows.to(z.device)], short.flatten(), space.known(X[rows])).view(N, c, -1)
+        res = self.retrieve_among(Hc, short, m)
+
+        def under(cand: Tensor) -> Tensor:
+            pos = (short[:, None, :] == cand[:, :, None]).float().argmax(2)  # (N, K) places in the shortlist
+            if not bool((short.gather(1, pos) == cand).all()):
+                raise ValueError("the candidate route embeds only the shortlisted tasks")
+            return Hc[torch.arange(N)[:, None], pos]
+
+        return res, under
 
     @property
     def shortlists(self) -> bool:
@@ -104,7 +135,7 @@ class GaussianKeys(RetrievalKeys):
         )  # fmt: skip
 
     def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
-        if self.key_space != "frozen":
+        if self.space is None:
             return super().retrieve_space(X, m, classes)
         return retrieve(_scores(self.frozen_signatures[:m], lambda j: X), self.top_k)
 
@@ -144,10 +175,10 @@ class GaussianKeys(RetrievalKeys):
         if fit.num_adapters > 0:
             sig = self._fit(fit.embed([min(fit.k, fit.num_adapters - 1)])[0], fit.seed, "", fit.k)
             stats["n_active"] = int(sig.n_active)
-        if "frozen" in self.spaces:
+        if self.frozen_keys:
             fsig = self._fit(fit.embed(None)[0], fit.seed + 1, "frozen-key ", fit.k)
             stats["n_active_frozen"] = int(fsig.n_active)
-        if self.shortlist_keys is not None and (fit.num_adapters > 0 or self.candidate_space == "frozen"):
+        if self.shortlist_keys is not None and self.candidate_space.available(fit.num_adapters):
             self.shortlist_keys.add_task(fit)  # else not for every task: every task is scored exactly
         self.signatures.append(sig)
         self.frozen_signatures.append(fsig)
@@ -171,27 +202,17 @@ class GaussianKeys(RetrievalKeys):
 
     def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
         m = H.shape[0]
-        if self.shortlists:  # the same rule as the staged prediction: exact keys of the candidates only
-            X = F if self.candidate_space == "frozen" else H[0]
-            if X is None:
-                raise ValueError("retrieval.candidates with frozen cheap keys needs the frozen features F")
-            cand = self.shortlist(X, m, classes)
+        if self.shortlists:  # the same rule as the candidate route: exact keys of the candidates only
+            cand = self.shortlist(self.candidate_space.select(H, F), m, classes)
             return self.retrieve_among(H[cand, torch.arange(H.shape[1])[:, None]], cand, m)
-        if self.key_space == "frozen":
-            if F is None:
-                raise ValueError("signature.keys='frozen' needs the frozen-backbone features F")
-            return self.retrieve_space(F, m, classes)
-        res = None
-        if "adapter" in self.spaces:
-            res = retrieve(_scores(self.signatures[:m], lambda j: H[j]), self.top_k)
-        if "frozen" not in self.spaces:
-            assert res is not None
+        if self.space is not None:  # frozen keys alone
+            return super().retrieve(H, F, classes)
+        res = retrieve(_scores(self.signatures[:m], lambda j: H[j]), self.top_k)
+        if not self.frozen_keys:
             return res
         if F is None:
-            raise ValueError(f"signature.keys={'+'.join(self.spaces)!r} needs the frozen-backbone features F")
+            raise ValueError("signature.keys='adapter+frozen' needs the frozen-backbone features F")
         fres = retrieve(_scores(self.frozen_signatures[:m], lambda j: F), self.top_k)
-        if res is None:
-            return fres
         total = res.task_scores + fres.task_scores
         task = total.argmin(1)
         rows = torch.arange(len(task))
@@ -238,24 +259,40 @@ class GaussianKeys(RetrievalKeys):
             self.shortlist_keys.load_global(meta["shortlist"], tensors)
 
 
-KEYS: Registry[Callable[..., RetrievalKeys]] = Registry("signature.keys")
+@dataclass(frozen=True)
+class KeyKind:
+    """A registered key strategy (``signature.keys``): its class and fixed options; ``one_space`` when
+    every task's key reads one embedding of an input (the one-space prediction route, and
+    ``retrieval.combine=soft``, which needs it)."""
+
+    cls: type[RetrievalKeys]
+    one_space: bool
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(
+        self, cfg: RunConfig, device: torch.device, new_head: NewHead
+    ) -> RetrievalKeys:
+        return self.cls.from_config(cfg, device, new_head, **self.options)
+
+
+KEYS: Registry[KeyKind] = Registry("signature.keys")
 KEYS.register("adapter", help="the paper: DP-GMM signatures under each task's own adapter (Eq. 18)")(
-    partial(GaussianKeys, spaces=("adapter",))
+    KeyKind(GaussianKeys, False)
 )
 KEYS.register("frozen", help="DP-GMM signatures of the frozen backbone's features")(
-    partial(GaussianKeys, spaces=("frozen",))
+    KeyKind(GaussianKeys, True, {"adapter": False, "frozen": True})
 )
 KEYS.register("adapter+frozen", help="both signatures, scores summed")(
-    partial(GaussianKeys, spaces=("adapter", "frozen"))
+    KeyKind(GaussianKeys, False, {"frozen": True})
 )
 KEYS.register("frozen-lda", help="LDA keys on frozen features (beyond the paper)")(
-    partial(LDAKeys, space="frozen")
+    KeyKind(LDAKeys, True, {"space": FROZEN})
 )
 KEYS.register("first-adapter-lda", help="LDA keys under the first task's adapter (beyond the paper)")(
-    partial(LDAKeys, space="first-adapter")
+    KeyKind(LDAKeys, True, {"space": FIRST_ADAPTER})
 )
 
-#: keys whose every task's key reads one embedding of an input (:attr:`RetrievalKeys.key_space`):
-#: prediction then needs one forward there and one per candidate task (1, or ``retrieval.soft_top``
-#: with ``retrieval.combine=soft``, which only these keys allow)
-ONE_SPACE_KEYS = ("frozen", "frozen-lda", "first-adapter-lda")
+#: keys whose every task's key reads one embedding of an input (:attr:`RetrievalKeys.space`): prediction
+#: then needs one forward there and one per candidate task (1, or ``retrieval.soft_top`` with
+#: ``retrieval.combine=soft``, which only these keys allow)
+ONE_SPACE_KEYS = tuple(name for name in KEYS if KEYS.get(name).one_space)

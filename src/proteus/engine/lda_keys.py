@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,13 +18,27 @@ from torch import Tensor
 
 from proteus.engine.errors import TaskError
 from proteus.engine.key_base import KeyFit, RetrievalKeys
+from proteus.engine.key_space import FROZEN, KeySpace
 from proteus.heads import RanPACHead
+from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
 
 __all__ = ["TASK_SCORES", "LDAKeys", "task_scores"]
 
-#: ``signature.task_score``: how class scores f (N, C) become a task's score (lower is better)
-TASK_SCORES = ("mean", "max")
+#: ``signature.task_score``: how class scores f (N, C) and a task's classes c become its score (N,), lower
+#: is better; ``temperature`` is ``signature.class_temperature``
+TASK_SCORES: Registry[Callable[[Tensor, list[int], float], Tensor]] = Registry("signature.task_score")
+
+
+@TASK_SCORES.register("mean", help="-log mean_{c in t} softmax(f / T)_c: the posterior over tasks")
+def _mean_score(logits: Tensor, c: list[int], temperature: float) -> Tensor:
+    logp = torch.log_softmax(logits.double() / temperature, dim=1)
+    return (math.log(len(c)) - torch.logsumexp(logp[:, c], 1)).float()
+
+
+@TASK_SCORES.register("max", help="-max_{c in t} f_c: the task's best class score")
+def _max_score(logits: Tensor, c: list[int], temperature: float) -> Tensor:
+    return -logits[:, c].max(1).values
 
 
 def task_scores(logits: Tensor, classes: list[list[int]], how: str, temperature: float) -> Tensor:
@@ -32,15 +47,11 @@ def task_scores(logits: Tensor, classes: list[list[int]], how: str, temperature:
     "mean": ``-log mean_{c in t} p(c|x)`` with ``p = softmax(logits / temperature)`` over every class,
     so that ``softmax_t(-scores)`` is the posterior over tasks under a uniform prior on tasks (a task's
     classes share its prior); "max": ``-max_{c in t} logits_c``."""
+    score = TASK_SCORES.get(how)
     out = torch.full((logits.shape[0], len(classes)), float("inf"))
-    logp = torch.log_softmax(logits.double() / temperature, dim=1) if how == "mean" else logits
     for j, c in enumerate(classes):
-        if not c:  # a task left with no class (forgotten) is never retrieved
-            continue
-        if how == "max":
-            out[:, j] = -logits[:, c].max(1).values
-        else:
-            out[:, j] = (math.log(len(c)) - torch.logsumexp(logp[:, c], 1)).float()
+        if c:  # a task left with no class (forgotten) is never retrieved
+            out[:, j] = score(logits, c, temperature)
     return out
 
 
@@ -49,9 +60,9 @@ class LDAKeys(RetrievalKeys):
     accumulated task by task like the head's G; L2-normalised features when ``signature.normalize`` is
     ``l2``. Kept in the knowledge base inside the head's object (``task_head/`` tensors)."""
 
-    def __init__(self, *args: Any, space: str = "frozen", prefix: str = "lda/", **kw: Any) -> None:
+    def __init__(self, *args: Any, space: KeySpace = FROZEN, prefix: str = "lda/", **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.space = space
+        self.space: KeySpace = space
         self.head: RanPACHead | None = None
         self.n_tasks = 0
         self._before: RanPACHead | None = None
@@ -63,12 +74,8 @@ class LDAKeys(RetrievalKeys):
         return F.normalize(X.float(), dim=1) if self.cfg.normalize == "l2" else X
 
     def add_task(self, fit: KeyFit) -> None:
-        if self.space == "frozen":
-            X = fit.embed(None)[0]
-        else:  # the first task's adapter, frozen since task 1
-            if fit.num_adapters == 0:
-                raise TaskError("signature.keys='first-adapter-lda' needs the first task to train an adapter")
-            X = fit.embed([0])[0]
+        self.space.check(fit.num_adapters, f"LDA keys in the {self.space.name} space")
+        X = self.space.embed(fit.embedder, fit.z)
         # a copy (d x d statistics, cheap): a later step of this task may still fail, and the rollback
         # must find the key head as it was before the task
         head = copy.deepcopy(self.head) if self.head is not None else self.new_head(rp_dim=0)
@@ -106,15 +113,9 @@ class LDAKeys(RetrievalKeys):
         self._before = None  # the rollback copy predates the forgetting
         super().forget(k, classes)
 
-    def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
-        X = F if self.space == "frozen" else H[0]
-        if X is None:
-            raise ValueError(f"LDA keys in the {self.space} space need their features")
-        return self.retrieve_space(X, H.shape[0], classes)
-
     def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
         if self.head is None:
-            raise ValueError(f"LDA keys in the {self.space} space need a fitted key head")
+            raise ValueError(f"LDA keys in the {self.space.name} space need a fitted key head")
         logits = self.head.decision_function(self.features(X).to(self.device)).float().cpu()
         scores = task_scores(logits, classes[:m], self.cfg.task_score, self.cfg.class_temperature)
         for j in self.forgotten:
