@@ -1,4 +1,4 @@
-"""Test-suite settings.
+"""Test-suite settings and shared fixtures (helpers to import live in :mod:`tiny`).
 
 One intra-op thread: the suite is made of many small linear-algebra calls (eigh, Cholesky on a few
 hundred dimensions), which run ~100x slower when two threads contend on a 2-core machine.
@@ -11,6 +11,26 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tiny import TINY, folder_args, make_tree, write_spec  # noqa: E402
+
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A folder benchmark of 2 tasks (classes a, b | c, d; 5 training and 2 test images per class) and a
+    KB with task 1 learned through the real CLI, built once per test module: ``tree``, ``spec``, ``kb1``
+    (copy it before writing to it) and ``root``. (test_crash_safety.py has a ``world`` of its own.)"""
+    from proteus.cli import main
+
+    root = tmp_path_factory.mktemp("world")
+    tree = make_tree(root / "data", classes="abcd", n_train=5, n_test=2)
+    spec = write_spec(root / "spec.yaml", [["a", "b"], ["c", "d"]])
+    kb = root / "kb1"
+    assert main(["learn", "--kb", str(kb), "--task", "1", *folder_args(tree, spec), *TINY]) == 0
+    return {"tree": tree, "spec": spec, "kb1": kb, "root": root}

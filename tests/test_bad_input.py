@@ -25,70 +25,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
-from PIL import Image
 
 from proteus import Proteus
 from proteus.cli import main
-from proteus.config import RunConfig
 from proteus.engine.keys import LDAKeys
 from proteus.estimator import TaskError
-from proteus.experiment import resolve_config
 from proteus.kb import KnowledgeBase
-from proteus.streams import Task, build_benchmark
-from tiny import TINY_SETS, sets
+from proteus.streams import Task
+from tiny import TINY, folder_args, folder_cfg, folder_stream, make_tree, write_image, write_spec
 
 pytestmark = pytest.mark.slow
-
-SETS = TINY_SETS
-TINY = ["--backbone", "vit_ti16", "--device", "cpu", "-q", *sets()]
-
-
-# ---------------------------------------------------------------------------------------------- data
-def _image(path: Path, seed: int, size: tuple[int, int] = (12, 12), mode: str = "RGB") -> None:
-    rng = np.random.RandomState(seed)
-    img = Image.fromarray(rng.randint(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-    (img if mode == "RGB" else img.convert(mode)).save(path)
-
-
-def make_tree(root: Path, classes: str = "abcdef", n_train: int = 6, n_test: int = 2) -> Path:
-    for split, n in (("train", n_train), ("test", n_test)):
-        for ci, c in enumerate(classes):
-            (root / split / c).mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                _image(root / split / c / f"{i}.png", 1000 * ci + 10 * i + (split == "test"))
-    return root
-
-
-def write_spec(path: Path, tasks: list[list[str]]) -> Path:
-    path.write_text(yaml.safe_dump({"tasks": tasks}))
-    return path
-
-
-def _folder_args(tree: Path, spec: Path) -> list[str]:
-    return ["--benchmark", "folder", "--data", str(tree), "--tasks", str(spec)]
-
-
-def _cfg(tree: Path, spec: Path, *sets: str, method: str = "proteus") -> RunConfig:
-    return resolve_config(
-        "folder",
-        method,
-        sets=[*SETS, *sets],
-        overrides={"backbone": {"name": "vit_ti16"}, "device": "cpu",
-                   "benchmark": {"data": str(tree), "tasks_file": str(spec)}},
-    )  # fmt: skip
-
-
-def _stream(cfg: RunConfig):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # single-class tasks warn
-        return build_benchmark(cfg.benchmark)
 
 
 def _kb_state(kb: Path) -> dict:
@@ -139,7 +90,7 @@ def kb1(tree: Path, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("kb1")
     spec = write_spec(root / "spec.yaml", [["a", "b"], ["c", "d"]])
     kb = root / "kb"
-    assert main(["learn", "--kb", str(kb), "--task", "1", *_folder_args(tree, spec), *TINY]) == 0
+    assert main(["learn", "--kb", str(kb), "--task", "1", *folder_args(tree, spec), *TINY]) == 0
     return {"kb": kb, "spec": spec, "state": _kb_state(kb)}
 
 
@@ -153,13 +104,13 @@ def test_corrupt_and_truncated_images_name_the_file(tree: Path, kb1: dict, tmp_p
     shutil.copytree(kb1["kb"], kb)
     if kind == "truncated-train":  # a PNG cut short (a partial copy): found by the task's prefix pass
         bad = data / "train" / "c" / "3.png"
-        _image(bad, 7, (40, 40))
+        write_image(bad, 7, (40, 40))
         bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
     else:  # garbage behind an image suffix, in the test set: found by the evaluation after learning
         bad = data / "test" / "d" / "1.png"
         bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really a png" * 10)
     capsys.readouterr()
-    assert main(["learn", "--kb", str(kb), "--task", "2", *_folder_args(data, kb1["spec"]), *TINY]) == 2
+    assert main(["learn", "--kb", str(kb), "--task", "2", *folder_args(data, kb1["spec"]), *TINY]) == 2
     err = capsys.readouterr().err
     assert f"cannot read image file {bad}" in err and "Traceback" not in err
     assert _kb_state(kb) == kb1["state"]  # still task 1 only, every object verified
@@ -171,17 +122,17 @@ def test_grayscale_rgba_palette_and_mixed_sizes_are_learned(tmp_path: Path, caps
     for split in ("train", "test"):
         for c, mode in modes.items():
             for i, f in enumerate(sorted((data / split / c).iterdir())):
-                _image(f, 50 * i + ord(c), size=[(5, 3), (12, 12), (64, 40)][i % 3], mode=mode)
+                write_image(f, 50 * i + ord(c), size=[(5, 3), (12, 12), (64, 40)][i % 3], mode=mode)
     spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]])
     kb = tmp_path / "kb"
     for k in (1, 2):
-        assert main(["learn", "--kb", str(kb), "--task", str(k), *_folder_args(data, spec), *TINY]) == 0
+        assert main(["learn", "--kb", str(kb), "--task", str(k), *folder_args(data, spec), *TINY]) == 0
     ev = KnowledgeBase.open(kb).manifest["evaluation"][-1]
     assert len(ev["row"]) == 2 and all(0 <= a <= 100 for a in ev["row"])
     files = []
     for mode, size in (("L", (7, 300)), ("CMYK", (33, 33)), ("P", (1, 1)), ("RGBA", (200, 50))):
         f = tmp_path / f"in-{mode}.{'jpg' if mode == 'CMYK' else 'png'}"
-        _image(f, 3, size, mode)
+        write_image(f, 3, size, mode)
         files.append(str(f))
     capsys.readouterr()
     assert main(["predict", "--kb", str(kb), *files, "--json"]) == 0
@@ -192,7 +143,7 @@ def test_grayscale_rgba_palette_and_mixed_sizes_are_learned(tmp_path: Path, caps
 
 def test_predict_on_unreadable_files_names_them(kb1: dict, tmp_path: Path, capsys) -> None:
     trunc = tmp_path / "half.jpg"
-    _image(trunc, 1, (64, 64))
+    write_image(trunc, 1, (64, 64))
     trunc.write_bytes(trunc.read_bytes()[:300])
     garbage = tmp_path / "garbage.png"
     garbage.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
@@ -212,12 +163,12 @@ def test_predict_on_unreadable_files_names_them(kb1: dict, tmp_path: Path, capsy
 def test_class_in_two_tasks(tree: Path, tmp_path: Path, capsys) -> None:
     spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["b", "c"]])
     kb = tmp_path / "kb"
-    assert main(["learn", "--kb", str(kb), "--task", "1", *_folder_args(tree, spec), *TINY]) == 2
+    assert main(["learn", "--kb", str(kb), "--task", "1", *folder_args(tree, spec), *TINY]) == 2
     assert "class 'b' is in task 1 and in task 2" in capsys.readouterr().err
     assert not KnowledgeBase.exists(kb)
     # the learner refuses it too (a stream built by other code), naming class and task, unchanged
-    cfg = _cfg(tree, write_spec(tmp_path / "ok.yaml", [["a", "b"], ["c", "d"]]))
-    stream = _stream(cfg)
+    cfg = folder_cfg(tree, write_spec(tmp_path / "ok.yaml", [["a", "b"], ["c", "d"]]))
+    stream = folder_stream(cfg)
     learner = Proteus(cfg, progress=False)
     learner.fit_task(stream.tasks[0])
     snap = _snapshot(learner)
@@ -229,8 +180,8 @@ def test_class_in_two_tasks(tree: Path, tmp_path: Path, capsys) -> None:
 
 
 def test_empty_task_and_out_of_order_task(tree: Path, tmp_path: Path) -> None:
-    cfg = _cfg(tree, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]]))
-    stream = _stream(cfg)
+    cfg = folder_cfg(tree, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]]))
+    stream = folder_stream(cfg)
     learner = Proteus(cfg, progress=False)
     t0 = stream.tasks[0]
     with pytest.raises(TaskError, match="task 2: the learner holds 0 tasks, so task 1 comes next"):
@@ -244,10 +195,10 @@ def test_empty_task_and_out_of_order_task(tree: Path, tmp_path: Path) -> None:
 def test_single_class_and_tiny_tasks_are_learned(tree: Path, tmp_path: Path) -> None:
     # task 1 has one class; task 2 has 2 images per class (4 < the DP-GMM truncation T = 20)
     spec = write_spec(tmp_path / "spec.yaml", [["a"], ["b", "c"]])
-    cfg = _cfg(
+    cfg = folder_cfg(
         tree, spec, "signature.max_components=20", "benchmark.max_train_per_class=2", method="proteus-dpgmm"
     )
-    stream = _stream(cfg)
+    stream = folder_stream(cfg)
     assert len(stream.tasks[1].train) == 4
     learner = Proteus(cfg, progress=False)
     s1 = learner.fit_task(stream.tasks[0])
@@ -265,11 +216,13 @@ def test_single_class_and_tiny_tasks_are_learned(tree: Path, tmp_path: Path) -> 
 def test_singular_covariance(tree: Path, tmp_path: Path) -> None:
     data = make_tree(tmp_path / "data", classes="abcd")
     for f in (data / "train" / "c").iterdir():  # every image of class c is the same image
-        _image(f, 5)
+        write_image(f, 5)
     for i, f in enumerate(sorted((data / "train" / "d").iterdir())):  # class d: two distinct images
-        _image(f, 6 + i % 2)
-    cfg = _cfg(data, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c"], ["d"]]), method="proteus-dpgmm")
-    stream = _stream(cfg)
+        write_image(f, 6 + i % 2)
+    cfg = folder_cfg(
+        data, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c"], ["d"]]), method="proteus-dpgmm"
+    )
+    stream = folder_stream(cfg)
     learner = Proteus(cfg, progress=False)
     learner.fit_task(stream.tasks[0])
     snap = _snapshot(learner)
@@ -298,19 +251,19 @@ def test_nan_or_inf_embeddings_name_the_task(
     tree: Path, tmp_path: Path, method, mode, value, pattern
 ) -> None:
     spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]])
-    cfg = _cfg(tree, spec, f"retrieval.mode={mode}", method=method)
-    stream = _stream(cfg)
+    cfg = folder_cfg(tree, spec, f"retrieval.mode={mode}", method=method)
+    stream = folder_stream(cfg)
     learner = Proteus(cfg, progress=False)
     learner.fit_task(stream.tasks[0])
     snap = _snapshot(learner)
-    clean = learner.embed_prefix
+    clean = learner.embedder_.embed_prefix  # every embedding pass of fit_task goes through the embedder
 
-    def poisoned(z, tasks, kind="task", shard=True):
-        h = clean(z, tasks, kind, shard=shard)
+    def poisoned(z, tasks, kind="task", batch_size=None, shard=True):
+        h = clean(z, tasks, kind, batch_size, shard)
         h[:, [0, 4, 7]] = value
         return h
 
-    learner.embed_prefix = poisoned  # type: ignore[method-assign]
+    learner.embedder_.embed_prefix = poisoned  # type: ignore[method-assign]
     with pytest.raises(TaskError, match=pattern):
         learner.fit_task(stream.tasks[1])
     _assert_same(snap, _snapshot(learner))
@@ -322,10 +275,10 @@ def test_failed_task_rolls_back_exactly(tree: Path, tmp_path: Path, monkeypatch)
     from proteus.heads import RanPACHead
 
     # the paper's keys: the patched ridge solve fails in the head update (LDA keys would fail first)
-    cfg = _cfg(
+    cfg = folder_cfg(
         tree, write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"], ["e", "f"]]), method="proteus-dpgmm"
     )
-    stream = _stream(cfg)
+    stream = folder_stream(cfg)
     ref = Proteus(cfg, progress=False)
     for t in stream.tasks[:2]:
         ref.fit_task(t)
@@ -355,8 +308,9 @@ def test_failed_task_rolls_back_exactly(tree: Path, tmp_path: Path, monkeypatch)
 
     learner.fit_task(stream.tasks[1])
     _assert_same(_snapshot(ref), _snapshot(learner))
+    sa, sb = ref.state(), learner.state()
     for k in range(ref.num_tasks):
-        ta, tb = ref.task_state(k)[1], learner.task_state(k)[1]
+        ta, tb = sa.tasks[k][1], sb.tasks[k][1]
         assert ta.keys() == tb.keys()
         assert all(torch.equal(ta[n], tb[n]) for n in ta)
 
@@ -366,8 +320,8 @@ def test_failure_after_the_lda_keys_update_rolls_them_back(tree: Path, tmp_path:
     """The LDA keys are updated before the head: an interruption between the two leaves the keys as
     they were, and a retry gives what an uninterrupted learner gives."""
     spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]])
-    cfg = _cfg(tree, spec, f"signature.keys={keys}", "signature.normalize=l2")
-    stream = _stream(cfg)
+    cfg = folder_cfg(tree, spec, f"signature.keys={keys}", "signature.normalize=l2")
+    stream = folder_stream(cfg)
     ref = Proteus(cfg, progress=False)
     for t in stream.tasks:
         ref.fit_task(t)

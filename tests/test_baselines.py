@@ -19,6 +19,7 @@ from proteus.baselines.lora_methods import DualGPM
 from proteus.baselines.prompts import block_with_prefix, gram_schmidt
 from proteus.cli import main
 from proteus.config import RunConfig
+from proteus.kb import KnowledgeBase
 from proteus.methods import METHODS, apply_method
 from proteus.streams import build_benchmark
 
@@ -62,7 +63,7 @@ def _batch(clf, stream, k: int = 0, n: int = 6) -> torch.Tensor:
 
 
 def test_every_declared_baseline_has_a_learner() -> None:
-    assert set(BASELINE_METHODS) == {"inflora", "sd-lora", "l2p", "dualprompt", "coda-prompt"}
+    assert set(BASELINE_METHODS) == {"inflora", "sd-lora", "l2p", "dualprompt", "coda-prompt", "ncm"}
     for m in BASELINE_METHODS:
         assert METHODS.get(m).learner in BASELINES
 
@@ -260,9 +261,15 @@ def test_every_baseline_runs(method: str, tmp_path: Path) -> None:
     res = json.loads((out / "results.json").read_text())
     assert res["method"] == method and res["num_tasks"] == 2 and len(res["avg_acc"]) == 2
     assert res["retrieval_acc"] is None and res["forgetting"] is not None
-    assert (out / "model.safetensors").is_file() and (out / "split.json").is_file()
-    meta = json.loads((out / "model.json").read_text())
-    assert len(meta["task_classes"]) == 2
+    assert (out / "split.json").is_file()
+    # one persistence layer: the baseline's learned tensors are its knowledge base's head object
+    kb = KnowledgeBase.open(out / "kb")
+    head = kb.manifest["head"]
+    assert head["meta"]["method"] == method and len(head["meta"]["task_classes"]) == 2
+    tensors = kb.read(head["object"], head["sha256"])
+    assert {"head.0.weight", "head.1.weight"} <= set(tensors)
+    assert [t["classes"] for t in kb.manifest["tasks"]] == head["meta"]["task_classes"]
+    assert res["kb_bytes"]["head"] == res["model_bytes"] > 0
 
 
 def test_learn_refuses_a_baseline(tmp_path: Path, capsys) -> None:
@@ -277,8 +284,9 @@ def test_learn_refuses_a_baseline(tmp_path: Path, capsys) -> None:
         "--method",
         "inflora",
     ]
-    assert main(argv) != 0
-    assert "proteus run" in capsys.readouterr().err
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "inflora" in err and "'load'" in err and "proteus run" in err
     assert not (tmp_path / "kb").exists()
 
 

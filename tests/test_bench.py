@@ -88,3 +88,14 @@ def test_table_lists_every_figure(report: tuple[dict, Path]) -> None:
     for key in FIGURES:
         assert key in table
     assert "target" in table and "measured" in table
+
+
+def test_without_a_checkout_bench_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """An installed wheel has no tools/perf/: one line naming the missing script, exit code 2."""
+    import proteus.cli.commands as commands
+
+    monkeypatch.setattr(commands, "__file__", str(tmp_path / "site-packages" / "proteus" / "cli" / "x.py"))
+    assert main(["bench", "--quick", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: proteus bench runs the performance harness of a source checkout")
+    assert str(tmp_path / "tools" / "perf" / "run.py") in err and err.count("\n") == 1

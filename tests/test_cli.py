@@ -86,14 +86,15 @@ def test_kb_roundtrip_is_bit_exact(run_dir: Path) -> None:
 
     kb = KnowledgeBase.open(run_dir / "kb")
     clf = Proteus.load(run_dir / "kb")
+    state = clf.state()
     for k, entry in enumerate(kb.manifest["tasks"]):
-        tensors = clf.task_state(k)[1]
+        tensors = state.tasks[k][1]
         stored = kb.read(entry["object"], entry["sha256"])
         assert set(stored) == set(tensors)
         for n, v in tensors.items():
             assert torch.equal(stored[n], v.cpu()), n
     head = kb.read(kb.manifest["head"]["object"], kb.manifest["head"]["sha256"])
-    head_state = clf.head_state()
+    head_state = state.head
     assert head_state is not None
     for k, v in head_state[1].items():
         assert torch.equal(head[k], v.cpu()), k

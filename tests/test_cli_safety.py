@@ -17,19 +17,9 @@ import torch
 
 from proteus.cli import main
 from proteus.kb import KnowledgeBase
-from test_bad_input import TINY, _folder_args, make_tree, write_spec
+from tiny import TINY, folder_args, write_spec
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("safety")
-    tree = make_tree(root / "data", classes="abcd", n_train=5, n_test=2)
-    spec = write_spec(root / "spec.yaml", [["a", "b"], ["c", "d"]])
-    kb = root / "kb1"
-    assert main(["learn", "--kb", str(kb), "--task", "1", *_folder_args(tree, spec), *TINY]) == 0
-    return {"tree": tree, "spec": spec, "kb1": kb, "root": root}
 
 
 def _copy_kb(world: dict, tmp_path: Path) -> Path:
@@ -39,7 +29,7 @@ def _copy_kb(world: dict, tmp_path: Path) -> Path:
 
 
 def _learn(world: dict, kb: Path, task: int, *extra: str, spec: Path | None = None) -> int:
-    args = _folder_args(world["tree"], spec or world["spec"])
+    args = folder_args(world["tree"], spec or world["spec"])
     return main(["learn", "--kb", str(kb), "--task", str(task), *args, *TINY, *extra])
 
 
@@ -48,7 +38,7 @@ def test_two_learn_processes_one_writer(world: dict, tmp_path: Path) -> None:
     naming the holder, or (if it came second) finds the task learned. The KB loads with 2 tasks."""
     kb = _copy_kb(world, tmp_path)
     cmd = [sys.executable, "-m", "proteus", "learn", "--kb", str(kb), "--task", "2",
-           *_folder_args(world["tree"], world["spec"]), *TINY]  # fmt: skip
+           *folder_args(world["tree"], world["spec"]), *TINY]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]  # fmt: skip
@@ -159,13 +149,13 @@ def test_bad_input_is_one_line(world: dict, tmp_path: Path, capsys, case: str) -
     elif case == "out-is-file":
         f = tmp_path / "out"
         f.write_text("x")
-        argv = ["run", "--out", str(f), *_folder_args(world["tree"], world["spec"]), *TINY]
+        argv = ["run", "--out", str(f), *folder_args(world["tree"], world["spec"]), *TINY]
         expect = "is a file"
     else:
         w = tmp_path / "w.safetensors"
         w.write_bytes(b"not weights")
         argv = ["learn", "--kb", str(tmp_path / "k"), "--task", "1", "--weights", str(w),
-                *_folder_args(world["tree"], world["spec"]), *TINY]  # fmt: skip
+                *folder_args(world["tree"], world["spec"]), *TINY]  # fmt: skip
         expect = "w.safetensors"
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -102,7 +102,7 @@ def test_task_heads_travel_with_their_tasks_in_the_knowledge_base(tmp_path: Path
     clf, x, _ = _fit()
     clf.save(tmp_path / "kb")
     back = Proteus.load(tmp_path / "kb")
-    assert len(back.experts_) == 3
+    assert len(back.heads_.experts) == 3
     a, b = clf.predict(x), back.predict(x)
     assert torch.equal(a.label, b.label) and torch.equal(a.task, b.task)
     assert torch.allclose(a.logits, b.logits)
@@ -118,7 +118,7 @@ def test_a_task_that_fails_leaves_no_expert(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr("proteus.estimator.crash_point", fail_after_the_head)
     with pytest.raises(RuntimeError, match="after the head step"):
         clf.fit_task(stream.tasks[3])
-    assert len(clf.experts_) == clf.num_tasks == 3
+    assert len(clf.heads_.experts) == clf.num_tasks == 3
 
 
 def test_the_combination_options_are_checked() -> None:

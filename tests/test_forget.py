@@ -13,7 +13,7 @@ from proteus import Proteus
 from proteus.cli import main
 from proteus.heads import RanPACHead
 from proteus.kb import KnowledgeBase
-from test_bad_input import TINY, _cfg, _folder_args, _stream, make_tree, write_spec
+from tiny import TINY, folder_args, folder_cfg, folder_stream, make_tree, write_spec
 
 TASKS = [["a", "b"], ["c", "d"], ["e", "f"]]
 
@@ -63,8 +63,10 @@ def test_downdate_refuses_labels_it_never_saw() -> None:
 # ---------------------------------------------------------------------------------------------- the learner
 def _learned(tmp_path: Path, method: str, *sets: str) -> tuple[Proteus, object]:
     tree = make_tree(tmp_path / "data", classes="abcdef", n_train=8, n_test=3)
-    cfg = _cfg(tree, write_spec(tmp_path / "spec.yaml", TASKS), "head.forgettable=true", *sets, method=method)
-    stream = _stream(cfg)
+    cfg = folder_cfg(
+        tree, write_spec(tmp_path / "spec.yaml", TASKS), "head.forgettable=true", *sets, method=method
+    )
+    stream = folder_stream(cfg)
     clf = Proteus(cfg, progress=False)
     for t in stream.tasks:
         clf.fit_task(t)
@@ -101,15 +103,15 @@ def test_a_forgotten_task_is_never_retrieved_nor_predicted(tmp_path: Path, metho
     again = Proteus.load(tmp_path / "kb")
     p = again.predict(x)
     assert torch.equal(p.task, after.task) and torch.equal(p.label, after.label)
-    assert again.records_[1].forgotten and 1 not in again.forget_inputs_
+    assert again.records_[1].forgotten and 1 not in again.heads_.inputs
 
 
 @pytest.mark.slow
 def test_forgetting_needs_the_task_kept(tmp_path: Path) -> None:
     tree = make_tree(tmp_path / "data", classes="abcd", n_train=6, n_test=2)
-    cfg = _cfg(tree, write_spec(tmp_path / "spec.yaml", TASKS[:2]))
+    cfg = folder_cfg(tree, write_spec(tmp_path / "spec.yaml", TASKS[:2]))
     clf = Proteus(cfg, progress=False)
-    for t in _stream(cfg).tasks:
+    for t in folder_stream(cfg).tasks:
         clf.fit_task(t)
     with pytest.raises(Exception, match="head.forgettable=true"):
         clf.forget_task(0)
@@ -123,7 +125,7 @@ def test_cli_forget_then_undo(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     spec = write_spec(tmp_path / "spec.yaml", TASKS)
     kb = tmp_path / "kb"
     for k in (1, 2, 3):
-        args = ["learn", "--kb", str(kb), "--task", str(k), *_folder_args(tree, spec), *TINY]
+        args = ["learn", "--kb", str(kb), "--task", str(k), *folder_args(tree, spec), *TINY]
         assert main([*args, "--set", "head.forgettable=true"]) == 0
     learned = KnowledgeBase.open(kb).manifest
     # prediction rows carry the class's index in its source dataset (here: the sorted class folders)

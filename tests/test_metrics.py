@@ -66,8 +66,24 @@ def test_missing_entry_below_diagonal_raises() -> None:
     validate_matrix(M_FULL)
 
 
-def test_results_are_json_serialisable() -> None:
-    json.dumps({"avg_acc": average_accuracy(M), "forgetting": forgetting(M)})
+def test_results_round_trip_through_json() -> None:
+    """What results.json stores: plain floats (or None), even from numpy/torch inputs, so a JSON round
+    trip gives back the same values and types."""
+    m32 = [[np.float32(v) for v in row] for row in M]
+    res = {
+        "avg_acc": average_accuracy(m32),
+        "forgetting": forgetting(m32),
+        "final_avg_acc": final_average_accuracy(m32),
+        "final_forgetting": final_forgetting(m32),
+        "accuracy": accuracy(torch.tensor([1, 0, 1, 0]), torch.tensor([1, 1, 1, 1])),
+        "retrieval_accuracy": retrieval_accuracy(np.array([0, 1, 2, 2]), np.array([0, 1, 2, 1])),
+    }
+    back = json.loads(json.dumps(res))
+    assert back == res
+    assert back["avg_acc"] == pytest.approx([90.0, 75.0, 175.0 / 3.0]) and back["forgetting"][0] is None
+    assert (back["accuracy"], back["retrieval_accuracy"]) == (50.0, 75.0)
+    flat = [*res["avg_acc"], *res["forgetting"][1:], res["final_avg_acc"], res["final_forgetting"]]
+    assert all(type(v) is float for v in [*flat, res["accuracy"], res["retrieval_accuracy"]])
 
 
 def test_accuracy_percent() -> None:

@@ -12,7 +12,7 @@ import torch
 from proteus import Proteus
 from proteus.cli import main
 from proteus.engine.novelty import Calibration, holdout_split
-from test_bad_input import TINY, _folder_args, make_tree, write_spec
+from tiny import TINY, folder_args, make_tree, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_known_flags_and_recalibration(tmp_path: Path, capsys, method: str) -> N
              "--method", method]  # fmt: skip
     for t in (1, 2):
         assert (
-            main(["learn", "--kb", str(kb), "--task", str(t), *_folder_args(tree, spec), *TINY, *extra]) == 0
+            main(["learn", "--kb", str(kb), "--task", str(t), *folder_args(tree, spec), *TINY, *extra]) == 0
         )
     capsys.readouterr()
     clf = Proteus.load(kb)
@@ -67,7 +67,7 @@ def test_uncalibrated_kbs_say_so(tmp_path: Path, capsys) -> None:
     tree = make_tree(tmp_path / "data", classes="ab", n_train=6, n_test=2)
     spec = write_spec(tmp_path / "spec.yaml", [["a", "b"]])
     kb = tmp_path / "kb"
-    assert main(["learn", "--kb", str(kb), "--task", "1", *_folder_args(tree, spec), *TINY]) == 0
+    assert main(["learn", "--kb", str(kb), "--task", "1", *folder_args(tree, spec), *TINY]) == 0
     assert main(["kb", "calibrate", str(kb), "--tpr", "0.9"]) == 2
     assert "retrieval.reject=true" in capsys.readouterr().err
     assert Proteus.load(kb).thresholds() is None

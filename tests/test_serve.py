@@ -21,19 +21,9 @@ import pytest
 
 from proteus.cli import main
 from proteus.serve import KBServer
-from test_bad_input import TINY, _folder_args, make_tree, write_spec
+from tiny import TINY, folder_args
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("serve")
-    tree = make_tree(root / "data", classes="abcd", n_train=5, n_test=2)
-    spec = write_spec(root / "spec.yaml", [["a", "b"], ["c", "d"]])
-    kb = root / "kb1"
-    assert main(["learn", "--kb", str(kb), "--task", "1", *_folder_args(tree, spec), *TINY]) == 0
-    return {"tree": tree, "spec": spec, "kb1": kb}
 
 
 @pytest.fixture
@@ -110,7 +100,7 @@ def test_concurrent_clients_and_a_commit_during_the_stream(server, world: dict) 
     data = (world["tree"] / "test" / "c" / "0.png").read_bytes()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "proteus", "learn", "--kb", str(kb), "--task", "2",
-           *_folder_args(world["tree"], world["spec"]), *TINY]  # fmt: skip
+           *folder_args(world["tree"], world["spec"]), *TINY]  # fmt: skip
     learn = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: list[int] = []
 

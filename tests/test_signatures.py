@@ -20,6 +20,8 @@ from proteus.signatures import (
     fit_signature,
     retrieve,
 )
+from proteus.signatures.gaussian import COVARIANCES, FullComponents, PPCAComponents, SharedComponents
+from proteus.signatures.posterior import PosteriorFactors
 
 D = 32
 
@@ -138,8 +140,8 @@ def test_ppca_equals_full_when_rank_is_d_minus_1() -> None:
     covs = _random_spd(T, d, seed=3)
     means = torch.randn(T, d, dtype=torch.float64)
     w = torch.full((T,), 1.0 / T, dtype=torch.float64)
-    full = GaussianComponents(w, means, covs, kind="full", dtype=torch.float64)
-    ppca = GaussianComponents(w, means, covs, kind="ppca", rank=d - 1, dtype=torch.float64)
+    full = FullComponents(w, means, covs, dtype=torch.float64)
+    ppca = PPCAComponents(w, means, covs, rank=d - 1, dtype=torch.float64)
     X = torch.randn(50, d, dtype=torch.float64) * 2
     torch.testing.assert_close(ppca.nll(X), full.nll(X), rtol=1e-9, atol=1e-9)
     # and both equal the textbook formula
@@ -158,8 +160,8 @@ def test_ppca_exact_for_low_rank_plus_isotropic() -> None:
     covs = U @ torch.diag_embed(lam) @ U.mT + s2[:, None, None] * torch.eye(d, dtype=torch.float64)
     means = torch.randn(T, d, generator=g, dtype=torch.float64)
     w = torch.tensor([0.5, 0.5], dtype=torch.float64)
-    ppca = GaussianComponents(w, means, covs, kind="ppca", rank=q, dtype=torch.float64)
-    full = GaussianComponents(w, means, covs, kind="full", dtype=torch.float64)
+    ppca = PPCAComponents(w, means, covs, rank=q, dtype=torch.float64)
+    full = FullComponents(w, means, covs, dtype=torch.float64)
     X = torch.randn(40, d, generator=g, dtype=torch.float64)
     torch.testing.assert_close(ppca.mahalanobis(X), full.mahalanobis(X), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(ppca.logdet, full.logdet, rtol=1e-12, atol=1e-9)
@@ -171,7 +173,7 @@ def test_ppca_noise_is_mean_of_discarded_eigenvalues() -> None:
     evals = torch.arange(1.0, d + 1, dtype=torch.float64)
     Q = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0]
     cov = (Q @ torch.diag(evals) @ Q.T)[None]
-    gc = GaussianComponents(torch.ones(1), torch.zeros(1, d), cov, kind="ppca", rank=3, dtype=torch.float64)
+    gc = PPCAComponents(torch.ones(1), torch.zeros(1, d), cov, rank=3, dtype=torch.float64)
     assert gc.sigma2.item() == pytest.approx(evals[:7].mean().item())
     torch.testing.assert_close(gc.lam[0], torch.tensor([10.0, 9.0, 8.0], dtype=torch.float64) - 4.0)
 
@@ -276,12 +278,13 @@ def test_gaussian_components_storage_select_and_move() -> None:
     means = torch.randn(T, d, dtype=torch.float64)
     w = torch.full((T,), 0.25, dtype=torch.float64)
     X = torch.randn(30, d)
-    for kind in ("full", "ppca"):
-        gc = GaussianComponents(w, means, covs, kind=kind, rank=3)
+    for gc in (FullComponents(w, means, covs), PPCAComponents(w, means, covs, rank=3)):
+        assert COVARIANCES.get(gc.kind) is type(gc)
         assert gc.dtype == torch.float32 and gc.n_components == T and gc.d == d
         t32 = gc.to_tensors("float32")
         assert gc.nbytes() == sum(v.numel() * 4 for v in t32.values())
         back = GaussianComponents.from_tensors(t32)
+        assert type(back) is type(gc)
         assert torch.equal(back.nll(X), gc.nll(X))
         sub = gc.select([2, 0])
         torch.testing.assert_close(sub.nll(X), gc.nll(X)[:, [2, 0]])
@@ -291,7 +294,7 @@ def test_gaussian_components_storage_select_and_move() -> None:
     bad = covs.clone()
     bad[1] = -torch.eye(d, dtype=torch.float64)
     with pytest.raises(SignatureFitError, match="singular covariance"):
-        GaussianComponents(w, means, bad, kind="full")
+        FullComponents(w, means, bad)
 
 
 # ---------------------------------------------------------------------- "shared" covariances
@@ -398,12 +401,17 @@ def test_shared_components_select_move_and_errors() -> None:
     torch.testing.assert_close(sub.nll(X), gc.nll(X)[:, idx])
     assert gc.to("cpu") is gc and "shared" in repr(gc)
     w, m = torch.ones(2) / 2, torch.zeros(2, D)
-    with pytest.raises(ValueError, match="GaussianComponents.shared"):
-        GaussianComponents(w, m, torch.eye(D).expand(2, D, D), kind="shared")
+    with pytest.raises(KeyError, match="none of"):
+        GaussianComponents.from_tensors({"weights": w, "means": m})
     e, V = torch.ones(D), torch.eye(D)
+
+    def parts(evals: torch.Tensor, rows: int) -> PosteriorFactors:
+        one, factors = torch.ones(2), [torch.ones(rows, D)] * 2
+        return PosteriorFactors(evals, V, one, torch.zeros(2), factors, one)
+
     with pytest.raises(SignatureFitError, match="singular shared covariance"):
-        GaussianComponents.shared(w, m, 0.0 * e, V, torch.ones(2), torch.zeros(2), [torch.ones(1, D)] * 2)
-    gs = GaussianComponents.shared(w, m, e, V, torch.ones(2), torch.zeros(2), [torch.zeros(0, D)] * 2)
+        SharedComponents(w, m, parts(0.0 * e, 1))
+    gs = SharedComponents(w, m, parts(e, 0))
     torch.testing.assert_close(gs.mahalanobis(X), (X * X).sum(1, keepdim=True).expand(-1, 2))
 
 

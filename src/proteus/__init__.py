@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from proteus._version import __version__
+
 __all__ = ["Prediction", "Proteus", "RunConfig", "__version__"]
 
 

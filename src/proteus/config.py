@@ -7,6 +7,7 @@ alpha = 0.8, learning rate and batch size per benchmark, the DP-GMM truncation T
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from proteus.errors import ProteusError
 
 
 @dataclass
@@ -51,6 +54,11 @@ class AdapterConfig:
     min_rank: int = 1
 
 
+#: ``train.cache_prefix`` -> whether the prefix outputs are cached (only without augmentation); "auto" is
+#: kept for configs written before it meant the same as "true"
+CACHE_PREFIX = {"auto": True, "true": True, "false": False}
+
+
 @dataclass
 class TrainConfig:
     epochs: int = 3
@@ -60,7 +68,8 @@ class TrainConfig:
     #: "all": every task trains its adapter; "first": only task 1 (RanPAC); "none": frozen backbone
     tasks: str = "all"
     augment: bool = False
-    #: cache the frozen prefix's outputs (only without augmentation): "auto", "true", "false"
+    #: cache the frozen prefix's outputs (only without augmentation): "auto" (= "true"), "true", "false"
+    #: (:data:`CACHE_PREFIX`)
     cache_prefix: str = "auto"
     num_workers: int = 0
 
@@ -181,11 +190,6 @@ class RetrievalConfig:
     head_temperature: float = 1.0
 
 
-#: allowed values of baseline.optimizer (the released codes' optimisers) and baseline.schedule
-BASELINE_OPTIMIZERS = ("adam", "sgd")
-BASELINE_SCHEDULES = ("constant", "cosine")
-
-
 @dataclass
 class BaselineConfig:
     """The trained-classifier baselines of Table 1 (:mod:`proteus.baselines`; docs/experiments.md gives
@@ -193,6 +197,7 @@ class BaselineConfig:
     the optimiser and learning rate are the method's own."""
 
     #: "adam" (InfLoRA, L2P, DualPrompt, CODA-Prompt) or "sgd" (SD-LoRA: momentum 0.9)
+    #: ``proteus.baselines.learner.OPTIMIZERS`` / ``SCHEDULES``
     optimizer: str = "adam"
     lr: float = 1e-3
     momentum: float = 0.9
@@ -289,6 +294,22 @@ class RunConfig:
         merge(cfg, data, where="config")
         return cfg
 
+    def with_values(self, dotted: dict[str, Any]) -> RunConfig:
+        """A copy with the dotted keys (``{"train.epochs": 5}``) set, each coerced to its field's type as
+        ``--set`` does (unknown keys refused by name); this config is left as it is."""
+        out = copy.deepcopy(self)
+        nested: dict[str, Any] = {}
+        for key, value in dotted.items():
+            node = nested
+            *path, last = key.split(".")
+            for part in path:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"unknown config key {key!r}")
+            node[last] = value
+        merge(out, nested, where="config")
+        return out
+
     @classmethod
     def from_stored(cls, data: dict[str, Any]) -> RunConfig:
         """A config written by a run or a knowledge base, possibly by an earlier release: a key it lacks
@@ -365,7 +386,7 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-class ConfigError(ValueError):
+class ConfigError(ProteusError, ValueError):
     """A configuration key or value that does not fit the schema."""
 
 
@@ -416,11 +437,18 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else None
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            why = getattr(e, "problem", None) or " ".join(str(e).split())
+            raise ConfigError(f"--set {key.strip()}: not a valid YAML value: {raw!r} ({why})") from None
         node = out
         parts = key.strip().split(".")
-        for p in parts[:-1]:
+        for i, p in enumerate(parts[:-1]):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"--set {key.strip()}: {where} was given a value, so it has no keys")
         node[parts[-1]] = value
     return out
 
@@ -433,6 +461,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a text (UTF-8) YAML file ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the config file ({e.strerror or e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level")
     return data

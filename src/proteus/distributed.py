@@ -43,6 +43,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from proteus.errors import ProteusError
+
 __all__ = [
     "DeviceError",
     "all_gather_rows",
@@ -140,7 +142,7 @@ def is_main() -> bool:
     return rank() == 0
 
 
-class DeviceError(ValueError):
+class DeviceError(ProteusError, ValueError):
     """A requested device that does not exist on this machine; the message says what to use instead."""
 
 

@@ -33,10 +33,12 @@ Example (the test suite runs it)::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,46 +49,76 @@ from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
 from proteus.backbones import Backbone, build_backbone
 from proteus.backbones.transforms import build_transform
-from proteus.config import RunConfig
+from proteus.config import CACHE_PREFIX, ConfigError, RunConfig, flatten, per_task
+from proteus.devices import PRECISIONS
 from proteus.engine import experts
 from proteus.engine.batches import ImageBatch, predict_batches
+from proteus.engine.class_heads import ClassHeads
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES, Composition
 from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
 from proteus.engine.keys import KEYS, KeyFit, NoKeys, RetrievalKeys, Under
+from proteus.engine.learner import LEARNERS, LearnerState, TestCache, TestOutcome, learner_header
 from proteus.engine.novelty import Calibration, holdout_split
-from proteus.engine.records import Prediction, TaskRecord, TaskStats
-from proteus.engine.state import KnowledgeBaseState
+from proteus.engine.records import Prediction, TaskRecord, TaskStats, without_timings
 from proteus.engine.trainer import AdapterTrainer
+from proteus.errors import NotFittedError
 from proteus.faults import crash_point
 from proteus.heads import RanPACHead
-from proteus.presets import resolve_config
+from proteus.kb import KnowledgeBase
+from proteus.methods import METHODS
+from proteus.presets import resolve_config, validate
 from proteus.signatures import RetrievalResult
 from proteus.streams import Task
 
 __all__ = ["ImageBatch", "Prediction", "Proteus", "TaskError"]
 
 
-class Proteus(KnowledgeBaseState):
+@LEARNERS.register("proteus", help="PROTEUS and its ablations (a method is a configuration)")
+class Proteus:
     """A PROTEUS continual learner (a method is a configuration: :meth:`from_method`).
 
     Args:
-        config: the hyper-parameters (:class:`~proteus.config.RunConfig`); default: ``proteus`` on
+        config: the hyper-parameters (:class:`~proteus.config.RunConfig`; validated by :meth:`fit_task`
+            and :meth:`load`, never modified: :meth:`set_params` replaces it); default: ``proteus`` on
             MobileNetV2.
         progress: show progress bars.
 
-    Fitted attributes (after the first :meth:`fit_task` or :meth:`load`): ``backbone_``, ``model_``
-    (the backbone with every task's adapter), ``keys_`` (the retrieval keys), ``head_`` (the LDA head),
-    ``records_`` (one :class:`TaskRecord` per learned task).
+    Fitted attributes (created by the first :meth:`fit_task` or by :meth:`load`): ``backbone_``,
+    ``model_`` (the backbone with every task's adapter), ``keys_`` (the retrieval keys), ``head_`` (the
+    LDA head), ``records_`` (one :class:`TaskRecord` per learned task), ``forget_inputs_``
+    (``head.forgettable``: each task's head inputs, for :meth:`forget_task`).
     """
 
     def __init__(self, config: RunConfig | None = None, *, progress: bool = True) -> None:
         self.config = config if config is not None else RunConfig()
         self.progress = progress
-        self.records_: list[TaskRecord] = []
-        self.head_: RanPACHead | None = None
-        #: ``head.forgettable``: task -> (the head's training embeddings, labels), for :meth:`forget_task`
-        self.forget_inputs_: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ scikit-learn parameters
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """``config`` and ``progress``; with ``deep`` also every config key, dotted (``"train.epochs"``)."""
+        out: dict[str, Any] = {"config": self.config, "progress": self.progress}
+        return {**out, **flatten(self.config.to_dict())} if deep else out
+
+    def set_params(self, **params: Any) -> Proteus:
+        """Set ``config``, ``progress`` or config keys, dotted (``**{"train.epochs": 5}``) or with ``__``
+        (``train__epochs=5``). The new config is validated before it replaces the old one (which is never
+        modified); once a task is learned only per-task keys (``train.*``, device, ...) may change."""
+        cfg = params.pop("config", self.config)
+        self.progress = params.pop("progress", self.progress)
+        keys = {k.replace("__", "."): v for k, v in params.items()}
+        if keys:
+            fixed = [k for k in keys if not per_task(k)]
+            if fixed and self.num_tasks:
+                raise ConfigError(
+                    f"{', '.join(sorted(fixed))}: define the learned model and cannot change after task 1 "
+                    "(only per-task keys such as train.epochs may); build a new Proteus"
+                )
+            cfg = cfg.with_values(keys)
+        if cfg is not self.config:
+            validate(cfg)
+            self.config = cfg
+        return self
 
     @classmethod
     def from_method(
@@ -102,6 +134,8 @@ class Proteus(KnowledgeBaseState):
         if hasattr(self, "model_"):
             return
         cfg = self.config
+        validate(cfg)
+        self.records_: list[TaskRecord] = []
         self.device_ = dist.device_for_rank(cfg.device)
         b = cfg.backbone
         self.backbone_: Backbone = build_backbone(
@@ -118,14 +152,16 @@ class Proteus(KnowledgeBaseState):
             progress=self.progress, precision=cfg.precision,
         )  # fmt: skip
         self.trainer_ = AdapterTrainer(self.embedder_, cfg.adapter, cfg.train, train_tf)
-        self.experts_ = experts.TaskExperts(self._new_head)
+        self.heads_ = ClassHeads(self._new_head, cfg.head.scope, cfg.head.forgettable, self.device_)
         keys = KEYS.get(cfg.signature.keys) if self.composition.retrieves else NoKeys.from_config
         self.keys_: RetrievalKeys = keys(cfg, self.device_, self._new_head)
 
-    def _new_head(self, rp_dim: int | None = None) -> RanPACHead:
+    def _new_head(self, rp_dim: int | None = None, dim: int | None = None) -> RanPACHead:
+        """An empty RanPAC head on the config's settings, for ``dim``-dimensional features (default: the
+        backbone's embeddings; a key space may have its own)."""
         h = self.config.head
         return RanPACHead(
-            self.model_.embed_dim,
+            self.model_.embed_dim if dim is None else dim,
             rp_dim=h.rp_dim if rp_dim is None else rp_dim,
             gamma_min_exp=h.gamma_min_exp,
             gamma_max_exp=h.gamma_max_exp,
@@ -147,8 +183,21 @@ class Proteus(KnowledgeBaseState):
         return COMPOSITIONS.get(self.config.retrieval.mode)
 
     @property
+    def head_(self) -> RanPACHead | None:
+        """The RanPAC head over every class (Eq. 23), None before the first task."""
+        if not hasattr(self, "heads_"):
+            raise AttributeError("head_: not fitted yet (fit_task or Proteus.load)")
+        return self.heads_.head
+
+    @property
+    def supports(self) -> frozenset[str]:
+        """:data:`proteus.engine.learner.CAPABILITIES`: every Proteus loads; methods with task retrieval
+        also reject, forget and calibrate."""
+        return frozenset({"load", "retrieval"} if self.composition.retrieves else {"load"})
+
+    @property
     def num_tasks(self) -> int:
-        return len(self.records_)
+        return len(getattr(self, "records_", ()))
 
     @property
     def num_adapters(self) -> int:
@@ -156,7 +205,7 @@ class Proteus(KnowledgeBaseState):
 
     @property
     def num_classes(self) -> int:
-        return 1 + max((max(t.classes) for t in self.records_), default=-1)
+        return 1 + max((max(t.classes) for t in getattr(self, "records_", ())), default=-1)
 
     @property
     def uses_retrieval(self) -> bool:
@@ -172,7 +221,7 @@ class Proteus(KnowledgeBaseState):
 
     def class_names(self) -> list[str]:
         names: dict[int, str] = {}
-        for t in self.records_:
+        for t in getattr(self, "records_", ()):
             names.update(zip(t.classes, t.class_names))
         return [names.get(c, str(c)) for c in range(self.num_classes)]
 
@@ -200,12 +249,10 @@ class Proteus(KnowledgeBaseState):
         m0, head0 = self.num_adapters, self.head_
         try:
             return self._fit_task(task, k)
-        except BaseException:
+        except BaseException:  # each part rolls back what task k added
             self.model_.truncate(m0)
             self.keys_.truncate(k)
-            self.experts_.truncate(k)
-            self.head_ = head0  # RanPACHead.update is atomic: it raises before changing the head
-            self.forget_inputs_.pop(k, None)
+            self.heads_.truncate(k, head0)
             raise
 
     def _fit_task(self, task: Task, k: int) -> TaskStats:
@@ -219,7 +266,7 @@ class Proteus(KnowledgeBaseState):
         crash_point("learn:prefix")
         t0 = clock()
         if self.trains_adapter(k):
-            cache = self.config.train.cache_prefix in ("auto", "true", True) and not self.config.train.augment
+            cache = CACHE_PREFIX[self.config.train.cache_prefix] and not self.config.train.augment
             stats.train = self.trainer_.fit(task, k, self.task_seed(k), z if cache else None, y)
         sec["train"] = clock() - t0
         crash_point("learn:train")
@@ -241,21 +288,8 @@ class Proteus(KnowledgeBaseState):
         t0 = clock()  # lines 8-12: head statistics from the embeddings the method predicts with
         tasks, kind = self.head_composition(k)
         h = self.embed_prefix(z, tasks, kind)[0]
-        if not torch.isfinite(h).all():
-            n_bad = int((~torch.isfinite(h)).any(1).sum())
-            raise TaskError(f"task {k + 1}: embeddings contain NaN or inf ({n_bad} of {len(h)} images)")
-        head = self.head_ if self.head_ is not None else self._new_head()
-        try:
-            head.update(h.to(self.device_), y.to(self.device_), num_classes=num_classes)
-        except (ValueError, FloatingPointError) as e:
-            raise TaskError(f"task {k + 1}: head update failed: {e}") from None
-        self.head_ = head
-        if self.config.head.scope == "task":  # the task's own head over its own classes
-            self.experts_.add_task(h.to(self.device_), y, list(task.classes))
-        if self.config.head.forgettable:
-            self.forget_inputs_[k] = (h.float().cpu().clone(), y.cpu().clone())
+        stats.gamma = self.heads_.update(k, h, y, list(task.classes), num_classes)
         sec["head"] = clock() - t0
-        stats.gamma = float(head.gamma_)
         crash_point("learn:head")
         self.records_.append(
             TaskRecord(
@@ -330,17 +364,8 @@ class Proteus(KnowledgeBaseState):
         with ``head.scope=task`` each row is scored by its task's own head (-inf outside its classes,
         ``tasks`` needed). Classes of forgotten tasks score -inf."""
         self._check_fitted()
-        assert self.head_ is not None
-        if self.config.head.scope == "task":
-            if tasks is None:
-                raise ValueError("head.scope=task scores an embedding with its task's head: pass tasks")
-            logits = self.experts_.logits(h, tasks, self.num_classes)
-        else:
-            logits = self.head_.decision_function(h.to(self.device_)).float().cpu()
-        gone = [c for t in self.records_ if t.forgotten for c in t.classes if c < logits.shape[1]]
-        if gone:
-            logits[:, gone] = float("-inf")
-        return logits
+        gone = [c for t in self.records_ if t.forgotten for c in t.classes]
+        return self.heads_.logits(h, tasks, self.num_classes, gone)
 
     def predict_embedded(self, H: torch.Tensor, F: torch.Tensor | None = None) -> Prediction:
         """Retrieve, take each input's embedding under its retrieved (or candidate) adapters, classify."""
@@ -410,12 +435,164 @@ class Proteus(KnowledgeBaseState):
             skip_unreadable=skip_unreadable,
         )
 
+    def forget_task(self, k: int) -> None:
+        """Remove task k (0-based) from what can be predicted (``proteus kb forget``): its contribution to
+        the head's statistics is subtracted exactly (:meth:`RanPACHead.downdate`), its key removed (never
+        retrieved), its classes never predicted. Its adapter directions stay: later tasks' compositions
+        use them. Needs ``head.forgettable`` (the task's embeddings kept). Everything is checked before
+        anything changes; the knowledge base changes only when the result is committed."""
+        self._check_fitted()
+        if not 0 <= k < self.num_tasks:
+            raise TaskError(f"task {k + 1}: the learner holds tasks 1..{self.num_tasks}")
+        rec = self.records_[k]
+        if rec.forgotten:
+            raise TaskError(f"task {k + 1} is already forgotten")
+        self.heads_.check_forget(k)
+        try:
+            self.keys_.check_forget(k)
+        except ValueError as e:
+            raise TaskError(str(e)) from None
+        self.heads_.forget(k, rec.classes)  # atomic
+        self.keys_.forget(k, rec.classes)
+        rec.forgotten = True
+
+    # ------------------------------------------------------------------ evaluation (the shared loop's)
+    def cached_embeddings(self, cache: TestCache, tau: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(H, F)`` of test set tau, as :meth:`embed` gives them, from the evaluation's caches."""
+        H = torch.stack([cache.embedding(tau, "task", j) for j in range(self.num_adapters)])
+        F = cache.embedding(tau, "task", None) if self.needs_frozen else None
+        return H, F
+
+    def predict_test(self, cache: TestCache, tau: int, k: int) -> TestOutcome:
+        """Test set tau after task k: the prediction, the retrieved tasks and the oracle labels (each input
+        under its true task's adapter and head) -- or the head's labels alone without retrieval."""
+        if self.uses_retrieval:
+            pred = self.predict_embedded(*self.cached_embeddings(cache, tau))
+            own = torch.full_like(cache.labels(tau), tau)
+            oracle = self.classify(cache.embedding(tau, "task", tau), own).argmax(1)
+            return TestOutcome(pred.label, pred.task, oracle)
+        tasks, kind = self.head_composition(k)
+        return TestOutcome(
+            self.classify(cache.embedding(tau, kind, None if tasks is None else tasks[0])).argmax(1)
+        )
+
+    # ------------------------------------------------------------------ state (the knowledge base's share)
+    def _task_state(self, k: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Task k's record (JSON, timings left out) and tensors: its adapter directions, keys, head."""
+        rec = self.records_[k]
+        tensors = self.model_.task_tensors(k) if rec.has_adapter else {}
+        key_meta, key_tensors = self.keys_.task_state(k)
+        head_meta, head_tensors = self.heads_.task_state(k)
+        meta = without_timings({**rec.to_dict(), **key_meta, **head_meta})
+        return meta, {**tensors, **key_tensors, **head_tensors}
+
+    def _load_task(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        k = self.num_tasks
+        if meta["index"] != k:
+            raise TaskError(f"knowledge base task {meta['index'] + 1} is out of order (expected {k + 1})")
+        if meta["has_adapter"]:
+            try:
+                self.model_.append_task_tensors(tensors, f"task {k + 1}")
+            except KeyError as e:
+                raise TaskError(e.args[0]) from None
+        self.keys_.load_task(meta, tensors)
+        self.heads_.load_task(k, meta, tensors)
+        self.records_.append(TaskRecord.from_dict(meta))
+
+    def _head_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+        state = self.heads_.state()
+        if state is None:
+            return None
+        meta, tensors = state
+        kmeta, ktensors = self.keys_.global_state()
+        if kmeta is not None:  # global keys (LDA key heads) ride in the head's object, under task_head/
+            meta = {**meta, "task_head": kmeta}
+            tensors.update({f"task_head/{n}": v for n, v in ktensors.items()})
+        return meta, tensors
+
+    def _load_head(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        pre = "task_head/"
+        own = {k: v for k, v in tensors.items() if not k.startswith(pre)}
+        self.heads_.load({k: v for k, v in meta.items() if k != "task_head"}, own)
+        sub = {k[len(pre) :]: v for k, v in tensors.items() if k.startswith(pre)}
+        self.keys_.load_global(meta.get("task_head"), sub)
+
+    def state(self) -> LearnerState:
+        """Everything learned: per task its record and tensors (adapter directions, keys, the task's head),
+        and the head's statistics (with any global keys). :meth:`from_state` is the inverse; a knowledge
+        base stores it (:meth:`proteus.kb.KnowledgeBase.commit_state`)."""
+        return LearnerState([self._task_state(k) for k in range(self.num_tasks)], self._head_state())
+
+    @classmethod
+    def from_state(cls, config: RunConfig, state: LearnerState, *, progress: bool = False) -> Proteus:
+        """The learner that :meth:`state` described (validated like :meth:`fit_task`)."""
+        clf = cls(config, progress=progress)
+        clf._restore(state)
+        return clf
+
+    def _restore(self, state: LearnerState) -> None:
+        self._build()
+        if self.num_tasks:
+            raise TaskError("a learner is restored from a state only before it learns any task")
+        for meta, tensors in state.tasks:
+            self._load_task(meta, tensors)
+        if state.head is not None:
+            self._load_head(*state.head)
+
+    def kb_header(self) -> dict[str, Any]:
+        """What a new knowledge base records about this learner (version, backbone identity, config)."""
+        return learner_header(self.config, self.backbone_identity())
+
+    @classmethod
+    def from_kb(
+        cls,
+        kb: KnowledgeBase,
+        *,
+        device: str | None = None,
+        precision: str | None = None,
+        progress: bool = False,
+    ) -> Proteus:
+        """The learner a knowledge base holds (backbone identity checked); ``device`` and ``precision``
+        (:mod:`proteus.devices`) replace the stored ones for this process."""
+        cfg = RunConfig.from_stored(kb.manifest["config"])
+        if cfg.method in METHODS and LEARNERS.get(METHODS.get(cfg.method).learner) is not cls:
+            raise TaskError(f"{kb.root}: holds method {cfg.method}, not a {cls.__name__} method")
+        if precision and precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+        cfg = dataclasses.replace(cfg, device=device or cfg.device, precision=precision or cfg.precision)
+        clf = cls(cfg, progress=progress)
+        kb.check_backbone(clf.backbone_identity())
+        clf._restore(LearnerState(*kb.read_state()))
+        return clf
+
+    def save(self, kb_dir: str | Path) -> None:
+        """Write the learner to a knowledge base directory: a new one, or the next state of the one there."""
+        if KnowledgeBase.exists(kb_dir):
+            kb = KnowledgeBase.open(kb_dir)
+            kb.check_backbone(self.backbone_identity())
+        else:
+            kb = KnowledgeBase.new(kb_dir, self.kb_header())
+        state = self.state()
+        kb.commit_state(state.tasks, state.head)
+
+    @classmethod
+    def load(
+        cls,
+        kb_dir: str | Path,
+        *,
+        device: str | None = None,
+        precision: str | None = None,
+        progress: bool = False,
+    ) -> Proteus:
+        """The learner held by a knowledge base directory (every checksum verified)."""
+        return cls.from_kb(KnowledgeBase.open(kb_dir), device=device, precision=precision, progress=progress)
+
     def _m(self, num_tasks: int | None) -> int:
         return self.num_tasks if num_tasks is None else max(1, min(int(num_tasks), self.num_tasks))
 
     def _check_fitted(self) -> None:
-        if self.head_ is None:
-            raise RuntimeError("this Proteus has learned no task yet: call fit_task or Proteus.load first")
+        if getattr(self, "head_", None) is None:
+            raise NotFittedError("this Proteus has learned no task yet: call fit_task or Proteus.load first")
 
     def __repr__(self) -> str:
         c = self.config

@@ -50,6 +50,9 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from proteus.config import ConfigError
+from proteus.errors import ProteusError
+
 __all__ = [
     "DEFAULT_MAX_PIXELS",
     "ImageError",
@@ -83,7 +86,7 @@ _DECODE_ERRORS: tuple[type[BaseException], ...] = (
 _PIL_LIMIT_LOCK = threading.RLock()
 
 
-class ImageError(ValueError):
+class ImageError(ProteusError, ValueError):
     """An image file that cannot be used; the message starts with the file's path.
 
     ``path`` and ``reason`` hold the two parts of the message separately (empty when the error was
@@ -129,7 +132,7 @@ def _check_max_pixels(max_pixels: int | None) -> None:
     if max_pixels is None:
         return
     if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"max_pixels must be a positive integer or None (no limit), got {max_pixels!r}; "
             "set --max-pixels / eval.max_image_pixels to a number of pixels such as 64000000"
         )

@@ -82,13 +82,15 @@ def _as_int_array(x: Any) -> np.ndarray:
 
 
 def accuracy(pred: Any, target: Any) -> float:
-    """Percentage of ``pred == target`` (sequences, numpy arrays or torch tensors of integer labels)."""
+    """Percentage of ``pred == target`` (sequences, numpy arrays or torch tensors of integer labels). The
+    fraction is rounded to float32 before the percentage, as every release has written it to results.json
+    (a float32 mean of the match mask): the same seed gives the same bytes across releases."""
     p, t = _as_int_array(pred), _as_int_array(target)
     if p.shape != t.shape:
         raise ValueError(f"accuracy: {p.size} predictions for {t.size} targets")
     if p.size == 0:
         raise ValueError("accuracy: no predictions (empty test set?)")
-    return float(100.0 * np.mean(p == t))
+    return 100.0 * float(np.mean(p == t, dtype=np.float32))
 
 
 def retrieval_accuracy(retrieved_task: Any, true_task: Any) -> float:

@@ -15,10 +15,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import proteus.baselines  # noqa: F401 - the baselines' learners and the methods they declare
 from proteus.adapters.lora import TRANSFER_INIT
+from proteus.baselines.learner import OPTIMIZERS, SCHEDULES
 from proteus.config import (
-    BASELINE_OPTIMIZERS,
-    BASELINE_SCHEDULES,
+    CACHE_PREFIX,
     ConfigError,
     RunConfig,
     load_yaml,
@@ -29,13 +30,13 @@ from proteus.devices import PRECISIONS
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
 from proteus.engine.experts import COMBINATIONS, HEAD_SCOPES
 from proteus.engine.key_space import SPACES
-from proteus.engine.keys import KEYS, ONE_SPACE_KEYS, TASK_SCORES
+from proteus.engine.keys import KEYS, TASK_SCORES
 from proteus.engine.trainer import S_UPDATES
 from proteus.heads import GAMMA_SELECTIONS, PROTOTYPES
-from proteus.methods import apply_method
+from proteus.methods import METHODS, apply_method
 from proteus.signatures.signature import CHOICES as SIGNATURE_CHOICES
 
-__all__ = ["CHOICES", "RANGES", "Interval", "packaged_config", "resolve_config", "validate"]
+__all__ = ["CHOICES", "METHODS", "RANGES", "Interval", "packaged_config", "resolve_config", "validate"]
 
 #: key -> allowed values (a registry or a tuple)
 CHOICES: dict[str, Collection[str]] = {
@@ -43,7 +44,7 @@ CHOICES: dict[str, Collection[str]] = {
     "adapter.transfer": tuple(TRANSFER_INIT),
     "adapter.s_update": S_UPDATES,
     "train.tasks": TRAIN_SCHEDULES,
-    "train.cache_prefix": ("auto", "true", "false"),
+    "train.cache_prefix": tuple(CACHE_PREFIX),
     "retrieval.candidate_space": SPACES,
     "retrieval.combine": COMBINATIONS,
     "head.scope": HEAD_SCOPES,
@@ -52,8 +53,8 @@ CHOICES: dict[str, Collection[str]] = {
     "signature.task_score": TASK_SCORES,
     "head.gamma_selection": GAMMA_SELECTIONS,
     "head.prototypes": PROTOTYPES,
-    "baseline.optimizer": BASELINE_OPTIMIZERS,
-    "baseline.schedule": BASELINE_SCHEDULES,
+    "baseline.optimizer": OPTIMIZERS,
+    "baseline.schedule": SCHEDULES,
     **{f"signature.{k}": v for k, v in SIGNATURE_CHOICES.items()},
 }
 
@@ -165,9 +166,10 @@ def validate(cfg: RunConfig) -> None:
             f"but retrieval.mode={cfg.retrieval.mode}; add --set head.scope=global "
             "--set retrieval.combine=hard"
         )
-    if cfg.retrieval.combine == "soft" and cfg.signature.keys not in ONE_SPACE_KEYS:
+    if cfg.retrieval.combine == "soft" and not KEYS.get(cfg.signature.keys).one_space:
+        one_space = [n for n in KEYS if KEYS.get(n).one_space]
         raise ConfigError(
-            f"retrieval.combine=soft needs task keys in one space ({', '.join(ONE_SPACE_KEYS)}); got "
+            f"retrieval.combine=soft needs task keys in one space ({', '.join(one_space)}); got "
             f"signature.keys={cfg.signature.keys}; add --set retrieval.combine=hard (the paper's Gaussian "
             "keys: --method proteus-dpgmm)"
         )

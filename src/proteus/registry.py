@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
+from proteus.errors import ProteusError
+
 T = TypeVar("T")
+
+
+class UnknownNameError(ProteusError, KeyError):
+    """A name that is not in a registry (the message lists the known ones); also a ``KeyError``."""
+
+    def __str__(self) -> str:  # the message itself, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
 
 
 class Registry(Generic[T]):
@@ -32,7 +41,12 @@ class Registry(Generic[T]):
             return self._items[name]
         except KeyError:
             known = ", ".join(sorted(self._items))
-            raise KeyError(f"unknown {self.kind} {name!r}; choose one of: {known}") from None
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; choose one of: {known}") from None
+
+    def unregister(self, name: str) -> T:
+        """Remove an entry (a plugin's or a test's own); returns it."""
+        self._help.pop(name, None)
+        return self._items.pop(name)
 
     def names(self) -> list[str]:
         return sorted(self._items)

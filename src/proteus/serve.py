@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from proteus.estimator import Proteus
 from proteus.experiment.predictions import prediction_rows
+from proteus.experiment.store import load_learner
 from proteus.images import ImageError, open_image
 from proteus.kb import KnowledgeBase, info
 
@@ -64,7 +64,9 @@ class KBServer(ThreadingHTTPServer):
         self.kb_dir, self.device, self.poll_seconds = Path(kb_dir), device, poll_seconds
         self.precision = precision
         self.stamp = _manifest_stamp(self.kb_dir)
-        self.clf = Proteus.load(self.kb_dir, device=device, precision=precision)
+        self.clf = load_learner(
+            KnowledgeBase.open(self.kb_dir), "proteus serve", device=device, precision=precision
+        )
         self.predict_lock = threading.Lock()
         self.reloads = 0
         self._stop = threading.Event()
@@ -79,7 +81,8 @@ class KBServer(ThreadingHTTPServer):
         if stamp is None or stamp == self.stamp:
             return False
         try:
-            clf = Proteus.load(self.kb_dir, device=self.device, precision=self.precision)
+            kb = KnowledgeBase.open(self.kb_dir)
+            clf = load_learner(kb, "proteus serve", device=self.device, precision=self.precision)
         except Exception as e:  # noqa: BLE001 - keep serving the old state
             log.warning(
                 "serve: reloading %s failed, still serving %d tasks: %s", self.kb_dir, self.clf.num_tasks, e

@@ -141,7 +141,7 @@ class _State:
 
     def grow(self, m: int) -> None:
         """Hold m tasks: adapters appended through the adapters' own life cycle, then each task's record
-        and synthetic signature through :meth:`Proteus.load_task`, as a knowledge base loads them."""
+        and synthetic signature through the loader a knowledge base uses."""
         L, s = self.learner, self.s
         _add_adapters(L.model_, m, s, self.gen)
         d = L.model_.embed_dim
@@ -153,8 +153,8 @@ class _State:
             record = {"index": k, "classes": cls, "class_names": [str(c) for c in cls], "n_train": 0,
                       "has_adapter": False, "stats": {"task": k}, "signature": meta,
                       "frozen_signature": None}  # fmt: skip
-            L.load_task(record, {f"signature/{n}": v for n, v in st.items()})
-        L.load_head(*self.head_state)
+            L._load_task(record, {f"signature/{n}": v for n, v in st.items()})  # as a KB loads it
+        L._load_head(*self.head_state)
         self.gaussian_keys = L.keys_
         L.keys_.candidates = None  # the default route: the paper's (m forwards)
 

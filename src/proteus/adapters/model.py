@@ -78,6 +78,18 @@ class AdaptedBackbone(nn.Module):
         for u in self.units.values():
             u.truncate(m)
 
+    def task_tensors(self, task: int) -> dict[str, torch.Tensor]:
+        """What a knowledge base stores of one task's adapter: ``adapter/<map>/{A,B,s}`` for every map."""
+        return {f"adapter/{n}/{k}": v for n, u in self.units.items() for k, v in u.task_tensors(task).items()}
+
+    def append_task_tensors(self, tensors: dict[str, torch.Tensor], who: str) -> None:
+        """Append a task's adapter from :meth:`task_tensors`' form (``who`` names it in errors)."""
+        missing = [n for n in self.units if f"adapter/{n}/A" not in tensors]
+        if missing:
+            raise KeyError(f"{who}: adapter tensors for {missing[0]!r} missing from the knowledge base")
+        for n, u in self.units.items():
+            u.append_task(tensors[f"adapter/{n}/A"], tensors[f"adapter/{n}/B"], tensors[f"adapter/{n}/s"])
+
     def lora_parameters(self) -> list[nn.Parameter]:
         out = []
         for u in self.units.values():

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from proteus.config import ConfigError
 from proteus.registry import Registry
 
 
@@ -68,7 +69,7 @@ class Backbone(nn.Module):
             self.split = 0
             return
         if not 1 <= last <= n:
-            raise ValueError(f"{self.name}: adapt_last must be in 1..{n}, got {last}")
+            raise ConfigError(f"backbone.adapt_last must be in 1..{n} for {self.name}, got {last}")
         self.split = n - last
 
     def set_input_size(self, size: int) -> None:

@@ -21,7 +21,7 @@ Hugging Face hub (timm ViTs), finds them in the local hub cache (:func:`find_cac
 within seconds whether the hub can be reached at all (:func:`hub_unreachable_reason`), so an offline
 machine gets instructions (:func:`hub_weights_missing_message`) instead of a minute of retries.
 
-Every error is a :class:`WeightsError`, a ``ValueError`` (the CLI prints ``error: <message>``, exit 2).
+Every error is a :class:`WeightsError`, a ``ProteusError`` (the CLI prints ``error: <message>``, exit 2).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from proteus.errors import ProteusError
 
 __all__ = [
     "ENV_SEARCH_DIRS",
@@ -63,11 +65,11 @@ _MOBILENET_V2_FILE = "mobilenet_v2-b0353104.pth"
 _MOBILENET_V2_SHA256 = "b03531047ffacf1e2488318dcd2aba1126cde36e3bfe1aa5cb07700aeeee9889"
 
 
-class WeightsError(ValueError, RuntimeError):
+class WeightsError(ProteusError, ValueError, RuntimeError):
     """Pre-trained weights are missing, corrupt, unverifiable, unreadable or do not fit the backbone.
 
-    A ``ValueError`` (so the CLI reports it as bad input); also a ``RuntimeError``, its historical base,
-    so older ``except RuntimeError`` clauses keep catching it.
+    A :class:`~proteus.errors.ProteusError` (so the CLI reports it as bad input) and a ``ValueError``;
+    also a ``RuntimeError``, its historical base, so older ``except RuntimeError`` clauses keep catching it.
     """
 
 

@@ -2,28 +2,39 @@
 
 InfLoRA and SD-LoRA (:mod:`proteus.baselines.lora_methods`) run on every backbone (LoRA on the adaptable
 maps); L2P, DualPrompt and CODA-Prompt (:mod:`proteus.baselines.prompts`) on the timm ViTs. Each is a
-:class:`~proteus.baselines.learner.ContinualClassifier` registered in :data:`BASELINES` under the name its
-method declaration (:mod:`proteus.methods`) gives as ``learner``; ``proteus run`` / ``proteus compare``
-run them through :func:`proteus.experiment.baselines.run_baseline`.
+:class:`~proteus.baselines.learner.ContinualClassifier` registered in the one learner registry
+(:data:`proteus.engine.learner.LEARNERS`) under the name its method declaration (:mod:`proteus.methods`)
+gives as ``learner``; ``proteus run`` / ``proteus compare`` run them through the shared loop
+(:func:`proteus.experiment.loop.run`), as PROTEUS.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from proteus.baselines.learner import ContinualClassifier
 from proteus.baselines.lora_methods import InfLoRA, SDLoRA
 from proteus.baselines.prompts import L2P, CodaPrompt, DualPrompt
-from proteus.registry import Registry
+from proteus.engine.learner import LEARNERS
 
 __all__ = ["BASELINES", "ContinualClassifier", "build_baseline"]
 
-#: learner name -> class
-BASELINES: Registry[type[ContinualClassifier]] = Registry("baseline learner")
 for _cls in (InfLoRA, SDLoRA, L2P, DualPrompt, CodaPrompt):
-    BASELINES.register(_cls.name, help=(_cls.__doc__ or "").strip().splitlines()[0])(_cls)
+    LEARNERS.register(_cls.name, help=(_cls.__doc__ or "").strip().splitlines()[0])(_cls)
+# a baseline module may register its learner and declare its method itself (proteus.baselines.ncm):
+# every module of the package is imported, so a new baseline is one new file
+for _mod in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_mod.name}")
+
+#: the baselines' learner classes by name (each registered in :data:`LEARNERS`)
+BASELINES: dict[str, type[ContinualClassifier]] = {
+    n: c for n in LEARNERS if isinstance(c := LEARNERS.get(n), type) and issubclass(c, ContinualClassifier)
+}
 
 
 def build_baseline(config, *, progress: bool = True) -> ContinualClassifier:  # noqa: ANN001
     """The baseline learner of ``config.method`` (a method declared with ``learner=...``)."""
     from proteus.methods import METHODS
 
-    return BASELINES.get(METHODS.get(config.method).learner)(config, progress=progress)
+    return LEARNERS.get(METHODS.get(config.method).learner)(config, progress=progress)

@@ -19,9 +19,10 @@ MobileNetV2 never move; the ViTs have no dropout), so frozen means bit-identical
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -32,26 +33,47 @@ from torch import nn
 from proteus import distributed as dist
 from proteus.backbones import Backbone, build_backbone
 from proteus.backbones.transforms import build_transform
-from proteus.config import BASELINE_OPTIMIZERS, BASELINE_SCHEDULES, RunConfig
+from proteus.config import BaselineConfig, ConfigError, RunConfig
 from proteus.devices import autocast as precision_autocast
 from proteus.engine.embedder import ImageDataset
+from proteus.engine.errors import TaskError
+from proteus.engine.learner import LearnerState, TestCache, TestOutcome, learner_header
+from proteus.errors import NotFittedError
+from proteus.registry import Registry
 from proteus.streams import Task
 
 log = logging.getLogger("proteus")
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "ContinualClassifier"]
+__all__ = ["OPTIMIZERS", "SCHEDULES", "ContinualClassifier", "epoch_lr"]
 
-#: allowed values, declared with the config (validated by proteus.presets)
-OPTIMIZERS, SCHEDULES = BASELINE_OPTIMIZERS, BASELINE_SCHEDULES
+#: ``baseline.optimizer``: (parameters, baseline settings, weight decay) -> the task's optimiser
+OPTIMIZERS: Registry[Callable[[list[nn.Parameter], BaselineConfig, float], torch.optim.Optimizer]] = Registry(
+    "baseline.optimizer"
+)
+OPTIMIZERS.register("adam", help="Adam, betas (0.9, 0.999)")(
+    lambda params, b, wd: torch.optim.Adam(params, lr=b.lr, betas=(0.9, 0.999), weight_decay=wd)
+)
+OPTIMIZERS.register("sgd", help="SGD with baseline.momentum")(
+    lambda params, b, wd: torch.optim.SGD(params, lr=b.lr, momentum=b.momentum, weight_decay=wd)
+)
+
+#: ``baseline.schedule``: (lr, epoch, epochs) -> the epoch's learning rate
+SCHEDULES: Registry[Callable[[float, int, int], float]] = Registry("baseline.schedule")
+SCHEDULES.register("constant", help="lr throughout")(lambda lr, epoch, epochs: lr)
+
+
+@SCHEDULES.register("cosine", help="CODA-Prompt's and InfLoRA's CosineSchedule as their loops step it")
+def _cosine(lr: float, epoch: int, epochs: int) -> float:
+    """lr for the first two epochs (the class resets its step count after construction), then
+    lr cos(99 pi (e - 1) / (200 (E - 1))); the last of 20 epochs runs at 9.7% of lr."""
+    if epochs <= 1:
+        return lr
+    return lr * math.cos(99 * math.pi * max(epoch - 1, 0) / (200 * (epochs - 1)))
 
 
 def epoch_lr(lr: float, schedule: str, epoch: int, epochs: int) -> float:
-    """``cosine``: CODA-Prompt's and InfLoRA's CosineSchedule as their loops step it: lr for the first two
-    epochs (the class resets its step count after construction), then lr cos(99 pi (e - 1) / (200 (E - 1)));
-    the last of 20 epochs runs at 9.7% of lr. ``constant``: lr."""
-    if schedule == "constant" or epochs <= 1:
-        return lr
-    return lr * math.cos(99 * math.pi * max(epoch - 1, 0) / (200 * (epochs - 1)))
+    """The learning rate of an epoch under ``baseline.schedule`` (:data:`SCHEDULES`)."""
+    return SCHEDULES.get(schedule)(lr, epoch, epochs)
 
 
 class ContinualClassifier:
@@ -65,8 +87,13 @@ class ContinualClassifier:
     label of each logit column, task after task), ``task_classes_``.
     """
 
-    #: registry name (set by :func:`proteus.baselines.register`)
+    #: registry name (:data:`proteus.engine.learner.LEARNERS`)
     name: str = "baseline"
+    #: capabilities beyond learning and evaluation (:data:`proteus.engine.learner.CAPABILITIES`): none yet
+    #: (a baseline is not rebuilt from a knowledge base, and it does not retrieve tasks)
+    supports: frozenset[str] = frozenset()
+    #: the ``baseline.*`` settings this method reads (its options; each subclass declares its own)
+    options: tuple[str, ...] = ("optimizer", "lr", "momentum", "schedule", "clip_grad", "max_tasks")
     #: whether the method needs a backbone with tokens (a ViT)
     needs_tokens: bool = False
 
@@ -76,6 +103,8 @@ class ContinualClassifier:
         self.heads_ = nn.ModuleList()
         self.classes_: list[int] = []
         self.task_classes_: list[list[int]] = []
+        #: one record per learned task (what its knowledge base lists: classes, names, images, stats)
+        self.records_: list[dict[str, Any]] = []
         self._stream_tasks: int | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -83,15 +112,20 @@ class ContinualClassifier:
         if hasattr(self, "backbone_"):
             return
         if dist.world_size() > 1:
-            raise RuntimeError(f"{self.name}: the baselines run in one process; launch without torchrun")
+            raise ConfigError(f"{self.name}: the baselines run in one process; launch without torchrun")
         cfg = self.config
+        unused = self.unused_options()
+        if unused:
+            own = ", ".join(f"baseline.{k}" for k in self.options) or "none"
+            given = ", ".join(f"baseline.{k}" for k in unused)
+            log.warning("%s: %s set, not among its options (%s): no effect", self.name, given, own)
         self.device_ = dist.device_for_rank(cfg.device)
         b = cfg.backbone
         self.backbone_: Backbone = build_backbone(
             b.name, pretrained=b.pretrained, weights=b.weights, img_size=b.img_size, adapt_last=b.adapt_last
         )
         if self.needs_tokens and not hasattr(self.backbone_, "vit"):
-            raise ValueError(
+            raise ConfigError(
                 f"{self.name} is a prompt method: it needs a backbone with tokens (a timm ViT such as "
                 f"vit_ti16 or vit_b16), not {b.name!r}; set backbone.name"
             )
@@ -104,6 +138,11 @@ class ContinualClassifier:
         self.train_transform_ = build_transform(
             self.backbone_.data_config, train=True, augment=cfg.train.augment
         )
+
+    def unused_options(self) -> list[str]:
+        """``baseline.*`` settings that differ from their defaults but are not among :attr:`options`."""
+        given, default = dataclasses.asdict(self.config.baseline), dataclasses.asdict(BaselineConfig())
+        return [k for k, v in given.items() if v != default[k] and k not in self.options]
 
     def _setup(self) -> None:
         """Build the method's state on ``self.backbone_`` (wrap layers, create prompts)."""
@@ -186,17 +225,23 @@ class ContinualClassifier:
         exception (Ctrl-C included) the task's state is dropped: the learner is as before the call."""
         self._build()
         if len(task.train) == 0:  # type: ignore[arg-type]
-            raise ValueError(f"{self.name}: task {task.index + 1} has no training images")
-        self._stream_tasks = stream_tasks
+            raise TaskError(f"{self.name}: task {task.index + 1} has no training images")
+        self._stream_tasks = stream_tasks or task.stream_tasks
         k = self.num_tasks
         try:
-            return self._fit_task(task, k)
+            stats = self._fit_task(task, k)
         except BaseException:
             del self.heads_[k:]
             del self.task_classes_[k:]
             self.classes_ = [c for cs in self.task_classes_ for c in cs]
             self._abort_task(k)
             raise
+        names = [str(n) for n in task.class_names]
+        n_train = len(task.train)  # type: ignore[arg-type]
+        self.records_.append(
+            {"index": k, "classes": self.task_classes_[k], "class_names": names, "n_train": n_train}
+        )
+        return stats
 
     def _abort_task(self, k: int) -> None:
         """Drop whatever task k (not finished) added to the method's state."""
@@ -210,7 +255,7 @@ class ContinualClassifier:
         cache = not cfg.train.augment
         z, loader, y_all = None, None, None
         if cache:
-            z, y_all = self.prefix_dataset(task.train, self.eval_transform_, f"task {k + 1}: prefix")
+            z, y_all = self.prefix_dataset(task.train, f"task {k + 1}: prefix")
         else:
             gl = torch.Generator().manual_seed(seed)
             loader = torch.utils.data.DataLoader(
@@ -220,12 +265,7 @@ class ContinualClassifier:
         self._begin_task(k, z, loader)
         head = nn.Linear(self.embed_dim, len(classes)).to(self.device_)
         params = [p for p in self.trainable() if p.requires_grad] + list(head.parameters())
-        if b.optimizer == "adam":
-            opt: torch.optim.Optimizer = torch.optim.Adam(
-                params, lr=b.lr, betas=(0.9, 0.999), weight_decay=cfg.train.weight_decay
-            )
-        else:
-            opt = torch.optim.SGD(params, lr=b.lr, momentum=b.momentum, weight_decay=cfg.train.weight_decay)
+        opt = OPTIMIZERS.get(b.optimizer)(params, b, cfg.train.weight_decay)
         g = torch.Generator().manual_seed(seed)
         n = len(task.train)  # type: ignore[arg-type]
         steps_per_epoch = math.ceil(n / cfg.train.batch_size)
@@ -276,7 +316,7 @@ class ContinualClassifier:
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
     def prefix_dataset(
-        self, ds: Any, transform: Any = None, desc: str = "prefix"
+        self, ds: Any, desc: str = "prefix", transform: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix outputs (float32, CPU) and labels of a dataset under the evaluation transform."""
         self._build()
@@ -295,7 +335,7 @@ class ContinualClassifier:
     def logits_prefix(self, z: torch.Tensor) -> torch.Tensor:
         """(N, C_seen) logits of prefix outputs over every class seen so far (columns: :attr:`classes_`)."""
         if not self.num_tasks:
-            raise RuntimeError(f"{self.name}: not fitted; call fit_task first")
+            raise NotFittedError(f"{self.name}: not fitted; call fit_task first")
         outs = []
         for chunk in z.split(self.config.eval.batch_size):
             with self._autocast():
@@ -307,6 +347,25 @@ class ContinualClassifier:
         """Global labels: the argmax over the seen classes (class-incremental)."""
         idx = self.logits_prefix(z).argmax(1)
         return torch.as_tensor(self.classes_)[idx]
+
+    def backbone_identity(self) -> dict[str, Any]:
+        """Backbone name, weights and adapted split: what a knowledge base must match."""
+        self._build()
+        return self.backbone_.identity()
+
+    def kb_header(self) -> dict[str, Any]:
+        return learner_header(self.config, self.backbone_identity())
+
+    def predict_test(self, cache: TestCache, tau: int, k: int) -> TestOutcome:
+        """Test set tau after task k: the argmax over every seen class (no task retrieval)."""
+        return TestOutcome(self.predict_prefix(cache.prefix(tau)))
+
+    def state(self) -> LearnerState:
+        """One record per task (its classes) and, as the global object, every learned tensor."""
+        tasks: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = [(dict(r), {}) for r in self.records_]
+        return LearnerState(
+            tasks, ({"method": self.name, "task_classes": self.task_classes_}, self.state_tensors())
+        )
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Global labels of a batch of transformed images."""

@@ -31,12 +31,15 @@ from torch import nn
 from proteus.adapters import AdaptedBackbone
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper
 from proteus.baselines.learner import ContinualClassifier
+from proteus.config import ConfigError
 
 __all__ = ["DualGPM", "InfLoRA", "LoRAClassifier", "SDLoRA"]
 
 
 class LoRAClassifier(ContinualClassifier):
     """A baseline whose state is LoRA branches on the backbone's adaptable maps."""
+
+    options = (*ContinualClassifier.options, "rank")
 
     #: rows of a ViT's fused qkv that carry branches
     attention_rows: tuple[str, ...] = ("q", "v")
@@ -46,7 +49,7 @@ class LoRAClassifier(ContinualClassifier):
             self.backbone_.attention_rows = self.attention_rows  # type: ignore[attr-defined]
         self.model_ = AdaptedBackbone(self.backbone_, scaling=1.0).to(self.device_)
         if not self.model_.units:
-            raise ValueError(f"{self.name}: backbone {self.backbone_.name} has no map that LoRA can wrap")
+            raise ConfigError(f"{self.name}: backbone {self.backbone_.name} has no map that LoRA can wrap")
 
     def prefix(self, x: torch.Tensor) -> torch.Tensor:
         return self.model_.prefix(x)
@@ -185,6 +188,7 @@ class InfLoRA(LoRAClassifier):
     """InfLoRA: designed, frozen A per task off the DualGPM space; B trained; old branches summed."""
 
     name = "inflora"
+    options = (*LoRAClassifier.options, "gpm_start")
     attention_rows = ("k", "v")
 
     def _setup(self) -> None:
@@ -225,6 +229,7 @@ class SDLoRA(LoRAClassifier):
     """SD-LoRA: old directions normalised and frozen, scaled by learned magnitudes; new branch trained."""
 
     name = "sd-lora"
+    options = (*LoRAClassifier.options, "magnitude_init")
 
     def _setup(self) -> None:
         super()._setup()

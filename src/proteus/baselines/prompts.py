@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from proteus.baselines.learner import ContinualClassifier
+from proteus.config import ConfigError
 
 __all__ = ["CodaPrompt", "DualPrompt", "L2P", "PromptClassifier", "block_with_prefix", "gram_schmidt"]
 
@@ -79,6 +80,7 @@ class PromptClassifier(ContinualClassifier):
     """A prompt baseline: the prefix is the patch embedding plus the query, the frozen class token."""
 
     needs_tokens = True
+    options = (*ContinualClassifier.options, "prompt_length", "prompt_layers")
 
     @property
     def vit(self) -> nn.Module:
@@ -138,11 +140,12 @@ class L2P(PromptClassifier):
     """L2P: top-N prompts of a keyed pool by cosine with the query; prompt tuning; surrogate loss."""
 
     name = "l2p"
+    options = (*PromptClassifier.options, "pool_size", "top_k", "match_weight")
 
     def _make_state(self, d: int) -> None:
         b = self.config.baseline
         if not 1 <= b.top_k <= b.pool_size:
-            raise ValueError(f"l2p: baseline.top_k must be in 1..pool_size={b.pool_size}, got {b.top_k}")
+            raise ConfigError(f"l2p: baseline.top_k must be in 1..pool_size={b.pool_size}, got {b.top_k}")
         g = torch.Generator().manual_seed(self.config.seed)
         self.prompt_ = self._to(torch.rand(b.pool_size, b.prompt_length, d, generator=g) * 2 - 1)
         self.key_ = self._to(torch.rand(b.pool_size, d, generator=g) * 2 - 1)
@@ -177,6 +180,7 @@ class DualPrompt(PromptClassifier):
     """DualPrompt: a shared g-prompt and per-task e-prompts with keys, both as prefixes."""
 
     name = "dualprompt"
+    options = (*PromptClassifier.options, "g_length", "g_layers", "match_weight")
 
     def _make_state(self, d: int) -> None:
         b = self.config.baseline
@@ -248,11 +252,12 @@ class CodaPrompt(PromptClassifier):
     """CODA-Prompt: per block, a prompt as the attention-weighted sum of components (prefix tuning)."""
 
     name = "coda-prompt"
+    options = (*PromptClassifier.options, "pool_size", "ortho_weight")
 
     def _make_state(self, d: int) -> None:
         b = self.config.baseline
         if b.prompt_length % 2:
-            raise ValueError(
+            raise ConfigError(
                 f"coda-prompt: baseline.prompt_length must be even (k/v halves), got {b.prompt_length}"
             )
         M, L = b.pool_size, b.prompt_length
@@ -275,7 +280,7 @@ class CodaPrompt(PromptClassifier):
         """Task k's components [s, f) of the pool."""
         per = self.config.baseline.pool_size // self.task_budget
         if per < 1 or (k + 1) * per > self.config.baseline.pool_size:
-            raise ValueError(
+            raise ConfigError(
                 f"coda-prompt: pool_size {self.config.baseline.pool_size} cannot give task {k + 1} its "
                 f"components; raise baseline.pool_size or set baseline.max_tasks"
             )

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from proteus.cli.parser import build_parser
+from proteus.errors import ProteusError
 
 __all__ = ["build_parser", "main"]
 
@@ -29,9 +30,19 @@ def _kb_tasks(args: argparse.Namespace) -> str:
     return f"; the knowledge base is unchanged at {n} task{'s' if n != 1 else ''}"
 
 
+def _message(e: ProteusError) -> str:
+    """The one-line message of a :class:`ProteusError` (an ``OSError``'s file name in front if missing)."""
+    msg = str(e)
+    filename = getattr(e, "filename", None)
+    if isinstance(e, OSError) and filename and str(filename) not in msg:
+        msg = f"{filename}: {msg}"
+    return msg
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; exit codes: 0 success, 1 internal error (a bug: --debug shows it), 2 bad
-    input (one line naming the file, task, key or device at fault), 130 interrupted (Ctrl-C)."""
+    """Run the command line; exit codes: 0 success, 1 internal error (any exception that is not a
+    :class:`~proteus.errors.ProteusError`: a bug, --debug shows its traceback), 2 bad input (a
+    ``ProteusError``: one line naming the file, task, key or device at fault), 130 interrupted (Ctrl-C)."""
     args = build_parser().parse_args(argv)
     if getattr(args, "wait", None) is not None and args.wait < 0:
         args.wait = None  # --wait without a value: as long as it takes
@@ -46,23 +57,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"interrupted{_kb_tasks(args)}", file=sys.stderr)
         return 130
-    except (ValueError, RuntimeError, OSError, KeyError) as e:
-        from proteus.kb import KBError
-
-        bad_input = isinstance(e, (ValueError, KBError, OSError, KeyError))
-        if args.debug or not bad_input:
-            if args.debug:
-                raise
-            print(
-                f"internal error: {type(e).__name__}: {e} (run with --debug for the traceback)",
-                file=sys.stderr,
-            )
-            return 1
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
-            msg = f"{e.filename}: {msg}"
-        print(f"error: {msg}", file=sys.stderr)
+    except ProteusError as e:  # the user's input, files or environment: one line, no traceback
+        if args.debug:
+            raise
+        print(f"error: {_message(e)}", file=sys.stderr)
         return 2
+    except Exception as e:  # anything else is a bug in proteus
+        if args.debug:
+            raise
+        msg = " ".join(str(e).split())  # one line
+        print(
+            f"internal error: {type(e).__name__}: {msg} -- this is a bug in proteus; please report it "
+            "(run with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         if "torch.distributed" in sys.modules:
             from proteus.distributed import shutdown

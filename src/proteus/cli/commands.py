@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from proteus.errors import ProteusError
+
 if TYPE_CHECKING:
     from proteus.config import RunConfig
 
 
-class UsageError(ValueError):
+class UsageError(ProteusError, ValueError):
     """A command line that cannot be carried out (exit code 2)."""
 
 
@@ -86,6 +88,9 @@ def _check_out_dir(out: Path, flag: str, allow_existing_dir: bool = False) -> No
     any work starts."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"{flag} {out}: is a file; give a directory")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"{flag} {out}: {parent} is a file; give a directory")
     if out.is_dir() and any(out.iterdir()) and not allow_existing_dir:
         raise UsageError(f"{flag} {out}: exists and is not empty; choose a new directory")
 
@@ -140,36 +145,15 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from proteus.estimator import Proteus
-    from proteus.experiment import Evaluator, build_results, format_table
-    from proteus.experiment.learn import check_learned_tasks
-    from proteus.kb import KBError, KnowledgeBase
-    from proteus.streams import build_benchmark
+    from proteus.experiment import format_table
+    from proteus.experiment.learn import evaluate_kb
 
     if args.out:
         _check_out_dir(Path(args.out), "--out")
-    kb = KnowledgeBase.open(args.kb)
-    clf = Proteus.from_kb(kb, progress=not args.quiet, device=args.device, precision=args.precision)
-    cfg = clf.config
-    if args.benchmark and args.benchmark != cfg.benchmark.name:
-        raise KBError(
-            f"{args.kb}: knowledge base was built on benchmark {cfg.benchmark.name!r}, not {args.benchmark!r}"
-        )
-    if args.data:
-        cfg.benchmark.data = args.data
-    if args.tasks_file:
-        cfg.benchmark.tasks_file = args.tasks_file
-    stream = build_benchmark(cfg.benchmark)
-    check_learned_tasks(kb, stream)
-    t0 = time.perf_counter()
-    n = clf.num_tasks
-    ev = Evaluator(clf, stream).evaluate(n - 1).to_dict()
-    stored = list(kb.manifest.get("evaluation", []))
-    complete = len(stored) >= n - 1
-    evaluation = (stored[: n - 1] if complete else []) + [ev]
-    res = build_results(cfg, stream, evaluation, time.perf_counter() - t0)
-    res["num_tasks_learned"] = n
-    res["evaluated_after"] = list(range(1, n + 1)) if complete else [n]
+    res = evaluate_kb(
+        args.kb, benchmark=args.benchmark, data=args.data, tasks_file=args.tasks_file, device=args.device,
+        precision=args.precision, progress=not args.quiet,
+    )  # fmt: skip
     print(format_table(res))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -180,12 +164,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from proteus.estimator import Proteus
     from proteus.experiment.predictions import format_row, prediction_rows
+    from proteus.experiment.store import load_learner
     from proteus.images import describe_skipped
-    from proteus.kb import KBError
+    from proteus.kb import KBError, KnowledgeBase
 
-    clf = Proteus.load(args.kb, device=args.device, precision=args.precision)
+    kb = KnowledgeBase.open(args.kb)
+    clf = load_learner(kb, "proteus predict", device=args.device, precision=args.precision)
     if clf.num_tasks == 0:
         raise KBError(f"{args.kb}: the knowledge base holds no task yet; learn task 1 first (proteus learn)")
     bs = clf.config.eval.batch_size
@@ -215,35 +200,44 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0 if rows or not skipped_all else 2
 
 
-def cmd_kb(args: argparse.Namespace) -> int:
-    """``proteus kb verify | info | list | calibrate | forget | undo KB``."""
+def cmd_kb_forget(args: argparse.Namespace) -> int:
+    from proteus.experiment.manage import forget
+
+    names = forget(args.kb, args.task, wait=args.wait)
+    print(f"{args.kb}: task {args.task} forgotten (classes {names}); `proteus kb undo` restores it")
+    return 0
+
+
+def cmd_kb_undo(args: argparse.Namespace) -> int:
+    from proteus.experiment.manage import undo
+
+    n = undo(args.kb, wait=args.wait)
+    print(f"{args.kb}: back to the previous commit ({n} task(s))")
+    return 0
+
+
+def cmd_kb_calibrate(args: argparse.Namespace) -> int:
+    from proteus.experiment.manage import recalibrate
+
+    thresholds = [round(t, 3) for t in recalibrate(args.kb, args.tpr, wait=args.wait)]
+    print(f"{args.kb}: thresholds at a true-positive rate of {args.tpr:g}: {thresholds}")
+    return 0
+
+
+def cmd_kb_verify(args: argparse.Namespace) -> int:
     import proteus.kb as kbmod
 
-    if args.action == "forget":
-        from proteus.experiment.manage import forget
+    problems = kbmod.problems(args.kb)
+    for p in problems:
+        print(p)
+    print(f"{args.kb}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+    return 0 if not problems else 1
 
-        names = forget(args.kb, args.task, wait=args.wait)
-        print(f"{args.kb}: task {args.task} forgotten (classes {names}); `proteus kb undo` restores it")
-        return 0
-    if args.action == "undo":
-        from proteus.experiment.manage import undo
 
-        n = undo(args.kb, wait=args.wait)
-        print(f"{args.kb}: back to the previous commit ({n} task(s))")
-        return 0
+def cmd_kb_show(args: argparse.Namespace) -> int:
+    """``proteus kb info | list KB``."""
+    import proteus.kb as kbmod
 
-    if args.action == "calibrate":
-        from proteus.experiment.manage import recalibrate
-
-        thresholds = [round(t, 3) for t in recalibrate(args.kb, args.tpr, wait=args.wait)]
-        print(f"{args.kb}: thresholds at a true-positive rate of {args.tpr:g}: {thresholds}")
-        return 0
-    if args.action == "verify":
-        problems = kbmod.problems(args.kb)
-        for p in problems:
-            print(p)
-        print(f"{args.kb}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
-        return 0 if not problems else 1
     info = kbmod.info(kbmod.KnowledgeBase.open(args.kb))
     if args.json:
         print(json.dumps(info, indent=1))
@@ -279,7 +273,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from proteus.experiment.compare import compare
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    seeds = [int(s) for s in str(args.seeds).split(",")]
+    try:
+        seeds = [int(s) for s in str(args.seeds).split(",")]
+    except ValueError:
+        raise UsageError(f"--seeds expects comma-separated integers (0,1,2), got {args.seeds!r}") from None
     out = Path(args.out or f"runs/compare-{args.benchmark}-{time.strftime('%Y%m%d-%H%M%S')}")
     compare(
         lambda method, seed: _config(_with(args, method=method, seed=seed), method),
@@ -298,17 +295,23 @@ def _with(args: argparse.Namespace, **kw: Any) -> argparse.Namespace:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """A thin entry into the performance harness, which lives outside the package (tools/perf/)."""
-    perf = Path(__file__).resolve().parents[3] / "tools" / "perf"
-    if not (perf / "harness.py").is_file():
-        raise UsageError(
-            "proteus bench runs the performance harness of a source checkout (tools/perf/), which this "
-            "installation does not have: clone the repository and run `python tools/perf/run.py`"
-        )
-    sys.path.insert(0, str(perf))
-    from harness import main as bench_main  # type: ignore[import-not-found]
+    """A thin entry into the performance harness, which lives outside the package: runs the checkout's
+    ``tools/perf/run.py`` in a child process with the same flags (its output and exit code are this
+    command's)."""
+    import subprocess
 
-    return int(bench_main(args))
+    script = Path(__file__).resolve().parents[3] / "tools" / "perf" / "run.py"
+    if not script.is_file():
+        raise UsageError(
+            f"proteus bench runs the performance harness of a source checkout ({script} is missing: this "
+            "installation has no tools/perf/): clone the repository and run `python tools/perf/run.py`"
+        )
+    argv = [sys.executable, str(script), "--device", str(args.device)]
+    if args.quick:
+        argv.append("--quick")
+    if args.out:
+        argv += ["--out", str(args.out)]
+    return subprocess.run(argv, check=False).returncode
 
 
 def cmd_weights(args: argparse.Namespace) -> int:
@@ -329,7 +332,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from proteus.backbones import BACKBONES
-    from proteus.methods import METHODS
+    from proteus.presets import METHODS  # every method: PROTEUS's and the baselines' own declarations
     from proteus.streams import BENCHMARKS
 
     reg = {"backbones": BACKBONES, "benchmarks": BENCHMARKS, "methods": METHODS}

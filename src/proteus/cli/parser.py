@@ -9,7 +9,11 @@ from proteus.cli.commands import (
     cmd_compare,
     cmd_data,
     cmd_evaluate,
-    cmd_kb,
+    cmd_kb_calibrate,
+    cmd_kb_forget,
+    cmd_kb_show,
+    cmd_kb_undo,
+    cmd_kb_verify,
     cmd_learn,
     cmd_list,
     cmd_predict,
@@ -177,15 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ksub = k.add_subparsers(dest="action", required=True)
-    for action, text in (
-        ("verify", "check the manifest and every object's checksum; list every problem (exit 1 if any)"),
-        ("info", "backbone, method, tasks, classes, sizes and per-task settings"),
-        ("list", "one line per learned task"),
-    ):
+    for action, text, func in (
+        ("verify", "check the manifest and every object's checksum; list every problem (exit 1 if any)",
+         cmd_kb_verify),
+        ("info", "backbone, method, tasks, classes, sizes and per-task settings", cmd_kb_show),
+        ("list", "one line per learned task", cmd_kb_show),
+    ):  # fmt: skip
         kp = ksub.add_parser(action, help=text)
         kp.add_argument("kb", help="knowledge base directory")
         kp.add_argument("--json", action="store_true", help="print JSON (info, list)")
-        kp.set_defaults(func=cmd_kb)
+        kp.set_defaults(func=func)
     kc = ksub.add_parser(
         "calibrate",
         help="set the rejection threshold of every task to a true-positive rate (retrieval.reject)",
@@ -193,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("kb", help="knowledge base directory")
     kc.add_argument("--tpr", type=float, required=True, help="fraction of a task's held-out inputs accepted")
     _wait_option(kc)
-    kc.set_defaults(func=cmd_kb)
+    kc.set_defaults(func=cmd_kb_calibrate)
     kf = ksub.add_parser(
         "forget",
         help="remove a task from what can be predicted (its head statistics subtracted exactly, its key "
@@ -207,13 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--task", type=int, required=True, help="the task to forget (1-based, as `kb list` shows)"
     )
     _wait_option(kf)
-    kf.set_defaults(func=cmd_kb)
+    kf.set_defaults(func=cmd_kb_forget)
     ku = ksub.add_parser(
         "undo", help="go back to the previous commit (undoes the last learn, forget or calibrate)"
     )
     ku.add_argument("kb", help="knowledge base directory")
     _wait_option(ku)
-    ku.set_defaults(func=cmd_kb)
+    ku.set_defaults(func=cmd_kb_undo)
 
     sv = sub.add_parser(
         "serve",

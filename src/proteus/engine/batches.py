@@ -17,6 +17,7 @@ from itertools import islice
 from PIL import Image
 from tqdm.auto import tqdm
 
+from proteus.config import ConfigError
 from proteus.engine.records import Prediction
 from proteus.images import DEFAULT_MAX_PIXELS, load_images
 
@@ -76,7 +77,7 @@ def predict_batches(
 ) -> Iterator[ImageBatch]:
     """Decode ``items`` ``batch_size`` at a time and yield each batch's prediction by ``predict``."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]
     it = enumerate(items)

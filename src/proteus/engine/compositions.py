@@ -28,30 +28,42 @@ TRAIN_SCHEDULES.register("first", help="only the first task trains an adapter (R
 TRAIN_SCHEDULES.register("none", help="no adapter (frozen backbone)")(lambda k: False)
 
 
+def _newest(k: int, m: int) -> int | None:
+    return min(k, m - 1)
+
+
+def _first(k: int, m: int) -> int | None:
+    return 0
+
+
+def _frozen(k: int, m: int) -> int | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Composition:
     """How inputs are embedded for the head. ``retrieves``: by the retrieved task's own adapter;
-    otherwise ``fixed`` names the adapter: ``first``, ``last`` (the newest) or ``none`` (frozen)."""
+    otherwise ``adapter(k, m)`` names the adapter as of task k with m adapters learned: the newest, the
+    first, or None (the frozen backbone)."""
 
     retrieves: bool
-    fixed: str = "last"
+    adapter: Callable[[int, int], int | None] = _newest
     kind: str = "task"
 
     def head_tasks(self, k: int, m: int) -> tuple[list[int] | None, str]:
         """``(tasks, kind)`` embedding the head's inputs as of task k (0-based) with m adapters learned
         (``tasks=None``: the frozen backbone). With retrieval, task k's own adapter (or the newest)."""
-        if m == 0 or self.fixed == "none":
-            return None, "task"
-        if self.fixed == "first":
-            return [0], self.kind
-        return [min(k, m - 1)], self.kind
+        j = self.adapter(k, m) if m else None
+        return (None, "task") if j is None else ([j], self.kind)
 
 
 COMPOSITIONS: Registry[Composition] = Registry("retrieval.mode")
 COMPOSITIONS.register("signature", help="the retrieved task's adapter (Alg. 2)")(Composition(retrieves=True))
-COMPOSITIONS.register("first", help="the first task's adapter (RanPAC)")(Composition(False, "first"))
-COMPOSITIONS.register("last", help="the newest adapter (InfLoRA / SD-LoRA style)")(Composition(False, "last"))
-COMPOSITIONS.register("all-units", help="all units summed (O-LoRA-like)")(
-    Composition(False, "last", "all-units")
+COMPOSITIONS.register("first", help="the first task's adapter (RanPAC)")(Composition(False, _first))
+COMPOSITIONS.register("last", help="the newest adapter (InfLoRA / SD-LoRA style)")(
+    Composition(False, _newest)
 )
-COMPOSITIONS.register("none", help="the frozen backbone")(Composition(False, "none"))
+COMPOSITIONS.register("all-units", help="all units summed (O-LoRA-like)")(
+    Composition(False, _newest, "all-units")
+)
+COMPOSITIONS.register("none", help="the frozen backbone")(Composition(False, _frozen))

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
 from proteus.devices import autocast as precision_autocast
+from proteus.engine.errors import TaskError
 
 __all__ = ["Embedder", "ImageDataset"]
 
@@ -90,7 +91,7 @@ class Embedder:
     def prefix_dataset(self, ds: Dataset, desc: str = "prefix") -> tuple[torch.Tensor, torch.Tensor]:
         """Frozen-prefix outputs (float32, CPU) and labels of a dataset under the evaluation transform."""
         if len(ds) == 0:  # type: ignore[arg-type]
-            raise ValueError(f"{desc}: empty dataset")
+            raise TaskError(f"{desc}: empty dataset")
         zs, ys = [], []
         bs = self.batch_size
         images: Dataset = ImageDataset(ds, self.transform)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from proteus.errors import ProteusError
+
 __all__ = ["TaskError"]
 
 
-class TaskError(ValueError):
+class TaskError(ProteusError, ValueError):
     """Bad task input, or a task that could not be learned (the message names the task or class)."""

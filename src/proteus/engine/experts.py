@@ -33,14 +33,10 @@ from torch import Tensor
 from proteus.config import RetrievalConfig
 from proteus.engine.errors import TaskError
 from proteus.heads import RanPACHead
+from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
 
 __all__ = ["COMBINATIONS", "HEAD_SCOPES", "TaskExpert", "TaskExperts", "candidates", "combine_soft", "decide"]
-
-#: ``head.scope``: Eq. 23's head over every class, or one head per task over its own classes
-HEAD_SCOPES = ("global", "task")
-#: ``retrieval.combine``: the best task, then its head (Alg. 2), or the task posterior times the head's
-COMBINATIONS = ("hard", "soft")
 
 
 @dataclass
@@ -129,12 +125,12 @@ def combine_soft(
     return (log_pt[:, :, None] + log_pc).amax(dim=1).float()  # a class belongs to one candidate only
 
 
+Under = Callable[[Tensor], Tensor]
+Classify = Callable[[Tensor, Tensor], Tensor]
+
+
 def decide(
-    res: RetrievalResult,
-    under: Callable[[Tensor], Tensor],
-    classify: Callable[[Tensor, Tensor], Tensor],
-    rc: RetrievalConfig,
-    task_of: Tensor,
+    res: RetrievalResult, under: Under, classify: Classify, rc: RetrievalConfig, task_of: Tensor
 ) -> RetrievalResult:
     """The task and class of every input from the keys' result ``res`` (:data:`COMBINATIONS`).
 
@@ -143,10 +139,20 @@ def decide(
     ``task_of`` (C,) the task of each class. Returns the final retrieval (task, component, score: those
     of the task of the predicted class) and, as ``task_scores``, the class scores (N, C) whose argmax is
     the prediction: the head's scores for ``hard``, ``log p(t|x) + log p(c|x, t)`` for ``soft``."""
+    return COMBINATIONS.get(rc.combine)(res, under, classify, rc, task_of)
+
+
+def _hard(
+    res: RetrievalResult, under: Under, classify: Classify, rc: RetrievalConfig, task_of: Tensor
+) -> RetrievalResult:
+    logits = classify(under(res.task[:, None])[:, 0], res.task)
+    return RetrievalResult(res.task, res.component, res.score, logits)
+
+
+def _soft(
+    res: RetrievalResult, under: Under, classify: Classify, rc: RetrievalConfig, task_of: Tensor
+) -> RetrievalResult:
     rows = torch.arange(res.task.shape[0])
-    if rc.combine == "hard":
-        logits = classify(under(res.task[:, None])[:, 0], res.task)
-        return RetrievalResult(res.task, res.component, res.score, logits)
     cand = candidates(res.task_scores, rc.soft_top)
     N, K = cand.shape
     scores = classify(under(cand).reshape(N * K, -1), cand.flatten()).view(N, K, -1)
@@ -156,3 +162,15 @@ def decide(
     task = task_of[logits.argmax(1)]
     component = torch.where(task == res.task, res.component, torch.zeros_like(res.component))
     return RetrievalResult(task, component, res.task_scores[rows, task], logits)
+
+
+#: ``retrieval.combine``: the best task, then its head (Alg. 2), or the task posterior times the head's
+COMBINATIONS: Registry[Callable[..., RetrievalResult]] = Registry("retrieval.combine")
+COMBINATIONS.register("hard", help="the best task, then its head (Alg. 2)")(_hard)
+COMBINATIONS.register("soft", help="log p(t|x) + log p(c|x, t) over the likeliest tasks")(_soft)
+
+#: ``head.scope``: Eq. 23's head over every class (no per-task heads), or one head per task over its own
+#: classes (:class:`TaskExperts`); an entry builds the per-task heads from the head factory, or None
+HEAD_SCOPES: Registry[Callable[[Callable[..., RanPACHead]], TaskExperts | None]] = Registry("head.scope")
+HEAD_SCOPES.register("global", help="Eq. 23's head over every class")(lambda new_head: None)
+HEAD_SCOPES.register("task", help="each task's own ridge head over its own classes")(TaskExperts)

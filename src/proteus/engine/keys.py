@@ -269,9 +269,7 @@ class KeyKind:
     one_space: bool
     options: dict[str, Any] = field(default_factory=dict)
 
-    def __call__(
-        self, cfg: RunConfig, device: torch.device, new_head: NewHead
-    ) -> RetrievalKeys:
+    def __call__(self, cfg: RunConfig, device: torch.device, new_head: NewHead) -> RetrievalKeys:
         return self.cls.from_config(cfg, device, new_head, **self.options)
 
 

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from proteus.engine.errors import TaskError
@@ -22,6 +21,7 @@ from proteus.engine.key_space import FROZEN, KeySpace
 from proteus.heads import RanPACHead
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
+from proteus.signatures.signature import NORMALIZATIONS
 
 __all__ = ["TASK_SCORES", "LDAKeys", "task_scores"]
 
@@ -71,15 +71,14 @@ class LDAKeys(RetrievalKeys):
         self.prefix = prefix
 
     def features(self, X: Tensor) -> Tensor:
-        return F.normalize(X.float(), dim=1) if self.cfg.normalize == "l2" else X
+        return NORMALIZATIONS.get(self.cfg.normalize)(X.float())
 
     def add_task(self, fit: KeyFit) -> None:
         self.space.check(fit.num_adapters, f"LDA keys in the {self.space.name} space")
-        X = self.space.embed(fit.embedder, fit.z)
+        X = self.features(self.space.embed(fit.embedder, fit.z))
         # a copy (d x d statistics, cheap): a later step of this task may still fail, and the rollback
         # must find the key head as it was before the task
-        head = copy.deepcopy(self.head) if self.head is not None else self.new_head(rp_dim=0)
-        X = self.features(X)
+        head = copy.deepcopy(self.head) if self.head is not None else self.new_head(rp_dim=0, dim=X.shape[1])
         try:
             head.update(X.to(self.device), fit.y.to(self.device), num_classes=fit.num_classes)
         except (ValueError, FloatingPointError) as e:
@@ -151,5 +150,5 @@ class LDAKeys(RetrievalKeys):
     def load_global(self, meta: dict[str, Any] | None, tensors: dict[str, Tensor]) -> None:
         if meta is None:
             return
-        self.head = self.new_head(rp_dim=0)
+        self.head = self.new_head(rp_dim=0, dim=int(meta["embed_dim"]))
         self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)

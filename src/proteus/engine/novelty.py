@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from proteus.config import ConfigError
+
 __all__ = ["MAX_STORED", "Calibration", "holdout_split"]
 
 #: held-out scores kept per task (as evenly spaced quantiles when there are more)
@@ -55,7 +57,7 @@ class Calibration:
 def threshold_at(sorted_scores: torch.Tensor, tpr: float) -> float:
     """The smallest score that a fraction ``tpr`` of the held-out scores is at or under."""
     if not 0.0 < tpr <= 1.0:
-        raise ValueError(f"the true-positive rate must be in (0, 1], got {tpr}")
+        raise ConfigError(f"the true-positive rate must be in (0, 1], got {tpr}")
     s = sorted_scores.double().sort().values
     return float(s[max(0, math.ceil(tpr * len(s) - 1e-9) - 1)])
 

@@ -12,7 +12,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["Prediction", "TaskRecord", "TaskStats", "TrainStats"]
+__all__ = ["Prediction", "TaskRecord", "TaskStats", "TrainStats", "without_timings"]
+
+
+def without_timings(d: Any) -> Any:
+    """``d`` without the keys that hold measurements of the run rather than of the model (wall-clock
+    seconds, peak GPU memory), recursively: what a knowledge base keeps (same seed, same bytes)."""
+    if isinstance(d, dict):
+        return {k: without_timings(v) for k, v in d.items() if "seconds" not in k and k != "peak_gpu_mb"}
+    if isinstance(d, list):
+        return [without_timings(v) for v in d]
+    return d
 
 
 @dataclass
@@ -59,16 +69,25 @@ class TaskStats:
     peak_gpu_mb: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """Each step's numbers, then its time (``seconds_<step>``), in the order the steps run."""
         out: dict[str, Any] = {"task": self.task}
-        for key in ("prefix", "train", "signature", "head", "evaluate", "task"):
-            if key == "train" and self.train is not None:
-                out["train"] = self.train.to_dict()
-            if key == "signature" and self.signature is not None:
-                out["signature"] = dict(self.signature)
-            if key in self.seconds:
-                out[f"seconds_{key}"] = self.seconds[key]
-            if key == "head" and self.gamma is not None:
-                out["gamma"] = self.gamma
+
+        def timed(step: str) -> None:
+            if step in self.seconds:
+                out[f"seconds_{step}"] = self.seconds[step]
+
+        timed("prefix")
+        if self.train is not None:
+            out["train"] = self.train.to_dict()
+        timed("train")
+        if self.signature is not None:
+            out["signature"] = dict(self.signature)
+        timed("signature")
+        timed("head")
+        if self.gamma is not None:
+            out["gamma"] = self.gamma
+        timed("evaluate")
+        timed("task")
         if self.peak_gpu_mb is not None:
             out["peak_gpu_mb"] = self.peak_gpu_mb
         return out

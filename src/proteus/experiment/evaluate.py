@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from proteus.estimator import Prediction, Proteus
+from proteus.engine.learner import ContinualLearner
+from proteus.metrics import accuracy
 from proteus.streams import TaskStream
 
 __all__ = ["Evaluation", "Evaluator"]
@@ -33,19 +34,23 @@ class Evaluation:
 
 
 class Evaluator:
-    """Accuracy rows with per-adapter embedding caches (``cache_bytes`` bounds the prefix cache)."""
+    """Accuracy rows of any learner (:class:`~proteus.engine.learner.ContinualLearner`), with the test
+    sets' prefix outputs and per-adapter embeddings cached (``cache_bytes`` bounds the prefix cache): the
+    learner's :meth:`predict_test` reads them through this object (a
+    :class:`~proteus.engine.learner.TestCache`)."""
 
-    def __init__(self, clf: Proteus, stream: TaskStream, cache_bytes: int = 2 << 30) -> None:
+    def __init__(self, clf: ContinualLearner, stream: TaskStream, cache_bytes: int = 2 << 30) -> None:
         self.clf = clf
         self.stream = stream
         self.cache_bytes = cache_bytes
         self._z: dict[int, torch.Tensor] = {}
         self._y: dict[int, torch.Tensor] = {}
         self._emb: dict[tuple[int, str, int], torch.Tensor] = {}
-        #: the last evaluation's prediction per test set (retrieval methods)
-        self.last_prediction: dict[int, Prediction] = {}
+        #: the last evaluation's retrieved task per input of each test set (retrieval learners)
+        self.last_task: dict[int, torch.Tensor] = {}
 
-    def _prefix(self, tau: int) -> torch.Tensor:
+    def prefix(self, tau: int) -> torch.Tensor:
+        """The frozen-prefix outputs of test set tau (cached while they fit in ``cache_bytes``)."""
         if tau not in self._z:
             z, y = self.clf.prefix_dataset(self.stream.tasks[tau].test, f"test {tau + 1}: prefix")
             self._y[tau] = y
@@ -59,50 +64,39 @@ class Evaluator:
         """Test set tau under adapter j's composition ``kind`` (None: the frozen backbone), cached."""
         key = (tau, kind, -1 if j is None else j)
         if key not in self._emb:
-            self._emb[key] = self.clf.embed_prefix(self._prefix(tau), None if j is None else [j], kind)[0]
+            self._emb[key] = self.clf.embed_prefix(self.prefix(tau), None if j is None else [j], kind)[0]
         return self._emb[key]
 
     def labels(self, tau: int) -> torch.Tensor:
-        self._prefix(tau)
+        self.prefix(tau)
         return self._y[tau]
 
-    def embedded(self, tau: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(H, F)`` of test set tau, as :meth:`Proteus.embed` gives them, from the caches."""
-        H = torch.stack([self.embedding(tau, "task", j) for j in range(self.clf.num_adapters)])
-        F = self.embedding(tau, "task", None) if self.clf.needs_frozen else None
-        return H, F
-
     def retrieved(self, tau: int) -> torch.Tensor:
-        """The task retrieved for each input of test set tau by the current learner."""
-        pred = self.last_prediction.get(tau)
-        if pred is None or pred.task is None or pred.task.numel() != self.labels(tau).numel():
-            return self.clf.retrieve(*self.embedded(tau)).task.cpu()
-        return pred.task.cpu()
+        """The task retrieved for each input of test set tau by the current learner (retrieval learners)."""
+        task = self.last_task.get(tau)
+        if task is None or task.numel() != self.labels(tau).numel():
+            return self.clf.retrieve(*self.clf.cached_embeddings(self, tau)).task.cpu()  # type: ignore[attr-defined]
+        return task.cpu()
 
     def evaluate(self, k: int) -> Evaluation:
         """Evaluate on the test sets of tasks 0..k after learning task k."""
-        clf = self.clf
-        row, oracle_row = [], []
+        row: list[float] = []
+        oracle_row: list[float] = []
         n_correct_ret = n_total = 0
-        retrieval = clf.uses_retrieval
+        retrieval = False
         for tau in range(k + 1):
             y = self.labels(tau)
-            if retrieval:
-                pred = clf.predict_embedded(*self.embedded(tau))
-                assert pred.task is not None
-                self.last_prediction[tau] = pred
-                n_correct_ret += int((pred.task == tau).sum())
+            out = self.clf.predict_test(self, tau, k)
+            row.append(accuracy(out.label, y))
+            if out.task is not None:
+                retrieval = True
+                self.last_task[tau] = out.task
+                n_correct_ret += int((out.task == tau).sum())
                 n_total += len(y)
-                own = torch.full_like(y, tau)
-                oracle = clf.classify(self.embedding(tau, "task", tau), own).argmax(1)
-                oracle_row.append(100.0 * float((oracle == y).float().mean()))
-                label = pred.label
-            else:
-                tasks, kind = clf.head_composition(k)
-                label = clf.classify(self.embedding(tau, kind, None if tasks is None else tasks[0])).argmax(1)
-            row.append(100.0 * float((label == y).float().mean()))
+            if out.oracle is not None:
+                oracle_row.append(accuracy(out.oracle, y))
         return Evaluation(
             row=row,
             retrieval_acc=100.0 * n_correct_ret / n_total if retrieval else None,
-            oracle_row=oracle_row if retrieval else None,
+            oracle_row=oracle_row or None,
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,16 +23,20 @@ from typing import Any
 
 from proteus import distributed as dist
 from proteus.config import PER_TASK_KEYS, ConfigError, RunConfig, flatten, per_task
-from proteus.estimator import Proteus
+from proteus.engine.learner import ContinualLearner, check_supports
 from proteus.experiment.evaluate import Evaluation, Evaluator
-from proteus.experiment.loop import create_kb, learn_and_commit
-from proteus.experiment.store import kb_header
+from proteus.experiment.loop import learn_and_commit
+from proteus.experiment.results import build_results
+from proteus.experiment.store import build_learner, kb_header, load_learner
 from proteus.kb import KBError, KnowledgeBase, write_lock
-from proteus.methods import METHODS
-from proteus.presets import validate
 from proteus.streams import TaskStream, build_benchmark
 
-__all__ = ["PER_TASK_KEYS", "LearnOutcome", "check_learned_tasks", "config_conflicts", "learn_task"]
+__all__ = [
+    "PER_TASK_KEYS", "LearnOutcome", "check_learned_tasks", "config_conflicts", "evaluate_kb", "learn_task",
+]  # fmt: skip
+
+
+_LEARN = "proteus learn (tasks added one process at a time)"
 
 
 def config_conflicts(kb_config: dict[str, Any], given: dict[str, Any]) -> list[str]:
@@ -95,14 +100,10 @@ def learn_task(
     kb_dir = Path(kb_dir)
     if task < 1:
         raise ConfigError(f"--task must be 1 or more (tasks are numbered from 1), got {task}")
-    method = given.get("method")
-    if method in METHODS and METHODS.get(method).learner != "proteus":
-        raise ConfigError(
-            f"{method} is a Table 1 baseline without a knowledge base: run it on a whole stream with "
-            "`proteus run` or `proteus compare`; `proteus learn` adds tasks to PROTEUS methods only"
-        )
     if kb_dir.exists() and not kb_dir.is_dir():
         raise KBError(f"{kb_dir}: is a file, not a knowledge-base directory; choose another --kb")
+    if not KnowledgeBase.exists(kb_dir):  # refused before the lock leaves anything on disk
+        check_supports(build_learner(new_config(), progress=False), "load", _LEARN)
     lock = write_lock(kb_dir, wait=wait) if dist.is_main() else contextlib.nullcontext()
     with lock:
         if dist.is_main():
@@ -134,20 +135,20 @@ def _learn_locked(
                 + "\n  ".join(conflicts)
                 + "\n(options that define the model cannot change between tasks: drop them or use a new --kb)"
             )
-        clf = Proteus.from_kb(kb, progress=progress, device=given.get("device"))
-        for key, value in given.items():
-            if per_task(key):
-                _set(clf.config, key, value)
-        validate(clf.config)
+        clf: ContinualLearner = load_learner(
+            kb, "proteus learn", progress=progress, device=given.get("device")
+        )
+        clf.set_params(**{key: value for key, value in given.items() if per_task(key)})
     else:
         if k != 0:
             raise KBError(f"{kb_dir}: no knowledge base here; learn task 1 first")
-        clf = Proteus(new_config(), progress=progress)
+        clf = build_learner(new_config(), progress=progress)
+        check_supports(clf, "load", _LEARN)
     stream = build_benchmark(clf.config.benchmark)
     if k >= len(stream.tasks):
         raise KBError(f"benchmark {stream.name} has {len(stream.tasks)} tasks; there is no task {task}")
     if kb is None:
-        kb = create_kb(kb_dir, kb_header(clf, stream))
+        kb = KnowledgeBase.new(kb_dir, kb_header(clf, stream))
     elif empty:  # nothing was learned into it: this first commit replaces its header
         kb.manifest.update(kb_header(clf, stream))
     check_learned_tasks(kb, stream)
@@ -160,11 +161,36 @@ def _learn_locked(
     return LearnOutcome(task, len(stream.tasks), len(kb.manifest["tasks"]), ev)
 
 
-def _set(cfg: RunConfig, key: str, value: Any) -> None:
-    obj: Any = cfg
-    *path, last = key.split(".")
-    for p in path:
-        obj = getattr(obj, p)
-    if not dataclasses.is_dataclass(obj) or last not in {f.name for f in dataclasses.fields(obj)}:
-        raise ConfigError(f"unknown config key {key!r}")
-    setattr(obj, last, value)
+def evaluate_kb(
+    kb_dir: str | Path,
+    *,
+    benchmark: str | None = None,
+    data: str | None = None,
+    tasks_file: str | None = None,
+    device: str | None = None,
+    precision: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """``proteus evaluate``: the results (results.json's keys) of the learner a knowledge base holds, on
+    the test sets of its benchmark (``data``/``tasks_file`` point at the data on this machine). The stored
+    evaluation rows of the earlier tasks are kept when they are all there; the last row is measured now."""
+    kb = KnowledgeBase.open(kb_dir)
+    clf = load_learner(kb, "proteus evaluate", progress=progress, device=device, precision=precision)
+    cfg = clf.config
+    if benchmark and benchmark != cfg.benchmark.name:
+        raise KBError(f"{kb_dir}: KB was built on benchmark {cfg.benchmark.name!r}, not {benchmark!r}")
+    bench = dataclasses.replace(
+        cfg.benchmark, data=data or cfg.benchmark.data, tasks_file=tasks_file or cfg.benchmark.tasks_file
+    )
+    stream = build_benchmark(bench)
+    check_learned_tasks(kb, stream)
+    t0 = time.perf_counter()
+    n = clf.num_tasks
+    ev = Evaluator(clf, stream).evaluate(n - 1).to_dict()
+    stored = list(kb.manifest.get("evaluation", []))
+    complete = len(stored) >= n - 1
+    evaluation = (stored[: n - 1] if complete else []) + [ev]
+    res = build_results(cfg, stream, evaluation, time.perf_counter() - t0)
+    res["num_tasks_learned"] = n
+    res["evaluated_after"] = list(range(1, n + 1)) if complete else [n]
+    return res

@@ -18,23 +18,31 @@ from typing import Any
 from proteus import devices
 from proteus import distributed as dist
 from proteus.config import RunConfig
-from proteus.engine.records import TaskStats
+from proteus.engine.learner import ContinualLearner
 from proteus.estimator import Proteus
 from proteus.experiment.evaluate import Evaluator
 from proteus.experiment.results import build_results
-from proteus.experiment.store import kb_header, setup_run_log
+from proteus.experiment.store import build_learner, commit, kb_header, setup_run_log
 from proteus.faults import crash_point
 from proteus.kb import KBError, KnowledgeBase
 from proteus.streams import TaskStream, build_benchmark
 
 log = logging.getLogger("proteus")
 
-__all__ = ["create_kb", "learn_and_commit", "run"]
+__all__ = ["learn_and_commit", "run"]
+
+
+def _record(stats: Any, name: str, seconds: float) -> None:
+    """Note a wall-clock time in a task's statistics (a :class:`TaskStats` or a baseline's dict)."""
+    if isinstance(stats, dict):
+        stats[f"seconds_{name}"] = seconds
+    else:
+        stats.seconds[name] = seconds
 
 
 def learn_and_commit(
-    clf: Proteus, kb: KnowledgeBase, stream: TaskStream, k: int, evaluator: Evaluator | None
-) -> TaskStats:
+    clf: ContinualLearner, kb: KnowledgeBase, stream: TaskStream, k: int, evaluator: Evaluator | None
+) -> Any:
     """Learn task k, evaluate (if asked), commit the KB. The KB is never left half-written."""
     t0 = time.perf_counter()
     stats = clf.fit_task(stream.tasks[k])
@@ -42,58 +50,49 @@ def learn_and_commit(
     if evaluator is not None:
         t1 = devices.clock(clf.device_)
         evaluation = evaluation[:k] + [evaluator.evaluate(k).to_dict()]
-        stats.seconds["evaluate"] = devices.clock(clf.device_) - t1
-        stats.peak_gpu_mb = devices.peak_memory_mb(clf.device_)
+        _record(stats, "evaluate", devices.clock(clf.device_) - t1)
+        if not isinstance(stats, dict):
+            stats.peak_gpu_mb = devices.peak_memory_mb(clf.device_)
     crash_point("evaluate")
-    stats.seconds["task"] = devices.clock(clf.device_) - t0
+    _record(stats, "task", devices.clock(clf.device_) - t0)
     if dist.is_main():  # under torchrun rank 0 writes; the others read its commit back
-        clf.commit(kb, evaluation)
+        commit(kb, clf, evaluation)
     dist.barrier()
     if not dist.is_main():
         kb.manifest = KnowledgeBase.open(kb.root, verify=False).manifest
     return stats
 
 
-def create_kb(root: str | Path, header: dict[str, Any]) -> KnowledgeBase:
-    """A new knowledge base, in memory until its first commit (nothing is written if task 1 fails). Every
-    rank builds it; under torchrun only rank 0 commits, and the others read its commits back."""
-    return KnowledgeBase.new(root, header)
-
-
 def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any]:
-    """The whole continual loop in one process; writes config.yaml, split.json, log.txt, kb/, results.json,
-    analysis.json and (``report.figures``) report.md with figures/ (:mod:`proteus.report`)."""
-    from proteus.methods import METHODS
-
-    if cfg.method in METHODS and METHODS.get(cfg.method).learner != "proteus":
-        from proteus.experiment.baselines import run_baseline
-
-        return run_baseline(cfg, out, progress)
+    """The whole continual loop in one process, for any method's learner; writes config.yaml, split.json,
+    log.txt, kb/, results.json and, for PROTEUS methods, analysis.json and (``report.figures``) report.md
+    with figures/ (:mod:`proteus.report`)."""
     out = Path(out)
     main = dist.is_main()  # under torchrun only rank 0 writes files (proteus.distributed)
     handler = setup_run_log(out) if main else None
     try:
         t0 = time.perf_counter()
+        kb_dir = out / "kb"
+        if KnowledgeBase.exists(kb_dir) or (out / "results.json").exists():
+            raise KBError(f"{out}: holds a run already; choose a new --out (runs never overwrite a KB)")
         if main:
             (out / "config.yaml").write_text(cfg.to_yaml())
         stream = build_benchmark(cfg.benchmark)
         if main:
             stream.write_manifest(out / "split.json")
         log.info("run %s on %s: %d tasks (%s)", cfg.method, stream.name, len(stream.tasks), dist.describe())
-        clf = Proteus(cfg, progress=progress)
-        kb_dir = out / "kb"
-        if KnowledgeBase.exists(kb_dir):
-            raise KBError(
-                f"{kb_dir}: exists already; choose a new --out (runs never overwrite a knowledge base)"
-            )
-        kb = create_kb(kb_dir, kb_header(clf, stream))
+        clf = build_learner(cfg, progress=progress)
+        # a new knowledge base, in memory until its first commit (nothing is written if task 1 fails);
+        # under torchrun only rank 0 commits, and the others read its commits back
+        kb = KnowledgeBase.new(kb_dir, kb_header(clf, stream))
         evaluator = Evaluator(clf, stream)
         per_task = []
         for k in range(len(stream.tasks)):
             stats = learn_and_commit(clf, kb, stream, k, evaluator)
+            st = stats if isinstance(stats, dict) else stats.to_dict()
             ev = kb.manifest["evaluation"][-1] if kb.manifest["evaluation"] else None
-            log.info("task %d: %s", k + 1, json.dumps({"stats": stats.to_dict(), "eval": ev}, default=str))
-            per_task.append(stats.to_dict())
+            log.info("task %d: %s", k + 1, json.dumps({"stats": st, "eval": ev}, default=str))
+            per_task.append(st)
             if progress and ev and main:
                 ret = ev["retrieval_acc"]
                 print(
@@ -104,22 +103,27 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
         evaluation = [e for e in kb.manifest["evaluation"] if e]
         extra: dict[str, Any] = {"tasks": per_task, "kb_bytes": kb.nbytes()}
         seconds, t1 = time.perf_counter() - t0, time.perf_counter()
-        # theory checks, S / cosine analyses, latency (proteus.report); every rank takes part in any
-        # embedding pass the theory needs, rank 0 alone times and writes
-        from proteus.report.analysis import analyse_run
+        bulky: dict[str, Any] | None = None
+        if isinstance(clf, Proteus):
+            # theory checks, S / cosine analyses, latency (proteus.report); every rank takes part in any
+            # embedding pass the theory needs, rank 0 alone times and writes
+            from proteus.report.analysis import analyse_run
 
-        keys, bulky = analyse_run(clf, evaluator, stream, cfg.report, latency=main)
-        extra.update(keys)
+            keys, bulky = analyse_run(clf, evaluator, stream, cfg.report, latency=main)
+            extra.update(keys)
+        else:  # a Table 1 baseline: its learned tensors are the head object of its knowledge base
+            extra.update({"model_bytes": kb.nbytes().get("head", 0), "learner": type(clf).name})
         res = build_results(cfg, stream, evaluation, seconds, extra)
         if main:
             (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
-            (out / "analysis.json").write_text(json.dumps(bulky))
-            if cfg.report.figures:
-                from proteus.report import write_report
+            if bulky is not None:
+                (out / "analysis.json").write_text(json.dumps(bulky))
+                if cfg.report.figures:
+                    from proteus.report import write_report
 
-                res["figures"] = write_report(out, res, bulky)
-            res["seconds_report"] = time.perf_counter() - t1
-            (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
+                    res["figures"] = write_report(out, res, bulky)
+                res["seconds_report"] = time.perf_counter() - t1
+                (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
         return res
     finally:
         if handler is not None:

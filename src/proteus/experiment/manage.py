@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from proteus.engine.learner import check_supports
 from proteus.engine.novelty import Calibration
 from proteus.kb import KBError, KnowledgeBase, write_lock
 
@@ -38,13 +39,14 @@ def recalibrate(kb_dir: str | Path, tpr: float, wait: float | None = 0.0) -> lis
 
 def forget(kb_dir: str | Path, task: int, wait: float | None = 0.0) -> list[str]:
     """Forget task ``task`` (1-based, as in the CLI); returns its class names."""
-    from proteus.estimator import Proteus
+    from proteus.experiment.store import commit, load_learner
 
     with write_lock(kb_dir, wait=wait):
         kb = KnowledgeBase.open(kb_dir)
-        clf = Proteus.from_kb(kb)
+        clf = load_learner(kb, "proteus kb forget")
+        check_supports(clf, "retrieval", "proteus kb forget")
         clf.forget_task(task - 1)
-        clf.commit(kb)
+        commit(kb, clf)
         return list(clf.records_[task - 1].class_names)
 
 

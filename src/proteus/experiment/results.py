@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proteus import __version__
+from proteus._version import __version__
 from proteus.config import RunConfig
 from proteus.metrics import average_accuracy, forgetting
 from proteus.streams import TaskStream

@@ -1,6 +1,8 @@
-"""Run-directory glue: the header a run's KB records (the learner's, plus the split), the check that a
-stream is the one a KB was built on, and the run's log file. Writing and reading the learner itself is
-:meth:`proteus.Proteus.commit` / :meth:`proteus.Proteus.from_kb`.
+"""The persistence layer of every learner (:mod:`proteus.engine.learner`): a method resolved to its learner
+(:func:`build_learner`), a learner written to a knowledge base (:func:`commit`: its
+:meth:`~proteus.engine.learner.ContinualLearner.state`) and read back (:func:`load_learner`, for learners
+that support ``load``), the header a run's KB records (the learner's, plus the split), the check that a
+stream is the one a KB was built on, and the run's log file.
 """
 
 from __future__ import annotations
@@ -9,14 +11,51 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import proteus.baselines  # noqa: F401 - registers the baselines' learners
+from proteus.config import RunConfig
+from proteus.engine.errors import TaskError
+from proteus.engine.learner import LEARNERS, ContinualLearner
 from proteus.estimator import Proteus
 from proteus.kb import KBError, KnowledgeBase
+from proteus.methods import METHODS
 from proteus.streams import TaskStream
 
-__all__ = ["check_split", "kb_header", "setup_run_log"]
+__all__ = ["build_learner", "check_split", "commit", "kb_header", "load_learner", "setup_run_log"]
 
 
-def kb_header(clf: Proteus, stream: TaskStream) -> dict[str, Any]:
+def build_learner(cfg: RunConfig, *, progress: bool = True) -> ContinualLearner:
+    """The learner of ``cfg.method`` (its declaration's ``learner``, from :data:`LEARNERS`) on ``cfg``."""
+    return LEARNERS.get(METHODS.get(cfg.method).learner)(cfg, progress=progress)
+
+
+def commit(kb: KnowledgeBase, clf: ContinualLearner, evaluation: list[dict[str, Any]] | None = None) -> None:
+    """Write the learner's state as the KB's next state (atomic: the old state or the new one), with the
+    evaluation rows to keep (None: the stored rows of the tasks kept)."""
+    state = clf.state()
+    kb.commit_state(state.tasks, state.head, evaluation)
+
+
+def load_learner(
+    kb: KnowledgeBase,
+    command: str,
+    *,
+    device: str | None = None,
+    precision: str | None = None,
+    progress: bool = False,
+) -> Proteus:
+    """The learner a knowledge base holds, for ``command``; refused by name when its method's learner
+    cannot be rebuilt from a knowledge base (the ``load`` capability: a ``from_kb`` constructor)."""
+    method = RunConfig.from_stored(kb.manifest["config"]).method
+    learner = LEARNERS.get(METHODS.get(method).learner if method in METHODS else "proteus")
+    if not hasattr(learner, "from_kb"):
+        raise TaskError(
+            f"{command}: {kb.root} holds method {method}, whose learner ({learner.__name__}) cannot be "
+            "rebuilt from a knowledge base yet; run it on a whole stream with `proteus run`"
+        )
+    return learner.from_kb(kb, device=device, precision=precision, progress=progress)
+
+
+def kb_header(clf: ContinualLearner, stream: TaskStream) -> dict[str, Any]:
     header = clf.kb_header()
     header["split"] = {
         "benchmark": stream.name,

@@ -13,6 +13,11 @@ targets:
   reference);
 * :func:`select_accumulated`: beyond RanPAC, the ridge on everything learned so far plus this update's
   train part, scored on this update's held-out part with targets over all classes.
+
+``head.gamma_selection`` names a rule in :data:`GAMMA_SELECTIONS`: an object whose ``select(data,
+gammas, G_prev, Q_prev)`` picks gamma on an update's :class:`HeldOut` split (``G_prev``, ``Q_prev``: the
+statistics before the update, None at the first one). ``"task"`` is RanPAC's rule (:func:`select_fast`),
+``"accumulated"`` is :func:`select_accumulated` (RanPAC's rule at the first update).
 """
 
 from __future__ import annotations
@@ -20,21 +25,25 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from proteus.heads.ranpac import RanPACHead
+from proteus.registry import Registry
 
 __all__ = [
     "GAMMA_SELECTIONS",
+    "AccumulatedRule",
+    "GammaRule",
     "GammaSelection",
-    "choose_gamma",
+    "HeldOut",
+    "TaskRule",
+    "fallback_gamma",
     "finish_selection",
     "gamma_grid",
     "holdout_split",
+    "log_selection",
     "ridge_solve",
     "select_accumulated",
     "select_fast",
@@ -42,9 +51,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: how gamma is chosen after an update: on all statistics so far, or RanPAC's rule (this task alone)
-GAMMA_SELECTIONS = ("accumulated", "task")
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,50 @@ def select_naive(
     return finish_selection(gammas, losses, "naive-solve")
 
 
+class HeldOut(NamedTuple):
+    """An update's features ``phi`` and one-hot targets ``Y``, split into a train and a held-out part."""
+
+    phi_tr: Tensor
+    Y_tr: Tensor
+    phi_va: Tensor
+    Y_va: Tensor
+
+
+class GammaRule(Protocol):
+    """A ``head.gamma_selection`` rule: gamma for an update from its split ``data`` and the candidates
+    ``gammas``; ``G_prev``, ``Q_prev`` are the head's statistics before the update (None at the first)."""
+
+    def select(
+        self, data: HeldOut, gammas: Tensor, G_prev: Tensor | None, Q_prev: Tensor | None
+    ) -> GammaSelection: ...
+
+
+class TaskRule:
+    """RanPAC's rule: this update's data alone (:func:`select_fast`)."""
+
+    def select(
+        self, data: HeldOut, gammas: Tensor, G_prev: Tensor | None, Q_prev: Tensor | None
+    ) -> GammaSelection:
+        return select_fast(*data, gammas)
+
+
+class AccumulatedRule:
+    """The ridge on all statistics so far (:func:`select_accumulated`); RanPAC's rule at the first update."""
+
+    def select(
+        self, data: HeldOut, gammas: Tensor, G_prev: Tensor | None, Q_prev: Tensor | None
+    ) -> GammaSelection:
+        if G_prev is None or Q_prev is None:
+            return select_fast(*data, gammas)
+        return select_accumulated(*data, gammas, G_prev, Q_prev)
+
+
+#: ``head.gamma_selection``: how gamma is chosen after an update
+GAMMA_SELECTIONS: Registry[GammaRule] = Registry("gamma selection")
+GAMMA_SELECTIONS.register("accumulated")(AccumulatedRule())
+GAMMA_SELECTIONS.register("task")(TaskRule())
+
+
 def holdout_split(n: int, holdout: float, seed: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
     """``(train, held-out)`` indices of a seeded permutation of ``n`` samples (None if either is empty)."""
     n_train = int(math.floor(n * (1.0 - holdout) + 1e-9))
@@ -167,37 +217,20 @@ def ridge_solve(G: Tensor, Q: Tensor, gamma: float) -> Tensor:
     return W.contiguous()  # LAPACK returns column-major; keep one layout so matmuls are reproducible
 
 
-def choose_gamma(
-    head: RanPACHead,
-    phi: Tensor,
-    y: Tensor,
-    total: int,
-    device: torch.device,
-    G_prev: Tensor,
-    Q_prev: Tensor,
-) -> tuple[float, GammaSelection | None]:
-    """The gamma an update of ``head`` uses, and the search that chose it: the fixed ``head.gamma``, else
-    the head's ``selection`` rule on this update's features ``phi`` and labels ``y`` (the first update,
-    and ``"task"``, use RanPAC's rule); an update too small to split keeps the previous gamma (1 at first)."""
-    gamma, selection = head.gamma_, head.gamma_selection_
-    if head.gamma is not None:
-        return head.gamma, selection
-    if head._split(phi.shape[0], device) is not None:
-        Y = head._one_hot(y, total, device)
-        if head.selection == "accumulated" and head.n_updates_:
-            selection = head._select_gamma_accumulated(phi, Y, G_prev, Q_prev)
-        else:
-            selection = head._select_gamma_fast(phi, Y)
-        log.info(
-            "RanPAC head: gamma=%.0e selected (%s, %d candidates, held-out MSE %.4g)",
-            selection.gamma,
-            selection.method,
-            len(selection.losses),
-            float(selection.losses.min()),
-        )
-        return selection.gamma, selection
-    if gamma is None:
-        log.warning("RanPAC head: %d sample(s) cannot be split for the gamma search; using gamma=1", len(y))
-        return 1.0, selection
-    log.warning("RanPAC head: update too small for the gamma search; keeping gamma=%g", gamma)
-    return gamma, selection
+def log_selection(selection: GammaSelection) -> None:
+    log.info(
+        "RanPAC head: gamma=%.0e selected (%s, %d candidates, held-out MSE %.4g)",
+        selection.gamma,
+        selection.method,
+        len(selection.losses),
+        float(selection.losses.min()),
+    )
+
+
+def fallback_gamma(previous: float | None, n: int) -> float:
+    """The gamma of an update too small to split: the previous one, or 1 at first."""
+    if previous is None:
+        log.warning("RanPAC head: %d sample(s) cannot be split for the gamma search; using gamma=1", n)
+        return 1.0
+    log.warning("RanPAC head: update too small for the gamma search; keeping gamma=%g", previous)
+    return previous

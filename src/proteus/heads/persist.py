@@ -1,32 +1,38 @@
-"""Persistence of the RanPAC head: its meta (JSON) and tensors (safetensors), restored bit-exactly.
+"""Persistence of the RanPAC head (Eq. 23's statistics): its meta (JSON) and tensors (safetensors),
+restored bit-exactly.
 
-:class:`HeadState` is a mixin of :class:`~proteus.heads.ranpac.RanPACHead` (the head's own file is
-the statistics of Algorithm 1 lines 8-12 and Eq. 23); it reads and writes the head's hyper-parameters
-and fitted tensors ``W_rand``, ``G``, ``Q``, ``counts`` and ``W_out``.
+:func:`head_meta`, :func:`head_tensors` and :func:`load_head_state` read and write the hyper-parameters
+and the fitted tensors ``W_rand``, ``G``, ``Q``, ``counts``, ``W_out`` (and ``P`` for prototypes that keep
+their own matrix, :data:`~proteus.heads.prototypes.PROTOTYPES`) of any object with the head's fields
+(:class:`HeadFields`); :class:`~proteus.heads.ranpac.RanPACHead`'s ``meta``, ``state_tensors`` and
+``load_state_tensors`` call them.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["HeadState", "SUPPORTED_DTYPES", "dtype_name"]
+from proteus.heads.prototypes import PROTOTYPES
+
+__all__ = [
+    "SUPPORTED_DTYPES", "HeadFields", "dtype_name", "head_meta", "head_tensors", "load_head_state",
+    "meta_dtype",
+]  # fmt: skip
 
 SUPPORTED_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 _FORMAT = "proteus.heads.ranpac"
 _FORMAT_VERSION = 1
-
-H = TypeVar("H", bound="HeadState")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class HeadState:
-    """``meta`` / ``state_tensors`` / ``load_state_tensors`` / ``from_state_tensors`` for the head."""
+class HeadFields(Protocol):
+    """The fields of a RanPAC head that its state holds (:class:`~proteus.heads.ranpac.RanPACHead`)."""
 
     embed_dim: int
     rp_dim: int
@@ -34,6 +40,7 @@ class HeadState:
     gamma_max_exp: int
     holdout: float
     selection: str
+    prototypes: str
     seed: int
     dtype: torch.dtype
     device: torch.device | str | None
@@ -41,138 +48,117 @@ class HeadState:
     W_rand_: Tensor | None
     G_: Tensor | None
     Q_: Tensor | None
+    P_: Tensor | None
     counts_: Tensor | None
     gamma_: float | None
     W_out_: Tensor | None
     gamma_selection_: Any
-    prototypes: str
-    P_: Tensor | None
     n_samples_: int
     n_updates_: int
 
-    def __init__(self, embed_dim: int, rp_dim: int = 10000, **kw: Any) -> None:
-        raise NotImplementedError
+    @property
+    def feature_dim(self) -> int: ...
 
     @property
-    def feature_dim(self) -> int:
-        raise NotImplementedError
+    def num_classes_(self) -> int: ...
 
-    @property
-    def num_classes_(self) -> int:
-        raise NotImplementedError
 
-    def meta(self) -> dict[str, Any]:
-        """JSON-serialisable description of the head (hyper-parameters and scalar fitted state);
-        ``prototypes`` only when it is not ``"sum"`` (heads written before it existed read as ``"sum"``)."""
-        out: dict[str, Any] = {
-            "format": _FORMAT,
-            "format_version": _FORMAT_VERSION,
-            "embed_dim": self.embed_dim,
-            "rp_dim": self.rp_dim,
-            "gamma_min_exp": self.gamma_min_exp,
-            "gamma_max_exp": self.gamma_max_exp,
-            "holdout": self.holdout,
-            "selection": self.selection,
-            "prototypes": self.prototypes,
-            "seed": self.seed,
-            "dtype": dtype_name(self.dtype),
-            "fixed_gamma": self.gamma,
-            "gamma": self.gamma_,
-            "num_classes": self.num_classes_,
-            "n_samples": self.n_samples_,
-            "n_updates": self.n_updates_,
-        }
-        if self.prototypes != "sum":
-            out["prototypes"] = self.prototypes
-        return out
+def head_meta(head: HeadFields) -> dict[str, Any]:
+    """JSON-serialisable description of the head (hyper-parameters and scalar fitted state)."""
+    return {
+        "format": _FORMAT,
+        "format_version": _FORMAT_VERSION,
+        "embed_dim": head.embed_dim,
+        "rp_dim": head.rp_dim,
+        "gamma_min_exp": head.gamma_min_exp,
+        "gamma_max_exp": head.gamma_max_exp,
+        "holdout": head.holdout,
+        "selection": head.selection,
+        "prototypes": head.prototypes,
+        "seed": head.seed,
+        "dtype": dtype_name(head.dtype),
+        "fixed_gamma": head.gamma,
+        "gamma": head.gamma_,
+        "num_classes": head.num_classes_,
+        "n_samples": head.n_samples_,
+        "n_updates": head.n_updates_,
+    }
 
-    def state_tensors(self) -> dict[str, Tensor]:
-        """Fitted tensors for safetensors storage (contiguous CPU copies). ``W_rand`` is stored too."""
-        out: dict[str, Tensor] = {}
-        for key, t in (
-            ("W_rand", self.W_rand_),
-            ("G", self.G_),
-            ("Q", self.Q_),
-            ("counts", self.counts_),
-            ("W_out", self.W_out_),
-            ("P", self.P_),
-        ):
-            if t is not None:
-                out[key] = t.detach().to("cpu", copy=True).contiguous()
-        return out
 
-    def load_state_tensors(self: H, tensors: dict[str, Tensor], meta: dict[str, Any]) -> H:
-        """Restore a head saved with :meth:`state_tensors` and :meth:`meta` (bit-exact; no dtype casts)."""
-        if meta.get("format", _FORMAT) != _FORMAT:
-            raise ValueError(f"not a RanPAC head state: format={meta.get('format')!r}")
-        dtype_name = meta["dtype"]
-        dtype = {v: k for k, v in SUPPORTED_DTYPES.items()}.get(dtype_name)
-        if dtype is None:
-            raise ValueError(f"unsupported dtype {dtype_name!r} in head meta")
-        self.embed_dim = int(meta["embed_dim"])
-        self.rp_dim = int(meta["rp_dim"])
-        self.gamma_min_exp = int(meta.get("gamma_min_exp", self.gamma_min_exp))
-        self.gamma_max_exp = int(meta.get("gamma_max_exp", self.gamma_max_exp))
-        self.holdout = float(meta.get("holdout", self.holdout))
-        self.selection = str(meta.get("selection", self.selection))
-        self.prototypes = str(meta.get("prototypes", "sum"))
-        self.seed = int(meta["seed"])
-        self.dtype = dtype
-        self.gamma = None if meta.get("fixed_gamma") is None else float(meta["fixed_gamma"])
-        m, c = self.feature_dim, int(meta["num_classes"])
-        device = torch.device(self.device) if self.device is not None else None
-        if "G" not in tensors and int(meta.get("n_samples", 0)) == 0:  # saved before the first update
-            w = tensors.get("W_rand")
-            self.W_rand_ = None if w is None or self.rp_dim == 0 else w.to(device or w.device)
-            self.G_ = self.Q_ = self.P_ = self.counts_ = self.W_out_ = None
-            self.gamma_, self.gamma_selection_, self.n_samples_, self.n_updates_ = None, None, 0, 0
-            return self
-        expected = {
-            "G": ((m, m), dtype),
-            "Q": ((m, c), dtype),
-            "counts": ((c,), torch.long),
-            "W_out": ((m, c), dtype),
-        }
-        if self.prototypes != "sum":
-            expected["P"] = ((m, c), dtype)
-        if self.rp_dim > 0:
-            expected["W_rand"] = ((self.embed_dim, self.rp_dim), dtype)
-        for key, (shape, dt) in expected.items():
-            if key not in tensors:
-                raise ValueError(f"head state is missing tensor {key!r}")
-            t = tensors[key]
-            if tuple(t.shape) != shape or t.dtype != dt:
-                raise ValueError(
-                    f"head tensor {key!r} has shape {tuple(t.shape)} and dtype {t.dtype}; "
-                    f"expected {shape}, {dt}"
-                )
-        device = device or tensors["G"].device
-        self.W_rand_ = tensors["W_rand"].to(device) if self.rp_dim > 0 else None
-        self.G_ = tensors["G"].to(device)
-        self.Q_ = tensors["Q"].to(device)
-        self.counts_ = tensors["counts"].to(device)
-        self.W_out_ = tensors["W_out"].to(device)
-        self.P_ = tensors["P"].to(device) if self.prototypes != "sum" else None
-        self.gamma_ = None if meta.get("gamma") is None else float(meta["gamma"])
-        self.n_samples_ = int(meta.get("n_samples", int(self.counts_.sum())))
-        self.n_updates_ = int(meta.get("n_updates", 0))
-        self.gamma_selection_ = None
-        return self
+def head_tensors(head: HeadFields) -> dict[str, Tensor]:
+    """Fitted tensors for safetensors storage (contiguous CPU copies). ``W_rand`` is stored too."""
+    out: dict[str, Tensor] = {}
+    for key, t in (
+        ("W_rand", head.W_rand_),
+        ("G", head.G_),
+        ("Q", head.Q_),
+        ("counts", head.counts_),
+        ("W_out", head.W_out_),
+        ("P", head.P_),
+    ):
+        if t is not None:
+            out[key] = t.detach().to("cpu", copy=True).contiguous()
+    return out
 
-    @classmethod
-    def from_state_tensors(
-        cls: type[H],
-        tensors: dict[str, Tensor],
-        meta: dict[str, Any],
-        device: torch.device | str | None = None,
-    ) -> H:
-        """Build a head from :meth:`state_tensors` and :meth:`meta`."""
-        dtype = {v: k for k, v in SUPPORTED_DTYPES.items()}.get(meta.get("dtype", ""), torch.float64)
-        head = cls(
-            embed_dim=int(meta["embed_dim"]),
-            rp_dim=int(meta["rp_dim"]),
-            seed=int(meta["seed"]),
-            dtype=dtype,
-            device=device,
-        )
-        return head.load_state_tensors(tensors, meta)
+
+def meta_dtype(meta: dict[str, Any]) -> torch.dtype | None:
+    """The head dtype a meta names (None for a missing or unsupported name)."""
+    return {v: k for k, v in SUPPORTED_DTYPES.items()}.get(meta.get("dtype", ""))
+
+
+def load_head_state(head: HeadFields, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    """Restore into ``head`` a state saved with :func:`head_tensors` and :func:`head_meta` (bit-exact; no
+    dtype casts); a head written before ``prototypes`` existed reads as ``"sum"``."""
+    if meta.get("format", _FORMAT) != _FORMAT:
+        raise ValueError(f"not a RanPAC head state: format={meta.get('format')!r}")
+    dtype = meta_dtype(meta)
+    if dtype is None:
+        raise ValueError(f"unsupported dtype {meta['dtype']!r} in head meta")
+    head.embed_dim = int(meta["embed_dim"])
+    head.rp_dim = int(meta["rp_dim"])
+    head.gamma_min_exp = int(meta.get("gamma_min_exp", head.gamma_min_exp))
+    head.gamma_max_exp = int(meta.get("gamma_max_exp", head.gamma_max_exp))
+    head.holdout = float(meta.get("holdout", head.holdout))
+    head.selection = str(meta.get("selection", head.selection))
+    head.prototypes = str(meta.get("prototypes", "sum"))
+    head.seed = int(meta["seed"])
+    head.dtype = dtype
+    head.gamma = None if meta.get("fixed_gamma") is None else float(meta["fixed_gamma"])
+    m, c = head.feature_dim, int(meta["num_classes"])
+    device = torch.device(head.device) if head.device is not None else None
+    if "G" not in tensors and int(meta.get("n_samples", 0)) == 0:  # saved before the first update
+        w = tensors.get("W_rand")
+        head.W_rand_ = None if w is None or head.rp_dim == 0 else w.to(device or w.device)
+        head.G_ = head.Q_ = head.P_ = head.counts_ = head.W_out_ = None
+        head.gamma_, head.gamma_selection_, head.n_samples_, head.n_updates_ = None, None, 0, 0
+        return
+    keeps_P = PROTOTYPES.get(head.prototypes).stored
+    expected = {
+        "G": ((m, m), dtype),
+        "Q": ((m, c), dtype),
+        "counts": ((c,), torch.long),
+        "W_out": ((m, c), dtype),
+    }
+    if keeps_P:
+        expected["P"] = ((m, c), dtype)
+    if head.rp_dim > 0:
+        expected["W_rand"] = ((head.embed_dim, head.rp_dim), dtype)
+    for key, (shape, dt) in expected.items():
+        if key not in tensors:
+            raise ValueError(f"head state is missing tensor {key!r}")
+        t = tensors[key]
+        if tuple(t.shape) != shape or t.dtype != dt:
+            raise ValueError(
+                f"head tensor {key!r} has shape {tuple(t.shape)} and dtype {t.dtype}; expected {shape}, {dt}"
+            )
+    device = device or tensors["G"].device
+    head.W_rand_ = tensors["W_rand"].to(device) if head.rp_dim > 0 else None
+    head.G_ = tensors["G"].to(device)
+    head.Q_ = tensors["Q"].to(device)
+    head.counts_ = tensors["counts"].to(device)
+    head.W_out_ = tensors["W_out"].to(device)
+    head.P_ = tensors["P"].to(device) if keeps_P else None
+    head.gamma_ = None if meta.get("gamma") is None else float(meta["gamma"])
+    head.n_samples_ = int(meta.get("n_samples", int(head.counts_.sum())))
+    head.n_updates_ = int(meta.get("n_updates", 0))
+    head.gamma_selection_ = None

@@ -23,8 +23,9 @@ Two notes on fidelity:
   against one-hot targets on the held-out split. RanPAC does one linear solve per gamma
   (:meth:`RanPACHead.select_gamma_naive`, kept as the reference); :meth:`RanPACHead.select_gamma`
   does a single symmetric eigendecomposition and then only rescales eigenvalues per gamma
-  (:mod:`proteus.heads.gamma`). Input checks are in :mod:`proteus.heads.checks`, persistence in
-  :mod:`proteus.heads.persist`.
+  (:mod:`proteus.heads.gamma`); ``selection`` names the rule (:data:`~proteus.heads.gamma.GAMMA_SELECTIONS`).
+  The class prototypes ``e(c)`` are a strategy too (:mod:`proteus.heads.prototypes`). Input checks are in
+  :mod:`proteus.heads.checks`, persistence in :mod:`proteus.heads.persist`.
 
 Memory: ``G`` is ``rp_dim x rp_dim`` in ``dtype``: 800 MB at the paper's ``rp_dim = 10000`` in
 float64 (200 MB at 5000), plus a Cholesky factor of the same size while ``W_out`` is computed and
@@ -33,8 +34,8 @@ the ``N x rp_dim`` projected features of the update being processed.
 
 from __future__ import annotations
 
-import logging
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,25 +45,29 @@ from proteus.heads.checks import allowed_mask, check_embeddings, check_labels
 from proteus.heads.gamma import (
     GAMMA_SELECTIONS,
     GammaSelection,
-    choose_gamma,
+    HeldOut,
+    fallback_gamma,
     gamma_grid,
     holdout_split,
+    log_selection,
     ridge_solve,
-    select_accumulated,
     select_fast,
     select_naive,
 )
-from proteus.heads.persist import SUPPORTED_DTYPES, HeadState, dtype_name
+from proteus.heads.persist import (
+    SUPPORTED_DTYPES,
+    dtype_name,
+    head_meta,
+    head_tensors,
+    load_head_state,
+    meta_dtype,
+)
+from proteus.heads.prototypes import PROTOTYPES
 
 __all__ = ["GAMMA_SELECTIONS", "PROTOTYPES", "GammaSelection", "RanPACHead"]
 
-log = logging.getLogger(__name__)
 
-#: the class prototypes e(c) of Eq. 23: RanPAC's class sums, or Algorithm 1's per-task means
-PROTOTYPES = ("sum", "task-mean")
-
-
-class RanPACHead(HeadState):
+class RanPACHead:
     """Ridge-regression / LDA head of RanPAC (Eq. 23) with incremental statistics ``G_`` and ``Q_``.
 
     Hyper-parameters are set in ``__init__``; everything fitted ends with an underscore
@@ -79,12 +84,12 @@ class RanPACHead(HeadState):
         dtype: float64 (default, recommended) or float32.
         device: where the statistics live; ``None`` uses the device of the first update's inputs.
         gamma: a fixed noise level; ``None`` (default) searches the grid after every update as RanPAC.
-        selection: ``"task"`` (RanPAC's rule: this update's data alone) or ``"accumulated"``
-            (:mod:`proteus.heads.gamma`).
-        prototypes: the class prototypes ``e(c)`` that Eq. 23 uses: ``"sum"`` (RanPAC's code: plain class
-            sums ``Q_``) or ``"task-mean"`` (Algorithm 1 line 11, ``e_S(z) += |D_k|^{-1} h_S(x)``: each
-            update's sums divided by its size, held in ``P_``; the uniform ``m^{-1}`` is left out, it
-            scales every score alike).
+        selection: a rule of :data:`~proteus.heads.gamma.GAMMA_SELECTIONS`: ``"task"`` (RanPAC's rule:
+            this update's data alone) or ``"accumulated"``.
+        prototypes: the class prototypes ``e(c)`` that Eq. 23 uses
+            (:data:`~proteus.heads.prototypes.PROTOTYPES`): ``"sum"`` (RanPAC's code: plain class sums
+            ``Q_``) or ``"task-mean"`` (Algorithm 1 line 11: each update's sums divided by its size, held
+            in ``P_``).
     """
 
     def __init__(
@@ -121,14 +126,14 @@ class RanPACHead(HeadState):
         self.gamma_max_exp = int(gamma_max_exp)
         self.holdout = float(holdout)
         if selection not in GAMMA_SELECTIONS:
-            raise ValueError(f"selection must be one of {GAMMA_SELECTIONS}, got {selection!r}")
+            raise ValueError(f"selection must be one of {tuple(GAMMA_SELECTIONS)}, got {selection!r}")
         self.selection = selection
         self.seed = int(seed)
         self.dtype = dtype
         self.device = device
         self.gamma = None if gamma is None else float(gamma)
         if prototypes not in PROTOTYPES:
-            raise ValueError(f"prototypes must be one of {PROTOTYPES}, got {prototypes!r}")
+            raise ValueError(f"prototypes must be one of {tuple(PROTOTYPES)}, got {prototypes!r}")
         self.prototypes = prototypes
 
         self.W_rand_: Tensor | None = None
@@ -178,12 +183,9 @@ class RanPACHead(HeadState):
         w = torch.randn(self.embed_dim, self.rp_dim, generator=gen, dtype=torch.float64)
         self.W_rand_ = w.to(device=device, dtype=self.dtype)
 
-    def _check_embeddings(self, H: Tensor, what: str = "H") -> Tensor:
-        return check_embeddings(H, self.embed_dim, what)
-
     def features(self, H: Tensor) -> Tensor:
         """``phi(H) = relu(H @ W_rand_)`` in the head's dtype and device (``H`` itself if ``rp_dim == 0``)."""
-        H = self._check_embeddings(H)
+        H = check_embeddings(H, self.embed_dim)
         device = self._state_device(H)
         H = H.to(device=device, dtype=self.dtype)
         if self.rp_dim == 0:
@@ -191,9 +193,6 @@ class RanPACHead(HeadState):
         self._ensure_projection(device)
         assert self.W_rand_ is not None
         return torch.relu(H @ self.W_rand_)
-
-    def _check_labels(self, y: Tensor, n: int, num_classes: int | None) -> tuple[Tensor, int]:
-        return check_labels(y, n, num_classes, self.num_classes_)
 
     def _one_hot(self, y: Tensor, num_classes: int, device: torch.device) -> Tensor:
         Y = torch.zeros(y.shape[0], num_classes, dtype=self.dtype, device=device)
@@ -203,7 +202,7 @@ class RanPACHead(HeadState):
     def _split(self, n: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
         return holdout_split(n, self.holdout, self.seed, device)
 
-    def _split_for_selection(self, phi: Tensor, Y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _split_for_selection(self, phi: Tensor, Y: Tensor) -> HeldOut:
         split = self._split(phi.shape[0], phi.device)
         if split is None:
             raise ValueError(
@@ -211,11 +210,11 @@ class RanPACHead(HeadState):
                 f"(holdout={self.holdout}); need at least 2 samples"
             )
         tr, va = split
-        return phi[tr], Y[tr], phi[va], Y[va]
+        return HeldOut(phi[tr], Y[tr], phi[va], Y[va])
 
     def _features_and_targets(self, H: Tensor, y: Tensor, num_classes: int | None) -> tuple[Tensor, Tensor]:
-        H = self._check_embeddings(H)
-        y, total = self._check_labels(y, H.shape[0], num_classes)
+        H = check_embeddings(H, self.embed_dim)
+        y, total = check_labels(y, H.shape[0], num_classes, self.num_classes_)
         phi = self.features(H)
         return phi, self._one_hot(y, total, phi.device)
 
@@ -223,21 +222,32 @@ class RanPACHead(HeadState):
     def select_gamma(self, H: Tensor, y: Tensor, num_classes: int | None = None) -> GammaSelection:
         """RanPAC's gamma search with one eigendecomposition for all candidates
         (:func:`~proteus.heads.gamma.select_fast`) on this update's data."""
-        return self._select_gamma_fast(*self._features_and_targets(H, y, num_classes))
-
-    def _select_gamma_fast(self, phi: Tensor, Y: Tensor) -> GammaSelection:
+        phi, Y = self._features_and_targets(H, y, num_classes)
         return select_fast(*self._split_for_selection(phi, Y), self.gamma_grid())
-
-    def _select_gamma_accumulated(
-        self, phi: Tensor, Y: Tensor, G_prev: Tensor, Q_prev: Tensor
-    ) -> GammaSelection:
-        """:func:`~proteus.heads.gamma.select_accumulated`: the ridge on all statistics so far."""
-        return select_accumulated(*self._split_for_selection(phi, Y), self.gamma_grid(), G_prev, Q_prev)
 
     def select_gamma_naive(self, H: Tensor, y: Tensor, num_classes: int | None = None) -> GammaSelection:
         """Reference gamma search as RanPAC's ``optimise_ridge_parameter``: one solve per candidate."""
         phi, Y = self._features_and_targets(H, y, num_classes)
         return select_naive(*self._split_for_selection(phi, Y), self.gamma_grid())
+
+    def _choose_gamma(
+        self, phi: Tensor, y: Tensor, total: int, device: torch.device, G_prev: Tensor, Q_prev: Tensor
+    ) -> tuple[float, GammaSelection | None]:
+        """The gamma an update uses, and the search that chose it: the fixed ``gamma``, else the
+        ``selection`` rule on this update's features ``phi`` and labels ``y`` given the statistics before
+        it (none at the first update); an update too small to split keeps the previous gamma (1 at first)."""
+        if self.gamma is not None:
+            return self.gamma, self.gamma_selection_
+        split = self._split(phi.shape[0], device)
+        if split is None:
+            return fallback_gamma(self.gamma_, len(y)), self.gamma_selection_
+        tr, va = split
+        Y = self._one_hot(y, total, device)
+        prev = (G_prev, Q_prev) if self.n_updates_ else (None, None)
+        rule = GAMMA_SELECTIONS.get(self.selection)
+        selection = rule.select(HeldOut(phi[tr], Y[tr], phi[va], Y[va]), self.gamma_grid(), *prev)
+        log_selection(selection)
+        return selection.gamma, selection
 
     # ------------------------------------------------------------------ fitting
     def update(self, H: Tensor, y: Tensor, num_classes: int | None = None) -> RanPACHead:
@@ -249,8 +259,8 @@ class RanPACHead(HeadState):
             y: ``(N,)`` integer *global* class labels.
             num_classes: total number of classes so far (optional); ``Q_`` grows columns as needed.
         """
-        H = self._check_embeddings(H)
-        y, total = self._check_labels(y, H.shape[0], num_classes)
+        H = check_embeddings(H, self.embed_dim)
+        y, total = check_labels(y, H.shape[0], num_classes, self.num_classes_)
         device = self._state_device(H)
         phi = self.features(H)
         m = phi.shape[1]
@@ -264,7 +274,6 @@ class RanPACHead(HeadState):
         else:
             assert self.Q_ is not None and self.counts_ is not None
             G_old, Q_old, counts_old = self.G_, self.Q_, self.counts_
-        P_old = Q_old.new_zeros(m, 0) if self.P_ is None else self.P_
         grow = max(0, total - Q_old.shape[1])
         Q_old = torch.cat([Q_old, Q_old.new_zeros(m, grow)], dim=1) if grow else Q_old
         counts_old = torch.cat([counts_old, counts_old.new_zeros(grow)]) if grow else counts_old
@@ -274,12 +283,9 @@ class RanPACHead(HeadState):
         Q_new = Q_old.clone()
         index_add(Q_new, 1, y_dev, phi.T)  # column c += sum of phi over samples of class c: e_S(c)
         counts_new = counts_old + torch.bincount(y_dev, minlength=total)
-        P_new = None
-        if self.prototypes == "task-mean":
-            P_new = torch.cat([P_old, P_old.new_zeros(m, total - P_old.shape[1])], dim=1)
-            index_add(P_new, 1, y_dev, phi.T / phi.shape[0])  # e_S(c) += |D_k|^{-1} h_S(x)
+        P_new = PROTOTYPES.get(self.prototypes).add(self.P_, phi, y_dev, total)
 
-        gamma, selection = choose_gamma(self, phi, y, total, device, G_old, Q_old)
+        gamma, selection = self._choose_gamma(phi, y, total, device, G_old, Q_old)
         W_out = self._ridge_solve(G_new, Q_new if P_new is None else P_new, gamma)
 
         self.G_, self.Q_, self.P_, self.counts_ = G_new, Q_new, P_new, counts_new
@@ -296,8 +302,8 @@ class RanPACHead(HeadState):
         Atomic like :meth:`update`."""
         if self.G_ is None or self.Q_ is None or self.counts_ is None:
             raise RuntimeError("RanPACHead has no statistics yet: nothing to subtract")
-        H = self._check_embeddings(H)
-        y, _ = self._check_labels(y, H.shape[0], self.num_classes_)
+        H = check_embeddings(H, self.embed_dim)
+        y, _ = check_labels(y, H.shape[0], self.num_classes_, self.num_classes_)
         phi = self.features(H)
         y_dev = y.to(phi.device)
         counts = self.counts_ - torch.bincount(y_dev, minlength=self.num_classes_)
@@ -309,11 +315,7 @@ class RanPACHead(HeadState):
         index_add(Q, 1, y_dev, -phi.T)
         Q[:, cls] = 0.0
         counts[cls] = 0
-        P = None
-        if self.P_ is not None:
-            P = self.P_.clone()
-            index_add(P, 1, y_dev, -phi.T / phi.shape[0])
-            P[:, cls] = 0.0
+        P = PROTOTYPES.get(self.prototypes).subtract(self.P_, phi, y_dev, cls)
         assert self.gamma_ is not None
         W_out = self._ridge_solve(G, Q if P is None else P, self.gamma_)
         self.G_, self.Q_, self.P_, self.counts_, self.W_out_ = G, Q, P, counts, W_out
@@ -336,6 +338,34 @@ class RanPACHead(HeadState):
 
     #: ``(G + gamma I)^{-1} Q`` (:func:`~proteus.heads.gamma.ridge_solve`)
     _ridge_solve = staticmethod(ridge_solve)
+
+    # ------------------------------------------------------------------ persistence
+    def meta(self) -> dict[str, Any]:
+        """JSON-serialisable description of the head (:func:`~proteus.heads.persist.head_meta`)."""
+        return head_meta(self)
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """Fitted tensors for safetensors storage, ``W_rand`` included (contiguous CPU copies)."""
+        return head_tensors(self)
+
+    def load_state_tensors(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> RanPACHead:
+        """Restore a head saved with :meth:`state_tensors` and :meth:`meta` (bit-exact; no dtype casts)."""
+        load_head_state(self, tensors, meta)
+        return self
+
+    @classmethod
+    def from_state_tensors(
+        cls, tensors: dict[str, Tensor], meta: dict[str, Any], device: torch.device | str | None = None
+    ) -> RanPACHead:
+        """Build a head from :meth:`state_tensors` and :meth:`meta`."""
+        head = cls(
+            embed_dim=int(meta["embed_dim"]),
+            rp_dim=int(meta["rp_dim"]),
+            seed=int(meta["seed"]),
+            dtype=meta_dtype(meta) or torch.float64,
+            device=device,
+        )
+        return head.load_state_tensors(tensors, meta)
 
     # ------------------------------------------------------------------ prediction
     def _check_fitted(self) -> Tensor:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from proteus.errors import ProteusError
 from proteus.faults import crash_point
 
 log = logging.getLogger("proteus")
@@ -36,7 +37,7 @@ _TMP_PREFIXES = (f".{MANIFEST}.tmp-", f".{PREV_MANIFEST}.tmp-")
 _WRITE_PROBE = ".write-check-"
 
 
-class KBError(RuntimeError):
+class KBError(ProteusError, RuntimeError):
     """A knowledge base that cannot be opened or used as asked (the message names file, task or key)."""
 
 

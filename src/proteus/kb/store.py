@@ -79,6 +79,9 @@ from proteus.kb.files import (
 )
 from proteus.kb.lock import lock_holder, write_lock
 
+#: one part of a learner's state: its JSON record (in the manifest) and its tensors (one object)
+Part = tuple[dict[str, Any], dict[str, torch.Tensor]]
+
 
 class KnowledgeBase:
     """A directory holding a PROTEUS knowledge base. Use :meth:`open`, :meth:`new` or :meth:`create`; writers
@@ -317,6 +320,35 @@ class KnowledgeBase:
         self._cache = {rel: v for rel, v in self._cache.items() if keep.get(rel) == v[0]}
         crash_point("commit:manifest")
         self.sweep()
+
+    def commit_state(
+        self,
+        tasks: list[Part],
+        head: Part | None,
+        evaluation: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Commit a learner's state (:class:`proteus.engine.learner.LearnerState`'s parts): one object
+        per task (its record in the manifest), one for the head (its meta in the manifest), and the
+        evaluation rows to keep with it (None: the stored rows of the tasks kept)."""
+        manifest = dict(self.manifest)
+        records = []
+        for k, (meta, tensors) in enumerate(tasks):
+            rel, sha = self.write_object(f"task{k:03d}", tensors)
+            records.append({**meta, "object": rel, "sha256": sha})
+        manifest["tasks"] = records
+        if head is not None:
+            rel, sha = self.write_object("head", head[1])
+            manifest["head"] = {"meta": head[0], "object": rel, "sha256": sha}
+        stored = list(self.manifest.get("evaluation", []))
+        manifest["evaluation"] = stored[: len(tasks)] if evaluation is None else evaluation
+        self.commit(manifest)
+
+    def read_state(self) -> tuple[list[Part], Part | None]:
+        """The committed state: (record, tensors) per task and the head's (meta, tensors) or None (every
+        object's checksum verified)."""
+        tasks = [(t, self.read(t["object"], t["sha256"])) for t in self.manifest["tasks"]]
+        head = self.manifest.get("head")
+        return tasks, (head["meta"], self.read(head["object"], head["sha256"])) if head else None
 
     def previous_manifest(self) -> dict[str, Any]:
         """The previous commit's manifest (``manifest.prev.json``), checked like the current one."""

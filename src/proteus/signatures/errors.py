@@ -6,10 +6,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from proteus.errors import ProteusError
+
 __all__ = ["SignatureFitError", "as_tensor", "check_finite_rows", "like"]
 
 
-class SignatureFitError(ValueError):
+class SignatureFitError(ProteusError, ValueError):
     """A signature (DP-GMM, k-means or Gaussian) could not be fitted; the message names the cause."""
 
 

@@ -1,6 +1,7 @@
 """The clusterings behind a task's signature (Eq. 18) and the covariance estimate they share.
 
-:func:`task_covariance` estimates a task's covariance from its (normalised) embeddings, in float64:
+:func:`task_covariance` estimates a task's covariance from its (normalised) embeddings, in float64, with
+the estimator ``signature.prior`` names in :data:`PRIORS`:
 
 * ``prior = "ridge"``: ``cov(H) + lambda I`` with ``lambda = max(reg_covar, 1e-3 tr(cov(H)) / d)``
   (``PRIOR_RIDGE``). The ridge only keeps the matrix invertible: with fewer embeddings than dimensions,
@@ -11,44 +12,67 @@
   shrinkage ``rho`` of Ledoit & Wolf (2004) or of Chen et al.'s oracle approximating shrinkage (2010),
   computed from the data alone (no parameter): large when N is close to d, small when N >> d.
 
-:func:`fit_dpgmm` uses it as the DP-GMM's covariance prior (scikit-learn's ``W0^{-1}``, with the Wishart
-prior's degrees of freedom ``d`` by default, ``prior_dof`` otherwise), :func:`fit_gaussian` as the one
-covariance of Eq. 2, :func:`fit_kmeans` as the pooled covariance its clusters shrink towards. Each
-returns a :class:`ClusterFit`: weights, counts, means, dense covariances on demand and the factored
-form that :meth:`~proteus.signatures.gaussian.GaussianComponents.shared` stores.
+The clusterings are registered in :data:`METHODS` under their ``signature.method`` name:
+:func:`fit_dpgmm` uses the covariance as the DP-GMM's covariance prior (scikit-learn's ``W0^{-1}``, scaled
+per ``signature.prior_scale``, :data:`PRIOR_SCALES`, with the Wishart prior's degrees of freedom ``d`` by
+default, ``prior_dof`` otherwise), :func:`fit_gaussian` as the one covariance of Eq. 2, :func:`fit_kmeans`
+as the pooled covariance its clusters shrink towards. Each returns a :class:`ClusterFit`: weights,
+counts, means, dense covariances on demand and the factored form that
+:class:`~proteus.signatures.gaussian.SharedComponents` stores.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from proteus.config import SignatureConfig
 from proteus.devices import index_add
+from proteus.registry import Registry
 from proteus.signatures.dpgmm import DPGMM, PosteriorFactors
 from proteus.signatures.kmeans import kmeans
 
 __all__ = [
+    "METHODS",
     "PRIORS",
     "PRIOR_RIDGE",
     "PRIOR_SCALES",
     "ClusterFit",
+    "TaskCovariance",
     "fit_dpgmm",
     "fit_gaussian",
     "fit_kmeans",
-    "shrinkage",
+    "ledoit_wolf_shrinkage",
+    "oas_shrinkage",
     "task_covariance",
 ]
 
 #: the ridge of ``prior = "ridge"``, relative to the mean variance ``tr(cov) / d``
 PRIOR_RIDGE = 1e-3
-#: how a task's covariance (the DP-GMM's covariance prior) is estimated
-PRIORS = ("ridge", "ledoit-wolf", "oas")
-#: how the DP-GMM's Wishart prior is scaled (see fit_dpgmm)
-PRIOR_SCALES = ("sklearn", "expected")
+
+
+class TaskCovariance(NamedTuple):
+    """A task's regularised covariance ``C`` (d, d) and the ridge ``lam`` that k-means and the single
+    Gaussian add to their own covariances."""
+
+    C: Tensor
+    lam: float
+
+
+#: ``signature.prior``: how a task's covariance (the DP-GMM's covariance prior) is estimated from the
+#: centred rows ``Xc`` (N, d) and their sample covariance ``C`` (``1 / (N - 1)``)
+Prior = Callable[[Tensor, Tensor, SignatureConfig], TaskCovariance]
+PRIORS: Registry[Prior] = Registry("signature prior")
+#: ``signature.prior_scale``: the DP-GMM's ``W0^{-1}`` from the task's covariance and the prior's dof
+PRIOR_SCALES: Registry[Callable[[Tensor, float], Tensor]] = Registry("signature prior scale")
+#: ``signature.method``: the clustering ``fit(X, cfg, seed, task covariance)`` behind the signature
+METHODS: Registry[Callable[[Tensor, SignatureConfig, int, TaskCovariance], ClusterFit]] = Registry(
+    "signature method"
+)
 
 
 @dataclass
@@ -67,20 +91,21 @@ class ClusterFit:
     converged: bool
 
 
-def shrinkage(Xc: Tensor, how: str) -> float:
-    """Shrinkage intensity ``rho`` in [0, 1] towards ``(tr(S) / d) I`` of the sample covariance ``S`` of the
-    centred rows ``Xc`` (N, d): Ledoit-Wolf's ``min(b^2, d^2) / d^2`` (their Lemma 3.2-3.4 estimates, as
-    scikit-learn's ``ledoit_wolf_shrinkage``) or OAS's ``min(1, (tr(S^2) / d + mu^2) / ((N + 1)
-    (tr(S^2) / d - mu^2 / d)))`` (as scikit-learn's ``oas``), both with the ``1 / N`` covariance."""
+def _scatter(Xc: Tensor) -> tuple[Tensor, float]:
+    """The ``1 / N`` sample covariance ``S`` of the centred rows ``Xc`` and its mean variance ``tr S / d``."""
     N, d = Xc.shape
     S = (Xc.T @ Xc) / N
-    mu = float(S.diagonal().sum()) / d
+    return S, float(S.diagonal().sum()) / d
+
+
+def ledoit_wolf_shrinkage(Xc: Tensor) -> float:
+    """Ledoit-Wolf's shrinkage intensity ``rho = min(b^2, d^2) / d^2`` in [0, 1] towards ``(tr(S) / d) I`` of
+    the sample covariance ``S`` of the centred rows ``Xc`` (N, d) (their Lemma 3.2-3.4 estimates, as
+    scikit-learn's ``ledoit_wolf_shrinkage``, with the ``1 / N`` covariance)."""
+    N, d = Xc.shape
+    S, mu = _scatter(Xc)
     if mu <= 0.0:
         return 0.0
-    if how == "oas":
-        alpha = float((S * S).mean())
-        den = (N + 1.0) * (alpha - mu * mu / d)
-        return 1.0 if den <= 0.0 else min(1.0, (alpha + mu * mu) / den)
     X2 = Xc * Xc
     beta_ = float((X2.T @ X2).sum()) / N  # sum_ij mean_n x_ni^2 x_nj^2
     delta_ = float((S * S).sum())  # ||S||_F^2
@@ -90,30 +115,65 @@ def shrinkage(Xc: Tensor, how: str) -> float:
     return 0.0 if beta <= 0.0 else beta / delta
 
 
-def task_covariance(X: Tensor, cfg: SignatureConfig) -> tuple[Tensor, float]:
-    """``(C, lambda)``: the task's regularised covariance (see the module docstring) and the ridge that
-    k-means and the single Gaussian add to their own covariances (``lambda = max(reg_covar, 1e-3 tr /
-    d)`` for ``"ridge"``, ``reg_covar`` for the shrinkage estimates, which are well conditioned)."""
-    N, d = X.shape
+def oas_shrinkage(Xc: Tensor) -> float:
+    """OAS's shrinkage intensity ``rho = min(1, (tr(S^2) / d + mu^2) / ((N + 1) (tr(S^2) / d - mu^2 / d)))``
+    (Chen et al. 2010, as scikit-learn's ``oas``) towards ``mu I``, ``mu = tr(S) / d``, of the ``1 / N``
+    sample covariance ``S`` of the centred rows ``Xc`` (N, d)."""
+    N, d = Xc.shape
+    S, mu = _scatter(Xc)
+    if mu <= 0.0:
+        return 0.0
+    alpha = float((S * S).mean())
+    den = (N + 1.0) * (alpha - mu * mu / d)
+    return 1.0 if den <= 0.0 else min(1.0, (alpha + mu * mu) / den)
+
+
+@PRIORS.register("ridge", "cov(H) + max(reg_covar, 1e-3 tr / d) I")
+def _ridge_prior(Xc: Tensor, C: Tensor, cfg: SignatureConfig) -> TaskCovariance:
+    d = C.shape[0]
+    lam = max(float(cfg.reg_covar), PRIOR_RIDGE * float(C.diagonal().sum()) / d)
+    return TaskCovariance(C + lam * torch.eye(d, dtype=Xc.dtype, device=Xc.device), lam)
+
+
+def _shrunk_prior(rho_of: Callable[[Tensor], float]) -> Prior:
+    """``(1 - rho) C + rho (tr(C) / d) I + reg_covar I`` with the shrinkage ``rho = rho_of(Xc)``."""
+
+    def prior(Xc: Tensor, C: Tensor, cfg: SignatureConfig) -> TaskCovariance:
+        rho = rho_of(Xc)
+        mean_var = float(C.diagonal().sum()) / C.shape[0]
+        C = (1.0 - rho) * C
+        C.diagonal().add_(rho * mean_var + float(cfg.reg_covar))
+        return TaskCovariance(C, float(cfg.reg_covar))
+
+    return prior
+
+
+PRIORS.register("ledoit-wolf", "Ledoit-Wolf shrinkage towards tr / d I")(_shrunk_prior(ledoit_wolf_shrinkage))
+PRIORS.register("oas", "OAS shrinkage towards tr / d I")(_shrunk_prior(oas_shrinkage))
+PRIOR_SCALES.register("sklearn", "W0^{-1} = C: the prior's expected covariance is C / dof")(lambda C, dof: C)
+PRIOR_SCALES.register("expected", "W0^{-1} = dof C: the prior's expected covariance is C")(
+    lambda C, dof: dof * C  # W0^{-1} = nu0 C: the prior's expected covariance is C itself
+)
+
+
+def task_covariance(X: Tensor, cfg: SignatureConfig) -> TaskCovariance:
+    """``(C, lambda)``: the task's regularised covariance per ``cfg.prior`` (see the module docstring) and
+    the ridge that k-means and the single Gaussian add to their own covariances (``lambda =
+    max(reg_covar, 1e-3 tr / d)`` for ``"ridge"``, ``reg_covar`` for the shrinkage estimates, which are
+    well conditioned)."""
+    N = X.shape[0]
     Xc = X - X.mean(0)
     C = (Xc.T @ Xc) / (N - 1)
-    prior = cfg.prior
-    if prior == "ridge":
-        lam = max(float(cfg.reg_covar), PRIOR_RIDGE * float(C.diagonal().sum()) / d)
-        return C + lam * torch.eye(d, dtype=X.dtype, device=X.device), lam
-    rho = shrinkage(Xc, prior)
-    mean_var = float(C.diagonal().sum()) / d
-    C = (1.0 - rho) * C
-    C.diagonal().add_(rho * mean_var + float(cfg.reg_covar))
-    return C, float(cfg.reg_covar)
+    return PRIORS.get(cfg.prior)(Xc, C, cfg)
 
 
-def fit_dpgmm(X: Tensor, cfg: SignatureConfig, seed: int, prior: Tensor) -> ClusterFit:
-    """The DP-GMM of Eq. 18 with covariance prior ``prior`` (scikit-learn's other defaults)."""
+@METHODS.register("dpgmm", "the DP-GMM of Eq. 18")
+def fit_dpgmm(X: Tensor, cfg: SignatureConfig, seed: int, cov: TaskCovariance) -> ClusterFit:
+    """The DP-GMM of Eq. 18 with covariance prior ``W0^{-1}`` the task's covariance scaled per
+    ``cfg.prior_scale`` (:data:`PRIOR_SCALES`; scikit-learn's other defaults)."""
     d = X.shape[1]
     dof = float(d) if cfg.prior_dof is None else float(cfg.prior_dof)
-    if cfg.prior_scale == "expected":
-        prior = dof * prior  # W0^{-1} = nu0 C: the prior's expected covariance is C itself
+    prior = PRIOR_SCALES.get(cfg.prior_scale)(cov.C, dof)
     gm = DPGMM(
         n_components=cfg.max_components,
         covariance_prior=prior,
@@ -139,11 +199,13 @@ def fit_dpgmm(X: Tensor, cfg: SignatureConfig, seed: int, prior: Tensor) -> Clus
     )
 
 
-def fit_kmeans(X: Tensor, cfg: SignatureConfig, seed: int, lam: float) -> ClusterFit:
+@METHODS.register("kmeans", "K-means hard clusters (the ablation)")
+def fit_kmeans(X: Tensor, cfg: SignatureConfig, seed: int, cov: TaskCovariance) -> ClusterFit:
     """The K-means ablation: ``K = max_components`` hard clusters, each with covariance ``(n_k S_k + d
     S_pool) / (n_k + d)`` (its scatter shrunk towards the pooled within-cluster covariance ``S_pool + lam
-    I`` with the weight of d pseudo-points) plus ``reg_covar I``."""
+    I``, ``lam = cov.lam``, with the weight of d pseudo-points) plus ``reg_covar I``."""
     N, d = X.shape
+    lam = cov.lam
     labels, _, n_iter = kmeans(X - X.mean(0), cfg.max_components, int(seed), max_iter=max(cfg.max_iter, 1))
     K = int(labels.max()) + 1
     counts = torch.bincount(labels, minlength=K)
@@ -175,10 +237,12 @@ def fit_kmeans(X: Tensor, cfg: SignatureConfig, seed: int, lam: float) -> Cluste
     return ClusterFit(nk / N, counts, means, cov_fn, shared_fn, labels, None, n_iter, True)
 
 
-def fit_gaussian(X: Tensor, C: Tensor) -> ClusterFit:
-    """One Gaussian (the single-key signature of Eq. 2) with the task's regularised covariance ``C``."""
+@METHODS.register("gaussian", "one Gaussian (the single-key signature of Eq. 2)")
+def fit_gaussian(X: Tensor, cfg: SignatureConfig, seed: int, task_cov: TaskCovariance) -> ClusterFit:
+    """One Gaussian (the single-key signature of Eq. 2) with the task's regularised covariance
+    ``task_cov.C`` (``cfg`` and ``seed`` are not used)."""
     N, d = X.shape
-    cov = C[None]
+    cov = task_cov.C[None]
 
     def shared_fn(index: Tensor | list[int]) -> PosteriorFactors:
         e, V = torch.linalg.eigh(cov[0])

@@ -1,4 +1,4 @@
-"""Kind ``"shared"`` of :class:`~proteus.signatures.gaussian.GaussianComponents`: the math behind it.
+"""Kind ``"shared"`` (:class:`~proteus.signatures.gaussian.SharedComponents`): the math behind it.
 
 A task's components share one full matrix ``P = V diag(e) V^T`` (the DP-GMM's covariance prior) and each
 adds a low-rank data term in P's whitened space (see the module docstring of
@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from proteus.signatures.components import COVARIANCES, ComponentSource, GaussianComponents, compute_dtype
 from proteus.signatures.errors import SignatureFitError
+from proteus.signatures.posterior import PosteriorFactors
 
-__all__ = ["allocate_ranks", "shared_scoring", "shared_tensors"]
+__all__ = ["SharedComponents", "allocate_ranks", "shared_scoring", "shared_tensors"]
 
 
 def allocate_ranks(sizes: list[int], budget: int, d: int) -> list[int]:
@@ -44,19 +46,12 @@ def allocate_ranks(sizes: list[int], budget: int, d: int) -> list[int]:
 
 
 def shared_tensors(
-    weights: Tensor,
-    means: Tensor,
-    prior_evals: Tensor,
-    prior_evecs: Tensor,
-    scale: Tensor,
-    ridge: Tensor,
-    factors: list[Tensor],
-    rank: int,
+    weights: Tensor, means: Tensor, factored: PosteriorFactors, rank: int
 ) -> dict[str, Tensor]:
-    """Components of kind ``"shared"`` from factored covariances
+    """Components of kind ``"shared"`` from factored covariances (``factored``, as
+    :meth:`~proteus.signatures.dpgmm.DPGMM.posterior_factors` returns them)
     ``Lambda_t = scale_t (P + ridge_t I + V F_t^T F_t V^T)``: ``P = V diag(prior_evals) V^T`` is shared by
-    all components and ``F_t`` (r_t, d) is given in P's eigenbasis (``prior_evecs`` = V, columns), as
-    :meth:`~proteus.signatures.dpgmm.DPGMM.posterior_factors` returns them.
+    all components and ``F_t`` (r_t, d) is given in P's eigenbasis (``prior_evecs`` = V, columns).
 
     In P's whitened space (``z = diag(e)^{-1/2} V^T x``) the covariance is ``scale_t (D_t + G_t^T G_t)``
     with the diagonal ``D_t = 1 + ridge_t / e`` and ``G_t = F_t diag(e)^{-1/2}``. The components share a
@@ -69,6 +64,7 @@ def shared_tensors(
     all eigenvalues of ``M_t``). Returns the stored tensors, in float64.
     """
     f64 = torch.float64
+    prior_evals, prior_evecs, factors = factored.prior_evals, factored.prior_evecs, factored.factors
     if means.ndim != 2:
         raise ValueError(f"means must be (T, d), got {tuple(means.shape)}")
     T, d = means.shape
@@ -82,8 +78,8 @@ def shared_tensors(
     dev = means.device
     e = prior_evals.detach().to(device=dev, dtype=f64)
     V = prior_evecs.detach().to(device=dev, dtype=f64)
-    c = scale.detach().to(device=dev, dtype=f64).reshape(T)
-    a = ridge.detach().to(device=dev, dtype=f64).reshape(T)
+    c = factored.scale.detach().to(device=dev, dtype=f64).reshape(T)
+    a = factored.ridge.detach().to(device=dev, dtype=f64).reshape(T)
     m = means.detach().to(f64)
     if not bool(torch.isfinite(e).all() and torch.isfinite(V).all() and torch.isfinite(m).all()):
         raise SignatureFitError("component means or the shared covariance are not finite")
@@ -188,3 +184,81 @@ def shared_scoring(t: dict[str, Tensor], mc: Tensor) -> dict[str, Tensor]:
     base_cat = torch.cat([inv_D, -2.0 * mu * inv_D], 1).to(cdt).contiguous()  # (T, 2d)
     mu2 = (mu * mu * inv_D).sum(1).to(cdt)
     return {"_W": W, "_F_cat": F_cat, "_off": off, "_seg": seg_ind, "_base_cat": base_cat, "_mu2": mu2}
+
+
+@COVARIANCES.register("shared", "one full matrix per task plus per-component low rank (Woodbury)")
+class SharedComponents(GaussianComponents):
+    """Kind ``"shared"``: ``SharedComponents(weights (T,), means (T, d), factors, rank=64,
+    dtype=torch.float32)`` from factored covariances ``Lambda_t = scale_t (P + ridge_t I + V F_t^T F_t
+    V^T)`` (``factors``: :class:`~proteus.signatures.posterior.PosteriorFactors`, ``P = V diag(prior_evals)
+    V^T`` shared by all components, ``F_t`` (r_t, d) in P's eigenbasis), within a budget of ``T * rank``
+    factor rows: exact while the ``r_t`` fit it, see :func:`~proteus.signatures.shared.shared_tensors`.
+    Computed in float64, held in ``dtype``."""
+
+    kind = "shared"
+    factor_names = ("prior_evecs", "prior_evals", "lowrank", "ranks", "iso", "ridge")
+    per_component = ("ranks", "iso", "ridge")
+    #: scoring factors (:func:`~proteus.signatures.shared.shared_scoring`)
+    _W: Tensor
+    _F_cat: Tensor
+    _off: Tensor
+    _seg: Tensor
+    _base_cat: Tensor
+    _mu2: Tensor
+
+    def __init__(
+        self,
+        weights: Tensor,
+        means: Tensor,
+        factors: PosteriorFactors,
+        rank: int = 64,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        t = shared_tensors(weights, means, factors, rank)
+        cdt = compute_dtype(dtype)
+        self._set({k: (v.to(cdt) if v.is_floating_point() else v) for k, v in t.items()})
+
+    @classmethod
+    def from_fit(
+        cls, fit: ComponentSource, active: Tensor, rank: int | None, n_train: int
+    ) -> GaussianComponents:
+        d = fit.means.shape[1]
+        pf = fit.shared_fn(active)
+        q = d if rank is None else max(1, min(int(rank), d))
+        return cls(fit.weights.index_select(0, active), fit.means.index_select(0, active), pf, rank=q)
+
+    def _set_factors(self, t: dict[str, Tensor], mc: Tensor) -> None:
+        """The stored tensors and the scoring factors (:func:`~proteus.signatures.shared.shared_scoring`)."""
+        self.prior_evecs, self.prior_evals = t["prior_evecs"], t["prior_evals"]
+        self.lowrank, self.ranks = t["lowrank"], t["ranks"].to(torch.int64)
+        self.iso, self.ridge = t["iso"], t["ridge"]
+        scoring = shared_scoring(t, mc)
+        self.rank = max((int(x) for x in self.ranks.tolist()), default=0)
+        for name, value in scoring.items():
+            setattr(self, name, value)
+
+    def _factor_tensors(self, big: torch.dtype, small: torch.dtype) -> dict[str, Tensor]:
+        return {
+            "prior_evecs": self.prior_evecs.to(small),  # float32 even for float16 storage (measured)
+            "prior_evals": self.prior_evals.to(small),
+            "lowrank": self.lowrank.to(big),
+            "ranks": self.ranks,
+            "iso": self.iso.to(small),
+            "ridge": self.ridge.to(small),
+        }
+
+    def _row_cost(self) -> int:
+        return max(self._F_cat.shape[1], 2 * self.d)
+
+    def _maha(self, xs: Tensor) -> Tensor:
+        z = xs @ self._W  # whitening: once per row for all components
+        base = (self._base_cat @ torch.cat([z * z, z], 1).T).T + self._mu2[None]
+        P = z @ self._F_cat
+        P.sub_(self._off[None])
+        return base - P.square_() @ self._seg
+
+    def _select_rows(self, t: dict[str, Tensor], idx: Tensor) -> dict[str, Tensor]:
+        """The ``lowrank`` rows of the selected components, in the selected order."""
+        ends = torch.cumsum(self.ranks, 0)
+        rows = [torch.arange(int(ends[i]) - int(self.ranks[i]), int(ends[i])) for i in idx.tolist()]
+        return {"lowrank": t["lowrank"].index_select(0, torch.cat(rows).to(self.device))}

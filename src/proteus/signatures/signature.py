@@ -7,7 +7,7 @@
 1. optional L2 normalisation of the rows (``cfg.normalize``);
 2. the task's covariance ``C`` (:func:`~proteus.signatures.fitting.task_covariance`: ``cfg.prior`` is
    ``"ridge"``, ``cov(H) + max(reg_covar, 1e-3 tr(cov(H)) / d) I``, or the Ledoit-Wolf / OAS shrinkage of
-   ``cov(H)``) and a clustering fit per ``cfg.method``:
+   ``cov(H)``) and a clustering fit per ``cfg.method`` (:data:`~proteus.signatures.fitting.METHODS`):
 
    * ``"dpgmm"``: :class:`~proteus.signatures.dpgmm.DPGMM` with truncation ``T = cfg.max_components``
      (Eq. 18 with a Dirichlet-process prior) and a Wishart prior on each component's precision with
@@ -24,77 +24,133 @@
 3. inactive components are dropped (weight < ``1e-3`` or fewer than 2 assigned training points; if none
    survives, the heaviest one is kept) and ``n_active`` is reported;
 4. the survivors become :class:`~proteus.signatures.gaussian.GaussianComponents` of kind
-   ``cfg.covariance``: ``"full"`` (precision Cholesky factors), ``"ppca"`` (rank ``min(cfg.rank or 128, d -
-   1, N - 1)`` plus isotropic: an approximation) or ``"shared"``, built from the factored covariances
-   (:meth:`GaussianComponents.shared`): for ``"dpgmm"`` the posterior's own structure
+   ``cfg.covariance`` (:data:`~proteus.signatures.gaussian.COVARIANCES`): ``"full"`` (precision Cholesky
+   factors), ``"ppca"`` (rank ``min(cfg.rank or 128, d - 1, N - 1)`` plus isotropic: an approximation) or
+   ``"shared"``, built from the factored covariances
+   (:class:`~proteus.signatures.gaussian.SharedComponents`): for ``"dpgmm"`` the posterior's own structure
    (:meth:`DPGMM.posterior_factors`: covariance prior shared, data term per component); for ``"kmeans"``
    the same identity with the pooled covariance as the shared matrix, ``(n_k S_k + d S_pool) / (n_k + d)
    + reg I = d / (n_k + d) (S_pool + reg (n_k + d) / d I + n_k S_k / d)``; for ``"gaussian"`` the one
    covariance itself (no low-rank part). With ``cfg.rank = None`` (the default) every factor row is kept
    and ``"shared"`` equals ``"full"`` at any N; a ``cfg.rank`` budget of ``T * rank`` rows approximates
    once the components' data terms outgrow it (tools/studies/scale_check.py measures by how much);
-5. with ``cfg.calibrate == "standardize"`` the median and robust scale (1.4826 x MAD, floored at
-   ``1e-6 (1 + |median|)``) of the training inputs' best-component scores are stored and every later
-   score is standardised with them.
+5. with ``cfg.calibrate = "standardize"`` (:data:`CALIBRATIONS`) the median and robust scale (1.4826 x
+   MAD, floored at ``1e-6 (1 + |median|)``) of the training inputs' best-component scores are stored and
+   every later score is standardised with them.
 
 :meth:`Signature.score` returns the (N, T_active) score matrix (lower is better): ``cfg.score`` (the
-Gaussian NLL or the Mahalanobis term of Eq. 2) after the same normalisation, then the calibration.
+Gaussian NLL or the Mahalanobis term of Eq. 2, :data:`SCORES`) after the same normalisation
+(``cfg.normalize``, :data:`NORMALIZATIONS`), then the calibration.
 :meth:`Signature.to_tensors` returns ``(tensors, meta)``: tensors for safetensors and a JSON-serialisable
 dict; :meth:`Signature.from_tensors` inverts it (bit-exact for float32 storage).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from proteus.config import SignatureConfig
+from proteus.registry import Registry
 from proteus.signatures.errors import SignatureFitError, check_finite_rows
-from proteus.signatures.fitting import (
-    PRIOR_SCALES,
-    PRIORS,
-    ClusterFit,
-    fit_dpgmm,
-    fit_gaussian,
-    fit_kmeans,
-    task_covariance,
-)
-from proteus.signatures.gaussian import GaussianComponents
+from proteus.signatures.fitting import METHODS, PRIOR_SCALES, PRIORS, ClusterFit, task_covariance
+from proteus.signatures.gaussian import COVARIANCES, GaussianComponents
 
-__all__ = ["CHOICES", "Signature", "fit_clusters", "fit_signature", "signature_from_fit"]
+__all__ = [
+    "CALIBRATIONS",
+    "CHOICES",
+    "NORMALIZATIONS",
+    "SCORES",
+    "Signature",
+    "fit_clusters",
+    "fit_signature",
+    "signature_from_fit",
+]
 
 _MIN_WEIGHT = 1e-3
 _MIN_POINTS = 2
 _MAD_TO_SIGMA = 1.4826
 _FORMAT = 1
-#: the "ppca" rank when ``signature.rank`` is None
-_PPCA_RANK = 128
-
-_METHODS = ("dpgmm", "kmeans", "gaussian")
-_NORMALIZE = ("none", "l2")
-_SCORES = ("nll", "mahalanobis")
-_CALIBRATE = ("none", "standardize")
 _STORAGE = ("float32", "float16")
-_COVARIANCES = ("full", "ppca", "shared")
-#: allowed values of the ``signature.*`` config keys, declared once
-CHOICES = {
-    "method": _METHODS,
-    "normalize": _NORMALIZE,
-    "score": _SCORES,
-    "calibrate": _CALIBRATE,
+
+T = TypeVar("T")
+
+
+class Calibration(Protocol):
+    """A per-task score calibration: ``fit`` on the signature's own training embeddings, ``apply`` to
+    later scores."""
+
+    def fit(self, sig: Signature, H: Tensor) -> tuple[float, float] | None: ...
+
+    def apply(self, s: Tensor, calibration: tuple[float, float] | None) -> Tensor: ...
+
+
+class NoCalibration:
+    """Raw scores."""
+
+    def fit(self, sig: Signature, H: Tensor) -> tuple[float, float] | None:
+        return None
+
+    def apply(self, s: Tensor, calibration: tuple[float, float] | None) -> Tensor:
+        return s
+
+
+class Standardize:
+    """Scores standardised by the median and robust scale (1.4826 x MAD, floored at ``1e-6 (1 +
+    |median|)``) of the training inputs' best-component scores."""
+
+    def fit(self, sig: Signature, H: Tensor) -> tuple[float, float] | None:
+        best = sig.raw_score(H).min(dim=1).values.to(torch.float64)
+        med = float(best.median())
+        mad = float((best - med).abs().median())
+        return med, max(_MAD_TO_SIGMA * mad, 1e-6 * (1.0 + abs(med)))
+
+    def apply(self, s: Tensor, calibration: tuple[float, float] | None) -> Tensor:
+        if calibration is None:
+            return s
+        med, scale = calibration
+        return (s - med) / scale
+
+
+#: ``signature.normalize``: the row normalisation before fitting and scoring
+NORMALIZATIONS: Registry[Callable[[Tensor], Tensor]] = Registry("signature normalization")
+NORMALIZATIONS.register("none", "the embeddings as they are (the paper)")(lambda H: H)
+NORMALIZATIONS.register("l2", "each row scaled to unit L2 norm")(lambda H: F.normalize(H, dim=1))
+#: ``signature.score``: the (N, T) score of embeddings against the components (Eq. 2)
+SCORES: Registry[Callable[[GaussianComponents, Tensor], Tensor]] = Registry("signature score")
+SCORES.register("nll", "Gaussian negative log-likelihood, log-determinant included")(lambda c, H: c.nll(H))
+SCORES.register("mahalanobis", "the Mahalanobis term of Eq. 2")(lambda c, H: c.mahalanobis(H))
+#: ``signature.calibrate``: the per-task score calibration
+CALIBRATIONS: Registry[Calibration] = Registry("signature calibration")
+CALIBRATIONS.register("none")(NoCalibration())
+CALIBRATIONS.register("standardize")(Standardize())
+
+#: allowed values of the ``signature.*`` config keys, declared once (the registries that resolve them)
+CHOICES: dict[str, Registry[Any] | tuple[str, ...]] = {
+    "method": METHODS,
+    "normalize": NORMALIZATIONS,
+    "score": SCORES,
+    "calibrate": CALIBRATIONS,
     "storage_dtype": _STORAGE,
-    "covariance": _COVARIANCES,
+    "covariance": COVARIANCES,
     "prior": PRIORS,
     "prior_scale": PRIOR_SCALES,
 }
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+def _check_choice(name: str, value: str, choices: Registry[Any] | tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"signature.{name} must be one of {choices}, got {value!r}")
+        raise ValueError(f"signature.{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def _lookup(name: str, value: str, registry: Registry[T]) -> T:
+    """The strategy ``value`` of the ``signature.<name>`` registry; ValueError naming the choices."""
+    _check_choice(name, value, registry)
+    return registry.get(value)
 
 
 #: total variance below this fraction of the mean squared norm: the embeddings are one point
@@ -102,7 +158,7 @@ _IDENTICAL_REL = 1e-10
 
 
 def _normalise(H: Tensor, how: str) -> Tensor:
-    return F.normalize(H, dim=1) if how == "l2" else H
+    return NORMALIZATIONS.get(how)(H)
 
 
 class Signature:
@@ -129,9 +185,9 @@ class Signature:
         converged: bool = True,
         storage_dtype: str = "float32",
     ) -> None:
-        _check_choice("normalize", normalize, _NORMALIZE)
-        _check_choice("score", score_kind, _SCORES)
-        _check_choice("calibrate", calibrate, _CALIBRATE)
+        _check_choice("normalize", normalize, NORMALIZATIONS)
+        _check_choice("score", score_kind, SCORES)
+        _check_choice("calibrate", calibrate, CALIBRATIONS)
         _check_choice("storage_dtype", storage_dtype, _STORAGE)
         self.components = components
         self.method = method
@@ -164,17 +220,11 @@ class Signature:
         if H.ndim != 2 or H.shape[1] != self.d:
             raise ValueError(f"expected (N, {self.d}) embeddings, got {tuple(H.shape)}")
         Hn = _normalise(H.to(device=self.device, dtype=self.components.dtype), self.normalize)
-        if self.score_kind == "nll":
-            return self.components.nll(Hn)
-        return self.components.mahalanobis(Hn)
+        return SCORES.get(self.score_kind)(self.components, Hn)
 
     def score(self, H: Tensor) -> Tensor:
         """Signature scores (N, T_active) of embeddings ``H (N, d)``; lower is better."""
-        s = self.raw_score(H)
-        if self.calibrate == "standardize" and self.calibration is not None:
-            med, scale = self.calibration
-            s = (s - med) / scale
-        return s
+        return CALIBRATIONS.get(self.calibrate).apply(self.raw_score(H), self.calibration)
 
     def mahalanobis(self, H: Tensor) -> Tensor:
         """Mahalanobis distances (N, T_active) after the normalisation (the quantity of Definition 3.3)."""
@@ -198,7 +248,7 @@ class Signature:
             "calibrate": self.calibrate,
             "calibration": None if self.calibration is None else [float(v) for v in self.calibration],
             "covariance": self.components.kind,
-            "rank": int(self.components.rank) if self.components.kind in ("ppca", "shared") else None,
+            "rank": None if self.components.rank is None else int(self.components.rank),
             "n_active": self.n_active,
             "d": self.d,
             "n_train": self.n_train,
@@ -255,17 +305,6 @@ class Signature:
 
 
 # ====================================================================== fitting
-def _check_config(cfg: SignatureConfig) -> None:
-    _check_choice("method", cfg.method, _METHODS)
-    _check_choice("normalize", cfg.normalize, _NORMALIZE)
-    _check_choice("score", cfg.score, _SCORES)
-    _check_choice("calibrate", cfg.calibrate, _CALIBRATE)
-    _check_choice("covariance", cfg.covariance, _COVARIANCES)
-    _check_choice("storage_dtype", cfg.storage_dtype, _STORAGE)
-    _check_choice("prior", cfg.prior, PRIORS)
-    _check_choice("prior_scale", cfg.prior_scale, PRIOR_SCALES)
-
-
 def _check_embeddings(H: Tensor) -> Tensor:
     if not isinstance(H, Tensor) or H.ndim != 2:
         raise SignatureFitError(
@@ -286,60 +325,33 @@ def fit_clusters(H: Tensor, cfg: SignatureConfig, seed: int = 0) -> ClusterFit:
     """Steps 1-2 of :func:`fit_signature`: the clustering of the (normalised) embeddings ``H (N, d)``,
     which does not depend on how the components are then stored (``covariance``, ``rank``,
     ``storage_dtype``): :func:`signature_from_fit` stores one fit in any of those forms."""
-    _check_config(cfg)
+    method = _lookup("method", cfg.method, METHODS)
+    normalise = _lookup("normalize", cfg.normalize, NORMALIZATIONS)
     H = _check_embeddings(H)
     N = H.shape[0]
     with torch.no_grad():
-        X = _normalise(H.detach().to(torch.float64), cfg.normalize)
+        X = normalise(H.detach().to(torch.float64))
         Xc = X - X.mean(0)
         # identical up to float32 round-off (a batched forward may differ in the last bits per row)
         if float((Xc * Xc).sum()) <= _IDENTICAL_REL * float((X * X).sum()):
             raise SignatureFitError(f"singular covariance: all {N} embeddings are identical")
-        C, lam = task_covariance(X, cfg)
-        if cfg.method == "dpgmm":
-            return fit_dpgmm(X, cfg, seed, C)
-        if cfg.method == "kmeans":
-            return fit_kmeans(X, cfg, seed, lam)
-        return fit_gaussian(X, C)
+        return method(X, cfg, seed, task_covariance(X, cfg))
 
 
 def signature_from_fit(H: Tensor, cfg: SignatureConfig, fit: ClusterFit) -> Signature:
     """Steps 3-5 of :func:`fit_signature` for a clustering of ``H`` from :func:`fit_clusters`."""
-    _check_config(cfg)
+    kind = _lookup("covariance", cfg.covariance, COVARIANCES)
+    calibration = _lookup("calibrate", cfg.calibrate, CALIBRATIONS)
     H = _check_embeddings(H)
-    N, d = H.shape
+    N = H.shape[0]
     with torch.no_grad():
         weights = fit.weights
         counts = fit.counts.to(weights.device)
         active = ((weights >= _MIN_WEIGHT) & (counts >= _MIN_POINTS)).nonzero().flatten()
         if active.numel() == 0:
             active = weights.argmax().reshape(1)
-        if cfg.covariance == "shared":
-            pf = fit.shared_fn(active)
-            comps = GaussianComponents.shared(
-                weights.index_select(0, active),
-                fit.means.index_select(0, active),
-                pf.prior_evals,
-                pf.prior_evecs,
-                pf.scale,
-                pf.ridge,
-                pf.factors,
-                rank=d if cfg.rank is None else max(1, min(int(cfg.rank), d)),
-                dtype=torch.float32,
-            )
-        else:
-            covs = fit.cov_fn(active)
-            rank = max(0, min(int(cfg.rank or _PPCA_RANK), d - 1, N - 1))
-            comps = GaussianComponents(
-                weights.index_select(0, active),
-                fit.means.index_select(0, active),
-                covs,
-                kind=cfg.covariance,
-                rank=rank,
-                dtype=torch.float32,
-            )
         sig = Signature(
-            comps,
+            kind.from_fit(fit, active, cfg.rank, N),
             method=cfg.method,
             normalize=cfg.normalize,
             score_kind=cfg.score,
@@ -350,12 +362,7 @@ def signature_from_fit(H: Tensor, cfg: SignatureConfig, fit: ClusterFit) -> Sign
             converged=fit.converged,
             storage_dtype=cfg.storage_dtype,
         )
-        if cfg.calibrate == "standardize":
-            best = sig.raw_score(H).min(dim=1).values.to(torch.float64)
-            med = float(best.median())
-            mad = float((best - med).abs().median())
-            scale = max(_MAD_TO_SIGMA * mad, 1e-6 * (1.0 + abs(med)))
-            sig.calibration = (med, scale)
+        sig.calibration = calibration.fit(sig, H)
         scores = sig.raw_score(H[: min(N, 256)])
         if not bool(torch.isfinite(scores).all()):
             raise SignatureFitError(

@@ -56,6 +56,9 @@ class Task:
     test: Dataset
     #: each class's index in its source dataset (torchvision's target, the ImageFolder folder index, ...)
     source_classes: list[int] | None = None
+    #: the number of tasks of its stream (set by :class:`TaskStream`; a pool or threshold schedule of a
+    #: baseline is divided over them)
+    stream_tasks: int | None = None
 
     @property
     def num_classes(self) -> int:
@@ -70,6 +73,10 @@ class TaskStream:
     tasks: list[Task]
     class_names: list[str]
     manifest: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for t in self.tasks:
+            t.stream_tasks = len(self.tasks)
 
     @property
     def num_classes(self) -> int:

@@ -298,6 +298,8 @@ def load_task_spec(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise TaskSpecError(f"{p}: not valid YAML ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskSpecError(f"{p}: cannot be read as a text YAML file ({e})") from None
     if not isinstance(data, dict) or "tasks" not in data:
         raise TaskSpecError(
             f"{p}: expected a mapping with a 'tasks' key: tasks: [[classA, classB], [classC]]"

@@ -131,6 +131,8 @@ def _load_groups(path: str) -> list[str]:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise TaskSpecError(f"{p}: not valid YAML ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskSpecError(f"{p}: cannot be read as a text YAML file ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("domains"), list) or not data["domains"]:
         raise TaskSpecError(f"{p}: expected 'domains: [name, name, ...]' (folders of the data root)")
     unknown = sorted(set(data) - set(GROUPS_KEYS))

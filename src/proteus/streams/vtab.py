@@ -92,6 +92,8 @@ def load_groups(path: str | Path, existing: list[str]) -> tuple[dict[str, list[s
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise TaskSpecError(f"{p}: not valid YAML ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskSpecError(f"{p}: cannot be read as a text YAML file ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("groups"), dict) or not data["groups"]:
         raise TaskSpecError(f"{p}: expected 'groups: {{dataset: [class, ...], ...}}'")
     unknown_keys = sorted(set(data) - set(GROUPS_KEYS))

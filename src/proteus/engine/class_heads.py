@@ -1,0 +1,121 @@
+"""The class heads of a learner (Algorithm 1 lines 8-12, Eq. 23): "which class, given the task".
+
+Beside the retrieval keys ("which task", :mod:`proteus.engine.keys`) a learner keeps the RanPAC head over
+every class (G and e(c) accumulated task by task, :class:`~proteus.heads.RanPACHead`), with
+``head.scope=task`` each task's own ridge head (:class:`~proteus.engine.experts.TaskExperts`), and with
+``head.forgettable`` each task's head inputs, so that ``proteus kb forget`` can subtract the task exactly
+(:meth:`RanPACHead.downdate`). :class:`ClassHeads` owns the three: the update of a task, its rollback, the
+scores, the forgetting and their share of the knowledge base -- as each adapter unit and each key
+strategy owns its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from proteus.engine.errors import TaskError
+from proteus.engine.experts import HEAD_SCOPES, TaskExperts
+from proteus.heads import RanPACHead
+
+__all__ = ["ClassHeads"]
+
+#: a task's part of the knowledge base: its record's keys (JSON) and its tensors
+Part = tuple[dict[str, Any], dict[str, Tensor]]
+
+
+class ClassHeads:
+    """The head over every class, the per-task heads (``scope``) and the forgettable inputs."""
+
+    def __init__(
+        self, new_head: Callable[..., RanPACHead], scope: str, forgettable: bool, device: torch.device
+    ) -> None:
+        self.new_head, self.device, self.forgettable = new_head, device, forgettable
+        #: the RanPAC head over every class (None before the first task)
+        self.head: RanPACHead | None = None
+        #: ``head.scope=task``: each task's own head; None for Eq. 23's head alone
+        self.experts: TaskExperts | None = HEAD_SCOPES.get(scope)(new_head)
+        #: ``head.forgettable``: task -> (its head inputs, labels), what :meth:`forget` subtracts
+        self.inputs: dict[int, tuple[Tensor, Tensor]] = {}
+        self._before: RanPACHead | None = None
+
+    def update(self, k: int, h: Tensor, y: Tensor, classes: list[int], num_classes: int) -> float:
+        """Task k's embeddings h (N, d) and labels y into the heads; returns the γ chosen. Atomic for the
+        head over every class (:meth:`RanPACHead.update` raises before changing it); :meth:`truncate`
+        undoes the whole update."""
+        if not torch.isfinite(h).all():
+            n_bad = int((~torch.isfinite(h)).any(1).sum())
+            raise TaskError(f"task {k + 1}: embeddings contain NaN or inf ({n_bad} of {len(h)} images)")
+        head = self.head if self.head is not None else self.new_head()
+        try:
+            head.update(h.to(self.device), y.to(self.device), num_classes=num_classes)
+        except (ValueError, FloatingPointError) as e:
+            raise TaskError(f"task {k + 1}: head update failed: {e}") from None
+        self._before, self.head = self.head, head
+        if self.experts is not None:  # the task's own head over its own classes
+            self.experts.add_task(h.to(self.device), y, classes)
+        if self.forgettable:
+            self.inputs[k] = (h.float().cpu().clone(), y.cpu().clone())
+        assert head.gamma_ is not None
+        return float(head.gamma_)
+
+    def truncate(self, k: int, head: RanPACHead | None) -> None:
+        """Back to the state before task k, whose head over every class was ``head``."""
+        self.head = head
+        if self.experts is not None:
+            self.experts.truncate(k)
+        self.inputs.pop(k, None)
+
+    def logits(self, h: Tensor, tasks: Tensor | None, num_classes: int, gone: list[int]) -> Tensor:
+        """Eq. 23: scores (N, C) of embeddings h (N, d) under the adapters of ``tasks`` (N,); with per-task
+        heads each row is scored by its task's own head (-inf outside its classes, ``tasks`` needed).
+        Classes in ``gone`` (forgotten tasks') score -inf."""
+        assert self.head is not None
+        if self.experts is not None:
+            if tasks is None:
+                raise ValueError("head.scope=task scores an embedding with its task's head: pass tasks")
+            logits = self.experts.logits(h, tasks, num_classes)
+        else:
+            logits = self.head.decision_function(h.to(self.device)).float().cpu()
+        gone = [c for c in gone if c < logits.shape[1]]
+        if gone:
+            logits[:, gone] = float("-inf")
+        return logits
+
+    def check_forget(self, k: int) -> None:
+        if k not in self.inputs:
+            raise TaskError(
+                f"task {k + 1}: learned without head.forgettable=true, so its contribution to the head "
+                "cannot be subtracted exactly; learn with --set head.forgettable=true to be able to forget"
+            )
+
+    def forget(self, k: int, classes: list[int]) -> None:
+        """Subtract task k's contribution from the head over every class exactly (atomic)."""
+        self.check_forget(k)
+        assert self.head is not None
+        h, y = self.inputs[k]
+        self.head.downdate(h.to(self.device), y.to(self.device), classes)
+        del self.inputs[k]
+
+    # knowledge base: per task (in the task's object) and the head over every class (the head's object)
+    def task_state(self, k: int) -> Part:
+        meta, tensors = self.experts.task_state(k) if self.experts is not None else ({}, {})
+        if k in self.inputs:
+            tensors = {**tensors, "forget/h": self.inputs[k][0], "forget/y": self.inputs[k][1]}
+        return meta, tensors
+
+    def load_task(self, k: int, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+        if self.experts is not None:
+            self.experts.load_task(meta, tensors, self.device)
+        if "forget/h" in tensors:
+            self.inputs[k] = (tensors["forget/h"].float(), tensors["forget/y"].long())
+
+    def state(self) -> Part | None:
+        return None if self.head is None else (self.head.meta(), dict(self.head.state_tensors()))
+
+    def load(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+        self.head = self.new_head()
+        self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)

@@ -1,0 +1,129 @@
+"""The one learner protocol (Mammoth's shape: a method is a class with hooks, the loop is the framework's).
+
+:class:`proteus.Proteus` and every Table 1 baseline (:mod:`proteus.baselines`) implement
+:class:`ContinualLearner`; a method declaration names its learner (``Method.learner``), resolved once
+through :data:`LEARNERS`, and :mod:`proteus.experiment` runs every learner with one loop
+(:func:`proteus.experiment.loop.run`), one evaluation (:class:`proteus.experiment.evaluate.Evaluator`,
+built on :func:`proteus.metrics.accuracy`) and one persistence layer (:mod:`proteus.experiment.store`:
+:meth:`ContinualLearner.state` into a knowledge base, and back).
+
+What a learner supports beyond learning and evaluating is declared in :attr:`ContinualLearner.supports`
+(:data:`CAPABILITIES`); a command that needs more than the learner supports refuses by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from proteus._version import __version__
+from proteus.config import RunConfig
+from proteus.registry import Registry
+from proteus.streams import Task
+
+__all__ = [
+    "CAPABILITIES", "LEARNERS", "ContinualLearner", "LearnerState", "TestCache", "TestOutcome",
+    "check_supports", "learner_header",
+]  # fmt: skip
+
+#: what a learner may support beyond ``fit_task`` and evaluation: ``load`` (rebuilt from a knowledge base:
+#: ``proteus learn`` in a new process, ``evaluate``, ``predict``, ``serve``), ``retrieval`` (task
+#: retrieval: rejection, ``kb forget``, ``kb calibrate``, theory checks)
+CAPABILITIES = ("load", "retrieval")
+
+
+@dataclass
+class TestOutcome:
+    """A learner's answer on one test set: the predicted labels, and (retrieval learners) the retrieved
+    task of each input and the oracle labels (each input under its true task)."""
+
+    label: Tensor
+    task: Tensor | None = None
+    oracle: Tensor | None = None
+
+
+class TestCache(Protocol):
+    """The test sets' frozen-prefix outputs and embeddings, computed once (an adapter never changes after
+    its task): :class:`proteus.experiment.evaluate.Evaluator`."""
+
+    def prefix(self, tau: int) -> Tensor: ...
+
+    def labels(self, tau: int) -> Tensor: ...
+
+    def embedding(self, tau: int, kind: str, j: int | None) -> Tensor: ...
+
+
+@dataclass
+class LearnerState:
+    """What a learner leaves in a knowledge base: one (record, tensors) per task and one global
+    (meta, tensors) or None (:mod:`proteus.experiment.store` writes it, content-addressed)."""
+
+    tasks: list[tuple[dict[str, Any], dict[str, Tensor]]] = field(default_factory=list)
+    head: tuple[dict[str, Any], dict[str, Tensor]] | None = None
+
+
+@runtime_checkable
+class ContinualLearner(Protocol):
+    """What the shared loop, evaluation and persistence call (and, once fitted, ``device_``: the device
+    the loop's clocks wait for)."""
+
+    #: the capabilities of :data:`CAPABILITIES` the learner has
+    supports: frozenset[str]
+    config: RunConfig
+
+    @property
+    def num_tasks(self) -> int: ...
+
+    def fit_task(self, task: Task) -> Any:
+        """Learn one task, transactionally; returns its statistics (``to_dict()`` or a dict)."""
+        ...
+
+    def prefix_dataset(self, ds: Any, desc: str = "prefix") -> tuple[Tensor, Tensor]:
+        """Frozen-prefix outputs and labels of a (PIL image, label) dataset."""
+        ...
+
+    def predict_test(self, cache: TestCache, tau: int, k: int) -> TestOutcome:
+        """The prediction on test set tau after task k (0-based), from the cache."""
+        ...
+
+    def state(self) -> LearnerState: ...
+
+    def kb_header(self) -> dict[str, Any]: ...
+
+
+#: learner name (``Method.learner``) -> the learner class; each learner registers itself where it is defined
+#: (:func:`proteus.experiment.store.build_learner` resolves a method's learner)
+LEARNERS: Registry[type[Any]] = Registry("learner")
+
+
+def check_supports(learner: Any, capability: str, command: str) -> None:
+    """Refuse ``command`` by name when the learner lacks ``capability`` (:data:`CAPABILITIES`)."""
+    from proteus.engine.errors import TaskError
+
+    if capability not in learner.supports:
+        name = getattr(learner.config, "method", type(learner).__name__)
+        raise TaskError(
+            f"{command}: method {name} ({type(learner).__name__}) does not support {capability!r} "
+            f"(it supports {', '.join(sorted(learner.supports)) or 'learning and evaluation only'}); "
+            + _HINTS[capability]
+        )
+
+
+#: what to do instead, per capability a learner lacks
+_HINTS = {
+    "load": "run it on a whole stream with `proteus run` or `proteus compare`",
+    "retrieval": "this needs a PROTEUS method with task retrieval (retrieval.mode=signature)",
+}
+
+
+def learner_header(config: RunConfig, backbone: dict[str, Any]) -> dict[str, Any]:
+    """What a new knowledge base records about a learner: version, backbone identity, config, split."""
+    return {
+        "proteus_version": __version__,
+        "backbone": backbone,
+        "config": config.to_dict(),
+        "split": {"benchmark": config.benchmark.name, "sha256": None, "class_order": None},
+        "evaluation": [],
+    }
