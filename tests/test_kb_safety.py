@@ -499,11 +499,12 @@ def test_problems_lists_every_problem(tmp_path: Path) -> None:
     t0, t1 = (root / t["object"] for t in m["tasks"])
     t0.unlink()
     t1.write_bytes(t1.read_bytes()[:-3])
-    bad = root / "objects" / "task-bad.safetensors"
+    bad_sha = hashlib.sha256(b"not safetensors").hexdigest()
+    bad = root / "objects" / f"task-bad-{bad_sha[:16]}.safetensors"  # named as the store names objects
     bad.write_bytes(b"not safetensors")
     m_head_before = m["head"]["object"]
-    m["head"]["object"] = "objects/task-bad.safetensors"
-    m["head"]["sha256"] = hashlib.sha256(bad.read_bytes()).hexdigest()
+    m["head"]["object"] = f"objects/{bad.name}"
+    m["head"]["sha256"] = bad_sha
     m["checksum"] = manifest_checksum(m)
     (root / "manifest.json").write_text(json.dumps(m))
     (root / ".manifest.json.tmp-4194304999").write_text("{partial")

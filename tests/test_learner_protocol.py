@@ -160,3 +160,23 @@ def test_a_key_in_a_new_space_is_a_space_and_a_registry_line() -> None:
         KEYS.unregister("both-lda")
         SPACES.unregister("both")
     assert "both-lda" not in KEYS
+
+
+def test_a_state_with_wrong_shapes_is_refused_naming_task_and_file() -> None:
+    """Untrusted input: a stored adapter that does not fit the backbone's map is a TaskError naming the
+    task and its object, not a RuntimeError inside torch."""
+    from proteus.engine.errors import TaskError
+
+    cfg = _tiny_cfg()
+    clf = Proteus(cfg, progress=False)
+    stream = build_benchmark(cfg.benchmark)
+    for task in stream.tasks[:2]:
+        clf.fit_task(task)
+    state = clf.state()
+    meta, tensors = state.tasks[1]
+    name = next(n for n in tensors if n.startswith("adapter/") and n.endswith("/A"))
+    tensors[name] = tensors[name][: tensors[name].shape[0] // 2]
+    meta["object"] = "objects/task001-0123456789abcdef.safetensors"
+    where = r"task 2 \(objects/task001-0123456789abcdef.safetensors\)"
+    with pytest.raises(TaskError, match=where + r": .*do not fit"):
+        Proteus.from_state(cfg, state)

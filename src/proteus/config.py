@@ -3,13 +3,25 @@
 Every hyper-parameter of the paper lives here with the paper's default (Appendix "Datasets,
 Hyperparameters, and Pre-Trained Models"): LoRA rank r, lambda = 0.006 decayed by 20% per task,
 alpha = 0.8, learning rate and batch size per benchmark, the DP-GMM truncation T, RanPAC's head.
+
+Every value that enters the tree -- a ``--set``, a ``--config`` file, a method's overrides, the API's dotted
+keys, a stored config -- is checked once against the schema here: the key must exist
+(:func:`field_type`) and the value is converted to the type the field declares (:func:`coerce`; the rules
+are in its docstring), so ``1e-3`` is a float for a float key, ``2.5`` is refused for an integer one and
+``1`` for a boolean one. Registries and ranges are checked after, by :mod:`proteus.presets`.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
+import functools
 import json
+import math
+import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -298,15 +310,7 @@ class RunConfig:
         """A copy with the dotted keys (``{"train.epochs": 5}``) set, each coerced to its field's type as
         ``--set`` does (unknown keys refused by name); this config is left as it is."""
         out = copy.deepcopy(self)
-        nested: dict[str, Any] = {}
-        for key, value in dotted.items():
-            node = nested
-            *path, last = key.split(".")
-            for part in path:
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    raise ConfigError(f"unknown config key {key!r}")
-            node[last] = value
+        nested = nest(dotted)
         merge(out, nested, where="config")
         return out
 
@@ -390,66 +394,230 @@ class ConfigError(ProteusError, ValueError):
     """A configuration key or value that does not fit the schema."""
 
 
-def _coerce(value: Any, current: Any, key: str) -> Any:
-    if current is None or value is None:
-        return value
-    if isinstance(current, bool):
+# ---------------------------------------------------------------------------------- the schema's types
+#: how a boolean may be spelled as a string (YAML already reads unquoted true/false/yes/no/on/off as one);
+#: 1 and 0 are numbers, not booleans, and are refused
+_TRUE, _FALSE = frozenset({"true", "yes", "on"}), frozenset({"false", "no", "off"})
+_NAMES = {
+    bool: ("true or false", "booleans"),
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    str: ("a string", "strings"),
+}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A config dataclass's fields and their declared types (the string annotations resolved)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _is_section(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def _section_error(path: str, cls: type) -> ConfigError:
+    return ConfigError(
+        f"{path} is a section, not a value: set {path}.<key>=...; keys: {', '.join(_hints(cls))}"
+    )
+
+
+def _unknown_key(path: str, cls: type) -> ConfigError:
+    return ConfigError(f"unknown config key {path!r}; known keys here: {', '.join(_hints(cls))}")
+
+
+def field_type(key: str) -> Any:
+    """The declared type of the dotted config key ``key`` (``"train.epochs"`` -> ``int``); an unknown key,
+    or a section given as a key (``"train"``), is refused by name with the keys that exist there."""
+    cls: type = RunConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = _hints(cls)
+        if part not in hints:
+            raise _unknown_key(key, cls)
+        hint, here = hints[part], ".".join(parts[: i + 1])
+        last = i == len(parts) - 1
+        if _is_section(hint):
+            if last:
+                raise _section_error(here, hint)
+            cls = hint
+        elif not last:
+            raise ConfigError(f"unknown config key {key!r}: {here} is a value, not a section")
+    return hint
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return "a mapping"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _describe(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
+    if typing.get_origin(hint) is list:
+        return f"a list of {_NAMES[args[0]][1]}"
+    return _NAMES[hint][0]
+
+
+def _scalar(value: Any, kind: type, raw: str | None) -> Any:
+    """``value`` as ``kind`` (bool, int, float or str), or :data:`_BAD`."""
+    if kind is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in {"true", "false", "1", "0", "yes", "no"}:
-            return value.lower() in {"true", "1", "yes"}
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if isinstance(current, int) and not isinstance(current, bool):
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        return _BAD
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if isinstance(value, (bool, int, float, datetime.date)):  # a YAML scalar read as another type
+            if raw is not None:  # what was written
+                return raw
+            return str(value).lower() if isinstance(value, bool) else str(value)
+        return _BAD
+    if isinstance(value, bool):  # a bool is an int to Python, never to a config
+        return _BAD
+    if isinstance(value, str):
+        text = value.strip()
         try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-    if isinstance(current, float):
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-    return value
+            value = int(text) if kind is int else float(text)
+        except ValueError:
+            try:
+                value = float(text)  # "1e3" for an integer key
+            except ValueError:
+                return _BAD
+    if isinstance(value, (int, float)) and not math.isfinite(value):
+        return _BAD
+    if kind is int:
+        if isinstance(value, float):
+            return int(value) if value.is_integer() else _BAD
+        return value if isinstance(value, int) else _BAD
+    return float(value) if isinstance(value, (int, float)) else _BAD
+
+
+_BAD = object()
+
+
+def coerce(value: Any, hint: Any, key: str, raw: str | None = None) -> Any:
+    """``value`` converted to the declared type ``hint`` of config key ``key``, or a :class:`ConfigError`
+    naming the key, the type and the value. The rules:
+
+    * ``bool``: true/false (YAML's spellings yes/no/on/off too, in any case); 1 and 0 are refused;
+    * ``int``: an integer, a float with an integral value (2.0) or a string of one ("10", "1e3"); a
+      non-integral value (2.5) is refused;
+    * ``float``: any finite number, or a string of one ("1e-3", which YAML 1.1 reads as a string);
+      nan and inf are refused;
+    * ``str``: a string (a path too); a YAML scalar that YAML read as a number, a boolean or a date is
+      taken as its text (``raw``, what was written, when known: ``--set train.cache_prefix=false`` is
+      "false");
+    * ``X | None``: null, or an ``X``; ``list[X]``: a list (or tuple) of ``X``s;
+    * anything else (a mapping for a value, bytes, a date) is refused.
+    """
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            try:
+                return coerce(value, inner[0], key, raw)
+            except ConfigError:
+                raise ConfigError(f"{key} must be {_describe(hint)}; got {_show(value)}") from None
+    if value is None:
+        raise ConfigError(f"{key} must be {_describe(hint)}; got null")
+    if origin is list:
+        if isinstance(value, (list, tuple)):
+            out = [_scalar(v, args[0], None) for v in value]
+            if not any(v is _BAD for v in out):
+                return out
+        raise ConfigError(f"{key} must be {_describe(hint)}; got {_show(value)}")
+    out = _scalar(value, hint, raw)
+    if out is _BAD:
+        raise ConfigError(f"{key} must be {_describe(hint)}; got {_show(value)}")
+    return out
+
+
+def coerce_dotted(dotted: dict[str, Any]) -> dict[str, Any]:
+    """Flat dotted keys (``{"train.epochs": "2"}``) checked against the schema (unknown keys and sections
+    refused by name) and their values converted to each key's declared type (:func:`coerce`)."""
+    return {key: coerce(value, field_type(key), key) for key, value in dotted.items()}
+
+
+def nest(dotted: dict[str, Any]) -> dict[str, Any]:
+    """``{"train.epochs": 1}`` -> ``{"train": {"epochs": 1}}``, the keys checked and the values converted
+    (:func:`coerce_dotted`)."""
+    out: dict[str, Any] = {}
+    for key, value in coerce_dotted(dotted).items():
+        node = out
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
 
 
 def merge(obj: Any, data: dict[str, Any], where: str = "config") -> None:
-    """Merge a nested dict into a dataclass tree in place, rejecting unknown keys by name."""
+    """Merge a nested dict into a dataclass tree in place: unknown keys refused by name, every value
+    converted to its field's declared type (:func:`coerce`)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-    names = {f.name: f for f in dataclasses.fields(obj)}
+    hints = _hints(type(obj))
     for key, value in data.items():
-        path = f"{where}.{key}" if where != "config" else key
-        if key not in names:
-            raise ConfigError(f"unknown config key {path!r}; known keys here: {', '.join(names)}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            merge(current, value or {}, where=path)
+        path = f"{where}.{key}" if where != "config" else str(key)
+        if key not in hints:
+            raise _unknown_key(path, type(obj))
+        hint = hints[key]
+        if _is_section(hint):
+            if value is None:  # an empty section in a YAML file
+                continue
+            if not isinstance(value, dict):
+                raise _section_error(path, hint)
+            merge(getattr(obj, key), value, where=path)
         else:
-            setattr(obj, key, _coerce(value, current, path))
+            setattr(obj, key, coerce(value, hint, path))
+
+
+def _has_tag(raw: str) -> bool:
+    return any(isinstance(t, yaml.TagToken) for t in yaml.scan(raw, Loader=yaml.SafeLoader))
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
-    """Turn ``["adapter.rank=16", "train.epochs=1"]`` into a nested dict (values parsed as YAML scalars)."""
+    """Turn ``["adapter.rank=16", "train.epochs=1"]`` into a nested dict: each key checked against the
+    schema (:func:`field_type`), each value read as one YAML scalar (a flow list for a list key; YAML tags
+    are refused) and converted to the key's declared type (:func:`coerce`)."""
     out: dict[str, Any] = {}
     for item in items:
-        if "=" not in item:
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or not key or not all(key.split(".")):
             raise ConfigError(f"--set expects key=value, got {item!r}")
-        key, raw = item.split("=", 1)
+        hint = field_type(key)
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
+            if _has_tag(raw):
+                raise ConfigError(
+                    f"--set {key}: YAML tags are not allowed in a value ({raw.strip()!r}); give a plain value"
+                )
+            value = yaml.safe_load(raw) if raw.strip() != "" else None
         except yaml.YAMLError as e:
             why = getattr(e, "problem", None) or " ".join(str(e).split())
-            raise ConfigError(f"--set {key.strip()}: not a valid YAML value: {raw!r} ({why})") from None
+            raise ConfigError(f"--set {key}: not a valid YAML value: {raw!r} ({why})") from None
+        except RecursionError:
+            raise ConfigError(f"--set {key}: the value is nested too deeply: {raw[:40]!r}...") from None
         node = out
-        parts = key.strip().split(".")
-        for i, p in enumerate(parts[:-1]):
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                where = ".".join(parts[: i + 1])
-                raise ConfigError(f"--set {key.strip()}: {where} was given a value, so it has no keys")
-        node[parts[-1]] = value
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = coerce(value, hint, key, raw=raw.strip())
     return out
 
 
@@ -460,7 +628,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML ({e})") from None
+        raise ConfigError(f"{p}: not valid YAML ({' '.join(str(e).split())})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: not valid YAML (nested too deeply)") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not a text (UTF-8) YAML file ({e.reason} at byte {e.start})") from None
     except OSError as e:

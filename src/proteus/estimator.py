@@ -33,6 +33,7 @@ Example (the test suite runs it)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -534,10 +535,12 @@ class Proteus:
         self._build()
         if self.num_tasks:
             raise TaskError("a learner is restored from a state only before it learns any task")
-        for meta, tensors in state.tasks:
-            self._load_task(meta, tensors)
+        for meta, tensors in state.tasks:  # untrusted input: a failure names the task and its file
+            with _loading(f"task {self.num_tasks + 1} ({meta.get('object', 'no object')})"):
+                self._load_task(meta, tensors)
         if state.head is not None:
-            self._load_head(*state.head)
+            with _loading(f"the head ({state.head[0].get('object', 'its object')})"):
+                self._load_head(*state.head)
 
     def kb_header(self) -> dict[str, Any]:
         """What a new knowledge base records about this learner (version, backbone identity, config)."""
@@ -597,3 +600,15 @@ class Proteus:
     def __repr__(self) -> str:
         c = self.config
         return f"Proteus(method={c.method!r}, backbone={c.backbone.name!r}, tasks={self.num_tasks})"
+
+
+@contextlib.contextmanager
+def _loading(what: str) -> Iterator[None]:
+    """Re-raise a failure to load a stored part (wrong shapes, types or values) as a TaskError naming it."""
+    try:
+        yield
+    except TaskError as e:  # already names the task: add the file
+        raise TaskError(f"{what}: {e}".replace(f": {what.split(' (')[0]}:", ":", 1)) from None
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        msg = e.args[0] if e.args else type(e).__name__
+        raise TaskError(f"{what}: cannot be loaded: {msg}") from None

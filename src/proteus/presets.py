@@ -8,6 +8,7 @@ adding a strategy to a registry makes it a valid value); numeric keys have decla
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -22,8 +23,11 @@ from proteus.config import (
     CACHE_PREFIX,
     ConfigError,
     RunConfig,
+    coerce_dotted,
+    flatten,
     load_yaml,
     merge,
+    nest,
     parse_set,
 )
 from proteus.devices import PRECISIONS
@@ -36,7 +40,10 @@ from proteus.heads import GAMMA_SELECTIONS, PROTOTYPES
 from proteus.methods import METHODS, apply_method
 from proteus.signatures.signature import CHOICES as SIGNATURE_CHOICES
 
-__all__ = ["CHOICES", "METHODS", "RANGES", "Interval", "packaged_config", "resolve_config", "validate"]
+__all__ = [
+    "CHOICES", "METHODS", "RANGES", "Interval", "config_file_keys", "packaged_config", "resolve_config",
+    "validate", "validate_keys",
+]  # fmt: skip
 
 #: key -> allowed values (a registry or a tuple)
 CHOICES: dict[str, Collection[str]] = {
@@ -148,18 +155,34 @@ def _get(cfg: RunConfig, key: str) -> Any:
     return obj
 
 
+def check_value(key: str, val: Any) -> None:
+    """One key's value (already of its declared type) against its registry (:data:`CHOICES`) and its range
+    (:data:`RANGES`; None passes: the type allows it only where the field is optional)."""
+    ok = CHOICES.get(key)
+    if ok is not None and val not in ok:
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, ok))}; got {val!r}")
+    rng = RANGES.get(key)
+    if rng is None or val is None:
+        return
+    if isinstance(val, bool) or not isinstance(val, (int, float)) or not rng.contains(float(val)):
+        raise ConfigError(f"{key} must be a number in {rng}; got {val!r}")
+
+
+def validate_keys(dotted: dict[str, Any]) -> dict[str, Any]:
+    """Flat dotted keys (what a command line sets) checked on their own, before anything uses them:
+    unknown keys and sections refused by name, values converted to their declared types
+    (:func:`proteus.config.coerce_dotted`), then each against its registry and range. Returns the typed
+    keys."""
+    typed = coerce_dotted(dotted)
+    for key, val in typed.items():
+        check_value(key, val)
+    return typed
+
+
 def validate(cfg: RunConfig) -> None:
     """Check every variant key against its registry and every numeric key against its range."""
-    for key, ok in CHOICES.items():
-        val = _get(cfg, key)
-        if val not in ok:
-            raise ConfigError(f"{key} must be one of {', '.join(map(str, ok))}; got {val!r}")
-    for key, rng in RANGES.items():
-        val = _get(cfg, key)
-        if val is None:
-            continue
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or not rng.contains(float(val)):
-            raise ConfigError(f"{key} must be a number in {rng}; got {val!r}")
+    for key in (*CHOICES, *(k for k in RANGES if k not in CHOICES)):
+        check_value(key, _get(cfg, key))
     if cfg.retrieval.mode != "signature" and (cfg.head.scope, cfg.retrieval.combine) != ("global", "hard"):
         raise ConfigError(
             f"head.scope={cfg.head.scope} and retrieval.combine={cfg.retrieval.combine} need task retrieval, "
@@ -184,33 +207,56 @@ def validate(cfg: RunConfig) -> None:
 PER_BENCHMARK = "benchmarks"
 
 
-def merge_config_file(cfg: RunConfig, data: dict[str, Any], where: str) -> None:
-    """Merge a ``--config`` file; its ``benchmarks: {NAME: {...}}`` section applies only to benchmark NAME
-    (``mobilenet_cpu`` caps the training images of the multi-domain streams, not of CIFAR-10)."""
+def config_path(name: str) -> Path:
+    """A ``--config`` argument's file: the path if it is a file, else the packaged config of that name."""
+    path = Path(name)
+    if not path.is_file() and packaged_config(name) is not None:
+        return packaged_config(name)  # type: ignore[return-value]
+    return path
+
+
+def _file_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A config file's settings and its ``benchmarks: {NAME: {...}}`` sections."""
     data = dict(data)
     per = data.pop(PER_BENCHMARK, None) or {}
     if not isinstance(per, dict) or not all(isinstance(v, dict) for v in per.values()):
         raise ConfigError(f"{where}: '{PER_BENCHMARK}' must map benchmark names to config sections")
-    merge(cfg, data)
-    if cfg.benchmark.name in per:
-        merge(cfg, per[cfg.benchmark.name], where="config")
+    return data, per
+
+
+def merge_config_file(cfg: RunConfig, data: dict[str, Any], where: str) -> None:
+    """Merge a ``--config`` file; its ``benchmarks: {NAME: {...}}`` section applies only to benchmark NAME
+    (``mobilenet_cpu`` caps the training images of the multi-domain streams, not of CIFAR-10). An error
+    names the file."""
+    data, per = _file_sections(data, where)
+    try:
+        merge(cfg, data)
+        if cfg.benchmark.name in per:
+            merge(cfg, per[cfg.benchmark.name], where="config")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def config_file_keys(name: str, benchmark: str | None) -> dict[str, Any]:
+    """The flat dotted keys that the ``--config`` file ``name`` sets for ``benchmark`` (its per-benchmark
+    section included), checked by :func:`validate_keys` (an error names the file)."""
+    path = config_path(name)
+    data, per = _file_sections(load_yaml(path), str(path))
+    sections = {k for k, v in vars(RunConfig()).items() if dataclasses.is_dataclass(v)}
+    data = {k: ({} if v is None and k in sections else v) for k, v in data.items()}  # an empty section
+    flat = flatten(data)
+    bench = flat.get("benchmark.name", benchmark)
+    if bench in per:
+        flat.update(flatten(per[bench]))
+    try:
+        return validate_keys(flat)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def packaged_config(name: str) -> Path | None:
     p = resources.files("proteus") / "configs" / f"{name}.yaml"
     return Path(str(p)) if p.is_file() else None
-
-
-def _dotted(d: dict[str, Any]) -> dict[str, Any]:
-    """``{"train.epochs": 1}`` -> ``{"train": {"epochs": 1}}``."""
-    out: dict[str, Any] = {}
-    for key, value in d.items():
-        node = out
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return out
 
 
 def resolve_config(
@@ -228,18 +274,16 @@ def resolve_config(
         cfg.benchmark.name = benchmark
         bench_file = packaged_config(benchmark)
         if bench_file:
-            merge(cfg, load_yaml(bench_file))
+            merge_config_file(cfg, load_yaml(bench_file), str(bench_file))
     apply_method(cfg, method)
     for f in config_files or []:
-        path = Path(f)
-        if not path.is_file() and packaged_config(f) is not None:
-            path = packaged_config(f)  # type: ignore[assignment]
+        path = config_path(f)
         merge_config_file(cfg, load_yaml(path), str(path))
     if sets:
         merge(cfg, parse_set(sets))
     if overrides:
         merge(cfg, overrides)
     if dotted:
-        merge(cfg, _dotted(dotted))
+        merge(cfg, nest(dotted))
     validate(cfg)
     return cfg

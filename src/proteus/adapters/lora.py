@@ -153,6 +153,15 @@ class LoRAUnit(nn.Module):
     @torch.no_grad()
     def append_task(self, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor) -> None:
         """Append one task's directions (q x r, p x r) and its transfer coefficients over older columns."""
+        if a_k.ndim != 2 or b_k.ndim != 2 or a_k.shape[1] != b_k.shape[1]:
+            raise ValueError(
+                f"directions A {tuple(a_k.shape)} and B {tuple(b_k.shape)} must be (q, r) and (p, r)"
+            )
+        if (a_k.shape[0], b_k.shape[0]) != (self.in_features, self.out_features):
+            raise ValueError(
+                f"directions A {tuple(a_k.shape)}, B {tuple(b_k.shape)} do not fit a map of "
+                f"{self.in_features} -> {self.out_features} features"
+            )
         R, r = self.total_rank, int(a_k.shape[1])
         if s_k.numel() != R:
             raise ValueError(f"transfer coefficients have {s_k.numel()} entries, expected {R}")

@@ -8,16 +8,72 @@ codes).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
 
 from proteus.cli.parser import build_parser
 from proteus.errors import ProteusError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["Terminated", "build_parser", "main"]
 
 
-def _kb_tasks(args: argparse.Namespace) -> str:
-    """How many tasks the KB of this command holds now (for the Ctrl-C message)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (docker stop, kubernetes, slurm), raised in the main thread as Ctrl-C's KeyboardInterrupt is,
+    so that the same clean-up runs: the knowledge base's write lock released, a commit not yet renamed
+    into place left out (exit code 143)."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (which alone may set
+    handlers; elsewhere nothing changes); a second SIGTERM during the clean-up ends the process at once, as
+    SIGTERM does by default (the knowledge base is crash-safe). The previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal fired
+        if fired:  # insisted: die now
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        fired = True
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):  # no signals here (an embedded interpreter): nothing to install
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _manifest_digest(args: argparse.Namespace) -> str | None:
+    """The sha256 of the command's knowledge base's manifest.json now (None: no KB, or not readable)."""
+    kb = getattr(args, "kb", None)
+    if not kb:
+        return None
+    try:
+        return hashlib.sha256((Path(kb) / "manifest.json").read_bytes()).hexdigest()
+    except (OSError, TypeError):
+        return None
+
+
+def _kb_tasks(args: argparse.Namespace, before: str | None = None) -> str:
+    """What became of the command's knowledge base (for the Ctrl-C and SIGTERM message): "unchanged at N
+    tasks", or, when its manifest changed during the command (the commit had completed), "now at N tasks"."""
     kb = getattr(args, "kb", None)
     if not kb:
         return ""
@@ -27,7 +83,10 @@ def _kb_tasks(args: argparse.Namespace) -> str:
         n = len(kbmod.KnowledgeBase.open(kb, verify=False).manifest["tasks"])
     except Exception:  # noqa: BLE001 - a message on the way out must not fail
         return ""
-    return f"; the knowledge base is unchanged at {n} task{'s' if n != 1 else ''}"
+    tasks = f"{n} task{'s' if n != 1 else ''}"
+    if before is not None and _manifest_digest(args) != before:
+        return f"; its commit had completed: the knowledge base is now at {tasks}"
+    return f"; the knowledge base is unchanged at {tasks}"
 
 
 def _message(e: ProteusError) -> str:
@@ -42,7 +101,8 @@ def _message(e: ProteusError) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; exit codes: 0 success, 1 internal error (any exception that is not a
     :class:`~proteus.errors.ProteusError`: a bug, --debug shows its traceback), 2 bad input (a
-    ``ProteusError``: one line naming the file, task, key or device at fault), 130 interrupted (Ctrl-C)."""
+    ``ProteusError``: one line naming the file, task, key or device at fault), 130 interrupted (Ctrl-C),
+    143 terminated (SIGTERM: the same clean-up as Ctrl-C)."""
     args = build_parser().parse_args(argv)
     if getattr(args, "wait", None) is not None and args.wait < 0:
         args.wait = None  # --wait without a value: as long as it takes
@@ -50,13 +110,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if launched_by_torchrun():  # join the process group (also with one process: proteus.distributed)
         init_from_env(device=getattr(args, "device", None))
+    before = _manifest_digest(args)
     try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
+        with _sigterm_as_interrupt():
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt as e:
         if args.debug:
             raise
-        print(f"interrupted{_kb_tasks(args)}", file=sys.stderr)
-        return 130
+        term = isinstance(e, Terminated)
+        what = "terminated (SIGTERM)" if term else "interrupted"
+        print(f"{what}{_kb_tasks(args, before)}", file=sys.stderr)
+        return 128 + signal.SIGTERM if term else 130
     except ProteusError as e:  # the user's input, files or environment: one line, no traceback
         if args.debug:
             raise

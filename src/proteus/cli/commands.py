@@ -50,10 +50,11 @@ def _config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
-    """The config keys this command line sets explicitly (flat, dotted): what ``learn`` checks against an
-    existing knowledge base. A packaged preset given as --benchmark only names the benchmark."""
+    """The config keys this command line sets explicitly (flat, dotted, each checked and of its declared
+    type: :func:`proteus.presets.validate_keys`): what ``learn`` checks against an existing knowledge base.
+    A packaged preset given as --benchmark only names the benchmark."""
     from proteus.config import flatten, load_yaml, parse_set
-    from proteus.presets import packaged_config
+    from proteus.presets import config_file_keys, packaged_config, validate_keys
 
     given: dict[str, Any] = {}
     if args.benchmark:
@@ -61,13 +62,12 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
         name = (load_yaml(preset).get("benchmark") or {}).get("name") if preset else None
         given["benchmark.name"] = name or args.benchmark
     for f in args.config:
-        path = Path(f) if Path(f).is_file() else packaged_config(f)
-        given.update(flatten(load_yaml(path if path is not None else f)))
+        given.update(config_file_keys(f, given.get("benchmark.name")))
     given.update(flatten(parse_set(args.set)))
     given.update(flatten(_overrides(args)))
     if args.method:
         given["method"] = args.method
-    return given
+    return validate_keys(given)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -203,49 +203,102 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_kb_forget(args: argparse.Namespace) -> int:
     from proteus.experiment.manage import forget
 
-    names = forget(args.kb, args.task, wait=args.wait)
+    names = forget(args.kb, args.task, wait=args.wait, key=_kb_key(args))
     print(f"{args.kb}: task {args.task} forgotten (classes {names}); `proteus kb undo` restores it")
     return 0
+
+
+def _kb_key(args: argparse.Namespace) -> bytes | None:
+    """The key of ``--key-file`` (None: none given; ``KnowledgeBase.open`` reads $PROTEUS_KB_KEY_FILE)."""
+    from proteus.kb import read_key_file
+
+    return read_key_file(args.key_file) if getattr(args, "key_file", None) else None
+
+
+def _commit_words(s: dict[str, Any]) -> str:
+    forgotten = f"; task(s) {s['forgotten']} forgotten" if s["forgotten"] else ""
+    return f"the commit of {s['updated']} ({s['tasks']} task(s){forgotten})"
 
 
 def cmd_kb_undo(args: argparse.Namespace) -> int:
     from proteus.experiment.manage import undo
 
-    n = undo(args.kb, wait=args.wait)
-    print(f"{args.kb}: back to the previous commit ({n} task(s))")
+    done = undo(args.kb, wait=args.wait, key=_kb_key(args))
+    print(
+        f"{args.kb}: restored {_commit_words(done['restored'])}; the state it replaced "
+        f"({_commit_words(done['replaced'])}) is now the previous commit: `proteus kb undo` again goes back "
+        "to it"
+    )
+    return 0
+
+
+def cmd_kb_sign(args: argparse.Namespace) -> int:
+    from proteus.kb import KnowledgeBase, write_lock
+    from proteus.kb.signing import key_id
+
+    key = _kb_key(args)
+    assert key is not None
+    with write_lock(args.kb, wait=args.wait):
+        kb = KnowledgeBase.open(args.kb, key=key, require_signature=False)
+        kb.sign(key)
+    print(
+        f"{args.kb}: signed (hmac-sha256, key id {key_id(key)}); check it with `proteus kb verify {args.kb} "
+        "--key-file KEYFILE` or $PROTEUS_KB_KEY_FILE; commits made with the key sign again"
+    )
+    return 0
+
+
+def cmd_kb_gc(args: argparse.Namespace) -> int:
+    from proteus.kb import KnowledgeBase, write_lock
+
+    with write_lock(args.kb, wait=args.wait):
+        removed = KnowledgeBase.open(args.kb, verify=False, require_signature=False).gc()
+    for path, size in removed:
+        print(f"removed {path} ({size} bytes)")
+    freed = sum(size for _, size in removed)
+    print(f"{args.kb}: removed {len(removed)} file(s), {freed} bytes ({freed / 1e6:.2f} MB) freed")
     return 0
 
 
 def cmd_kb_calibrate(args: argparse.Namespace) -> int:
     from proteus.experiment.manage import recalibrate
 
-    thresholds = [round(t, 3) for t in recalibrate(args.kb, args.tpr, wait=args.wait)]
+    thresholds = [round(t, 3) for t in recalibrate(args.kb, args.tpr, wait=args.wait, key=_kb_key(args))]
     print(f"{args.kb}: thresholds at a true-positive rate of {args.tpr:g}: {thresholds}")
     return 0
 
 
 def cmd_kb_verify(args: argparse.Namespace) -> int:
+    """``proteus kb verify KB``: every error (exit 1), then the warnings (files no commit needs: exit 0)."""
     import proteus.kb as kbmod
 
-    problems = kbmod.problems(args.kb)
-    for p in problems:
+    report = kbmod.check(args.kb, _kb_key(args))
+    for p in report.errors:
         print(p)
-    print(f"{args.kb}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
-    return 0 if not problems else 1
+    for w in report.warnings:
+        print(f"warning: {w}")
+    status = "OK" if not report.errors else f"{len(report.errors)} problem(s)"
+    if report.warnings:
+        status += f", {len(report.warnings)} warning(s)"
+        if report.leftover_bytes:
+            status += f" ({report.leftover_bytes} bytes of leftovers: `proteus kb gc {args.kb}` removes them)"
+    print(f"{args.kb}: {status}")
+    return 0 if not report.errors else 1
 
 
 def cmd_kb_show(args: argparse.Namespace) -> int:
     """``proteus kb info | list KB``."""
     import proteus.kb as kbmod
 
-    info = kbmod.info(kbmod.KnowledgeBase.open(args.kb))
+    info = kbmod.info(kbmod.KnowledgeBase.open(args.kb, key=_kb_key(args)))
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    mb = info["total_bytes"] / 1e6
+    mb, disk, prev = (info[k] / 1e6 for k in ("total_bytes", "disk_bytes", "previous_bytes"))
     print(
         f"{info['root']}: {info['method']} on {info['benchmark']}, backbone {info['backbone_name']}, "
-        f"{info['num_tasks']} task(s), {mb:.2f} MB (format {info['format_version']})"
+        f"{info['num_tasks']} task(s), {mb:.2f} MB ({disk:.2f} MB on disk, {prev:.2f} MB of it the previous "
+        f"commit kept for `proteus kb undo`) (format {info['format_version']})"
     )
     for t in info["tasks"]:
         settings = ", ".join(f"{k}={v}" for k, v in (t.get("settings") or {}).items())
@@ -258,6 +311,12 @@ def cmd_kb_show(args: argparse.Namespace) -> int:
     if args.action == "info":
         print(f"  created {info['created']}, updated {info['updated']}, proteus {info['proteus_version']}")
         print(f"  backbone {json.dumps(info['backbone'])}")
+        sig = info["signature"]
+        if sig is None:
+            print("  not signed (`proteus kb sign`)")
+        else:
+            checked = "checked" if sig["checked"] else "not checked: pass --key-file"
+            print(f"  signed ({sig['alg']}, key id {sig['key_id']}; {checked})")
     return 0
 
 
@@ -265,7 +324,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from proteus.serve import serve
 
     serve(args.kb, host=args.host, port=args.port, device=args.device, precision=args.precision,
-          poll_seconds=args.poll)  # fmt: skip
+          poll_seconds=args.poll, read_timeout=args.read_timeout)  # fmt: skip
     return 0
 
 

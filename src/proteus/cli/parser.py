@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 
 from proteus.cli.commands import (
     cmd_bench,
@@ -11,7 +13,9 @@ from proteus.cli.commands import (
     cmd_evaluate,
     cmd_kb_calibrate,
     cmd_kb_forget,
+    cmd_kb_gc,
     cmd_kb_show,
+    cmd_kb_sign,
     cmd_kb_undo,
     cmd_kb_verify,
     cmd_learn,
@@ -36,6 +40,35 @@ examples:
   proteus compare --benchmark quickstart --methods proteus,ranpac,frozen --seeds 0,1,2
   proteus list methods
 """
+
+
+def _at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low`` (and <= ``high``), refused at parse time otherwise (exit
+    code 2, ``argument --top-k: must be an integer >= 1; got '0'``)."""
+    what = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {what}; got {text!r}")
+        return value
+
+    parse.__name__ = what
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse ``type``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0; got {text!r}")
+    return value
 
 
 def _add_run_args(p: argparse.ArgumentParser, benchmark_required: bool = True) -> None:
@@ -136,10 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "--skip-unreadable", action="store_true", help="report unreadable files and go on with the rest"
     )
-    pr.add_argument("--top-k", type=int, default=1, help="also list the k best classes of the retrieved task")
+    pr.add_argument(
+        "--top-k",
+        type=_at_least(1),
+        default=1,
+        metavar="K",
+        help="also list the K best classes of the retrieved task (an integer >= 1)",
+    )
     pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no speed line")
     pr.add_argument(
-        "--max-pixels", type=int, help="refuse larger images before decoding (default eval.max_image_pixels)"
+        "--max-pixels",
+        type=_at_least(1),
+        help="refuse larger images before decoding (default eval.max_image_pixels)",
     )
     pr.set_defaults(func=cmd_predict)
 
@@ -177,26 +218,52 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser(
         "kb",
         help="inspect a knowledge base: verify every checksum, show its tasks and settings",
-        epilog="examples:\n  proteus kb verify kb/\n  proteus kb info kb/\n  proteus kb list kb/ --json",
+        epilog="examples:\n  proteus kb verify kb/\n  proteus kb info kb/\n  proteus kb list kb/ --json\n"
+        "  proteus kb sign kb/ --key-file kb.key && proteus kb verify kb/ --key-file kb.key\n"
+        "  proteus kb gc kb/",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ksub = k.add_subparsers(dest="action", required=True)
     for action, text, func in (
-        ("verify", "check the manifest and every object's checksum; list every problem (exit 1 if any)",
-         cmd_kb_verify),
-        ("info", "backbone, method, tasks, classes, sizes and per-task settings", cmd_kb_show),
+        ("verify", "check the manifest (fields, object paths, signature with --key-file), every object "
+         "(checksum, dtypes, shapes, finite values) and the previous commit; list every problem (exit 1 if "
+         "any) and, as warnings, files no commit needs (exit 0)", cmd_kb_verify),
+        ("info", "backbone, method, tasks, classes, sizes (also on disk) and per-task settings", cmd_kb_show),
         ("list", "one line per learned task", cmd_kb_show),
     ):  # fmt: skip
         kp = ksub.add_parser(action, help=text)
         kp.add_argument("kb", help="knowledge base directory")
         kp.add_argument("--json", action="store_true", help="print JSON (info, list)")
+        _key_option(kp)
         kp.set_defaults(func=func)
+    ks = ksub.add_parser(
+        "sign",
+        help="sign the knowledge base (its manifest, and the previous one kept for undo) with an HMAC-SHA256 "
+        "under a secret key; readers check it with --key-file or $PROTEUS_KB_KEY_FILE (docs/reliability.md)",
+        epilog="examples:\n  python -c 'import secrets; print(secrets.token_hex(32))' > kb.key\n"
+        "  proteus kb sign kb/ --key-file kb.key\n"
+        "  PROTEUS_KB_KEY_FILE=kb.key proteus predict --kb kb/ x.jpg",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ks.add_argument("kb", help="knowledge base directory")
+    _key_option(ks, required=True)
+    _wait_option(ks)
+    ks.set_defaults(func=cmd_kb_sign)
+    kg = ksub.add_parser(
+        "gc",
+        help="remove the files neither the current nor the previous commit needs (orphan objects and "
+        "temporary files of failed or interrupted commits) and say how many bytes it freed",
+    )
+    kg.add_argument("kb", help="knowledge base directory")
+    _wait_option(kg)
+    kg.set_defaults(func=cmd_kb_gc)
     kc = ksub.add_parser(
         "calibrate",
         help="set the rejection threshold of every task to a true-positive rate (retrieval.reject)",
     )
     kc.add_argument("kb", help="knowledge base directory")
     kc.add_argument("--tpr", type=float, required=True, help="fraction of a task's held-out inputs accepted")
+    _key_option(kc)
     _wait_option(kc)
     kc.set_defaults(func=cmd_kb_calibrate)
     kf = ksub.add_parser(
@@ -211,12 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
     kf.add_argument(
         "--task", type=int, required=True, help="the task to forget (1-based, as `kb list` shows)"
     )
+    _key_option(kf)
     _wait_option(kf)
     kf.set_defaults(func=cmd_kb_forget)
     ku = ksub.add_parser(
-        "undo", help="go back to the previous commit (undoes the last learn, forget or calibrate)"
+        "undo",
+        help="go back to the previous commit (undoes the last learn, forget or calibrate; undo "
+        "again goes back to the state undone)",
     )
     ku.add_argument("kb", help="knowledge base directory")
+    _key_option(ku)
     _wait_option(ku)
     ku.set_defaults(func=cmd_kb_undo)
 
@@ -230,16 +301,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--kb", required=True)
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=_at_least(0, 65535), default=8000, help="TCP port (0: any free port)")
     sv.add_argument("--device")
     _add_precision(sv)
-    sv.add_argument("--poll", type=float, default=1.0, help="seconds between checks for a new commit")
+    sv.add_argument("--poll", type=_positive, default=1.0, help="seconds between checks for a new commit")
+    sv.add_argument(
+        "--read-timeout",
+        type=_positive,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection that sends nothing for this long (e.g. a body shorter than its "
+        "Content-Length: 408)",
+    )
     sv.set_defaults(func=cmd_serve)
 
     ls = sub.add_parser("list", help="list backbones, benchmarks or methods")
     ls.add_argument("what", nargs="?", choices=["backbones", "benchmarks", "methods"])
     ls.set_defaults(func=cmd_list)
     return p
+
+
+def _key_option(p: argparse.ArgumentParser, required: bool = False) -> None:
+    """``--key-file FILE`` of the ``kb`` commands that check or make a signature."""
+    p.add_argument(
+        "--key-file",
+        required=required,
+        metavar="FILE",
+        help="secret key (the file's bytes, at least 16) of the knowledge base's HMAC-SHA256 signature"
+        + ("" if required else "; the KB must be signed with it (default: $PROTEUS_KB_KEY_FILE, if set)"),
+    )
 
 
 def _wait_option(p: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from proteus.experiment.loop import learn_and_commit
 from proteus.experiment.results import build_results
 from proteus.experiment.store import build_learner, kb_header, load_learner
 from proteus.kb import KBError, KnowledgeBase, write_lock
+from proteus.presets import validate_keys
 from proteus.streams import TaskStream, build_benchmark
 
 __all__ = [
@@ -40,8 +41,9 @@ _LEARN = "proteus learn (tasks added one process at a time)"
 
 
 def config_conflicts(kb_config: dict[str, Any], given: dict[str, Any]) -> list[str]:
-    """``"key: knowledge base has A, given B"`` for every model-defining key of ``given`` (flat, dotted)
-    whose value differs from the knowledge base's config."""
+    """``"key: knowledge base has A, given B"`` for every model-defining key of ``given`` (flat, dotted,
+    already validated and typed: :func:`proteus.presets.validate_keys`) whose value differs from the
+    knowledge base's config."""
     have = flatten(RunConfig.from_stored(kb_config).to_dict())
     return [
         f"{key}: knowledge base has {have.get(key)!r}, given {value!r}"
@@ -96,10 +98,13 @@ def learn_task(
     read until after the commit; ``wait``: seconds to wait for another writer, None = as long as it takes).
 
     ``new_config`` resolves the config when the KB does not exist yet; ``given`` holds the flat dotted
-    keys set explicitly on the command line (checked against an existing KB, per-task keys applied)."""
+    keys set explicitly on the command line, validated here before anything else (unknown keys, types,
+    registries, ranges: :func:`proteus.presets.validate_keys`), then checked against an existing KB
+    (:func:`config_conflicts`) and the per-task keys applied."""
     kb_dir = Path(kb_dir)
     if task < 1:
         raise ConfigError(f"--task must be 1 or more (tasks are numbered from 1), got {task}")
+    given = validate_keys(given)
     if kb_dir.exists() and not kb_dir.is_dir():
         raise KBError(f"{kb_dir}: is a file, not a knowledge-base directory; choose another --kb")
     if not KnowledgeBase.exists(kb_dir):  # refused before the lock leaves anything on disk

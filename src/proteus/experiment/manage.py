@@ -10,6 +10,7 @@ the previous state kept in ``manifest.prev.json``):
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from proteus.engine.learner import check_supports
 from proteus.engine.novelty import Calibration
@@ -18,10 +19,13 @@ from proteus.kb import KBError, KnowledgeBase, write_lock
 __all__ = ["forget", "recalibrate", "undo"]
 
 
-def recalibrate(kb_dir: str | Path, tpr: float, wait: float | None = 0.0) -> list[float]:
-    """Set every task's rejection threshold to the true-positive rate ``tpr``; returns the thresholds."""
+def recalibrate(
+    kb_dir: str | Path, tpr: float, wait: float | None = 0.0, key: bytes | None = None
+) -> list[float]:
+    """Set every task's rejection threshold to the true-positive rate ``tpr``; returns the thresholds.
+    ``key``: the KB's signing key (checked on open, the new commit signed; docs/reliability.md)."""
     with write_lock(kb_dir, wait=wait):
-        kb = KnowledgeBase.open(kb_dir)
+        kb = KnowledgeBase.open(kb_dir, key=key)
         manifest = dict(kb.manifest)
         tasks = [dict(t) for t in manifest["tasks"]]
         missing = [t["index"] + 1 for t in tasks if not t.get("calibration")]
@@ -37,12 +41,12 @@ def recalibrate(kb_dir: str | Path, tpr: float, wait: float | None = 0.0) -> lis
         return [float(t["calibration"]["threshold"]) for t in tasks]
 
 
-def forget(kb_dir: str | Path, task: int, wait: float | None = 0.0) -> list[str]:
+def forget(kb_dir: str | Path, task: int, wait: float | None = 0.0, key: bytes | None = None) -> list[str]:
     """Forget task ``task`` (1-based, as in the CLI); returns its class names."""
     from proteus.experiment.store import commit, load_learner
 
     with write_lock(kb_dir, wait=wait):
-        kb = KnowledgeBase.open(kb_dir)
+        kb = KnowledgeBase.open(kb_dir, key=key)
         clf = load_learner(kb, "proteus kb forget")
         check_supports(clf, "retrieval", "proteus kb forget")
         clf.forget_task(task - 1)
@@ -50,11 +54,8 @@ def forget(kb_dir: str | Path, task: int, wait: float | None = 0.0) -> list[str]
         return list(clf.records_[task - 1].class_names)
 
 
-def undo(kb_dir: str | Path, wait: float | None = 0.0) -> int:
+def undo(kb_dir: str | Path, wait: float | None = 0.0, key: bytes | None = None) -> dict[str, Any]:
     """Make the previous commit the current state again (itself a commit, so ``undo`` twice redoes);
-    returns its number of tasks."""
+    returns what was restored and what it replaced (:meth:`KnowledgeBase.undo`)."""
     with write_lock(kb_dir, wait=wait):
-        kb = KnowledgeBase.open(kb_dir)
-        prev = kb.previous_manifest()
-        kb.commit(prev)
-        return len(prev.get("tasks", []))
+        return KnowledgeBase.open(kb_dir, key=key).undo()

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from proteus.config import ConfigError
 from proteus.estimator import Prediction, Proteus
 
 __all__ = ["prediction_rows"]
@@ -44,6 +45,8 @@ __all__ = ["prediction_rows"]
 
 def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int = 1) -> list[dict[str, Any]]:
     """The readable rows of a batch's prediction (module docstring: the schema)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ConfigError(f"top_k must be an integer >= 1; got {top_k!r}")
     names = clf.class_names()
     task_classes = [t.classes for t in clf.records_]
     source = {
@@ -63,7 +66,7 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
             k = None
             own = torch.arange(pred.logits.shape[1])
         p_own = torch.softmax(pred.logits[j, own].double(), 0)
-        order = p_own.argsort(descending=True)[: max(1, top_k)]
+        order = p_own.argsort(descending=True)[:top_k]
         in_task = (own == c).nonzero()
         p_task = float(p_own[in_task[0, 0]]) if len(in_task) else None
         rows.append(

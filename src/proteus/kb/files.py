@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -71,15 +72,59 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _shown_bytes(n: int | None) -> str:
+    if n is None:
+        return "an unknown number of bytes"
+    return f"{n} bytes ({n / 1e6:.1f} MB)" if n >= 100_000 else f"{n} bytes"
+
+
+def _write_error(path: Path, nbytes: int, e: OSError) -> KBError:
+    """The error of a failed write of ``nbytes`` to ``path``: for a full disk, what it tried to write and
+    the space left (``shutil.disk_usage``)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free: int | None = shutil.disk_usage(path.parent).free
+        except OSError:
+            free = None
+        return KBError(
+            f"{path}: no space left on device: writing {_shown_bytes(nbytes)} with {_shown_bytes(free)} free "
+            "on its file system; nothing was committed and this commit's files were removed: free some "
+            "space and run the command again"
+        )
+    reason = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
+    return KBError(
+        f"{path}: cannot write {_shown_bytes(nbytes)} ({reason}); nothing was committed and this commit's "
+        "files were removed"
+    )
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _atomic_write(path: Path, data: bytes, point: str | None = None) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary name, fsync, rename, fsync of the directory). On
+    any failure the temporary file is removed; an ``OSError`` becomes a :class:`KBError` naming ``path``
+    (:func:`_write_error`)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if point:
-        crash_point(point)  # tests: killed with the data in its temporary file (proteus.faults)
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if point:
+            crash_point(point)  # tests: killed with the data in its temporary file (proteus.faults)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _write_error(path, len(data), e) from None
+        raise
     _fsync_dir(path.parent)
 
 
@@ -172,7 +217,7 @@ def _refs(manifest: dict[str, Any]) -> list[tuple[str, str, str]]:
     tasks = manifest.get("tasks")
     for i, t in enumerate(tasks if isinstance(tasks, list) else []):
         if isinstance(t, dict) and isinstance(t.get("object"), str) and isinstance(t.get("sha256"), str):
-            out.append((f"task index {t.get('index', i)}", t["object"], t["sha256"]))
+            out.append((f"task index {i}", t["object"], t["sha256"]))
     head = manifest.get("head")
     if isinstance(head, dict) and isinstance(head.get("object"), str) and isinstance(head.get("sha256"), str):
         out.append(("head", head["object"], head["sha256"]))
@@ -212,19 +257,9 @@ def _manifest_issues(path: Path, data: bytes, hint: str) -> tuple[dict[str, Any]
                 f"{path}: checksum mismatch: {path.name} was edited (recorded {recorded[:16]}…, computed "
                 f"{actual[:16]}…); {hint}"
             )
-    if not isinstance(manifest.get("tasks"), list):
-        issues.append(f"{path}: has no list of tasks; {hint}")
-    else:
-        for i, t in enumerate(manifest["tasks"]):
-            if not (
-                isinstance(t, dict) and isinstance(t.get("object"), str) and isinstance(t.get("sha256"), str)
-            ):
-                issues.append(f"{path}: task record {i} has no object and sha256; {hint}")
-    head = manifest.get("head")
-    if head is not None and not (
-        isinstance(head, dict) and isinstance(head.get("object"), str) and isinstance(head.get("sha256"), str)
-    ):
-        issues.append(f"{path}: the head record has no object and sha256; {hint}")
+    from proteus.kb.schema import manifest_problems  # schema imports this module
+
+    issues += [f"{path}: {p}; {hint}" for p in manifest_problems(manifest)]
     return manifest, issues
 
 

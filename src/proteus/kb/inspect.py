@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +25,49 @@ from proteus.kb.files import (
     _sha,
     _tmp_pid,
 )
-from proteus.kb.store import KnowledgeBase
+from proteus.kb.schema import object_path
+from proteus.kb.signing import key_from_env, signature_problem
+from proteus.kb.store import KnowledgeBase, read_object_file
+from proteus.kb.tensors import Obj, check_objects, int_totals, nonfinite, parse_header
 
 
-def problems(root: str | Path) -> list[str]:
-    """Every problem of the knowledge base at ``root`` (an empty list when all is well): manifest
-    unreadable or edited, each object missing, edited or not valid safetensors, the same for the previous
-    commit, and files left by interrupted commits. Reads only; never takes the lock."""
+@dataclass
+class Report:
+    """What ``proteus kb verify`` found: ``errors`` (the committed state, or the previous one kept for
+    ``undo``, is damaged, edited or refused) and ``warnings`` (files no commit needs: temporary files of
+    interrupted commits, orphan objects; a previous commit not signed with the key given). The knowledge
+    base is valid when ``errors`` is empty."""
+
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    #: the files the warnings name that ``proteus kb gc`` removes, and their bytes
+    leftover_bytes: int = 0
+
+
+def problems(root: str | Path, key: bytes | None = None) -> list[str]:
+    """Every problem of the knowledge base at ``root`` (an empty list when all is well): the errors of
+    :func:`check`, then its warnings. Reads only; never takes the lock."""
+    report = check(root, key)
+    return report.errors + report.warnings
+
+
+def check(root: str | Path, key: bytes | None = None) -> Report:
+    """Check the knowledge base at ``root``: the manifest (checksum, fields, object paths, the signature
+    with ``key`` or ``$PROTEUS_KB_KEY_FILE``'s), every object (present, checksum, safetensors header,
+    dtypes, finite values, the shapes of :mod:`proteus.kb.tensors`), the same for the previous commit, and
+    the files no commit references. Reads only; never takes the lock."""
     root = Path(root)
+    report = Report()
+    out = report.errors
     if not root.exists():
-        return [f"{root}: no knowledge base here (no such directory)"]
+        return Report([f"{root}: no knowledge base here (no such directory)"])
     if not root.is_dir():
-        return [str(_is_file_error(root))]
-    out: list[str] = []
+        return Report([str(_is_file_error(root))])
+    if key is None:
+        try:
+            key = key_from_env()
+        except KBError as e:
+            out.append(str(e))
     try:
         data = (root / MANIFEST).read_bytes()
     except OSError:
@@ -47,10 +81,14 @@ def problems(root: str | Path) -> list[str]:
     else:
         manifest, issues = _manifest_issues(root / MANIFEST, data, "restore it or manifest.prev.json")
         out += issues
+        if manifest is not None and key is not None and not issues:
+            problem = signature_problem(root, manifest, key)
+            if problem:
+                out.append(problem)
+    seen: dict[str, Obj | None] = {}
     names: set[str] = set()
-    for label, rel, sha in _refs(manifest) if manifest else []:
-        names.add(Path(rel).name)
-        out += _object_problems(root, rel, sha, label)
+    if manifest is not None:
+        names = _check_commit(root, manifest, MANIFEST, "", seen, out)
     prev_path = root / PREV_MANIFEST
     prev_names: set[str] | None = set()
     if prev_path.is_file():
@@ -58,49 +96,109 @@ def problems(root: str | Path) -> list[str]:
             prev_path, prev_path.read_bytes(), "the previous commit cannot be restored from it"
         )
         out += issues
-        prev_names = None if prev is None else set()
-        for label, rel, sha in _refs(prev) if prev else []:
-            assert prev_names is not None
-            prev_names.add(Path(rel).name)
-            if Path(rel).name not in names:
-                out += _object_problems(root, rel, sha, f"{PREV_MANIFEST}, {label}")
-    leftover = "left by an interrupted commit; the next commit removes it"
-    for p in sorted(root.iterdir()):
-        pid = _tmp_pid(p.name)
-        if p.name.startswith(_TMP_PREFIXES) and not (pid is not None and _pid_running(pid)):
-            out.append(f"{p}: temporary file {leftover}")
-        elif p.name == FIRST_COMMIT and manifest is not None:
-            out.append(f"{p}: marker of a first commit, {leftover}")
-    objects = root / OBJECTS
-    for p in sorted(objects.iterdir()) if objects.is_dir() else []:
-        pid = _tmp_pid(p.name)
-        if p.name.startswith(".") and ".tmp-" in p.name:
-            if not (pid is not None and _pid_running(pid)):
-                out.append(f"{p}: temporary file {leftover}")
-        elif manifest is not None and prev_names is not None and p.name not in names | prev_names:
-            out.append(f"{p}: referenced by neither manifest.json nor manifest.prev.json, {leftover}")
-    return out
+        prev_names = None
+        if prev is not None:
+            prev_names = _check_commit(root, prev, PREV_MANIFEST, f"{PREV_MANIFEST}, ", seen, out)
+            if key is not None and not issues:
+                problem = signature_problem(root, prev, key, PREV_MANIFEST)
+                if problem:
+                    report.warnings.append(f"{problem}; `proteus kb undo` with this key refuses it")
+    _leftovers(root, manifest, names, prev_names, report)
+    return report
 
 
-def _object_problems(root: Path, rel: str, sha: str, label: str) -> list[str]:
+def _check_commit(
+    root: Path, manifest: dict[str, Any], name: str, prefix: str, seen: dict[str, Obj | None], out: list[str]
+) -> set[str]:
+    """Check the objects of one commit (``name``: its manifest file) into ``out``; returns their names.
+    ``seen`` holds the objects already read (another commit's), by path."""
+    names: set[str] = set()
+    objects: list[Obj] = []
+    tasks = manifest.get("tasks") if isinstance(manifest.get("tasks"), list) else []
+    head = manifest.get("head")
+    for label, rel, sha in _refs(manifest):
+        try:
+            object_path(root, rel, sha)
+        except KBError as e:
+            out.append(f"{root / name}: {prefix}{label}: {e}")
+            continue
+        names.add(Path(rel).name)
+        if rel not in seen:
+            problems, obj = _object_problems(root, rel, sha, f"{prefix}{label}")
+            out += problems
+            seen[rel] = obj
+        obj = seen[rel]
+        if obj is None:
+            continue
+        if label == "head":
+            record, index = head.get("meta") if isinstance(head.get("meta"), dict) else {}, None
+        else:
+            index = int(label.rsplit(" ", 1)[1])
+            record = tasks[index]
+        objects.append(Obj(f"{prefix}{label}", obj.path, record, index, obj.shapes, totals=obj.totals))
+    if all(isinstance(t, dict) for t in tasks):
+        out += check_objects(tasks, objects)
+    return names
+
+
+def _object_problems(root: Path, rel: str, sha: str, label: str) -> tuple[list[str], Obj | None]:
+    """The problems of one object (missing, checksum, header, dtypes, non-finite values) and, when its
+    tensors could be read, their shapes for the rules of :mod:`proteus.kb.tensors`."""
     path = root / rel
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return [f"{path}: missing from the knowledge base ({label})"]
-    except OSError as e:
-        return [f"{path}: unreadable ({e.strerror}) ({label})"]
+        data = read_object_file(object_path(root, rel, sha), path)
+    except KBError as e:
+        return [f"{e} ({label})"], None
     actual = _sha(data)
     if actual != sha:
         return [
             f"{path}: checksum mismatch (expected {sha[:16]}…, found {actual[:16]}…): the file was "
             f"truncated or edited ({label})"
-        ]
+        ], None
     try:
-        st_load(data)
+        shapes = parse_header(data)
+        tensors = st_load(data)
     except Exception as e:  # safetensors raises several types for bad headers
-        return [f"{path}: not a valid safetensors file ({e}) ({label})"]
-    return []
+        return [f"{path}: not a valid safetensors file ({e}) ({label})"], None
+    out = []
+    for tname, t in tensors.items():
+        bad = nonfinite(tname, t)
+        if bad:
+            out.append(f"{path}: {bad} ({label})")
+    return out, Obj(label, str(path), {}, None, shapes, totals=int_totals(tensors))
+
+
+def _leftovers(
+    root: Path, manifest: dict[str, Any] | None, names: set[str], prev_names: set[str] | None, report: Report
+) -> None:
+    """Warnings for the files no commit needs (``proteus kb gc`` removes them)."""
+    leftover = (
+        "left by an interrupted commit (or a failed one); `proteus kb gc` (or the next commit) removes it"
+    )
+
+    def warn(p: Path, text: str) -> None:
+        report.warnings.append(f"{p}: {text}")
+        try:
+            report.leftover_bytes += p.lstat().st_size
+        except OSError:
+            pass
+
+    for p in sorted(root.iterdir()):
+        pid = _tmp_pid(p.name)
+        if p.name.startswith(_TMP_PREFIXES) and not (pid is not None and _pid_running(pid)):
+            warn(p, f"temporary file {leftover}")
+        elif p.name == FIRST_COMMIT and manifest is not None:
+            warn(p, f"marker of a first commit, {leftover}")
+    objects = root / OBJECTS
+    for p in sorted(objects.iterdir()) if objects.is_dir() else []:
+        pid = _tmp_pid(p.name)
+        if p.name.startswith(".") and ".tmp-" in p.name:
+            if not (pid is not None and _pid_running(pid)):
+                warn(p, f"temporary file {leftover}")
+        elif p.is_dir() and not p.is_symlink():
+            report.warnings.append(f"{p}: a directory in {OBJECTS}/, which holds only files (not removed)")
+        elif manifest is not None and prev_names is not None and p.name not in names | prev_names:
+            warn(p, f"referenced by neither manifest.json nor manifest.prev.json, {leftover}")
 
 
 def _size(kb: KnowledgeBase, rel: str | None) -> int | None:
@@ -111,15 +209,44 @@ def _size(kb: KnowledgeBase, rel: str | None) -> int | None:
     if rel in kb._cache:
         return len(kb._cache[rel][1])
     try:
-        return (kb.root / rel).stat().st_size
-    except OSError:
+        return object_path(kb.root, rel).stat().st_size
+    except (OSError, KBError):
         return None
+
+
+def _disk_bytes(root: Path) -> int:
+    """The bytes of every file under ``root`` (symlinks counted as themselves, never followed)."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def _previous_bytes(kb: KnowledgeBase, current: set[str]) -> int:
+    """The bytes kept for ``undo`` only: manifest.prev.json and the objects only it references."""
+    path = kb.root / PREV_MANIFEST
+    try:
+        data = path.read_bytes()
+        prev = json.loads(data)
+    except (OSError, ValueError):
+        return 0
+    refs = {rel for _, rel, _ in _refs(prev)} if isinstance(prev, dict) else set()
+    return len(data) + sum(_size(kb, rel) or 0 for rel in refs - current)
 
 
 def info(kb: KnowledgeBase) -> dict[str, Any]:
     """What the knowledge base holds, for display: format, dates, versions, backbone, method, benchmark,
     per task (0-based ``index``) its classes, size of train set, settings and sizes in bytes (None for a
-    missing object)."""
+    missing object); ``total_bytes`` the current state's (manifest and objects), ``previous_bytes`` what
+    is kept for ``undo`` only (manifest.prev.json and the objects only it references), ``disk_bytes``
+    every file under the directory (leftovers of failed commits included: ``proteus kb gc``);
+    ``signature`` its algorithm and key id (``checked``: verified with a key when opened), or None."""
     m = kb.manifest
     cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
     tasks = []
@@ -142,6 +269,8 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
     except OSError:
         manifest_bytes = 0
     objects = {rel: _size(kb, rel) for _, rel, _ in _refs(m)}
+    total = manifest_bytes + sum(n for n in objects.values() if n is not None)
+    sig = m.get("signature")
     return {
         "root": str(kb.root),
         "committed": kb._on_disk,
@@ -157,5 +286,12 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
         "tasks": tasks,
         "head_bytes": head_bytes,
         "manifest_bytes": manifest_bytes,
-        "total_bytes": manifest_bytes + sum(n for n in objects.values() if n is not None),
+        "total_bytes": total,
+        "previous_bytes": _previous_bytes(kb, set(objects)) if kb._on_disk else 0,
+        "disk_bytes": _disk_bytes(kb.root) if kb._on_disk else 0,
+        "signature": (
+            {"alg": sig.get("alg"), "key_id": sig.get("key_id"), "checked": kb.key is not None}
+            if isinstance(sig, dict)
+            else None
+        ),
     }

@@ -33,14 +33,29 @@ first commit interrupted by a crash leaves a marker (``.first-commit``) next to 
 attempt may start over it; any other directory holding knowledge-base files but no ``manifest.json`` is
 refused (nothing is deleted that a damaged knowledge base still holds).
 
+Received knowledge bases (:mod:`.schema`, :mod:`.tensors`, :mod:`.signing`): every object path a manifest
+names must be a name the store writes and resolve inside ``objects/`` (no ``..``, no absolute path, no
+symlink out; :func:`~proteus.kb.schema.object_path`), checked before any file is opened; the manifest's
+fields are checked against :data:`~proteus.kb.schema.MANIFEST` when it is opened, before any tensor is read;
+:meth:`KnowledgeBase.read_state` checks dtypes, shapes and finiteness (:mod:`.tensors`) before a learner
+sees a tensor; with a key (``open(..., key=)`` or ``$PROTEUS_KB_KEY_FILE``) the manifest's HMAC signature
+must be valid, and commits sign.
+
+Failures: a write that fails (a full disk, any ``OSError``) removes its temporary file and the objects this
+commit wrote that no commit references, restores ``manifest.prev.json`` if it had been replaced, and raises
+a :class:`KBError` naming the file (for a full disk, the bytes it tried to write and the space left).
+:meth:`KnowledgeBase.gc` removes what neither commit references, reporting what it freed.
+
 Crash points (:func:`proteus.faults.crash_point`) mark the commit's steps for the crash-safety tests
 (``tests/test_crash_safety.py`` kills ``proteus learn`` at each of them and at random times).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -73,11 +88,15 @@ from proteus.kb.files import (
     _refs,
     _sha,
     _shown,
+    _write_error,
     check_writable,
     log,
     manifest_checksum,
 )
 from proteus.kb.lock import lock_holder, write_lock
+from proteus.kb.schema import head_kind, manifest_problems, object_path, task_label
+from proteus.kb.signing import key_from_env, signature, signature_problem
+from proteus.kb.tensors import Obj, check_objects, shapes_of
 
 #: one part of a learner's state: its JSON record (in the manifest) and its tensors (one object)
 Part = tuple[dict[str, Any], dict[str, torch.Tensor]]
@@ -90,9 +109,12 @@ class KnowledgeBase:
     write_lock = staticmethod(write_lock)
     lock_holder = staticmethod(lock_holder)
 
-    def __init__(self, root: str | Path, manifest: dict[str, Any]) -> None:
+    def __init__(self, root: str | Path, manifest: dict[str, Any], key: bytes | None = None) -> None:
         self.root = Path(root)
         self.manifest = manifest
+        #: the signing key: checked by open, used by every commit to sign (None: unsigned commits)
+        self.key = key
+        self._written: list[str] = []  # objects this KB wrote since its last commit (removed if it fails)
         self._on_disk = True  # False for a KB from new() until its first commit
         self._manifest_sha: str | None = None  # sha256 of manifest.json's bytes as read or written
         self._cache: dict[str, tuple[str, bytes]] = {}  # rel -> (sha256, verified bytes) of the snapshot
@@ -128,12 +150,13 @@ class KnowledgeBase:
             log.info("%s: starting over the files of an interrupted first commit (%s)", root, _shown(files))
 
     @classmethod
-    def new(cls, root: str | Path, header: dict[str, Any]) -> KnowledgeBase:
+    def new(cls, root: str | Path, header: dict[str, Any], key: bytes | None = None) -> KnowledgeBase:
         """A new knowledge base at ``root``, in memory only: nothing is written before its first
-        :meth:`commit`, which creates the directory, ``objects/`` and ``manifest.json``."""
+        :meth:`commit`, which creates the directory, ``objects/`` and ``manifest.json`` (signed with ``key``,
+        or with the key of ``$PROTEUS_KB_KEY_FILE`` when it is set)."""
         root = Path(root)
         cls._check_free(root)
-        kb = cls(root, cls._fresh_manifest(header))
+        kb = cls(root, cls._fresh_manifest(header), key if key is not None else key_from_env())
         kb._on_disk = False
         return kb
 
@@ -172,16 +195,42 @@ class KnowledgeBase:
         if issues:
             raise KBError(issues[0])
         assert manifest is not None
+        cls._check_paths(root, manifest, path)
         return data, manifest
 
+    @staticmethod
+    def _check_paths(root: Path, manifest: dict[str, Any], path: Path) -> None:
+        """Refuse a manifest (file ``path``) naming an object outside ``root``'s ``objects/``."""
+        for label, rel, sha in _refs(manifest):
+            try:
+                object_path(root, rel, sha)
+            except KBError as e:
+                raise KBError(f"{path}: {label}: {e}") from None
+
     @classmethod
-    def open(cls, root: str | Path, verify: bool = True) -> KnowledgeBase:
+    def open(
+        cls,
+        root: str | Path,
+        verify: bool = True,
+        key: bytes | None = None,
+        *,
+        require_signature: bool = True,
+    ) -> KnowledgeBase:
         """Open the knowledge base at ``root`` (never waits for a writer). With ``verify``, a consistent
-        snapshot: every object is read and checked against its sha256, and :meth:`read` serves these bytes."""
+        snapshot: every object is read and checked against its sha256, and :meth:`read` serves these bytes.
+        The manifest is checked first (:mod:`proteus.kb.schema`: fields and object paths). With ``key``
+        (or, when it is None, the key of ``$PROTEUS_KB_KEY_FILE`` if set), the manifest's signature must be
+        valid (``require_signature=False``: not checked, for re-signing), and commits sign."""
         root = Path(root)
+        if key is None:
+            key = key_from_env()
         for attempt in range(OPEN_ATTEMPTS):
             data, manifest = cls._read_manifest(root)
-            kb = cls(root, manifest)
+            if key is not None and require_signature:
+                problem = signature_problem(root, manifest, key)
+                if problem:
+                    raise KBError(problem)
+            kb = cls(root, manifest, key)
             kb._manifest_sha = _sha(data)
             if not verify:
                 return kb
@@ -215,15 +264,23 @@ class KnowledgeBase:
             cache[rel] = (sha, self._read_verified(rel, sha))
         self._cache = cache
 
+    def _label(self, rel: str) -> str:
+        return next((label for label, r, _ in _refs(self.manifest) if r == rel), "not in the manifest")
+
+    def _path(self, rel: str, sha: str | None = None) -> Path:
+        """The resolved path of object ``rel`` (:func:`~proteus.kb.schema.object_path`: refused unless it is
+        inside ``objects/``)."""
+        try:
+            return object_path(self.root, rel, sha)
+        except KBError as e:
+            raise KBError(f"{self.root / MANIFEST}: {self._label(rel)}: {e}") from None
+
     def _read_verified(self, rel: str, sha: str) -> bytes:
         path = self.root / rel
         if rel in self._pending:
             data = self._pending[rel]
         else:
-            try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                raise _MissingObject(f"{path}: missing from the knowledge base") from None
+            data = read_object_file(self._path(rel, sha), path)
         actual = _sha(data)
         if actual != sha:
             raise KBError(
@@ -253,9 +310,61 @@ class KnowledgeBase:
             return rel, sha
         path = self.root / rel
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write(path, data, "commit:tmp")
+            try:
+                self._write_new_object(rel, data)
+            except BaseException:
+                self._abandon()
+                raise
         return rel, sha
+
+    def _write_new_object(self, rel: str, data: bytes) -> None:
+        path = self.root / rel
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _write_error(path, len(data), e) from None
+        _atomic_write(path, data, "commit:tmp")
+        self._written.append(rel)
+
+    def _abandon(self, prev_before: bytes | None = None, copied: bytes | None = None) -> None:
+        """After a failed write or commit: remove the objects this KB wrote since its last commit that
+        neither manifest on disk references; put back ``prev_before`` (the ``manifest.prev.json`` this commit
+        replaced by ``copied``, empty when there was none) unless the new manifest landed; after a failed
+        first commit, the marker and the empty ``objects/`` too. Best effort: it never raises."""
+        root = self.root
+        try:
+            current = (root / MANIFEST).read_bytes()
+        except FileNotFoundError:
+            current = None
+        except OSError:
+            return  # cannot tell what is referenced: delete nothing
+        landed = copied is None or current != copied
+        keep: set[str] = set()
+        for data in (current, None if landed else prev_before):
+            if data:
+                try:
+                    keep |= {Path(rel).name for _, rel, _ in _refs(json.loads(data))}
+                except (ValueError, AttributeError):
+                    return
+        previous = self._previous_names()
+        if previous is None:
+            return
+        keep |= previous
+        for rel in self._written:
+            if Path(rel).name not in keep:
+                with contextlib.suppress(OSError):
+                    (root / rel).unlink()
+        self._written.clear()
+        if not landed and prev_before is not None:
+            with contextlib.suppress(OSError, KBError):
+                if prev_before:
+                    _atomic_write(root / PREV_MANIFEST, prev_before)
+                else:
+                    (root / PREV_MANIFEST).unlink()
+        if current is None and (root / FIRST_COMMIT).exists():  # a failed first commit
+            with contextlib.suppress(OSError):
+                (root / OBJECTS).rmdir()  # only when empty
+                (root / FIRST_COMMIT).unlink()
 
     # ------------------------------------------------------------------ commit
     def _begin_first_commit(self, manifest: dict[str, Any]) -> None:
@@ -273,7 +382,7 @@ class KnowledgeBase:
         for _, rel, _ in _refs(manifest):
             data = self._pending.get(rel)
             if data is not None and not (root / rel).exists():
-                _atomic_write(root / rel, data, "commit:tmp")
+                self._write_new_object(rel, data)
 
     def _current_manifest(self) -> bytes | None:
         """The bytes of manifest.json now (None if there is none); refuses when another writer committed
@@ -289,29 +398,59 @@ class KnowledgeBase:
             )
         return data
 
-    def commit(self, manifest: dict[str, Any]) -> None:
-        """Make ``manifest`` the KB's state (atomic), then sweep the objects neither it nor the previous
-        state references. Writers hold :meth:`write_lock` around open ... commit."""
-        manifest = {k: v for k, v in manifest.items() if k != "checksum"}
+    def _sealed(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """``manifest`` as the next commit writes it: this format version, the time, signed with
+        :attr:`key` (or unsigned), its checksum."""
+        signed = "signature" in manifest
+        manifest = {k: v for k, v in manifest.items() if k not in ("checksum", "signature")}
         manifest["format_version"] = FORMAT_VERSION
         manifest["updated"] = _now()
+        if self.key is not None:
+            manifest["signature"] = signature(manifest, self.key)
+        elif signed:
+            log.warning(
+                "%s: the knowledge base was signed; this commit, made without a key, is not (sign it again "
+                "with `proteus kb sign`, or set $PROTEUS_KB_KEY_FILE)",
+                self.root,
+            )
         manifest["checksum"] = manifest_checksum(manifest)
-        previous = None
-        if not self._on_disk:
-            self._begin_first_commit(manifest)
-        else:
-            previous = self._current_manifest()
-        for _, rel, _ in _refs(manifest):
-            if not (self.root / rel).is_file():
+        return manifest
+
+    def commit(self, manifest: dict[str, Any]) -> None:
+        """Make ``manifest`` the KB's state (atomic), then sweep the objects neither it nor the previous
+        state references. Writers hold :meth:`write_lock` around open ... commit. A manifest this proteus
+        could not read back is refused; a failed commit leaves the KB as it was (:meth:`_abandon`)."""
+        manifest = self._sealed(manifest)
+        previous = prev_before = None
+        try:
+            problems = manifest_problems(manifest)
+            if problems:
                 raise KBError(
-                    f"{self.root / rel}: missing; write it with write_object before committing a manifest "
-                    "that references it"
+                    f"{self.root}: refusing to commit a manifest this proteus cannot read: {problems[0]}"
                 )
-        crash_point("commit:objects")
-        if previous is not None:
-            _atomic_write(self.root / PREV_MANIFEST, previous)
-        data = json.dumps(manifest, indent=1).encode()
-        _atomic_write(self.root / MANIFEST, data, "commit:manifest-tmp")
+            if not self._on_disk:
+                self._begin_first_commit(manifest)
+            else:
+                previous = self._current_manifest()
+            for label, rel, sha in _refs(manifest):
+                if not self._path(rel, sha).is_file():
+                    raise KBError(
+                        f"{self.root / rel}: missing ({label}); write it with write_object before committing "
+                        "a manifest that references it"
+                    )
+            crash_point("commit:objects")
+            if previous is not None:
+                try:
+                    prev_before = (self.root / PREV_MANIFEST).read_bytes()
+                except FileNotFoundError:
+                    prev_before = b""
+                _atomic_write(self.root / PREV_MANIFEST, previous)
+            data = json.dumps(manifest, indent=1).encode()
+            _atomic_write(self.root / MANIFEST, data, "commit:manifest-tmp")
+        except BaseException:
+            self._abandon(prev_before, previous)
+            raise
+        self._written.clear()
         self.manifest = manifest
         self._manifest_sha = _sha(data)
         self._on_disk = True
@@ -345,13 +484,37 @@ class KnowledgeBase:
 
     def read_state(self) -> tuple[list[Part], Part | None]:
         """The committed state: (record, tensors) per task and the head's (meta, tensors) or None (every
-        object's checksum verified)."""
+        object's checksum verified). Before a learner sees it: the records must hold the learner's fields
+        (:data:`~proteus.kb.schema.LEARNER_FIELDS`), and every tensor its dtype, shape and finite values
+        (:mod:`proteus.kb.tensors`); a :class:`KBError` names the task, the file and the tensor."""
+        learner = "baseline" if head_kind(self.manifest) == "baseline" else "proteus"
+        problems = manifest_problems(self.manifest, learner)
+        if problems:
+            raise KBError(f"{self.root / MANIFEST}: {problems[0]}; no learner can be loaded from it")
+        tasks, state = self._checked_state("no learner can be loaded from it")
+        return tasks, state
+
+    def _checked_state(self, consequence: str) -> tuple[list[Part], Part | None]:
+        """Every object's tensors, checked by :func:`~proteus.kb.tensors.check_objects` (dtypes, shapes,
+        finite values): a :class:`KBError` with the first problem and ``consequence``."""
         tasks = [(t, self.read(t["object"], t["sha256"])) for t in self.manifest["tasks"]]
         head = self.manifest.get("head")
-        return tasks, (head["meta"], self.read(head["object"], head["sha256"])) if head else None
+        state = (head["meta"], self.read(head["object"], head["sha256"])) if head else None
+        objects = [
+            Obj(task_label(i), str(self.root / t["object"]), t, i, shapes_of(x), x)
+            for i, (t, x) in enumerate(tasks)
+        ]
+        if head and state:
+            path = str(self.root / head["object"])
+            objects.append(Obj("head", path, head["meta"], None, shapes_of(state[1]), state[1]))
+        bad = check_objects(self.manifest["tasks"], objects)
+        if bad:
+            raise KBError(f"{bad[0]}; {consequence} (`proteus kb verify {self.root}` lists every problem)")
+        return tasks, state
 
-    def previous_manifest(self) -> dict[str, Any]:
-        """The previous commit's manifest (``manifest.prev.json``), checked like the current one."""
+    def previous_manifest(self, check_signature: bool = True) -> dict[str, Any]:
+        """The previous commit's manifest (``manifest.prev.json``), checked like the current one (its
+        signature too, when this KB has a key: an undo must not sign what nobody signed)."""
         path = self.root / PREV_MANIFEST
         try:
             data = path.read_bytes()
@@ -360,7 +523,41 @@ class KnowledgeBase:
         manifest, issues = _manifest_issues(path, data, "the previous commit cannot be restored from it")
         if issues or manifest is None:
             raise KBError(issues[0] if issues else f"{path}: not a manifest")
+        self._check_paths(self.root, manifest, path)
+        if self.key is not None and check_signature:
+            problem = signature_problem(self.root, manifest, self.key, PREV_MANIFEST)
+            if problem:
+                raise KBError(f"{problem}; the previous commit is not restored")
         return manifest
+
+    def undo(self) -> dict[str, Any]:
+        """Make the previous commit the current state again (a commit itself: ``undo`` twice redoes);
+        returns what it restored and what it replaced (``restored``, ``replaced``: each its ``updated`` time
+        stamp, ``tasks``, and ``forgotten`` task numbers, 1-based)."""
+        prev = self.previous_manifest()
+        replaced = self.manifest
+        self.commit(prev)
+        return {"restored": _summary(prev), "replaced": _summary(replaced)}
+
+    def sign(self, key: bytes) -> None:
+        """Sign the current commit, and the previous one kept for ``undo``, with ``key`` (in place: the
+        state and the previous state stay what they are; the caller holds :meth:`write_lock`). Every
+        object is verified first (checksum, dtypes, shapes, finite values): a signature vouches for what the
+        manifest references."""
+        if self._current_manifest() is None:
+            raise KBError(f"{self.root}: no knowledge base here (missing {MANIFEST})")
+        self.verify()
+        self._checked_state("not signed")
+        prev_path = self.root / PREV_MANIFEST
+        if prev_path.is_file():
+            prev = self.previous_manifest(check_signature=False)
+            _atomic_write(prev_path, json.dumps(_resigned(prev, key), indent=1).encode())
+        self.key = key
+        manifest = _resigned(self.manifest, key)
+        data = json.dumps(manifest, indent=1).encode()
+        _atomic_write(self.root / MANIFEST, data)
+        self.manifest = manifest
+        self._manifest_sha = _sha(data)
 
     def _previous_names(self) -> set[str] | None:
         """Names of the objects manifest.prev.json references (None when it cannot be read)."""
@@ -373,23 +570,43 @@ class KnowledgeBase:
             return None
         return {Path(rel).name for _, rel, _ in _refs(prev)} if isinstance(prev, dict) else None
 
-    def sweep(self) -> None:
+    def sweep(self) -> list[tuple[Path, int]]:
         """Delete the objects referenced neither by the manifest nor by manifest.prev.json, and the temporary
-        files of interrupted commits. Only a writer (holding the lock) sweeps."""
+        files of interrupted commits; returns each file removed with its size. Only a writer (holding the
+        lock) sweeps. Directories and symlinks' targets are never touched (a symlink itself is removed)."""
         keep = {Path(rel).name for rel, _ in self._objects()}
         previous = self._previous_names()
         if previous is None:
             log.warning("%s: unreadable; no object is swept until the next commit", self.root / PREV_MANIFEST)
         else:
             keep |= previous
+        removed: list[tuple[Path, int]] = []
+
+        def remove(p: Path) -> None:
+            try:
+                st = p.lstat()
+                if stat.S_ISDIR(st.st_mode):
+                    return
+                p.unlink()
+            except OSError:
+                return
+            removed.append((p, st.st_size))
+
         objects = self.root / OBJECTS
-        for p in objects.iterdir() if objects.is_dir() else []:
+        for p in sorted(objects.iterdir()) if objects.is_dir() and not objects.is_symlink() else []:
             temporary = p.name.startswith(".") and ".tmp-" in p.name
             if temporary or (previous is not None and p.name not in keep):
-                p.unlink(missing_ok=True)
-        for p in self.root.iterdir():
+                remove(p)
+        for p in sorted(self.root.iterdir()):
             if p.name.startswith(_TMP_PREFIXES) or p.name == FIRST_COMMIT:
-                p.unlink(missing_ok=True)
+                remove(p)
+        return removed
+
+    def gc(self) -> list[tuple[Path, int]]:
+        """``proteus kb gc``: :meth:`sweep` outside a commit (after a failed one, on a full disk); the caller
+        holds :meth:`write_lock`. Returns each file removed with its size."""
+        self._current_manifest()  # refuses if another writer committed since this KB was opened
+        return self.sweep()
 
     # ------------------------------------------------------------------ checks
     #: raise :class:`KBError` unless ``root`` is writable (:func:`proteus.kb.files.check_writable`)
@@ -408,7 +625,40 @@ class KnowledgeBase:
     def nbytes(self) -> dict[str, int]:
         out = {"manifest": (self.root / MANIFEST).stat().st_size}
         for t in self.manifest["tasks"]:
-            out[f"task{t['index']}"] = (self.root / t["object"]).stat().st_size
+            out[f"task{t['index']}"] = self._path(t["object"], t["sha256"]).stat().st_size
         if self.manifest.get("head"):
-            out["head"] = (self.root / self.manifest["head"]["object"]).stat().st_size
+            head = self.manifest["head"]
+            out["head"] = self._path(head["object"], head["sha256"]).stat().st_size
         return out
+
+
+def read_object_file(resolved: Path, shown: Path) -> bytes:
+    """The bytes of the object file at ``resolved`` (from :func:`~proteus.kb.schema.object_path`), opened
+    without following a symlink and only if it is a regular file; ``shown`` names it in errors."""
+    try:
+        fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise _MissingObject(f"{shown}: missing from the knowledge base") from None
+    except OSError as e:
+        raise KBError(f"{shown}: cannot be read ({e.strerror or e})") from None
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise KBError(f"{shown}: not a regular file")
+        return f.read()
+
+
+def _resigned(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
+    """``manifest`` signed with ``key`` (time stamps kept), with its new checksum."""
+    out = {k: v for k, v in manifest.items() if k not in ("checksum", "signature")}
+    out["signature"] = signature(out, key)
+    out["checksum"] = manifest_checksum(out)
+    return out
+
+
+def _summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    tasks = manifest.get("tasks") or []
+    return {
+        "updated": manifest.get("updated"),
+        "tasks": len(tasks),
+        "forgotten": [i + 1 for i, t in enumerate(tasks) if isinstance(t, dict) and t.get("forgotten")],
+    }

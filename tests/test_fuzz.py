@@ -1,0 +1,263 @@
+"""Generated bad input (issue 25): manifests, ``--set`` options, tasks files and HTTP requests.
+
+Every generated input must end in success or in one of proteus's own errors (exit code 2 with one
+``error:`` line from the CLI, a 4xx JSON answer from the server) -- never a traceback, an "internal
+error" or a 5xx -- and a command that refuses must leave the knowledge base byte-identical.
+
+The suite runs a few examples per target (``--hypothesis-profile`` ``ci``, the default here); the fuzz
+run of the closing note is the same tests under the ``fuzz`` profile::
+
+    HYPOTHESIS_PROFILE=fuzz python -m pytest tests/test_fuzz.py --hypothesis-show-statistics
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import http.client
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from proteus.cli import main  # noqa: E402
+from proteus.config import RunConfig, flatten  # noqa: E402
+from proteus.errors import ProteusError  # noqa: E402
+from proteus.kb.files import manifest_checksum  # noqa: E402
+from proteus.presets import resolve_config  # noqa: E402
+from tiny import write_image  # noqa: E402
+
+_SLOW = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=_SLOW, derandomize=True)
+settings.register_profile(
+    "fuzz",
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 2500)),
+    deadline=None,
+    suppress_health_check=_SLOW,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+pytestmark = pytest.mark.slow
+
+#: values a hostile or careless hand writes
+JSONISH = st.recursive(
+    st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+        st.text(max_size=12),
+        st.sampled_from(["../../../../etc/passwd", "/etc/passwd", "objects/x", "0" * 64]),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=8,
+)  # fmt: skip
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def _no_traceback(rc: int, err: str, allowed: tuple[int, ...]) -> None:
+    assert "internal error" not in err and "Traceback" not in err, err
+    assert rc in allowed, (rc, err)
+    if rc == 2:
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        assert lines and lines[0].startswith("error:"), err
+
+
+# ------------------------------------------------------------------ manifests
+def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _set_path(obj: Any, path: tuple, value: Any, delete: bool) -> Any:
+    if not path:
+        return value
+    parent = obj
+    for p in path[:-1]:
+        parent = parent[p]
+    if delete and isinstance(parent, dict):
+        del parent[path[-1]]
+    elif delete and isinstance(parent, list):
+        parent.pop(path[-1])
+    else:
+        parent[path[-1]] = value
+    return obj
+
+
+@pytest.fixture(scope="module")
+def fuzz_kb(world: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("fuzzkb")
+    kb = root / "kb"
+    shutil.copytree(world["kb1"], kb)
+    img = root / "x.png"
+    write_image(img, 3)
+    manifest = json.loads((kb / "manifest.json").read_text())
+    return {"kb": kb, "img": img, "manifest": manifest, "paths": _paths(manifest)}
+
+
+@given(data=st.data())
+def test_generated_manifests_never_end_in_a_traceback(fuzz_kb: dict, capsys, data) -> None:
+    kb, good = fuzz_kb["kb"], fuzz_kb["manifest"]
+    path = data.draw(st.sampled_from(fuzz_kb["paths"]), label="path")
+    value = data.draw(JSONISH, label="value")
+    delete = bool(path) and data.draw(st.booleans(), label="delete")
+    hostile = data.draw(st.booleans(), label="checksum recomputed")
+    bad = _set_path(copy.deepcopy(good), path, value, delete)
+    if hostile and isinstance(bad, dict):
+        bad["checksum"] = manifest_checksum(bad)
+    text = json.dumps(bad) if data.draw(st.booleans(), label="valid json") else json.dumps(bad)[:-3]
+    (kb / "manifest.json").write_text(text)
+    try:
+        before = _files(kb)
+        for argv, allowed in (
+            (["kb", "verify", str(kb)], (0, 1, 2)),
+            (["kb", "info", str(kb)], (0, 2)),
+            (["kb", "list", str(kb), "--json"], (0, 2)),
+            (["predict", "--kb", str(kb), str(fuzz_kb["img"]), "--json", "-q"], (0, 2)),
+        ):
+            rc, err = _run(argv, capsys)
+            _no_traceback(rc, err, allowed)
+            assert _files(kb) == before, f"{argv[:2]} changed the knowledge base"
+    finally:
+        (kb / "manifest.json").write_text(json.dumps(good, indent=1))
+
+
+# ------------------------------------------------------------------ --set options
+KEYS = sorted(flatten(RunConfig().to_dict()))
+KEY = st.one_of(st.sampled_from(KEYS), st.sampled_from(["train", "train.epoch", "", ".", "a.b.c", "seed.x"]))
+VALUE = st.one_of(
+    st.integers(-(2**40), 2**40).map(str), st.floats(allow_nan=True).map(repr), st.text(max_size=10),
+    st.sampled_from(["1e-3", "2.5", "-1", "0", "true", "null", "~", "[1, 2]", "{a: 1}", "inf", "nan",
+                     "!!python/object/apply:os.system ['true']", "!!binary aGVsbG8=", "'", "[", "&a x",
+                     "*a"]),
+)  # fmt: skip
+
+
+@given(st.lists(st.tuples(KEY, VALUE), max_size=4), st.sampled_from(["proteus", "ranpac", "inflora", "ncm"]))
+def test_generated_options_resolve_or_say_which_key(items: list[tuple[str, str]], method: str) -> None:
+    sets = [f"{k}={v}" for k, v in items]
+    try:
+        cfg = resolve_config(method=method, sets=sets)
+    except ProteusError as e:
+        assert str(e) and "\n" not in str(e).strip().splitlines()[0]
+        return
+    ints = {
+        k for k, v in flatten(RunConfig().to_dict()).items() if isinstance(v, int) and not isinstance(v, bool)
+    }
+    for key, value in flatten(cfg.to_dict()).items():
+        if key in ints and value is not None:
+            assert isinstance(value, int) and not isinstance(value, bool), (key, value)
+
+
+# ------------------------------------------------------------------ tasks files
+CLASS = st.one_of(
+    st.sampled_from(["a", "b", "c", "d", "../../etc", "", "unicorn", "a/b"]), st.text(max_size=6)
+)
+SPEC = st.one_of(
+    st.lists(st.lists(CLASS, max_size=4), max_size=5),
+    st.dictionaries(st.text(max_size=5), st.lists(CLASS, max_size=3), max_size=3),
+    JSONISH,
+)
+
+
+@given(SPEC)
+def test_generated_tasks_files_build_or_say_why(world: dict, tmp_path_factory, spec: Any) -> None:
+    path = tmp_path_factory.mktemp("spec") / "tasks.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(spec))
+    from proteus.streams import build_benchmark
+
+    try:
+        cfg = resolve_config(
+            "folder", dotted={"benchmark.data": str(world["tree"]), "benchmark.tasks_file": str(path)}
+        )
+        build_benchmark(cfg.benchmark)
+    except ProteusError as e:
+        assert str(e)
+
+
+# ------------------------------------------------------------------ HTTP requests
+@pytest.fixture(scope="module")
+def fuzz_server(world: dict, tmp_path_factory: pytest.TempPathFactory):
+    from proteus.serve import KBServer
+
+    kb = tmp_path_factory.mktemp("fuzzserve") / "kb"
+    shutil.copytree(world["kb1"], kb)
+    srv = KBServer(("127.0.0.1", 0), kb, device="cpu", poll_seconds=60)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv, kb, None
+    srv.shutdown()
+    srv.server_close()
+
+
+METHOD = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+PATH = st.one_of(
+    st.sampled_from(["/predict", "/tasks", "/health", "/", "/predict?top_k=abc", "/predict?top_k=-5",
+                     "/predict?top_k=2", "/../../etc/passwd", "/predict/../manifest.json", "/%00"]),
+    st.text(alphabet="abc/?=&%.", max_size=12).map(lambda s: "/" + s),
+)  # fmt: skip
+
+
+def _png() -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    out = __import__("io").BytesIO()
+    Image.fromarray(np.random.RandomState(0).randint(0, 256, (12, 12, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+PNG = _png()
+BODY = st.one_of(
+    st.binary(max_size=2048), st.just(b""), st.just(PNG), st.binary(max_size=64).map(lambda b: PNG + b)
+)
+CTYPE = st.sampled_from(
+    ["application/octet-stream", "multipart/form-data", "multipart/form-data; boundary=xyz", "image/png",
+     "text/plain", ""]
+)  # fmt: skip
+
+
+@given(METHOD, PATH, BODY, CTYPE)
+def test_generated_http_requests_get_an_answer_not_a_crash(fuzz_server, method, path, body, ctype) -> None:
+    srv, kb, _ = fuzz_server
+    before = _files(kb)
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
+    try:
+        headers = {"Content-Type": ctype} if ctype else {}
+        conn.request(method, path, body=body if method not in ("GET", "HEAD") else None, headers=headers)
+        r = conn.getresponse()
+        data = r.read()
+    finally:
+        conn.close()
+    assert r.status < 500, (r.status, data[:200])
+    if method != "HEAD" and r.status != 200:
+        json.loads(data)  # every refusal is a JSON answer
+    assert _files(kb) == before
