@@ -99,3 +99,13 @@ def test_ctrl_c_is_130(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     _command_raising(monkeypatch, KeyboardInterrupt())
     assert main(["list"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_a_registry_refuses_an_unhashable_name_by_name() -> None:
+    """A hand-edited file may hold a list where a strategy name belongs (found by tests/test_fuzz.py)."""
+    from proteus.heads import PROTOTYPES
+    from proteus.registry import UnknownNameError
+
+    assert [] not in PROTOTYPES
+    with pytest.raises(UnknownNameError, match="unknown"):
+        PROTOTYPES.get([])  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         try:
             return self._items[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable value (a list in a hand-edited file)
             known = ", ".join(sorted(self._items))
             raise UnknownNameError(f"unknown {self.kind} {name!r}; choose one of: {known}") from None
 
@@ -55,7 +55,10 @@ class Registry(Generic[T]):
         return {n: self._help[n] for n in self.names()}
 
     def __contains__(self, name: object) -> bool:
-        return name in self._items
+        try:
+            return name in self._items
+        except TypeError:  # an unhashable value is no registered name
+            return False
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
