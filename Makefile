@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/activate
 demo: $(VENV)/.installed
 	$(PY) -m proteus weights fetch mobilenet_v2
 	$(PY) -m proteus quickstart --out $(RUN)
+	@# the quickstart is compare's proteus run (same config but report settings): reuse it, not run it again
+	@mkdir -p runs/demo-compare/proteus; d=runs/demo-compare/proteus/seed0; \
+	    if [ -L $$d ] || [ ! -e $$d ]; then ln -sfn $(abspath $(RUN)) $$d; fi
 	@echo "== where each method stands on the quickstart (seed 0; finished runs are reused)"
 	$(PY) -m proteus compare --benchmark quickstart --seeds 0 --out runs/demo-compare \
 	    --methods proteus-paper,proteus,proteus-lda,ranpac --set report.figures=false --set report.latency=false

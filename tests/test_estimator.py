@@ -33,6 +33,7 @@ LAYERS = {
     "engine": 2, "methods": 1,
     "adapters": 0, "signatures": 0, "heads": 0, "kb": 0, "backbones": 0, "streams": 0, "config": 0,
     "registry": 0, "metrics": 0, "distributed": 0, "devices": 0, "faults": 0, "images": 0, "errors": 0,
+    "progress": 0,
     "_version": -1,
 }  # fmt: skip
 

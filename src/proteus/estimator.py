@@ -29,6 +29,12 @@ Example (the test suite runs it)::
     >>> pred = clf.predict(clf.transform_images([stream.tasks[1].test[0][0]]))
     >>> pred.label.shape, clf.num_tasks
     (torch.Size([1]), 2)
+    >>> name = clf.classes_[pred.label[0]]    # its class's name (clf.classes_: indexed by global label)
+    >>> len(clf.classes_), name in clf.classes_, pred.task_number[0].item() in (1, 2)  # 1-based, as the CLI
+    (4, True, True)
+
+With ``benchmark="quickstart"`` :meth:`from_method` takes the settings ``proteus run --benchmark quickstart``
+uses (the README's example).
 """
 
 from __future__ import annotations
@@ -123,12 +129,24 @@ class Proteus:
 
     @classmethod
     def from_method(
-        cls, method: str = "proteus", backbone: str | None = None, *, progress: bool = True, **overrides: Any
+        cls,
+        method: str = "proteus",
+        backbone: str | None = None,
+        *,
+        benchmark: str | None = None,
+        progress: bool = True,
+        **overrides: Any,
     ) -> Proteus:
-        """A learner for a registered method; ``overrides`` are dotted config keys (``"train.epochs": 5``)."""
+        """A learner for a registered method; ``overrides`` are dotted config keys (``"train.epochs": 5``).
 
+        ``benchmark`` (``"quickstart"``, ``"cifar100"``, ...) applies the benchmark's packaged config first,
+        exactly as ``proteus run --benchmark`` does (defaults < benchmark < method < ``overrides``): the
+        quickstart's 64 px images and partial adaptation, for instance. Without it the config is the
+        method's on the paper's defaults (224 px, the whole backbone adapted): minutes per task on a CPU.
+        """
         sets = {"backbone.name": backbone} if backbone else {}
-        return cls(resolve_config(method=method, dotted={**sets, **overrides}), progress=progress)
+        cfg = resolve_config(benchmark, method=method, dotted={**sets, **overrides})
+        return cls(cfg, progress=progress)
 
     # ------------------------------------------------------------------ set-up (lazy: built on first use)
     def _build(self) -> None:
@@ -220,7 +238,15 @@ class Proteus:
     def task_seed(self, k: int) -> int:
         return int(self.config.seed) * 100_003 + 7919 * (k + 1)
 
+    @property
+    def classes_(self) -> list[str]:
+        """The learned classes' names, indexed by global label (``pred.label``): ``clf.classes_[label]``
+        (scikit-learn's name; :meth:`class_names` gives the same list)."""
+        self._check_fitted()
+        return self.class_names()
+
     def class_names(self) -> list[str]:
+        """The learned classes' names, indexed by global label (empty before the first task)."""
         names: dict[int, str] = {}
         for t in getattr(self, "records_", ()):
             names.update(zip(t.classes, t.class_names))

@@ -39,6 +39,7 @@ from proteus.engine.embedder import ImageDataset
 from proteus.engine.errors import TaskError
 from proteus.engine.learner import LearnerState, TestCache, TestOutcome, learner_header
 from proteus.errors import NotFittedError
+from proteus.progress import bar as progress_bar
 from proteus.registry import Registry
 from proteus.streams import Task
 
@@ -105,6 +106,10 @@ class ContinualClassifier:
         self.task_classes_: list[list[int]] = []
         #: one record per learned task (what its knowledge base lists: classes, names, images, stats)
         self.records_: list[dict[str, Any]] = []
+        #: the last task's training curve, one row per optimisation step: ``epoch`` and ``step`` (1-based),
+        #: ``loss`` (the cross-entropy), ``lr`` and ``penalty`` (the method's auxiliary loss); the experiment
+        #: loop writes it to the run's train_log.csv
+        self.train_log_: list[dict[str, Any]] = []
         self._stream_tasks: int | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -271,11 +276,8 @@ class ContinualClassifier:
         steps_per_epoch = math.ceil(n / cfg.train.batch_size)
         losses: list[float] = []
         total = cfg.train.epochs * steps_per_epoch
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            total=total, desc=f"task {k + 1}: train {self.name}", disable=not self.progress, leave=False
-        )
+        bar = progress_bar(total=total, desc=f"task {k + 1}: train {self.name}", enabled=self.progress)
+        self.train_log_ = []
         for epoch in range(cfg.train.epochs):
             for group in opt.param_groups:
                 group["lr"] = epoch_lr(b.lr, b.schedule, epoch, cfg.train.epochs)
@@ -292,6 +294,15 @@ class ContinualClassifier:
                     torch.nn.utils.clip_grad_norm_(params, b.clip_grad)
                 opt.step()
                 losses.append(float(loss.detach()))
+                self.train_log_.append(
+                    {
+                        "epoch": epoch + 1,
+                        "step": len(losses),
+                        "loss": losses[-1],
+                        "lr": opt.param_groups[0]["lr"],
+                        "penalty": float(torch.as_tensor(self.aux_loss).detach()),
+                    }
+                )
                 bar.update(1)
                 if len(losses) % 10 == 0:
                     bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
@@ -320,13 +331,11 @@ class ContinualClassifier:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix outputs (float32, CPU) and labels of a dataset under the evaluation transform."""
         self._build()
-        from tqdm.auto import tqdm
-
         loader = torch.utils.data.DataLoader(
             ImageDataset(ds, transform or self.eval_transform_), batch_size=self.config.eval.batch_size
         )
         zs, ys = [], []
-        for x, y in tqdm(loader, desc=desc, disable=not self.progress, leave=False):
+        for x, y in progress_bar(loader, desc=desc, enabled=self.progress):
             zs.append(self.prefix_batch(x).cpu())
             ys.append(y)
         return torch.cat(zs), torch.cat(ys)

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from PIL import Image
-from tqdm.auto import tqdm
 
 from proteus.config import ConfigError
 from proteus.engine.records import Prediction
 from proteus.images import DEFAULT_MAX_PIXELS, load_images
+from proteus.progress import bar as progress_bar
 
 __all__ = ["ImageBatch", "predict_batches"]
 
@@ -81,7 +81,7 @@ def predict_batches(
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]
     it = enumerate(items)
-    bar = tqdm(total=total, unit="img", disable=not progress, leave=False, dynamic_ncols=True)
+    bar = progress_bar(total=total, unit="img", enabled=progress)
     t0 = time.perf_counter()
     done = predicted = 0
     try:

@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
-from tqdm.auto import tqdm
 
 from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
 from proteus.devices import autocast as precision_autocast
 from proteus.engine.errors import TaskError
+from proteus.progress import bar as progress_bar
 
 __all__ = ["Embedder", "ImageDataset"]
 
@@ -75,7 +75,7 @@ class Embedder:
         )
 
     def bar(self, it: Iterable, desc: str, total: int | None = None) -> Iterable:
-        return tqdm(it, desc=desc, total=total, disable=not self.progress, leave=False, dynamic_ncols=True)
+        return progress_bar(it, desc=desc, total=total, enabled=self.progress)
 
     def autocast(self) -> torch.autocast:
         return precision_autocast(self.device, self.precision)

@@ -164,11 +164,14 @@ class TaskRecord:
 class Prediction:
     """Algorithm 2's answer for a batch of N inputs.
 
-    ``label`` (N,) global class; ``task`` / ``component`` (N,) retrieved task and signature component
-    (0-based; None for a method without retrieval); ``score`` (N,) the retrieved task's key score (lower
-    is better); ``logits`` (N, C) the head's scores over every class learned so far; ``known`` (N,) bool
-    and ``novelty`` (N,) the score minus the retrieved task's rejection threshold (> 0: from no learned
-    task), where the tasks are calibrated (``retrieval.reject``), else None.
+    ``label`` (N,) global class (its name: ``clf.classes_[label]``); ``task`` / ``component`` (N,)
+    retrieved task and signature component, **0-based** (they index the learner's tensors and
+    ``clf.records_``; None for a method without retrieval) -- :attr:`task_number` and
+    :attr:`component_number` are the 1-based numbers that the CLI, the JSON rows and ``proteus kb`` show;
+    ``score`` (N,) the retrieved task's key score (lower is better); ``logits`` (N, C) the head's scores
+    over every class learned so far; ``known`` (N,) bool and ``novelty`` (N,) the score minus the
+    retrieved task's rejection threshold (> 0: from no learned task), where the tasks are calibrated
+    (``retrieval.reject``), else None.
     """
 
     label: torch.Tensor
@@ -178,3 +181,13 @@ class Prediction:
     logits: torch.Tensor
     known: torch.Tensor | None = None
     novelty: torch.Tensor | None = None
+
+    @property
+    def task_number(self) -> torch.Tensor | None:
+        """``task + 1``: the retrieved task as the CLI and the JSON rows number it (task 1 is the first)."""
+        return None if self.task is None else self.task + 1
+
+    @property
+    def component_number(self) -> torch.Tensor | None:
+        """``component + 1``: the retrieved component as the CLI and the JSON rows number it."""
+        return None if self.component is None else self.component + 1

@@ -133,6 +133,10 @@ class AdapterTrainer:
         self.train = train
         self.train_transform = train_transform
         self.s_update: SUpdate = S_UPDATES.get(adapter.s_update)(adapter)
+        #: the last :meth:`fit`'s training curve, one row per optimisation step: ``epoch`` and ``step``
+        #: (1-based), ``loss`` (the cross-entropy), ``lr`` and ``penalty`` (the elastic net on S after the
+        #: step); the experiment loop writes it to the run's train_log.csv
+        self.train_log_: list[dict[str, Any]] = []
 
     @property
     def model(self) -> AdaptedBackbone:
@@ -215,7 +219,9 @@ class AdapterTrainer:
             img_loader = emb.loader(ImageDataset(task.train, self.train_transform), True, seed, bs)
         distributed = dist.is_distributed()
         part = 1.0
-        for _ in bar:
+        per_epoch = max(1, math.ceil(n / bs))
+        self.train_log_ = []
+        for i in bar:
             if z_train is not None:
                 try:
                     idx = next(it)
@@ -241,9 +247,25 @@ class AdapterTrainer:
                 yb = torch.as_tensor([local[int(c)] for c in yb_g.tolist()], device=device)
             loss = self.step(t, zb, yb, part)
             losses.append(float(loss.detach()))
+            self.train_log_.append(
+                {
+                    "epoch": i // per_epoch + 1,
+                    "step": i + 1,
+                    "loss": losses[-1],
+                    "lr": t.opt.param_groups[0]["lr"],
+                    "penalty": self.penalty_value(t),
+                }
+            )
             if hasattr(bar, "set_postfix") and len(losses) % 10 == 0:
                 bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
         return self.close_task(t, losses, steps)
+
+    @torch.no_grad()
+    def penalty_value(self, t: OpenTask) -> float:
+        """The elastic net of Eq. 15 on the open task's S now (0 without old directions); read only."""
+        if not t.s_params:
+            return 0.0
+        return float(elastic_net(t.s_params, t.lam, self.adapter.alpha))
 
     def close_task(self, t: OpenTask, losses: list[float], steps: int) -> TrainStats:
         """Freeze the trained directions and S (they never change again) and summarise the training."""

@@ -21,7 +21,7 @@ from proteus.config import RunConfig
 from proteus.engine.learner import ContinualLearner
 from proteus.estimator import Proteus
 from proteus.experiment.evaluate import Evaluator
-from proteus.experiment.results import build_results
+from proteus.experiment.results import append_train_log, build_results, write_acc_matrix
 from proteus.experiment.store import build_learner, commit, kb_header, setup_run_log
 from proteus.faults import crash_point
 from proteus.kb import KBError, KnowledgeBase
@@ -38,6 +38,13 @@ def _record(stats: Any, name: str, seconds: float) -> None:
         stats[f"seconds_{name}"] = seconds
     else:
         stats.seconds[name] = seconds
+
+
+def train_log(clf: ContinualLearner) -> list[dict[str, Any]]:
+    """The training curve of the task ``clf`` learned last (PROTEUS: its adapter trainer's; a baseline:
+    its own), one row per optimisation step; empty for a method that does not train."""
+    holder = getattr(clf, "trainer_", clf)
+    return list(getattr(holder, "train_log_", None) or [])
 
 
 def learn_and_commit(
@@ -65,8 +72,9 @@ def learn_and_commit(
 
 def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any]:
     """The whole continual loop in one process, for any method's learner; writes config.yaml, split.json,
-    log.txt, kb/, results.json and, for PROTEUS methods, analysis.json and (``report.figures``) report.md
-    with figures/ (:mod:`proteus.report`)."""
+    log.txt, kb/, train_log.csv (one row per optimisation step), results.json, acc_matrix.csv and, for
+    PROTEUS methods, analysis.json and (``report.figures``) report.md with figures/
+    (:mod:`proteus.report`)."""
     out = Path(out)
     main = dist.is_main()  # under torchrun only rank 0 writes files (proteus.distributed)
     handler = setup_run_log(out) if main else None
@@ -93,6 +101,8 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
             ev = kb.manifest["evaluation"][-1] if kb.manifest["evaluation"] else None
             log.info("task %d: %s", k + 1, json.dumps({"stats": st, "eval": ev}, default=str))
             per_task.append(st)
+            if main:  # the task's training curve, beside results.json (docs/experiments.md)
+                append_train_log(out / "train_log.csv", k + 1, train_log(clf))
             if progress and ev and main:
                 ret = ev["retrieval_acc"]
                 print(
@@ -116,6 +126,7 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
         res = build_results(cfg, stream, evaluation, seconds, extra)
         if main:
             (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
+            write_acc_matrix(out / "acc_matrix.csv", res)
             if bulky is not None:
                 (out / "analysis.json").write_text(json.dumps(bulky))
                 if cfg.report.figures:

@@ -7,6 +7,9 @@ what a run adds (``tasks``, ``kb_bytes``, the report's keys).
 
 from __future__ import annotations
 
+import csv
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from proteus._version import __version__
@@ -14,7 +17,7 @@ from proteus.config import RunConfig
 from proteus.metrics import average_accuracy, forgetting
 from proteus.streams import TaskStream
 
-__all__ = ["build_results", "format_table"]
+__all__ = ["TRAIN_LOG_COLUMNS", "append_train_log", "build_results", "format_table", "write_acc_matrix"]
 
 
 def build_results(
@@ -72,3 +75,31 @@ def format_table(res: dict[str, Any]) -> str:
         f"{res['seconds']:.1f} s"
     )
     return "\n".join(lines)
+
+
+#: the columns of a run's train_log.csv (docs/experiments.md)
+TRAIN_LOG_COLUMNS = ("task", "epoch", "step", "loss", "lr", "penalty")
+
+
+def append_train_log(path: Path, task: int, rows: Iterable[dict[str, Any]]) -> None:
+    """Append task ``task``'s (1-based) training curve to train_log.csv at ``path`` (the header first,
+    when the file is new): one row per optimisation step, columns :data:`TRAIN_LOG_COLUMNS`."""
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(TRAIN_LOG_COLUMNS)
+        for r in rows:
+            w.writerow([task, *(r.get(c, "") for c in TRAIN_LOG_COLUMNS[1:])])
+
+
+def write_acc_matrix(path: Path, res: dict[str, Any]) -> None:
+    """results.json's ``acc_matrix`` as a CSV at ``path``: a row per evaluation (``after_task``, 1-based),
+    a column per task (``task_1`` ...), empty above the diagonal; floats as Python writes them (exact)."""
+    matrix = res["acc_matrix"]
+    after = res.get("evaluated_after") or list(range(1, len(matrix) + 1))
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["after_task", *(f"task_{t + 1}" for t in range(res["num_tasks"]))])
+        for k, row in zip(after, matrix):
+            w.writerow([k, *("" if a is None else a for a in row)])
