@@ -164,7 +164,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from proteus.experiment.predictions import format_row, prediction_rows
+    from proteus.experiment.predictions import NOT_CHECKED, format_row, prediction_rows
     from proteus.experiment.store import load_learner
     from proteus.images import describe_skipped
     from proteus.kb import KBError, KnowledgeBase
@@ -191,7 +191,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
     else:
         for r in rows:
-            print(format_row(r))
+            print(format_row(r, verbose=args.verbose))
+        if rows and all(r["known"] is None for r in rows) and not args.quiet:
+            print(NOT_CHECKED, file=sys.stderr)
     if batch is not None and len(rows) > bs and not args.quiet:
         print(
             f"{len(rows)} images in {batch.seconds:.1f} s ({batch.images_per_second:.1f} images/s)",

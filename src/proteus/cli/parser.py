@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--kb", required=True)
     pr.add_argument("images", nargs="+", help="image files")
     pr.add_argument("--json", action="store_true", help="print JSON")
+    pr.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="text output: add the retrieval's raw numbers (component, signature score, novelty, p_task)",
+    )  # fmt: skip
     pr.add_argument("--device")
     _add_precision(pr)
     pr.add_argument(

@@ -40,7 +40,7 @@ import torch
 from proteus.config import ConfigError
 from proteus.estimator import Prediction, Proteus
 
-__all__ = ["prediction_rows"]
+__all__ = ["NOT_CHECKED", "format_row", "prediction_rows"]
 
 
 def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int = 1) -> list[dict[str, Any]]:
@@ -98,16 +98,30 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
     return rows
 
 
-def format_row(r: dict[str, Any]) -> str:
-    """One line of ``proteus predict``'s text output."""
-    which = "p_task" if r["p_task"] is not None else "p_all"
-    line = f"{r['file']}: {r['class']} ({which} {r[which]:.2f})"
+def format_row(r: dict[str, Any], verbose: bool = False) -> str:
+    """One line of ``proteus predict``'s text output: the class and one confidence (``p_all``: the
+    prediction's softmax over every learned class), the task it came from, or ``unknown`` when the input is
+    from no learned task; ``verbose`` adds the retrieval's raw numbers (component, signature score,
+    ``p_task``) and the top-k classes."""
     if r["known"] is False:
-        line = (
-            f"{r['file']}: unknown (from no learned task; novelty {r['novelty']:.2f}; nearest {r['class']})"
-        )
-    if r["task"] is not None:
-        line += f"  task {r['task']} component {r['component']} (signature score {r['signature_score']:.2f})"
+        line = f"{r['file']}: unknown (from no learned task; nearest class {r['class']})"
+    else:
+        line = f"{r['file']}: {r['class']}  confidence {r['p_all']:.2f}"
+        if r["task"] is not None:
+            line += f"  task {r['task']}"
+    if verbose:
+        if r["task"] is not None:
+            line += f"  [component {r['component']}, signature score {r['signature_score']:.2f}"
+            line += f", novelty {r['novelty']:.2f}]" if r.get("novelty") is not None else "]"
+        if r["p_task"] is not None:
+            line += f"  p_task {r['p_task']:.2f}"
     if len(r["top_k"]) > 1:
         line += "  top-k " + ", ".join(f"{t['class']} {t['p_task']:.2f}" for t in r["top_k"])
     return line
+
+
+#: said once under the text output when nothing can say whether an input is from a learned task
+NOT_CHECKED = (
+    "note: this knowledge base has no rejection thresholds, so an input from no learned task still gets a "
+    "class; learn with --set retrieval.reject=true to flag such inputs as unknown (docs/predict.md)"
+)
