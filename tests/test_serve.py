@@ -76,7 +76,9 @@ def test_predictions_equal_proteus_predict(server, world: dict, capsys) -> None:
     status, one = _post(url + "/predict", imgs[0].read_bytes())  # a raw body: one image
     assert status == 200 and one["predictions"][0]["class"] == expect[0]["class"]
     with urllib.request.urlopen(url + "/tasks", timeout=30) as r:
-        assert json.loads(r.read())["num_tasks"] == 1
+        tasks = json.loads(r.read())
+    assert tasks["num_tasks"] == 1 and tasks["root"] == kb.name  # not the server's absolute path
+    assert str(kb.parent) not in json.dumps(tasks)
 
 
 def test_bad_uploads_are_4xx_and_the_server_goes_on(server, world: dict) -> None:

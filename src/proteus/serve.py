@@ -139,6 +139,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         log.debug("serve: " + format, *args)
 
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        """The access log: one line per answer (client, method, path, status, bytes) on the ``proteus``
+        logger, which ``serve`` prints (``--quiet`` silences it)."""
+        code = getattr(code, "value", code)
+        log.info("%s %s %s %s %s", self.address_string(), self.command, self.path, code, size)
+
     def _has_body(self) -> bool:
         return self.headers.get("Content-Length", "0").strip() not in ("", "0") or (
             "Transfer-Encoding" in self.headers
@@ -190,8 +196,14 @@ class _Handler(BaseHTTPRequestHandler):
         path = self._route(self.command)
         if path == "/health":
             self._send(200, {"status": "ok", "kb_tasks": self.server.clf.num_tasks})
-        elif path == "/tasks":
-            self._send(200, info(KnowledgeBase.open(self.server.kb_dir, verify=False)))
+        elif path == "/tasks":  # the KB's directory name, not where it lives on the server
+            self._send(
+                200,
+                {
+                    **info(KnowledgeBase.open(self.server.kb_dir, verify=False)),
+                    "root": self.server.kb_dir.name,
+                },
+            )
 
     do_HEAD = do_GET  # noqa: N815 - the same answers without their bodies (_send)
 
@@ -288,6 +300,11 @@ def serve(kb_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, device:
     server = KBServer((host, port), kb_dir, device=device, poll_seconds=poll_seconds, precision=precision,
                       read_timeout=read_timeout)  # fmt: skip
     server.start_watching()
+    if not log.handlers:  # the access log and reloads on stderr, one line each
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     print(
         f"serving {kb_dir} ({server.clf.num_tasks} tasks) on http://{host}:{server.server_address[1]}",
         flush=True,
