@@ -174,7 +174,7 @@ def test_cifar_missing_data_error(tmp_path: Path) -> None:
     with pytest.raises(DataNotFoundError) as e:
         build_benchmark(BenchmarkConfig(name="cifar100", data=str(tmp_path)))
     msg = str(e.value)
-    assert "cifar-100-python" in msg and "train/<class>" in msg and "download=True" in msg
+    assert "cifar-100-python" in msg and "train/<class>" in msg and "benchmark.download=true" in msg
     assert str(tmp_path) in msg
 
 

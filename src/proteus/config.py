@@ -252,6 +252,9 @@ class BenchmarkConfig:
     class_order_seed: int = 1993
     #: cap per-class training images (None = all); test sets are never capped
     max_train_per_class: int | None = None
+    #: when the data are not under benchmark.data and the machine is online, let torchvision download them
+    #: there (CIFAR-10/100; other benchmarks say where to get their data)
+    download: bool = False
 
 
 @dataclass
@@ -370,6 +373,7 @@ PER_TASK_KEYS = (
     "eval.max_image_pixels",
     "benchmark.data",
     "benchmark.tasks_file",
+    "benchmark.download",
     "report.",
 )
 

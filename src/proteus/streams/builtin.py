@@ -188,18 +188,40 @@ def _cifar_missing(name: str, root: Path) -> DataNotFoundError:
         f"  (a) torchvision's format: {root / tv}/ (the extracted python-version archive)\n"
         f"  (b) an ImageFolder tree: {root}/train/<class>/*.png|jpg and {root}/test/<class>/*\n"
         f"Put the data there, or point benchmark.data (--set benchmark.data=PATH) or $PROTEUS_DATA at it. "
-        f"When online, torchvision downloads it:\n"
-        f"  python -c \"import torchvision; torchvision.datasets.{cls}('{root}', download=True)\""
+        f"When online, add --set benchmark.download=true (torchvision's {cls} downloads it there)"
     )
 
 
-def load_cifar(name: str, root: Path) -> tuple[Any, Any, list[str], str, Path]:
+def _download_cifar(name: str, root: Path) -> None:
+    """torchvision's download of ``name`` into ``root`` (``benchmark.download``), its failure one line."""
+    import torchvision
+
+    cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for train in (True, False):
+            cls(str(root), train=train, download=True)
+    except (OSError, RuntimeError) as e:  # offline: URLError is an OSError
+        raise DataNotFoundError(
+            f"{name}: could not download it into {root} ({e}); put the data there"
+        ) from None
+
+
+def load_cifar(name: str, root: Path, download: bool = False) -> tuple[Any, Any, list[str], str, Path]:
     """``(train, test, class_names, format, resolved_root)`` for ``cifar10``/``cifar100`` under ``root``.
 
     Accepts torchvision's format (``root/cifar-10-batches-py`` or ``root/cifar-100-python``, or that folder
-    itself) held in memory, or an ImageFolder tree ``root/{train,test}/<class>/*`` loaded lazily.
+    itself) held in memory, or an ImageFolder tree ``root/{train,test}/<class>/*`` loaded lazily; with
+    ``download`` and neither there, torchvision downloads its format into ``root`` first.
     """
     tv = _TORCHVISION_DIRS[name]
+    if (
+        download
+        and not (root / tv).is_dir()
+        and not (root.name == tv and root.is_dir())
+        and not _is_imagefolder(root)
+    ):
+        _download_cifar(name, root)
     tv_root: Path | None = None
     if (root / tv).is_dir():
         tv_root = root
@@ -225,7 +247,7 @@ def load_cifar(name: str, root: Path) -> tuple[Any, Any, list[str], str, Path]:
 
 
 def _cifar(name: str, cfg: BenchmarkConfig) -> TaskStream:
-    train, test, classes, fmt, root = load_cifar(name, data_root(cfg, ""))
+    train, test, classes, fmt, root = load_cifar(name, data_root(cfg, ""), download=cfg.download)
     return _permuted_stream(name, cfg, root, train, test, classes, {"format": fmt})
 
 
