@@ -113,6 +113,22 @@ class Backbone(nn.Module):
 
 BACKBONES: Registry = Registry("backbone")
 
+#: name prefix -> the factory of any model it names (``timm:<tag>``, ``hf-hub:<repo>``): timm's names beside
+#: the registered presets, each resolved by the module that knows the family (:mod:`.vit`)
+FAMILIES: dict[str, Callable[[str], Callable[..., Backbone]]] = {}
+
+
+def backbone_factory(name: str) -> Callable[..., Backbone]:
+    """The registered preset ``name``, or the factory of a family prefix (:data:`FAMILIES`)."""
+    for prefix, family in FAMILIES.items():
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return family(name)
+    try:
+        return BACKBONES.get(name)
+    except KeyError as e:
+        families = ", ".join(f"{p}<name>" for p in FAMILIES)
+        raise type(e)(f"{e.args[0]}; or a family name: {families}") from None
+
 
 def _load_error_summary(exc: BaseException) -> str:
     """A one-line digest of torch's ``load_state_dict`` error (counts, a few names), else its first line."""
@@ -165,7 +181,7 @@ def build_backbone(
     nor downloadable) raises :class:`~proteus.backbones.weights.WeightsError` (a ``ValueError``) whose
     message names the backbone and, for a file, the file.
     """
-    factory = BACKBONES.get(name)
+    factory = backbone_factory(name)
     if pretrained or weights is not None:
         bb: Backbone = _call_factory(factory, name, pretrained, weights)
     else:  # random weights (timing, tests): seeded, so that every process builds the same network

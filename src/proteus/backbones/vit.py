@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from proteus.backbones.base import BACKBONES, AdaptTarget, Backbone, DataConfig
+from proteus.backbones.base import BACKBONES, FAMILIES, AdaptTarget, Backbone, DataConfig
 
 #: registry name -> exact timm model tag
 VIT_TAGS: dict[str, str] = {
@@ -43,7 +43,7 @@ class TimmViTBackbone(Backbone):
 
         self.name = name
         self.tag = tag
-        self.vit = timm.create_model(tag, pretrained=False, num_classes=0)
+        self.vit = _create(tag, name)
         if weights is not None:
             from proteus.backbones.weights import sha256_file
 
@@ -185,6 +185,42 @@ class TimmViTBackbone(Backbone):
         return v.forward_head(z, pre_logits=True)
 
 
+def _create(tag: str, name: str) -> torch.nn.Module:
+    """timm's model ``tag`` without weights; a ViT with fused qkv attention, or a ConfigError/WeightsError
+    naming the backbone (``hf-hub:`` names need the hub for their config)."""
+    import timm
+
+    from proteus.backbones.weights import WeightsError
+    from proteus.config import ConfigError
+
+    if tag.startswith(
+        "hf-hub:"
+    ):  # its config comes from the hub: fail at once when neither cached nor reachable
+        from proteus.backbones.hub import find_cached_hub_file, hf_endpoint, hub_unreachable_reason
+
+        repo = tag[len("hf-hub:") :].partition("@")[0]
+        reason = (
+            None if find_cached_hub_file(repo, ("config.json",)) else hub_unreachable_reason(hf_endpoint())
+        )
+        if reason is not None:
+            raise WeightsError(
+                f"backbone {name}: the hub's config.json of {repo} is not cached and the hub cannot be "
+                f"reached ({reason}); use a preset (proteus list backbones) or timm:<tag> with --weights FILE"
+            )
+    try:
+        net = timm.create_model(tag, pretrained=False, num_classes=0)
+    except RuntimeError as e:  # timm: "Unknown model"
+        raise ConfigError(f"backbone {name}: timm has no model {tag!r} ({e})") from None
+    except Exception as e:  # the hub's config of an hf-hub: name, offline or missing
+        raise WeightsError(
+            f"backbone {name}: cannot get timm's config of {tag} ({type(e).__name__}: {e})"
+        ) from None
+    blocks = getattr(net, "blocks", None)
+    if not blocks or not hasattr(getattr(blocks[0], "attn", None), "qkv"):
+        raise ConfigError(f"backbone {name}: timm model {tag} is not a ViT with fused qkv attention")
+    return net
+
+
 def _make(name: str, tag: str):
     def factory(pretrained: bool = True, weights: str | None = None) -> Backbone:
         return TimmViTBackbone(tag, name, pretrained=pretrained, weights=weights)
@@ -195,3 +231,8 @@ def _make(name: str, tag: str):
 
 for _name, _tag in VIT_TAGS.items():
     BACKBONES.register(_name, help=f"timm {_tag}")(_make(_name, _tag))
+
+#: any timm ViT by name beside the presets: ``timm:<tag>`` (e.g. ``timm:vit_small_patch16_224.augreg_in1k``),
+#: ``hf-hub:<repo>`` (e.g. ``hf-hub:timm/vit_base_patch16_224.augreg2_in21k_ft_in1k``, timm's own syntax)
+FAMILIES["timm:"] = lambda name: _make(name, name[len("timm:") :])
+FAMILIES["hf-hub:"] = lambda name: _make(name, name)

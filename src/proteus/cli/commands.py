@@ -401,4 +401,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{kind}:")
         for name, doc in reg[kind].describe().items():
             print(f"  {name:<22} {doc}")
+        if kind == "backbones":
+            from proteus.backbones.base import FAMILIES
+
+            for prefix in FAMILIES:
+                print(f"  {prefix + '<name>':<22} any timm ViT by timm's name (weights as for the presets)")
     return 0
