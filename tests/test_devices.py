@@ -100,3 +100,22 @@ def test_torchrun_backend_follows_the_requested_device(monkeypatch: pytest.Monke
     for device, backend in (("cpu", "gloo"), ("cuda", "nccl"), (None, "nccl"), ("auto", "nccl")):
         assert distributed.init_from_env(device=device)
         assert chosen.pop() == backend, device
+
+
+def test_tf32_switches_tensor_cores_on_cuda_only_inside_the_forward() -> None:
+    """``precision=tf32``: float32 tensors (no autocast), TF32 matmuls on CUDA while the backbone runs, the
+    switches as they were afterwards; elsewhere the same as fp32."""
+    from proteus.devices import autocast, autocast_dtype
+
+    assert autocast_dtype(torch.device("cpu"), "tf32") is None
+    assert autocast_dtype(torch.device("cuda"), "tf32") is None
+    before = torch.backends.cuda.matmul.allow_tf32
+    with autocast(torch.device("cpu"), "tf32"):
+        assert torch.backends.cuda.matmul.allow_tf32 == before
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with autocast(torch.device("cuda"), "tf32"):
+            assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

@@ -12,12 +12,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "PRECISIONS",
+    "Precision",
     "autocast",
     "autocast_dtype",
     "clock",
@@ -26,26 +30,52 @@ __all__ = [
     "reset_peak_memory",
 ]
 
-#: ``precision`` -> the autocast dtype on CUDA (None: no autocast). ``auto`` is bf16 on CUDA, fp32 elsewhere.
-PRECISIONS: dict[str, torch.dtype | None] = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": None}
+
+@dataclass(frozen=True)
+class Precision:
+    """How the backbone's forward passes compute: autocast to ``dtype`` (None: plain float32), on CUDA only
+    (``cuda_only``), and with float32 matmuls and convolutions on TF32 tensor cores (``tf32``, CUDA)."""
+
+    dtype: torch.dtype | None
+    cuda_only: bool = False
+    tf32: bool = False
+
+
+#: ``precision``: ``auto`` (bf16 autocast on CUDA, fp32 elsewhere), ``bf16`` (also on the CPU: slower there,
+#: but the numbers of a GPU's bf16 forward, which is how that path is tested without a GPU), ``fp32`` (exact
+#: reproduction), ``tf32`` (float32 tensors, TF32 matmuls on CUDA: about 3 significant digits fewer in
+#: each product, several times faster on Ampere and later; the same as fp32 elsewhere)
+PRECISIONS: dict[str, Precision] = {
+    "auto": Precision(torch.bfloat16, cuda_only=True),
+    "bf16": Precision(torch.bfloat16),
+    "fp32": Precision(None),
+    "tf32": Precision(None, tf32=True),
+}
 
 
 def autocast_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
-    """The dtype the backbone's forward passes autocast to on ``device`` (None: plain float32).
-
-    ``auto`` autocasts on CUDA only; ``bf16`` also on the CPU (slower there on most processors, but the same
-    numbers as a GPU's bf16 forward, which is how the GPU path's precision is tested without a GPU)."""
+    """The dtype the backbone's forward passes autocast to on ``device`` (None: plain float32)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
-    if precision == "auto" and device.type != "cuda":
-        return None
-    return PRECISIONS[precision]
+    p = PRECISIONS[precision]
+    return None if p.cuda_only and device.type != "cuda" else p.dtype
 
 
-def autocast(device: torch.device, precision: str = "auto") -> torch.autocast:
-    """The autocast context of the backbone's forward passes on ``device``."""
+@contextlib.contextmanager
+def autocast(device: torch.device, precision: str = "auto") -> Iterator[None]:
+    """The precision context of the backbone's forward passes on ``device`` (autocast, TF32 switches; the
+    switches are restored on exit)."""
     dtype = autocast_dtype(device, precision)
-    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+    tf32 = PRECISIONS[precision].tf32 and device.type == "cuda"
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            yield
+    finally:
+        if tf32:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def clock(device: torch.device) -> float:

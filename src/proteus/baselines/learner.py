@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -321,7 +322,7 @@ class ContinualClassifier:
             "trainable_params": int(sum(p.numel() for p in params)),
         }
 
-    def _autocast(self) -> torch.autocast:
+    def _autocast(self) -> AbstractContextManager[None]:
         return precision_autocast(self.device_, self.config.precision)
 
     # ------------------------------------------------------------------ inference

@@ -99,8 +99,8 @@ def _add_precision(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         choices=tuple(PRECISIONS),
-        help="the backbone's forward passes: auto (default: bf16 autocast on CUDA, fp32 elsewhere), bf16 "
-        "or fp32",
+        help="the backbone's forward passes: auto (default: bf16 autocast on CUDA, fp32 elsewhere), bf16, "
+        "fp32 (exact reproduction) or tf32 (float32 with TF32 matmuls on CUDA)",
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -77,7 +78,7 @@ class Embedder:
     def bar(self, it: Iterable, desc: str, total: int | None = None) -> Iterable:
         return progress_bar(it, desc=desc, total=total, enabled=self.progress)
 
-    def autocast(self) -> torch.autocast:
+    def autocast(self) -> AbstractContextManager[None]:
         return precision_autocast(self.device, self.precision)
 
     @torch.no_grad()
