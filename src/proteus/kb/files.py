@@ -224,45 +224,6 @@ def _refs(manifest: dict[str, Any]) -> list[tuple[str, str, str]]:
     return out
 
 
-def _manifest_issues(path: Path, data: bytes, hint: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """Parse a manifest's bytes: (the manifest or None when it is no JSON object, every problem found).
-    ``hint`` says what to do about an edited or corrupt file."""
-    try:
-        manifest = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, [f"{path}: corrupt manifest ({e}); {hint}"]
-    if not isinstance(manifest, dict):
-        return None, [f"{path}: corrupt manifest (a JSON {type(manifest).__name__}, not an object); {hint}"]
-    if manifest.get("format") != FORMAT:
-        return manifest, [f"{path}: not a proteus knowledge base (format={manifest.get('format')!r})"]
-    version = manifest.get("format_version")
-    if version not in READABLE_VERSIONS:
-        return manifest, [
-            f"{path}: knowledge base format version {version!r} is not supported by this proteus (it reads "
-            f"versions {' and '.join(map(str, READABLE_VERSIONS))}); use the proteus release that wrote it"
-        ]
-    issues = []
-    recorded = manifest.get("checksum")
-    if version == 1 and recorded is None:
-        log.debug("%s: format version 1 (no checksum); it gets one at its next commit", path)
-    elif not isinstance(recorded, str):
-        issues.append(
-            f"{path}: has no checksum, which format version {version} requires: {path.name} was "
-            f"edited; {hint}"
-        )
-    else:
-        actual = manifest_checksum(manifest)
-        if actual != recorded:
-            issues.append(
-                f"{path}: checksum mismatch: {path.name} was edited (recorded {recorded[:16]}…, computed "
-                f"{actual[:16]}…); {hint}"
-            )
-    from proteus.kb.schema import manifest_problems  # schema imports this module
-
-    issues += [f"{path}: {p}; {hint}" for p in manifest_problems(manifest)]
-    return manifest, issues
-
-
 # ====================================================================== the writers' lock
 
 

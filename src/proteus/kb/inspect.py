@@ -19,13 +19,12 @@ from proteus.kb.files import (
     PREV_MANIFEST,
     KBError,
     _is_file_error,
-    _manifest_issues,
     _pid_running,
     _refs,
     _sha,
     _tmp_pid,
 )
-from proteus.kb.schema import object_path
+from proteus.kb.schema import manifest_issues, object_path
 from proteus.kb.signing import key_from_env, signature_problem
 from proteus.kb.store import KnowledgeBase, read_object_file
 from proteus.kb.tensors import Obj, check_objects, int_totals, nonfinite, parse_header
@@ -79,7 +78,7 @@ def check(root: str | Path, key: bytes | None = None) -> Report:
         except KBError as e:
             out.append(str(e))
     else:
-        manifest, issues = _manifest_issues(root / MANIFEST, data, "restore it or manifest.prev.json")
+        manifest, issues = manifest_issues(root / MANIFEST, data, "restore it or manifest.prev.json")
         out += issues
         if manifest is not None and key is not None and not issues:
             problem = signature_problem(root, manifest, key)
@@ -92,7 +91,7 @@ def check(root: str | Path, key: bytes | None = None) -> Report:
     prev_path = root / PREV_MANIFEST
     prev_names: set[str] | None = set()
     if prev_path.is_file():
-        prev, issues = _manifest_issues(
+        prev, issues = manifest_issues(
             prev_path, prev_path.read_bytes(), "the previous commit cannot be restored from it"
         )
         out += issues

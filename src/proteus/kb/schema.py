@@ -15,6 +15,8 @@ a ``T``) or alternatives ``"A|B"``; a :class:`F` with ``fields`` checks a mappin
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proteus.kb.files import OBJECTS, KBError
+from proteus.kb.files import FORMAT, OBJECTS, READABLE_VERSIONS, KBError, manifest_checksum
+
+log = logging.getLogger("proteus")
 
 #: the name :meth:`~proteus.kb.store.KnowledgeBase.write_object` gives an object: its kind, then the first
 #: 16 hex digits of its sha256 (so a name is never reused for other bytes)
@@ -381,3 +385,40 @@ def object_path(root: Path, rel: Any, sha: Any = None) -> Path:
     if not path.is_relative_to(objects):
         raise KBError(f"object path {rel!r} refused: it resolves to {path}, outside {objects}")
     return path
+
+
+def manifest_issues(path: Path, data: bytes, hint: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """Parse a manifest's bytes: (the manifest or None when it is no JSON object, every problem found).
+    ``hint`` says what to do about an edited or corrupt file."""
+    try:
+        manifest = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, [f"{path}: corrupt manifest ({e}); {hint}"]
+    if not isinstance(manifest, dict):
+        return None, [f"{path}: corrupt manifest (a JSON {type(manifest).__name__}, not an object); {hint}"]
+    if manifest.get("format") != FORMAT:
+        return manifest, [f"{path}: not a proteus knowledge base (format={manifest.get('format')!r})"]
+    version = manifest.get("format_version")
+    if version not in READABLE_VERSIONS:
+        return manifest, [
+            f"{path}: knowledge base format version {version!r} is not supported by this proteus (it reads "
+            f"versions {' and '.join(map(str, READABLE_VERSIONS))}); use the proteus release that wrote it"
+        ]
+    issues = []
+    recorded = manifest.get("checksum")
+    if version == 1 and recorded is None:
+        log.debug("%s: format version 1 (no checksum); it gets one at its next commit", path)
+    elif not isinstance(recorded, str):
+        issues.append(
+            f"{path}: has no checksum, which format version {version} requires: {path.name} was "
+            f"edited; {hint}"
+        )
+    else:
+        actual = manifest_checksum(manifest)
+        if actual != recorded:
+            issues.append(
+                f"{path}: checksum mismatch: {path.name} was edited (recorded {recorded[:16]}…, computed "
+                f"{actual[:16]}…); {hint}"
+            )
+    issues += [f"{path}: {p}; {hint}" for p in manifest_problems(manifest)]
+    return manifest, issues

@@ -81,7 +81,6 @@ from proteus.kb.files import (
     _interrupted_first_commit,
     _is_file_error,
     _kb_files,
-    _manifest_issues,
     _MissingObject,
     _not_writable,
     _now,
@@ -94,7 +93,7 @@ from proteus.kb.files import (
     manifest_checksum,
 )
 from proteus.kb.lock import lock_holder, write_lock
-from proteus.kb.schema import head_kind, manifest_problems, object_path, task_label
+from proteus.kb.schema import head_kind, manifest_issues, manifest_problems, object_path, task_label
 from proteus.kb.signing import key_from_env, signature, signature_problem
 from proteus.kb.tensors import Obj, check_objects, shapes_of
 
@@ -191,7 +190,7 @@ class KnowledgeBase:
             if files:
                 raise _damaged(root, files, "the knowledge base cannot be opened") from None
             raise KBError(f"{root}: no knowledge base here (missing {MANIFEST})") from None
-        manifest, issues = _manifest_issues(path, data, "restore it or manifest.prev.json")
+        manifest, issues = manifest_issues(path, data, "restore it or manifest.prev.json")
         if issues:
             raise KBError(issues[0])
         assert manifest is not None
@@ -520,7 +519,7 @@ class KnowledgeBase:
             data = path.read_bytes()
         except FileNotFoundError:
             raise KBError(f"{self.root}: no previous commit to go back to (no {PREV_MANIFEST})") from None
-        manifest, issues = _manifest_issues(path, data, "the previous commit cannot be restored from it")
+        manifest, issues = manifest_issues(path, data, "the previous commit cannot be restored from it")
         if issues or manifest is None:
             raise KBError(issues[0] if issues else f"{path}: not a manifest")
         self._check_paths(self.root, manifest, path)
