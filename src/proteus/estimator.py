@@ -633,8 +633,8 @@ def _loading(what: str) -> Iterator[None]:
     """Re-raise a failure to load a stored part (wrong shapes, types or values) as a TaskError naming it."""
     try:
         yield
-    except TaskError as e:  # already names the task: add the file
-        raise TaskError(f"{what}: {e}".replace(f": {what.split(' (')[0]}:", ":", 1)) from None
+    except TaskError as e:  # already names the task ("task 2: ..."): add the file once
+        raise TaskError(f"{what}: {str(e).removeprefix(what.split(' (')[0] + ': ')}") from None
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
         msg = e.args[0] if e.args else type(e).__name__
         raise TaskError(f"{what}: cannot be loaded: {msg}") from None

@@ -50,6 +50,11 @@ def _dense_inputs(weights: Tensor, means: Tensor, covariances: Tensor) -> dict[s
     return {"weights": w, "means": m, "center": m.mean(0), "C": C}
 
 
+def _active(fit: ComponentSource, active: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The weights, means and dense covariances of a fit's ``active`` components."""
+    return fit.weights.index_select(0, active), fit.means.index_select(0, active), fit.cov_fn(active)
+
+
 @COVARIANCES.register("full", "precision Cholesky factors: exact")
 class FullComponents(GaussianComponents):
     """Kind ``"full"``: ``FullComponents(weights (T,), means (T, d), covariances (T, d, d),
@@ -79,8 +84,7 @@ class FullComponents(GaussianComponents):
     def from_fit(
         cls, fit: ComponentSource, active: Tensor, rank: int | None, n_train: int
     ) -> GaussianComponents:
-        covs = fit.cov_fn(active)
-        return cls(fit.weights.index_select(0, active), fit.means.index_select(0, active), covs)
+        return cls(*_active(fit, active))
 
     def _set_factors(self, t: dict[str, Tensor], mc: Tensor) -> None:
         T, d = self.n_components, self.d
@@ -140,9 +144,8 @@ class PPCAComponents(GaussianComponents):
     def from_fit(
         cls, fit: ComponentSource, active: Tensor, rank: int | None, n_train: int
     ) -> GaussianComponents:
-        covs = fit.cov_fn(active)
         q = max(0, min(int(rank or _PPCA_RANK), fit.means.shape[1] - 1, n_train - 1))
-        return cls(fit.weights.index_select(0, active), fit.means.index_select(0, active), covs, rank=q)
+        return cls(*_active(fit, active), rank=q)
 
     def _set_factors(self, t: dict[str, Tensor], mc: Tensor) -> None:
         T, d = self.n_components, self.d
