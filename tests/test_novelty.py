@@ -4,6 +4,7 @@ the KB, ``known`` / ``novelty`` in predictions, recalibration without data."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from proteus import Proteus
 from proteus.cli import main
-from proteus.engine.novelty import Calibration, holdout_split
+from proteus.engine.novelty import Calibration, ClassGaussians, holdout_split
 from tiny import TINY, folder_args, make_tree, write_spec
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,107 @@ def test_uncalibrated_kbs_say_so(tmp_path: Path, capsys) -> None:
     tree = make_tree(tmp_path / "data", classes="ab", n_train=6, n_test=2)
     spec = write_spec(tmp_path / "spec.yaml", [["a", "b"]])
     kb = tmp_path / "kb"
-    assert main(["learn", "--kb", str(kb), "--task", "1", *folder_args(tree, spec), *TINY]) == 0
+    off = ["--set", "retrieval.novelty=none"]  # as a KB learned before the detector existed
+    assert main(["learn", "--kb", str(kb), "--task", "1", *folder_args(tree, spec), *TINY, *off]) == 0
     assert main(["kb", "calibrate", str(kb), "--tpr", "0.9"]) == 2
-    assert "retrieval.reject=true" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--images DIR" in err and "retrieval.reject=true" in err
     assert Proteus.load(kb).thresholds() is None
+    assert main(["kb", "calibrate", str(kb)]) == 2
+    assert "--images DIR" in capsys.readouterr().err
+
+
+def test_class_gaussians_subtract_rows_exactly() -> None:
+    """The Gaussians built from accumulated statistics less some rows equal those built without them."""
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(300, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (300,), generator=g)
+    X[y == 1] += 3.0
+
+    def stats(X: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        Q = torch.zeros(6, 3, dtype=torch.float64).index_add_(1, y, X.T)
+        return X.T @ X, Q, torch.bincount(y, minlength=3)
+
+    full = ClassGaussians.from_statistics(*stats(X, y), minus=[(X[:40], y[:40])])
+    kept = ClassGaussians.from_statistics(*stats(X[40:], y[40:]))
+    assert torch.allclose(full.means, kept.means) and torch.allclose(full.precision, kept.precision)
+    d2, cls = kept.distances(X[:40])
+    # by hand: the squared Mahalanobis distance to the nearest class under the shrunk shared covariance
+    diff = X[:40, None, :] - kept.means[None]
+    ref = torch.einsum("ncd,de,nce->nc", diff, kept.precision, diff)
+    assert torch.allclose(d2, ref.min(1).values) and torch.equal(cls, ref.argmin(1))
+
+
+def _learn(kb: Path, tree: Path, spec: Path, *extra: str) -> None:
+    for t in (1, 2):
+        args = ["learn", "--kb", str(kb), "--task", str(t), *folder_args(tree, spec), *TINY, *extra]
+        assert main(args) == 0
+
+
+def test_default_method_flags_inputs_without_changing_accuracy(tmp_path: Path, capsys) -> None:
+    """proteus's default detector (class-Gaussian on its LDA keys' statistics) answers known / unknown
+    for every input, holds nothing out of the keys (every prediction equals the detector-free one's) and
+    accepts every calibration row at a true-positive rate of 1."""
+    tree = make_tree(tmp_path / "data", classes="abcd", n_train=12, n_test=3)
+    spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]])
+    imgs = [str(p) for p in sorted((tree / "test").rglob("*.png"))]
+    rows = {}
+    for name, extra in (("on", ()), ("off", ("--set", "retrieval.novelty=none"))):
+        _learn(tmp_path / name, tree, spec, *extra)
+        capsys.readouterr()
+        assert main(["predict", "--kb", str(tmp_path / name), *imgs, "--json"]) == 0
+        rows[name] = json.loads(capsys.readouterr().out)
+    for on, off in zip(rows["on"], rows["off"], strict=True):
+        assert isinstance(on["known"], bool) and (on["novelty"] <= 0) == on["known"] and off["known"] is None
+        assert {k: v for k, v in on.items() if k not in ("known", "novelty")} == {
+            k: v for k, v in off.items() if k not in ("known", "novelty")
+        }
+    clf = Proteus.load(tmp_path / "on")
+    rows_x = {k: r.X for k, r in clf.keys_.novelty.rows.items()}
+    assert sorted(rows_x) == [0, 1] and all(len(x) == 2 for x in rows_x.values())  # 10% of 24, seeded
+    assert all(r.in_stats for r in clf.keys_.novelty.rows.values())
+    assert main(["kb", "calibrate", str(tmp_path / "on"), "--tpr", "1.0"]) == 0
+    clf = Proteus.load(tmp_path / "on")
+    classes = [t.classes for t in clf.records_]
+    thr = clf.keys_.novelty_thresholds(classes)
+    assert len(thr) == 2 and clf.keys_.novelty.tpr == 1.0
+    # every calibration row is accepted at rate 1: its novelty is <= 0
+    for r in clf.keys_.novelty.rows.values():
+        assert (clf.keys_.novelty_of(r.X, classes) <= 1e-9).all()
+
+
+def test_calibrate_images_gives_an_old_kb_rejection(tmp_path: Path, capsys) -> None:
+    tree = make_tree(tmp_path / "data", classes="abcd", n_train=8, n_test=3)
+    spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]])
+    kb = tmp_path / "kb"
+    _learn(kb, tree, spec, "--set", "retrieval.novelty=none")
+    imgs = [str(p) for p in sorted((tree / "test").rglob("*.png"))]
+    capsys.readouterr()
+    assert main(["kb", "calibrate", str(kb), "--images", str(tree / "test"), "--tpr", "1.0"]) == 2
+    assert "retrieval.novelty" in capsys.readouterr().err  # learned without the detector: said by name
+    kb2 = tmp_path / "kb2"
+    _learn(kb2, tree, spec)
+    capsys.readouterr()
+    assert main(["kb", "calibrate", str(kb2), "--images", str(tree / "test"), "--tpr", "1.0"]) == 0
+    assert "thresholds fitted" in capsys.readouterr().out
+    clf = Proteus.load(kb2)
+    rows = clf.keys_.novelty.rows
+    assert sorted(rows) == [0, 1] and not any(r.in_stats for r in rows.values())
+    assert [len(r.y) for r in rows.values()] == [6, 6]  # the folders' classes decide each image's task
+    assert main(["predict", "--kb", str(kb2), *imgs, "--json"]) == 0
+    assert all(r["known"] for r in json.loads(capsys.readouterr().out))  # rate 1 on these very images
+    bad = tmp_path / "bad" / "zebra"
+    bad.mkdir(parents=True)
+    shutil.copy(imgs[0], bad / "x.png")
+    assert main(["kb", "calibrate", str(kb2), "--images", str(tmp_path / "bad")]) == 2
+    assert "zebra: names no learned class" in capsys.readouterr().err
+
+
+def test_class_gaussian_needs_lda_keys(tmp_path: Path) -> None:
+    from proteus.config import ConfigError
+    from tiny import folder_cfg
+
+    tree = make_tree(tmp_path / "data", classes="ab", n_train=4, n_test=1)
+    spec = write_spec(tmp_path / "spec.yaml", [["a", "b"]])
+    cfg = folder_cfg(tree, spec, "retrieval.novelty=class-gaussian", method="proteus-dpgmm")
+    with pytest.raises(ConfigError, match="needs LDA keys"):
+        Proteus(cfg)._build()

@@ -179,6 +179,12 @@ class RetrievalConfig:
     #: flag inputs from no learned task (beyond the paper, proteus.engine.novelty): each task's key is
     #: fitted without a held-out part of its training inputs, whose scores calibrate a threshold
     reject: bool = False
+    #: the detector of inputs from no learned task (proteus.engine.novelty.NOVELTY): "auto" (the
+    #: class-Gaussian one wherever the keys are LDA keys, as the default methods'), "class-gaussian" or
+    #: "none". It holds nothing out of the keys (its calibration rows are subtracted from their statistics
+    #: when scored), so accuracies do not change
+    novelty: str = "auto"
+    #: the share of each task's inputs that calibrates its threshold (either detector)
     calibration_holdout: float = 0.1
     #: the fraction of a task's held-out inputs that its threshold accepts
     reject_tpr: float = 0.95

@@ -72,6 +72,7 @@ from proteus.engine.trainer import AdapterTrainer
 from proteus.errors import NotFittedError
 from proteus.faults import crash_point
 from proteus.heads import RanPACHead
+from proteus.images import load_images
 from proteus.kb import KnowledgeBase
 from proteus.methods import METHODS
 from proteus.presets import resolve_config, validate
@@ -345,6 +346,25 @@ class Proteus:
         scores = self.keys_.retrieve(H, F, [t.classes for t in self.records_] + [classes]).task_scores[:, k]
         return Calibration.from_scores(scores, self.config.retrieval.reject_tpr).to_dict()
 
+    def calibrate_novelty(
+        self, images: Sequence[str | os.PathLike[str]], labels: Sequence[int], tpr: float | None = None
+    ) -> list[float]:
+        """Fit the class-Gaussian thresholds of inputs from no learned task (``retrieval.novelty``) on
+        held-out image files: ``labels`` their global classes (-1: unknown, the nearest class is taken),
+        ``tpr`` a new true-positive rate (None: keep it). Returns each task's threshold."""
+        self._check_fitted()
+        space = self.keys_.space
+        if space is None:  # keys under each task's own adapter: no one space, no class statistics
+            return self.keys_.calibrate(torch.zeros(0), torch.zeros(0), [], tpr)
+        bs, feats = self.config.eval.batch_size, []
+        for i in range(0, len(images), bs):
+            ims = load_images(images[i : i + bs], self.config.eval.max_image_pixels)[0]
+            z = self.embedder_.prefix(self.transform_images(ims))
+            feats.append(space.embed(self.embedder_, z, shard=False))
+        X = torch.cat(feats)
+        y = torch.as_tensor(list(labels), dtype=torch.long)
+        return self.keys_.calibrate(X, y, [t.classes for t in self.records_], tpr)
+
     def thresholds(self) -> torch.Tensor | None:
         """Each task's rejection threshold on its key score, or None unless every task is calibrated."""
         cals = [t.calibration for t in self.records_]
@@ -404,13 +424,15 @@ class Proteus:
         task_of = torch.zeros(self.num_classes, dtype=torch.long)
         for t in self.records_:
             task_of[t.classes] = t.index
+        novelty = res.novelty  # the keys' own detector (proteus.engine.novelty), if they carry one
         res = experts.decide(res, under, self.classify, self.config.retrieval, task_of)
         logits = res.task_scores
         pred = Prediction(logits.argmax(1), res.task, res.component, res.score, logits)
         thr = self.thresholds()
-        if thr is not None:
-            pred.novelty = res.score.double() - thr.double()[res.task]
-            pred.known = pred.novelty <= 0
+        if thr is not None:  # retrieval.reject: the key scores' thresholds
+            novelty = res.score.double() - thr.double()[res.task]
+        if novelty is not None:
+            pred.novelty, pred.known = novelty.double(), novelty <= 0
         return pred
 
     @torch.no_grad()

@@ -35,6 +35,7 @@ from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
 from proteus.engine.experts import COMBINATIONS, HEAD_SCOPES
 from proteus.engine.key_space import SPACES
 from proteus.engine.keys import KEYS, TASK_SCORES
+from proteus.engine.novelty import NOVELTY
 from proteus.engine.trainer import S_UPDATES
 from proteus.heads import GAMMA_SELECTIONS, PROTOTYPES
 from proteus.methods import METHODS, apply_method
@@ -56,6 +57,7 @@ CHOICES: dict[str, Collection[str]] = {
     "retrieval.combine": COMBINATIONS,
     "head.scope": HEAD_SCOPES,
     "retrieval.mode": COMPOSITIONS,
+    "retrieval.novelty": NOVELTY,
     "signature.keys": KEYS,
     "signature.task_score": TASK_SCORES,
     "head.gamma_selection": GAMMA_SELECTIONS,

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from proteus.config import ConfigError
 from proteus.errors import ProteusError
 
 if TYPE_CHECKING:
@@ -263,8 +264,14 @@ def cmd_kb_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_kb_calibrate(args: argparse.Namespace) -> int:
-    from proteus.experiment.manage import recalibrate
+    from proteus.experiment.manage import calibrate_images, recalibrate
 
+    if args.images is None and args.tpr is None:
+        raise ConfigError("kb calibrate needs --images DIR (held-out images) or --tpr RATE, or both")
+    if args.images is not None:
+        found = calibrate_images(args.kb, args.images, args.tpr, wait=args.wait, key=_kb_key(args))
+        print(f"{args.kb}: thresholds fitted on the images of {args.images}: {[round(t, 3) for t in found]}")
+        return 0
     thresholds = [round(t, 3) for t in recalibrate(args.kb, args.tpr, wait=args.wait, key=_kb_key(args))]
     print(f"{args.kb}: thresholds at a true-positive rate of {args.tpr:g}: {thresholds}")
     return 0

@@ -263,10 +263,24 @@ def build_parser() -> argparse.ArgumentParser:
     kg.set_defaults(func=cmd_kb_gc)
     kc = ksub.add_parser(
         "calibrate",
-        help="set the rejection threshold of every task to a true-positive rate (retrieval.reject)",
+        help="fit the thresholds that flag inputs from no learned task as unknown: from a folder of your "
+        "own held-out images (--images; works on any KB with LDA keys, old ones included), or at another "
+        "true-positive rate from what the tasks stored (--tpr)",
+        description="examples:\n  proteus kb calibrate runs/kb --images held_out/   # sub-folders named "
+        "after learned classes, or loose images\n  proteus kb calibrate runs/kb --tpr 0.9",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     kc.add_argument("kb", help="knowledge base directory")
-    kc.add_argument("--tpr", type=float, required=True, help="fraction of a task's held-out inputs accepted")
+    kc.add_argument(
+        "--images",
+        metavar="DIR",
+        help="held-out images of the learned tasks (not used for learning): files in a sub-folder named "
+        "after a learned class count for it, loose files for their nearest class",
+    )
+    kc.add_argument(
+        "--tpr", type=float, help="fraction of a task's held-out inputs accepted (default with --images: "
+        "the KB's, 0.95 unless changed)",
+    )  # fmt: skip
     _key_option(kc)
     _wait_option(kc)
     kc.set_defaults(func=cmd_kb_calibrate)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from proteus.config import RunConfig, SignatureConfig
+from proteus.config import ConfigError, RunConfig, SignatureConfig
 from proteus.engine.embedder import Embedder
 from proteus.engine.key_space import FIRST_ADAPTER, SPACES, KeySpace
 from proteus.heads import RanPACHead
@@ -67,6 +67,9 @@ class RetrievalKeys:
 
     #: the one space of every task's key (None: each task's own adapter)
     space: KeySpace | None = None
+    #: the keys keep class statistics in their space (LDA keys): the class-Gaussian detector of inputs
+    #: from no learned task can use them (``retrieval.novelty``, :mod:`proteus.engine.novelty`)
+    class_statistics: bool = False
 
     def __init__(
         self,
@@ -95,6 +98,12 @@ class RetrievalKeys:
     ) -> K:
         """The keys a configuration asks for (``signature.*``, ``retrieval.*``, ``head.forgettable``)."""
         rc = cfg.retrieval
+        if rc.novelty == "class-gaussian" and not cls.class_statistics:
+            raise ConfigError(
+                f"retrieval.novelty=class-gaussian needs LDA keys (signature.keys={cfg.signature.keys} keeps "
+                "no class statistics); use retrieval.novelty=auto, or retrieval.reject=true to threshold "
+                "these keys' own scores"
+            )
         return cls(
             cfg.signature, rc.top_k, device, new_head, rc.candidates, SPACES.get(rc.candidate_space),
             keep_inputs=cfg.head.forgettable, **options,
@@ -164,6 +173,20 @@ class RetrievalKeys:
         if self.space is None:
             raise NotImplementedError
         return self.retrieve_space(self.space.select(H, F), H.shape[0], classes)
+
+    # the class-Gaussian detector of inputs from no learned task (LDA keys only: proteus.engine.novelty)
+    def novelty_thresholds(self, classes: list[list[int]]) -> list[float]:
+        """Each task's class-Gaussian threshold; [] for keys without one."""
+        return []
+
+    def calibrate(
+        self, X: Tensor, labels: Tensor, classes: list[list[int]], tpr: float | None
+    ) -> list[float]:
+        """New class-Gaussian calibration rows from held-out inputs (LDA keys: :meth:`LDAKeys.calibrate`)."""
+        raise ConfigError(
+            f"{type(self).__name__} keep no class statistics to calibrate on (they are not LDA keys); learn "
+            "with --set retrieval.reject=true to threshold their own scores"
+        )
 
     # knowledge base: per task (stored in the task's object) and global (stored in the head's object)
     def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:

@@ -3,7 +3,8 @@ accumulated task by task like the head's G (Eq. 23's statistics), on the frozen 
 under the first task's adapter. A task's score (``signature.task_score``, :data:`TASK_SCORES`) is minus
 the log of its average class probability, ``-log mean_{c in t} softmax(f / T)_c`` with T =
 ``signature.class_temperature`` ("mean", so that a task with more classes is not favoured), or minus its
-best class score ("max")."""
+best class score ("max"). The same statistics give the class-Gaussian detector of inputs from no learned
+task (``retrieval.novelty``, :mod:`proteus.engine.novelty`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from proteus.config import ConfigError, RunConfig
 from proteus.engine.errors import TaskError
 from proteus.engine.key_base import KeyFit, RetrievalKeys
 from proteus.engine.key_space import FROZEN, KeySpace
+from proteus.engine.novelty import ClassNovelty
 from proteus.heads import RanPACHead
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
@@ -58,9 +61,19 @@ def task_scores(logits: Tensor, classes: list[list[int]], how: str, temperature:
 class LDAKeys(RetrievalKeys):
     """An LDA (ridge) head over all classes in one fixed key space (``frozen`` or ``first-adapter``),
     accumulated task by task like the head's G; L2-normalised features when ``signature.normalize`` is
-    ``l2``. Kept in the knowledge base inside the head's object (``task_head/`` tensors)."""
+    ``l2``. Kept in the knowledge base inside the head's object (``task_head/`` tensors). ``novelty``: the
+    class-Gaussian detector on the same statistics (its calibration rows in each task's object)."""
 
-    def __init__(self, *args: Any, space: KeySpace = FROZEN, prefix: str = "lda/", **kw: Any) -> None:
+    class_statistics = True
+
+    def __init__(
+        self,
+        *args: Any,
+        space: KeySpace = FROZEN,
+        prefix: str = "lda/",
+        novelty: ClassNovelty | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(*args, **kw)
         self.space: KeySpace = space
         self.head: RanPACHead | None = None
@@ -69,6 +82,14 @@ class LDAKeys(RetrievalKeys):
         #: with ``keep_inputs``: task -> (its key features, labels), what :meth:`forget` subtracts
         self.inputs: dict[int, tuple[Tensor, Tensor]] = {}
         self.prefix = prefix
+        self.novelty = novelty
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, device: torch.device, new_head: Any, **options: Any) -> LDAKeys:
+        rc = cfg.retrieval
+        if rc.novelty in ("auto", "class-gaussian"):
+            options["novelty"] = ClassNovelty(rc.calibration_holdout, rc.reject_tpr)
+        return super().from_config(cfg, device, new_head, **options)
 
     def features(self, X: Tensor) -> Tensor:
         return NORMALIZATIONS.get(self.cfg.normalize)(X.float())
@@ -86,6 +107,8 @@ class LDAKeys(RetrievalKeys):
         self._before, self.head = self.head, head
         if self.keep_inputs:
             self.inputs[self.n_tasks] = (X.float().cpu().clone(), fit.y.cpu().clone())
+        if self.novelty is not None:
+            self.novelty.draw(self.n_tasks, X, fit.y, fit.seed + 3)
         self.n_tasks += 1
         return None
 
@@ -96,6 +119,8 @@ class LDAKeys(RetrievalKeys):
             raise ValueError("LDA keys can only drop the task learned last")
         self.head, self._before, self.n_tasks = self._before, None, m
         self.inputs.pop(m, None)
+        if self.novelty is not None:
+            self.novelty.drop(m)
 
     def check_forget(self, k: int) -> None:
         if k not in self.inputs:
@@ -110,6 +135,8 @@ class LDAKeys(RetrievalKeys):
         X, y = self.inputs.pop(k)
         self.head.downdate(X.to(self.device), y.to(self.device), classes)
         self._before = None  # the rollback copy predates the forgetting
+        if self.novelty is not None:  # its calibration rows left the statistics with the rest of it
+            self.novelty.drop(k)
         super().forget(k, classes)
 
     def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
@@ -123,17 +150,85 @@ class LDAKeys(RetrievalKeys):
         task = scores.argmin(1)
         rows = torch.arange(len(task))
         return RetrievalResult(
-            task=task, component=torch.zeros_like(task), score=scores[rows, task], task_scores=scores
+            task=task,
+            component=torch.zeros_like(task),
+            score=scores[rows, task],
+            task_scores=scores,
+            novelty=self.novelty_of(X, classes),
         )
+
+    def _fit_novelty(self, classes: list[list[int]]) -> Tensor | None:
+        """The class-Gaussian detector fitted to the current statistics; returns each class's task (None:
+        no detector or no calibration rows)."""
+        head = self.head
+        if self.novelty is None or head is None or head.G_ is None:
+            return None
+        assert head.Q_ is not None and head.counts_ is not None
+        task_of = torch.zeros(head.counts_.shape[0], dtype=torch.long)
+        for j, c in enumerate(classes):
+            task_of[[i for i in c if i < len(task_of)]] = j
+        return task_of if self.novelty.fit(head.G_, head.Q_, head.counts_, task_of, id(head)) else None
+
+    def novelty_of(self, X: Tensor, classes: list[list[int]]) -> Tensor | None:
+        """The class-Gaussian novelty of key-space inputs X (None without calibration rows)."""
+        task_of = self._fit_novelty(classes)
+        if task_of is None or self.novelty is None:
+            return None
+        return self.novelty.novelty(self.features(X).to(self.device), task_of)
+
+    def novelty_thresholds(self, classes: list[list[int]]) -> list[float]:
+        """Each task's class-Gaussian threshold ([] without a detector or calibration rows)."""
+        if self._fit_novelty(classes) is None or self.novelty is None:
+            return []
+        return self.novelty.thresholds() or []
+
+    def calibrate(
+        self, X: Tensor, labels: Tensor, classes: list[list[int]], tpr: float | None
+    ) -> list[float]:
+        """New calibration rows for the class-Gaussian detector from held-out inputs X (N, d) in the keys'
+        space that were never part of the statistics (``kb calibrate --images``); ``labels`` (N,) their
+        global classes, -1 where unknown (the nearest class is taken). Returns each task's threshold."""
+        if self.novelty is None or self.head is None or self.head.G_ is None:
+            raise ConfigError(
+                "this knowledge base was learned with retrieval.novelty=none: it keeps no detector of "
+                "inputs from no learned task to calibrate (learn with retrieval.novelty=auto)"
+            )
+        assert self.head.Q_ is not None and self.head.counts_ is not None
+        from proteus.engine.novelty import CalibrationRows, ClassGaussians
+
+        X = self.features(X).float().cpu()
+        labels = labels.long().clone()
+        if (labels < 0).any():
+            g = ClassGaussians.from_statistics(self.head.G_, self.head.Q_, self.head.counts_)
+            labels[labels < 0] = g.distances(X[labels < 0])[1].cpu()
+        task_of = torch.full((int(self.head.counts_.shape[0]),), -1, dtype=torch.long)
+        for j, c in enumerate(classes):
+            task_of[[i for i in c if i < len(task_of)]] = j
+        tasks = task_of[labels]
+        rows = {
+            k: CalibrationRows(X[tasks == k], labels[tasks == k], False)
+            for k in range(len(classes))
+            if k not in self.forgotten and bool((tasks == k).any())
+        }
+        self.novelty.replace(rows)
+        if tpr is not None:
+            self.novelty.set_tpr(tpr)
+        return self.novelty_thresholds(classes)
 
     def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
         meta, _ = super().task_state(k)
+        tensors: dict[str, Tensor] = {}
+        if self.novelty is not None:
+            nmeta, tensors = self.novelty.task_state(k)
+            meta = {**meta, **nmeta}
         if k not in self.inputs:
-            return meta, {}
+            return meta, tensors
         X, y = self.inputs[k]
-        return meta, {f"{self.prefix}x": X, f"{self.prefix}y": y}
+        return meta, {**tensors, f"{self.prefix}x": X, f"{self.prefix}y": y}
 
     def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+        if self.novelty is not None:
+            self.novelty.load_task(self.n_tasks, meta, tensors)
         if f"{self.prefix}x" in tensors:
             self.inputs[self.n_tasks] = (
                 tensors[f"{self.prefix}x"].float(),
@@ -152,3 +247,5 @@ class LDAKeys(RetrievalKeys):
             return
         self.head = self.new_head(rp_dim=0, dim=int(meta["embed_dim"]))
         self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)
+        if self.novelty is not None:
+            self.novelty.invalidate()

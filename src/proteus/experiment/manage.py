@@ -2,7 +2,8 @@
 the previous state kept in ``manifest.prev.json``):
 
 * ``proteus kb calibrate``: a new true-positive rate for the rejection of inputs from no learned task,
-  from the held-out scores each task stored;
+  from what each task stored (``--tpr``), or thresholds fitted on a folder of the user's own held-out
+  images (``--images DIR``, :func:`calibrate_images`; an old KB gains rejection this way);
 * ``proteus kb forget``: remove a task from what can be predicted (:meth:`proteus.Proteus.forget_task`);
 * ``proteus kb undo``: go back to the previous commit (what the last learn, forget or calibrate changed).
 """
@@ -12,11 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from proteus.engine.learner import check_supports
 from proteus.engine.novelty import Calibration
+from proteus.experiment.store import commit, load_learner
 from proteus.kb import KBError, KnowledgeBase, write_lock
+from proteus.streams.datasets import IMG_EXTENSIONS, list_class_dirs, list_images
 
-__all__ = ["forget", "recalibrate", "undo"]
+__all__ = ["calibrate_images", "calibration_images", "forget", "recalibrate", "undo"]
 
 
 def recalibrate(
@@ -28,23 +33,77 @@ def recalibrate(
         kb = KnowledgeBase.open(kb_dir, key=key)
         manifest = dict(kb.manifest)
         tasks = [dict(t) for t in manifest["tasks"]]
-        missing = [t["index"] + 1 for t in tasks if not t.get("calibration")]
-        if missing or not tasks:
+        keyed = all(t.get("calibration") for t in tasks)
+        rows = any(t.get("novelty") for t in tasks)
+        if not tasks or not (keyed or rows):
             raise KBError(
-                f"{kb_dir}: task(s) {missing} were learned without calibration scores; learn with "
-                "--set retrieval.reject=true to flag inputs from no learned task"
+                f"{kb_dir}: no task stored calibration scores or rows; fit thresholds from held-out "
+                "images with `proteus kb calibrate KB --images DIR`, or learn with --set "
+                "retrieval.reject=true"
             )
         for t in tasks:
-            t["calibration"] = Calibration.from_dict(t["calibration"]).at(tpr).to_dict()
+            if keyed:
+                t["calibration"] = Calibration.from_dict(t["calibration"]).at(tpr).to_dict()
+            if t.get("novelty"):
+                Calibration.from_scores(torch.zeros(1), tpr)  # checks the rate
+                t["novelty"] = {**t["novelty"], "tpr": float(tpr)}
         manifest["tasks"] = tasks
         kb.commit(manifest)
-        return [float(t["calibration"]["threshold"]) for t in tasks]
+        if keyed:
+            return [float(t["calibration"]["threshold"]) for t in tasks]
+    clf = load_learner(KnowledgeBase.open(kb_dir, key=key), "proteus kb calibrate")
+    return clf.keys_.novelty_thresholds([t.classes for t in clf.records_])
+
+
+def calibration_images(images_dir: str | Path, class_names: list[str]) -> tuple[list[str], list[int]]:
+    """The image files of ``images_dir`` and their global labels: the files in a sub-folder named after a
+    learned class get that class; files directly inside ``images_dir`` -1 (the nearest class is taken).
+    A sub-folder that names no learned class is refused by name."""
+    root = Path(images_dir)
+    if not root.is_dir():
+        raise KBError(f"{root}: not a folder of images (give a folder of held-out images of learned tasks)")
+    index = {name: i for i, name in enumerate(class_names)}
+    files, labels = [], []
+    for name in list_images(root):
+        files.append(str(root / name))
+        labels.append(-1)
+    for sub in list_class_dirs(root):
+        if sub not in index:
+            raise KBError(
+                f"{root / sub}: names no learned class (sub-folders must be class names: "
+                f"{', '.join(class_names[:12])}{', ...' if len(class_names) > 12 else ''})"
+            )
+        names = list_images(root / sub)
+        files += [str(root / sub / n) for n in names]
+        labels += [index[sub]] * len(names)
+    if not files:
+        raise KBError(f"{root}: holds no image file (suffixes: {', '.join(sorted(IMG_EXTENSIONS))})")
+    return files, labels
+
+
+def calibrate_images(
+    kb_dir: str | Path,
+    images_dir: str | Path,
+    tpr: float | None = None,
+    wait: float | None = 0.0,
+    key: bytes | None = None,
+) -> list[float]:
+    """Fit the rejection thresholds of inputs from no learned task on the user's own held-out images
+    (:func:`calibration_images`) and commit them; ``tpr`` a new true-positive rate (None: the KB's).
+    Works on a knowledge base learned before thresholds were fitted by default. Returns each task's
+    threshold."""
+    with write_lock(kb_dir, wait=wait):
+        kb = KnowledgeBase.open(kb_dir, key=key)
+        clf = load_learner(kb, "proteus kb calibrate --images")
+        check_supports(clf, "retrieval", "proteus kb calibrate --images")
+        files, labels = calibration_images(images_dir, list(clf.classes_))
+        thresholds = clf.calibrate_novelty(files, labels, tpr)
+        commit(kb, clf)
+        return thresholds
 
 
 def forget(kb_dir: str | Path, task: int, wait: float | None = 0.0, key: bytes | None = None) -> list[str]:
     """Forget task ``task`` (1-based, as in the CLI); returns its class names."""
-    from proteus.experiment.store import commit, load_learner
-
     with write_lock(kb_dir, wait=wait):
         kb = KnowledgeBase.open(kb_dir, key=key)
         clf = load_learner(kb, "proteus kb forget")

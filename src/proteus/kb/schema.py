@@ -148,6 +148,7 @@ TASK: Schema = {
     "settings": F("map"),
     "stats": F("map|null", fields=STATS),
     "calibration": F("map|null", fields=CALIBRATION),
+    "novelty": F("map|null", fields={"in_stats": F("bool", True), "tpr": F("rate", True)}),
     "signature": F("map|null", fields=SIGNATURE_META),
     "frozen_signature": F("map|null", fields=SIGNATURE_META),
     "expert": F("map", fields={"gamma": F("positive", True)}),

@@ -82,7 +82,7 @@ def _head_view(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 _SIG = r"(?P<s>signature|frozen_signature)"
-_KEYS = r"(?P<k>lda|shortlist)"
+_KEYS = r"(?P<k>lda|shortlist|novelty)"
 _HEAD = r"(?P<p>(?:task_head/)?)"
 
 #: tensors whose name starts with a prefix are read only when the record holds the key: (object kind,
@@ -92,6 +92,7 @@ NEEDS_RECORD: tuple[tuple[str, str, str], ...] = (
     ("task", "signature/", "signature"),
     ("task", "frozen_signature/", "frozen_signature"),
     ("task", "expert/", "expert"),
+    ("task", "novelty/", "novelty"),
     ("head", "task_head/", "task_head"),
 )
 
@@ -128,7 +129,7 @@ REQUIRED: tuple[tuple[str, str, Any, tuple[str, ...]], ...] = (
 TOGETHER: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("task", r"adapter/(?P<g>.+)/(?:A|B|s)", ("adapter/{g}/A", "adapter/{g}/B", "adapter/{g}/s")),
     ("task", r"forget/(?:h|y)", ("forget/h", "forget/y")),
-    ("task", r"(?P<g>lda|shortlist)/(?:x|y)", ("{g}/x", "{g}/y")),
+    ("task", r"(?P<g>lda|shortlist|novelty)/(?:x|y)", ("{g}/x", "{g}/y")),
     ("task", rf"{_SIG}/(?:U|lam|sigma2)", ("{s}/U", "{s}/lam", "{s}/sigma2")),
     ("task", rf"{_SIG}/(?:prior_evecs|prior_evals|lowrank|ranks|iso|ridge)",
      tuple(f"{{s}}/{n}" for n in ("prior_evecs", "prior_evals", "lowrank", "ranks", "iso", "ridge"))),

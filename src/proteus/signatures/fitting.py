@@ -47,6 +47,7 @@ __all__ = [
     "fit_gaussian",
     "fit_kmeans",
     "ledoit_wolf_shrinkage",
+    "oas_rho",
     "oas_shrinkage",
     "task_covariance",
 ]
@@ -119,12 +120,18 @@ def oas_shrinkage(Xc: Tensor) -> float:
     """OAS's shrinkage intensity ``rho = min(1, (tr(S^2) / d + mu^2) / ((N + 1) (tr(S^2) / d - mu^2 / d)))``
     (Chen et al. 2010, as scikit-learn's ``oas``) towards ``mu I``, ``mu = tr(S) / d``, of the ``1 / N``
     sample covariance ``S`` of the centred rows ``Xc`` (N, d)."""
-    N, d = Xc.shape
-    S, mu = _scatter(Xc)
+    S, _ = _scatter(Xc)
+    return oas_rho(S, Xc.shape[0])
+
+
+def oas_rho(S: Tensor, n: int) -> float:
+    """OAS's shrinkage intensity (:func:`oas_shrinkage`) of a ``1 / n`` sample covariance ``S`` (d, d)."""
+    d = S.shape[0]
+    mu = float(S.diagonal().sum()) / d
     if mu <= 0.0:
         return 0.0
     alpha = float((S * S).mean())
-    den = (N + 1.0) * (alpha - mu * mu / d)
+    den = (n + 1.0) * (alpha - mu * mu / d)
     return 1.0 if den <= 0.0 else min(1.0, (alpha + mu * mu) / den)
 
 

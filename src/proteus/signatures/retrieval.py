@@ -32,12 +32,15 @@ class RetrievalResult:
     ``task (N,) long``, ``component (N,) long`` (index within the retrieved task's signature),
     ``score (N,)`` the retrieved task's reduced score, ``task_scores (N, m)`` every task's reduced score
     (lower is better: the best component's score for ``top_k = 1``, else ``-logsumexp`` of the K best).
+    ``novelty (N,)``: where the keys carry a detector of inputs from no learned task
+    (:mod:`proteus.engine.novelty`), each input's score minus its threshold (> 0: unknown); else None.
     """
 
     task: Tensor
     component: Tensor
     score: Tensor
     task_scores: Tensor
+    novelty: Tensor | None = None
 
 
 def pad_scores(task_scores: list[Tensor]) -> Tensor:
