@@ -111,8 +111,10 @@ class RunEnd:
 
 # ----------------------------------------------------------------------------------------------- sinks
 class Sink:
-    """Where events go. A sink overrides the events it writes; the others are ignored. ``required`` sinks
-    stop the run on an error; the others are dropped with a warning."""
+    """Where events go. A sink overrides the events it writes; the others are ignored. Its constructor
+    only checks that it can run (a missing package is a :class:`TrackingError`) and writes nothing;
+    :meth:`start` opens its files. ``required`` sinks stop the run on an error; the others are dropped
+    with a warning."""
 
     name: ClassVar[str] = ""
     required: ClassVar[bool] = False
@@ -182,12 +184,13 @@ class TensorBoardSink(Sink):
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(run_dir)
-        tb = _import(
+        self._tb = _import(
             "torch.utils.tensorboard", "tensorboard", "pip install 'proteus-cl[track]' (tensorboard)"
         )
-        self.writer = tb.SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self.writer: Any = None
 
     def start(self, event: RunStart) -> None:
+        self.writer = self._tb.SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         text = yaml.safe_dump(event.config, sort_keys=False)
         self.writer.add_text("config", "    " + text.replace("\n", "\n    "))  # markdown code block
         self.writer.flush()
@@ -220,7 +223,9 @@ class TensorBoardSink(Sink):
         self.writer.flush()
 
     def close(self, ok: bool = True) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 @SINKS.register("wandb", help="Weights & Biases (wandb.init / wandb.log); needs `pip install wandb`")
