@@ -285,6 +285,10 @@ class ReportConfig:
     latency_points: int = 10
     #: timed repetitions per m (the median is reported; fewer once they add up to 2 s), after a warm-up call
     latency_repeats: int = 3
+    #: experiment tracking besides train_log.csv and acc_matrix.csv (always written): comma-separated sinks
+    #: of proteus.experiment.tracking.SINKS, "tensorboard" (<run>/tensorboard/) and "wandb" (needs
+    #: `pip install wandb`); "none" for neither (``--track``)
+    tracking: str = "none"
 
 
 @dataclass

@@ -95,6 +95,30 @@ def _add_run_args(p: argparse.ArgumentParser, benchmark_required: bool = True) -
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
+class _TrackAction(argparse.Action):
+    """``--track tensorboard,wandb`` is ``--set report.tracking=tensorboard,wandb`` (in the order given
+    among the --set options: the later one wins)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        namespace.set = [*(getattr(namespace, "set", None) or []), f"report.tracking={values}"]
+
+
+def _track_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--track",
+        action=_TrackAction,
+        metavar="SINKS",
+        help="experiment tracking besides train_log.csv / acc_matrix.csv: tensorboard (<out>/tensorboard/), "
+        "wandb (needs `pip install wandb`), comma-separated; the same as --set report.tracking=SINKS",
+    )
+
+
 def _add_precision(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
@@ -119,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(r)
     r.add_argument("--method", default="proteus", help="method name (see `proteus list methods`)")
     r.add_argument("--out", help="run directory (default runs/<benchmark>-<method>-<time>)")
+    _track_option(r)
     r.set_defaults(func=cmd_run)
 
     q = sub.add_parser("quickstart", help="offline demo: digits in 5 tasks on MobileNetV2 (ImageNet weights)")
@@ -195,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--methods", required=True, help="comma-separated method names")
     c.add_argument("--seeds", default="0", help="comma-separated seeds (mean and std over them)")
     c.add_argument("--out", help="output directory")
+    _track_option(c)
     c.set_defaults(func=cmd_compare)
 
     b = sub.add_parser("bench", help="performance harness: ratios measured side by side in one process")

@@ -21,8 +21,9 @@ from proteus.config import RunConfig
 from proteus.engine.learner import ContinualLearner
 from proteus.estimator import Proteus
 from proteus.experiment.evaluate import Evaluator
-from proteus.experiment.results import append_train_log, build_results, write_acc_matrix
+from proteus.experiment.results import build_results
 from proteus.experiment.store import build_learner, commit, kb_header, setup_run_log
+from proteus.experiment.tracking import Tracker
 from proteus.faults import crash_point
 from proteus.kb import KBError, KnowledgeBase
 from proteus.streams import TaskStream, build_benchmark
@@ -74,21 +75,28 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
     """The whole continual loop in one process, for any method's learner; writes config.yaml, split.json,
     log.txt, kb/, train_log.csv (one row per optimisation step), results.json, acc_matrix.csv and, for
     PROTEUS methods, analysis.json and (``report.figures``) report.md with figures/
-    (:mod:`proteus.report`)."""
+    (:mod:`proteus.report`). The training curves and accuracies go out as events
+    (:mod:`proteus.experiment.tracking`): to the CSVs always, to TensorBoard / W&B with
+    ``report.tracking``, task by task while the run goes on."""
     out = Path(out)
     main = dist.is_main()  # under torchrun only rank 0 writes files (proteus.distributed)
     handler = setup_run_log(out) if main else None
+    tracker: Tracker | None = None
+    ok = False
     try:
         t0 = time.perf_counter()
         kb_dir = out / "kb"
         if KnowledgeBase.exists(kb_dir) or (out / "results.json").exists():
             raise KBError(f"{out}: holds a run already; choose a new --out (runs never overwrite a KB)")
+        # the sinks are checked (names, packages) before any work; only rank 0 writes to them
+        tracker = Tracker.for_run(out, cfg.report.tracking, enabled=main)
         if main:
             (out / "config.yaml").write_text(cfg.to_yaml())
         stream = build_benchmark(cfg.benchmark)
         if main:
             stream.write_manifest(out / "split.json")
         log.info("run %s on %s: %d tasks (%s)", cfg.method, stream.name, len(stream.tasks), dist.describe())
+        tracker.start(out, cfg.to_dict(), cfg.method, stream.name, len(stream.tasks))
         clf = build_learner(cfg, progress=progress)
         # a new knowledge base, in memory until its first commit (nothing is written if task 1 fails);
         # under torchrun only rank 0 commits, and the others read its commits back
@@ -101,8 +109,9 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
             ev = kb.manifest["evaluation"][-1] if kb.manifest["evaluation"] else None
             log.info("task %d: %s", k + 1, json.dumps({"stats": st, "eval": ev}, default=str))
             per_task.append(st)
-            if main:  # the task's training curve, beside results.json (docs/experiments.md)
-                append_train_log(out / "train_log.csv", k + 1, train_log(clf))
+            # the task's training curve and accuracies: train_log.csv, acc_matrix.csv (docs/experiments.md)
+            tracker.steps(k + 1, train_log(clf))
+            tracker.task_end(k + 1, len(stream.tasks), ev, st.get("seconds_task"))
             if progress and ev and main:
                 ret = ev["retrieval_acc"]
                 print(
@@ -126,7 +135,7 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
         res = build_results(cfg, stream, evaluation, seconds, extra)
         if main:
             (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
-            write_acc_matrix(out / "acc_matrix.csv", res)
+            tracker.run_end(res)  # acc_matrix.csv: results.json's acc_matrix
             if bulky is not None:
                 (out / "analysis.json").write_text(json.dumps(bulky))
                 if cfg.report.figures:
@@ -135,7 +144,10 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
                     res["figures"] = write_report(out, res, bulky)
                 res["seconds_report"] = time.perf_counter() - t1
                 (out / "results.json").write_text(json.dumps(res, indent=1, default=float))
+        ok = True
         return res
     finally:
+        if tracker is not None:
+            tracker.close(ok)
         if handler is not None:
             logging.getLogger("proteus").removeHandler(handler)
