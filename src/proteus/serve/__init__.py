@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from proteus.errors import ProteusError
 
-__all__ = ["KBServer", "Limits", "ServeExtraMissingError", "create_app", "serve"]
+__all__ = ["ENDPOINTS", "MAX_BODY", "KBServer", "Limits", "ServeExtraMissingError", "create_app", "serve"]
 
 
 class ServeExtraMissingError(ProteusError, ImportError):
@@ -58,5 +58,5 @@ except ImportError as e:
         "pip install 'proteus-cl[serve]'"
     ) from e
 
-from proteus.serve.app import Limits, create_app  # noqa: E402
+from proteus.serve.app import ENDPOINTS, MAX_BODY, Limits, create_app  # noqa: E402
 from proteus.serve.server import KBServer, serve  # noqa: E402

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from proteus.config import ConfigError
 from proteus.estimator import Proteus
 from proteus.images import ImageError, open_image
 from proteus.serve.batching import Job, MicroBatcher
@@ -82,12 +83,10 @@ class Limits:
     def __post_init__(self) -> None:
         for key in ("read_timeout", "request_timeout"):
             if not getattr(self, key) > 0:  # NaN too
-                raise ValueError(f"{key} must be a number of seconds > 0; got {getattr(self, key)!r}")
-        for key in ("max_concurrency", "max_batch"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be an integer >= 1; got {getattr(self, key)!r}")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be an integer >= 0; got {self.max_queue!r}")
+                raise ConfigError(f"{key} must be a number of seconds > 0; got {getattr(self, key)!r}")
+        for key, low in (("max_concurrency", 1), ("max_batch", 1), ("max_queue", 0)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"{key} must be an integer >= {low}; got {getattr(self, key)!r}")
 
 
 class Refusal(HTTPException):

@@ -107,8 +107,9 @@ class MicroBatcher:
             self._thread = None
 
     def submit(self, job: Job) -> None:
-        if self._thread is None:
-            raise RuntimeError("the micro-batcher is not running: start() it (the app's lifespan does)")
+        """Queue ``job`` for the next batch (the worker starts on the first job if the app's lifespan did
+        not start it: an ASGI server without lifespan events)."""
+        self.start()
         self._queue.put(job)
 
     def _run(self) -> None:

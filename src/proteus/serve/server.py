@@ -116,7 +116,7 @@ def _config(app: Any, host: str, port: int, limits: Limits) -> uvicorn.Config:
         log_config=None,  # proteus's logger prints the access log and the reloads
         access_log=False,
         server_header=False,
-        timeout_keep_alive=int(max(1, round(limits.read_timeout))),
+        timeout_keep_alive=limits.read_timeout,  # type: ignore[arg-type] # seconds, a float is fine
         timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN),
     )
 
