@@ -257,6 +257,10 @@ def test_every_error_is_json(server: Server, caplog) -> None:
     assert status == 400 and headers["content-type"] == "application/json" and "HTTP/1.1" in err["error"]
     r = httpx.post(url + "/predict/batch", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and '"images"' in r.json()["error"]
+    srv.kb.info = lambda: {}["/secret/path"]  # type: ignore[method-assign] # an internal failure
+    r = httpx.get(url + "/tasks")
+    assert r.status_code == 500 and "internal error" in r.json()["error"] and "secret" not in r.text
+    del srv.kb.info
     assert httpx.get(url + "/health").status_code == 200  # the server goes on
     log = [rec.getMessage() for rec in caplog.records if rec.name == "proteus"]
     assert any(line.startswith("127.0.0.1 GET /predict 405 ") and line.endswith("ms") for line in log), log
@@ -281,7 +285,9 @@ def test_a_stalled_body_or_stalled_headers_get_408(make_server: Callable[..., Se
     assert httpx.get(url + "/health").status_code == 200
 
 
-def test_a_slow_prediction_gets_504_and_the_server_goes_on(make_server: Callable[..., Server], world) -> None:
+def test_a_slow_or_failed_prediction_gets_504_or_500_and_the_server_goes_on(
+    make_server: Callable[..., Server], world
+) -> None:
     srv, url, kb = make_server(request_timeout=1.0)
     image = (world["tree"] / "test" / "a" / "0.png").read_bytes()
     clf = srv.clf
@@ -291,11 +297,18 @@ def test_a_slow_prediction_gets_504_and_the_server_goes_on(make_server: Callable
         time.sleep(2.5)
         return predict(x, *args, **kw)
 
+    def broken(x: Any, *args: Any, **kw: Any) -> Any:
+        raise RuntimeError("/secret/path")
+
     clf.predict = slow  # type: ignore[method-assign]
     try:
         t0 = time.monotonic()
         status, err = _post(url + "/predict", image)
         assert status == 504 and "--request-timeout" in err["error"] and time.monotonic() - t0 < 2.4
+        _wait_until(lambda: srv.app.state.proteus.batcher.batches == 1)  # the slow batch finished
+        clf.predict = broken  # type: ignore[method-assign]
+        status, err = _post(url + "/predict", image)
+        assert status == 500 and "internal error" in err["error"] and "secret" not in err["error"]
     finally:
         del clf.predict
     _wait_until(lambda: _post(url + "/predict", image)[0] == 200)

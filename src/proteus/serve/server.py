@@ -226,6 +226,11 @@ def serve(
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+        uv = logging.getLogger("uvicorn.error")  # uvicorn's own warnings (a malformed request) the same way
+        if not uv.handlers:
+            uv.addHandler(handler)
+            uv.setLevel(logging.WARNING)
+            uv.propagate = False
     print(
         f"serving {kb_dir} ({server.clf.num_tasks} tasks) on http://{host}:{server.server_address[1]} "
         f"(up to {max_concurrency} requests at once, batches of up to {max_batch} images)",
