@@ -333,7 +333,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from proteus.serve import serve
 
     serve(args.kb, host=args.host, port=args.port, device=args.device, precision=args.precision,
-          poll_seconds=args.poll, read_timeout=args.read_timeout)  # fmt: skip
+          poll_seconds=args.poll, read_timeout=args.read_timeout, request_timeout=args.request_timeout,
+          max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+          max_batch=args.max_batch)  # fmt: skip
     return 0
 
 

@@ -338,9 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser(
         "serve",
         help="serve a knowledge base over HTTP (POST /predict, GET /tasks), reloading new commits",
+        description="Serve a knowledge base over HTTP (Starlette under uvicorn; the `serve` extra): POST "
+        "/predict, POST /predict/batch, GET /tasks, GET /health, GET /openapi.json. Concurrent requests' "
+        "images are predicted together in batches (docs/predict.md).",
         epilog="examples:\n  proteus serve --kb kb/ --port 8000\n"
         "  curl --data-binary @photo.jpg http://127.0.0.1:8000/predict\n"
-        "  curl -F a=@1.jpg -F b=@2.png 'http://127.0.0.1:8000/predict?top_k=3'",
+        "  curl -F a=@1.jpg -F b=@2.png 'http://127.0.0.1:8000/predict?top_k=3'\n"
+        "  curl -F a=@1.jpg -F b=@2.png http://127.0.0.1:8000/predict/batch   # a row or an error per file\n"
+        "  curl http://127.0.0.1:8000/openapi.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sv.add_argument("--kb", required=True)
@@ -356,6 +361,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="close a connection that sends nothing for this long (e.g. a body shorter than its "
         "Content-Length: 408)",
+    )
+    sv.add_argument(
+        "--request-timeout",
+        type=_positive,
+        default=300.0,
+        metavar="SECONDS",
+        help="answer a prediction request within this long, or 504 (408 while its body is still arriving)",
+    )
+    sv.add_argument(
+        "--max-concurrency",
+        type=_at_least(1),
+        default=32,
+        metavar="N",
+        help="prediction requests served at once; their images are predicted together (default: 32)",
+    )
+    sv.add_argument(
+        "--max-queue",
+        type=_at_least(0),
+        default=128,
+        metavar="N",
+        help="requests waiting for one of those slots; beyond them a request is refused with 503 "
+        "(default: 128)",
+    )
+    sv.add_argument(
+        "--max-batch",
+        type=_at_least(1),
+        default=32,
+        metavar="N",
+        help="the most images per forward of the model (default: 32)",
     )
     sv.set_defaults(func=cmd_serve)
 
