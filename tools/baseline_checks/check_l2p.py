@@ -129,6 +129,7 @@ import engine as their_engine  # noqa: E402
 
 EPOCHS = 3
 CLIP = 1.0  # the port's --clip-grad (configs/cifar100_l2p.py)
+PORT_LR = 0.03 * 16 / 256  # configs/cifar100_l2p.py: --lr 0.03, --batch-size 16; main.py scales by bs/256
 clf.config.train.epochs = EPOCHS
 with common.recording_optimizer("Adam") as opt_rec:
     stats = clf.fit_task(task, stream_tasks=10)
@@ -145,7 +146,7 @@ def their_training(clip):
         m.prompt.prompt_key.copy_(init[1])
         m.head.weight.copy_(init[2])
         m.head.bias.copy_(init[3])
-    opt = common.port_adam(m, b.lr)  # main.py: freeze blocks, patch_embed, cls_token, norm, pos_embed
+    opt = common.port_adam(m, PORT_LR)  # main.py: freeze blocks, patch_embed, cls_token, norm, pos_embed
     losses, norms = [], []
 
     def criterion(logits, target):

@@ -267,7 +267,7 @@ net.update_fc(6)  # their head over the 6 classes seen: SimpleLinear (kaiming_un
 head_init = (net.fc.weight.detach()[4:].clone(), net.fc.bias.detach()[4:].clone())
 learner = their_sd.Learner.__new__(their_sd.Learner)
 learner.args = {
-    "lrate": b.lr,
+    "lrate": 8e-3,  # exps/sdlora_c100.json (not our config's lr)
     "milestones": [100],
     "lrate_decay": 0.1,
     "epochs": 2,
