@@ -85,13 +85,21 @@ z = clf.prefix(X)
 with common.recording_optimizer("Adam") as opt_rec:
     stats = clf.fit_task(task, stream_tasks=2)
 init = opt_rec["init"][-1]  # [g_prompt, e_prompt_1, e_key_1, head.w, head.b]
-report(
-    "shared pool: task 1's e-prompt starts as task 0's trained e-prompt", mad(init[1], clf.e_prompts_[0]), 0
+info(
+    "shared pool: max |our task-1 e-prompt at its start - our task-0 trained e-prompt|",
+    f"{mad(init[1], clf.e_prompts_[0]):.1e}",
+    "the port's start is set by its own rule below, not copied from ours",
 )
 info("our optimiser", f"Adam {opt_rec['kw'][-1]}")
 
 m = their_vit()
-load_state(m, init[0], [clf.e_prompts_[0], init[1]], [clf.e_keys_[0], init[2]], init[3:])
+# task 0's trained state and the g-prompt / task-1 key / head at their start are copied from ours; the
+# port's task-1 e-prompt is NOT: it is made by the port's shared-pool rule (engine.py train_and_evaluate,
+# inline there: prompt[:, :, cur_idx] = prompt[:, :, prev_idx]; shared_prompt_pool=True in
+# configs/cifar100_dualprompt.py)
+load_state(m, init[0], [clf.e_prompts_[0], torch.zeros_like(init[1])], [clf.e_keys_[0], init[2]], init[3:])
+with torch.no_grad():
+    m.e_prompt.prompt[:, :, 1] = m.e_prompt.prompt[:, :, 0]
 with torch.no_grad():
     qt = orig(X)["pre_logits"]
 # forward / loss at the initial state: ours' features at that state reproduced with a copy of the
@@ -134,7 +142,9 @@ with torch.no_grad():
 # gradient norm clipped at 1.0 as engine.train_one_epoch does (--clip-grad 1.0 in
 # configs/cifar100_dualprompt.py)
 CLIP = 1.0
-report("our gradient clipping = the port's clip_grad_norm 1.0", abs((b.clip_grad or 0.0) - CLIP), 0)
+info(
+    "clip_grad: ours / the port's --clip-grad", f"{b.clip_grad} / {CLIP}", "compared through the steps below"
+)
 m_init = _copy.deepcopy(m)  # for the no-clipping contrast below
 
 

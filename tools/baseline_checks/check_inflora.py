@@ -3,8 +3,9 @@
 methods/inflora.py InfLoRA._train, train_function, update_DualGPM), executed on a stub learner object.
 
 Part A: tiny random ViT-Ti/16 at 32 px, 3 tasks x 4 images: both sides run their whole task pipeline
-        (ours: ContinualClassifier.fit_task, 1 epoch = 1 Adam step; theirs: InfLoRA._train with the real
-        train_function, 1 epoch = 1 Adam step) from identical weights / heads / inputs.
+        (ours: ContinualClassifier.fit_task; theirs: InfLoRA._train with the real train_function and their
+        CosineSchedule), 3 epochs of one batch = 3 Adam steps per task (lr, lr, lr cos(99 pi / 400)), from
+        identical weights / heads / inputs.
 Part B: DualGPM + design on random activation matrices (their _train on Attention_LoRA modules whose
         cur_matrix is set directly), 4 tasks, remove -> retain switch and retain updates.
 Part C: the known deviation: first task already in 'retain' mode.
@@ -22,11 +23,13 @@ from common import info, mad, report
 from proteus.baselines.lora_methods import DualGPM
 
 # ours is built first: importing their models/vit.py re-registers timm's vit_* names with their builders.
-# Part A: 1 epoch of one batch of 4 per task; the random ViT perturbed (plain: shared by both sides)
-clf, plain = common.setup_ours("inflora", epochs=1, batch_size=4)
+# Part A: EPOCHS epochs of one batch of 4 per task; the random ViT perturbed (plain: shared by both sides)
+EPOCHS = 3
+clf, plain = common.setup_ours("inflora", epochs=EPOCHS, batch_size=4)
 common.add_path("theirs_inflora")
 common.stub("ipdb", set_trace=lambda *a, **k: None)
 # their code, importable only after add_path:
+import methods.inflora as their_inflora  # noqa: E402
 from methods.inflora import InfLoRA as TheirInfLoRA  # noqa: E402
 from models.sinet_inflora import SiNet, ViT_lora_co  # noqa: E402
 from models.vit_inflora import Attention_LoRA  # noqa: E402
@@ -54,7 +57,7 @@ def their_stub(net):
     s._cur_task, s._known_classes = -1, 0
     s.feature_list, s.project_type, s.feature_mat = [], [], []
     s.optim, s.init_lr, s.lrate, s.init_weight_decay, s.weight_decay = "adam", 5e-4, 5e-4, 0.0, 0.0
-    s.init_epoch = s.epochs = 2  # their CosineSchedule divides by K-1; run_epoch is set to 1 below
+    s.init_epoch = s.epochs = EPOCHS  # their CosineSchedule over EPOCHS epochs; run_epoch set below
     s.lamb, s.lame, s.total_sessions, s.debug = 0.95, 1.0, T, False
     return s
 
@@ -87,7 +90,7 @@ _feat = clf.features
 
 def rec_features(z, train):
     h = _feat(z, train)
-    if train:
+    if train and "our_h" not in cap:  # the task's first training forward (popped before each task)
         cap["our_z"], cap["our_h"] = z.detach().clone(), h.detach().clone()
     return h
 
@@ -112,8 +115,18 @@ def rec_train_function(self, train_loader, test_loader, optimizer, scheduler):
         out = self._network(x)
         cap["their_h"] = out["features"].clone()
         cap["their_loss"] = float(F.cross_entropy(out["logits"], y - self._known_classes))
-    self.run_epoch = 1  # one epoch of one batch: one Adam step at epoch 0's lr (= lr)
-    return _their_tf(self, train_loader, test_loader, optimizer, scheduler)  # their real training epoch
+    self.run_epoch = EPOCHS  # EPOCHS epochs of one batch: EPOCHS Adam steps under their CosineSchedule
+    cap["their_losses"] = []
+    return _their_tf(self, train_loader, test_loader, optimizer, scheduler)  # their real training epochs
+
+
+def _rec_ce(*a, **k):
+    loss = F.cross_entropy(*a, **k)
+    cap.setdefault("their_losses", []).append(float(loss))
+    return loss
+
+
+their_inflora.F = types.SimpleNamespace(cross_entropy=_rec_ce)
 
 
 their.train_function = types.MethodType(rec_train_function, their)
@@ -138,7 +151,8 @@ with common.recording_optimizer("Adam") as opt_rec:
         X = common.task_images(clf, task)
         Y = torch.as_tensor([y for _, y in task.train])
         n_opt = len(opt_rec["init"])
-        # ours: the real fit_task (1 epoch, batch 4 -> one Adam step)
+        cap.pop("our_h", None)
+        # ours: the real fit_task (EPOCHS epochs of one batch of 4 -> EPOCHS Adam steps)
         stats = clf.fit_task(task, stream_tasks=T)
         init = opt_rec["init"][n_opt]  # the first optimiser of this task (ours; theirs follows in _train)
         head0 = init[-2:]  # head weight, bias at the optimiser's construction
@@ -191,8 +205,8 @@ with common.recording_optimizer("Adam") as opt_rec:
             "tol 0.1*lr: Adam's first step is lr*g/(|g|+1e-8), so entries whose gradient is ~1e-8 "
             "amplify fp32 round-off; " + f"{nbig}/{ntot} entries differ by > 1e-6"
         )
-        report(f"A.task{k}: B after one Adam step (sign-aligned; B starts at 0)", dB, 5e-5, ADAM_NOTE)
-        report(f"A.task{k}: branch B A^T after one Adam step", dW, 3e-5, "tol 0.1*lr*max|A|")
+        report(f"A.task{k}: B after {EPOCHS} Adam steps (sign-aligned; B starts at 0)", dB, 5e-5, ADAM_NOTE)
+        report(f"A.task{k}: branch B A^T after {EPOCHS} Adam steps", dW, 3e-5, "tol 0.1*lr*max|A|")
         # --- forward / loss at the training state (before the step)
         zq = clf.prefix(X)
         perm = [int(((cap["our_z"] - zq[j]).abs().flatten(1).amax(1) == 0).nonzero()[0]) for j in range(4)]
@@ -207,7 +221,15 @@ with common.recording_optimizer("Adam") as opt_rec:
             1e-5,
         )
         report(
-            f"A.task{k}: head after one Adam step",
+            f"A.task{k}: CE loss, steps 1..{EPOCHS} (their train_function's)",
+            max(abs(r["loss"] - t) for r, t in zip(clf.train_log_, cap["their_losses"]))
+            if len(cap["their_losses"]) == len(clf.train_log_) == EPOCHS
+            else float("inf"),
+            1e-5,
+            f"theirs {[round(x, 6) for x in cap['their_losses']]}",
+        )
+        report(
+            f"A.task{k}: head after {EPOCHS} Adam steps",
             max(
                 mad(clf.heads_[k].weight, net.classifier_pool[k].weight),
                 mad(clf.heads_[k].bias, net.classifier_pool[k].bias),

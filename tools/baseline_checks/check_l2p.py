@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from common import info, mad, report
 
-clf, plain = common.setup_ours("l2p", epochs=2, batch_size=4)  # 2 epochs x 1 batch: 2 Adam steps
+clf, plain = common.setup_ours("l2p", epochs=3, batch_size=4)  # 3 epochs x 1 batch: 3 Adam steps
 b = clf.config.baseline
 common.add_path("theirs_l2p")
 import vision_transformer as tvt  # noqa: E402  (their code, importable only after add_path)
@@ -87,57 +87,148 @@ with torch.no_grad():
         1e-6,
     )
 
-# ----------------------------------------------------------------- two training steps
+# ----------------------------------------------------------------- selection on constructed keys
+# keys of very different norms (x 0.2 .. x 5, same directions): cosine and raw-dot rankings then differ, so a
+# ranking by raw dot product (or by unnormalised keys) cannot agree with the port's cosine top-k
+with torch.no_grad():
+    scale = torch.logspace(-0.7, 0.7, b.pool_size)[
+        torch.randperm(b.pool_size, generator=torch.Generator().manual_seed(5))
+    ]
+    key_saved = clf.key_.detach().clone()
+    clf.key_.mul_(scale[:, None])
+    model.prompt.prompt_key.copy_(clf.key_)
+    idx_o, cos_o = clf.select(qo)
+    res = model(X, cls_features=qt, train=True)
+    dot_idx = (qo @ clf.key_.T).topk(b.top_k, dim=1).indices
+    info(
+        "constructed keys (norms x0.2..x5): raw-dot top-5 differs from cosine top-5 in n of 4 samples",
+        int((dot_idx.sort(1).values != res["prompt_idx"].sort(1).values).any(1).sum()),
+        "the case below can tell the two rankings apart",
+    )
+    report(
+        "selection with constructed key norms: per-sample top-5 indices, ours vs port",
+        float((idx_o != res["prompt_idx"]).sum()),
+        0,
+        f"ours {idx_o.tolist()}",
+    )
+    clf.features(z, train=True)
+    report(
+        "aux with constructed key norms: our -coeff*sum cos/B vs port -coeff*reduce_sim",
+        abs(float(clf.aux_loss) + b.match_weight * float(res["reduce_sim"])),
+        1e-6,
+    )
+    clf.key_.copy_(key_saved)
+    model.prompt.prompt_key.copy_(key_saved)
+
+# ----------------------------------------------------------------- training: their engine.train_one_epoch
+# our fit_task and the port's engine.train_one_epoch (CE - coeff * reduce_sim, clip_grad_norm_, Adam),
+# E epochs of the task's one batch of 4, each side from the same initial prompts, keys and head
+import argparse  # noqa: E402
+
+import engine as their_engine  # noqa: E402
+
+EPOCHS = 3
+CLIP = 1.0  # the port's --clip-grad (configs/cifar100_l2p.py)
+PORT_LR = 0.03 * 16 / 256  # configs/cifar100_l2p.py: --lr 0.03, --batch-size 16; main.py scales by bs/256
+clf.config.train.epochs = EPOCHS
 with common.recording_optimizer("Adam") as opt_rec:
     stats = clf.fit_task(task, stream_tasks=10)
 init = opt_rec["init"][-1]  # [prompt, key, head.w, head.b]
+torch.cuda.synchronize = lambda *a, **k: None  # CPU: their loop synchronises after every step
 
 
-def their_steps(clip):
+def their_training(clip):
+    """the port's model from our initial state, trained by their train_one_epoch for EPOCHS epochs; returns
+    (model, CE losses, gradient norms before clipping)"""
     m = their_vit()
     with torch.no_grad():
         m.prompt.prompt.copy_(init[0])
         m.prompt.prompt_key.copy_(init[1])
         m.head.weight.copy_(init[2])
         m.head.bias.copy_(init[3])
-    opt = common.port_adam(m, b.lr)  # main.py: freeze blocks, patch_embed, cls_token, norm, pos_embed
+    opt = common.port_adam(m, PORT_LR)  # main.py: freeze blocks, patch_embed, cls_token, norm, pos_embed
     losses, norms = [], []
-    for _ in range(2):  # engine.train_one_epoch
-        with torch.no_grad():
-            cls_features = orig(X)["pre_logits"]
-        out = m(X, task_id=0, cls_features=cls_features, train=True)
-        loss = F.cross_entropy(out["logits"], Y)
+
+    def criterion(logits, target):
+        loss = F.cross_entropy(logits, target)
         losses.append(float(loss))
-        loss = loss - 0.1 * out["reduce_sim"]
-        opt.zero_grad()
-        loss.backward()
-        if clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)))
-        opt.step()
-    return m, losses, norms
+        return loss
+
+    _clip = torch.nn.utils.clip_grad_norm_
+
+    def rec_clip(params, max_norm, *a, **k):
+        n = _clip(params, max_norm if clip else float("inf"), *a, **k)
+        norms.append(float(n))
+        return n
+
+    args = argparse.Namespace(
+        distributed=False, epochs=EPOCHS, print_freq=10, train_mask=False, nb_classes=2,
+        pull_constraint=True, pull_constraint_coeff=b_coeff,
+    )  # fmt: skip
+    torch.nn.utils.clip_grad_norm_ = rec_clip
+    try:
+        for epoch in range(EPOCHS):
+            their_engine.train_one_epoch(
+                m, orig, criterion, [(X, Y)], opt, "cpu", epoch, max_norm=CLIP, task_id=0, args=args
+            )
+    finally:
+        torch.nn.utils.clip_grad_norm_ = _clip
+    return m.eval(), losses, norms
 
 
-CLIP = 1.0  # the port's --clip-grad (configs/cifar100_l2p.py)
-report("our gradient clipping = the port's clip_grad_norm 1.0", abs((b.clip_grad or 0.0) - CLIP), 0)
-m, losses, norms = their_steps(clip=True)
-report("loss: CE step 1", abs(stats["loss_first"] - losses[0]), 1e-5)
-report("loss: CE step 2", abs(stats["loss_last"] - losses[1]), 1e-5)
+b_coeff = 0.1  # the port's pull_constraint_coeff (configs/cifar100_l2p.py)
+info(
+    "clip_grad: ours / the port's --clip-grad", f"{b.clip_grad} / {CLIP}", "compared through the steps below"
+)
+m, losses, norms = their_training(clip=True)
+for e in range(EPOCHS):
+    report(f"loss: CE step {e + 1}", abs(clf.train_log_[e]["loss"] - losses[e]), 1e-5)
 tol = 1e-5
-tag = "both sides clip_grad_norm 1.0"
-report(f"2 Adam steps, prompt pool ({tag})", mad(clf.prompt_, m.prompt.prompt), tol)
-report(f"2 Adam steps, prompt keys ({tag})", mad(clf.key_, m.prompt.prompt_key), tol)
+tag = f"{EPOCHS} Adam steps, their train_one_epoch"
+report(f"{tag}: prompt pool", mad(clf.prompt_, m.prompt.prompt), tol)
+report(f"{tag}: prompt keys", mad(clf.key_, m.prompt.prompt_key), tol)
 report(
-    f"2 Adam steps, head ({tag})",
+    f"{tag}: head",
     max(mad(clf.heads_[0].weight, m.head.weight), mad(clf.heads_[0].bias, m.head.bias)),
     tol,
-    f"port's grad norms before clipping {[round(x, 3) for x in norms]}",
 )
-report("the clip is active (port's grad norm at step 1 > 1.0)", float(norms[0] <= CLIP), 0)
-m0, _, _ = their_steps(clip=False)
+info("port's gradient norms before clipping (the clip acts where > 1.0)", f"{[round(x, 3) for x in norms]}")
+m0, _, _ = their_training(clip=False)
 info(
     "port WITHOUT clipping vs ours (expected to differ: shows the steps check sees the clip)",
     f"{max(mad(clf.prompt_, m0.prompt.prompt), mad(clf.key_, m0.prompt.prompt_key)):.3e}",
     "max over prompt pool and keys",
 )
+
+# ----------------------------------------------------------------- selection after training
+# queries of other images (a second task's), the trained keys of each side; and the trained keys rescaled
+# to different norms (the trained directions kept)
+with torch.no_grad():
+    X2 = common.task_images(clf, common.random_tasks(2)[1])
+    z2 = clf.prefix(X2)
+    q2o, q2t = clf.query(z2), orig(X2)["pre_logits"]
+    idx_o, _ = clf.select(q2o)
+    res = m(X2, cls_features=q2t, train=False)
+    report(
+        f"selection after {EPOCHS} training steps (each side's trained keys; new queries)",
+        float((idx_o != res["prompt_idx"]).sum()),
+        0,
+        f"ours {idx_o.tolist()}",
+    )
+    report(
+        f"features after {EPOCHS} training steps (test forward, new queries)",
+        mad(clf.features(z2, train=False), res["pre_logits"]),
+        1e-5,
+    )
+    clf.key_.mul_(scale[:, None])
+    m.prompt.prompt_key.mul_(scale[:, None])
+    idx_o, _ = clf.select(q2o)
+    res = m(X2, cls_features=q2t, train=False)
+    report(
+        "selection after training, trained keys rescaled to norms x0.2..x5",
+        float((idx_o != res["prompt_idx"]).sum()),
+        0,
+        f"ours {idx_o.tolist()}",
+    )
 info("our optimiser", f"Adam {opt_rec['kw'][-1]}")
 common.summary()

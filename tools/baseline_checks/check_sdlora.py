@@ -1,14 +1,22 @@
 """SD-LoRA: ours (proteus.baselines.lora_methods.SDLoRA) against the released code
-(WuYichen-97/SD-Lora-CL: backbone/lora.py LoRA_ViT_timm, _LoRA_qkv_timm_train), executed on CPU
-(.cuda() made the identity; einops stubbed: imported but unused by these classes).
+(WuYichen-97/SD-Lora-CL: backbone/lora.py LoRA_ViT_timm, _LoRA_qkv_timm_train; models/sdlora.py
+Learner._train, _update_representation), executed on CPU (.cuda() made the identity; einops stubbed: imported
+but unused by these classes).
 
 Ours runs its real fit_task for tasks 0 and 1 (SGD, momentum 0.9, lr 8e-3); the two old tasks' A, B are then
 saved in the released code's file format (lora_w_a_i.pt / lora_w_b_i.pt: a list [A_q, A_v] per block of
 nn.Linear) and LoRA_ViT_timm(cur_task_index=2) loads them, as its learner does at task 2.
+  0. the initial state of task 2, each side from its OWN initialisation (nothing copied): magnitudes
+     alpha_0..alpha_2 (exactly), new B (exactly 0), new A (shape, bound, distribution: two-sample
+     Kolmogorov-Smirnov), and the features of the task's first forward (B = 0, so A drops out)
   1. qkv output of every block with 2 old tasks (alpha_j B_j A_j / (||B_j|| ||A_j||)) + alpha_2 B_2 A_2
-  2. features / loss of task 2 (CE on the task's classes through its head)
-  3. two SGD steps of task 2 (ours: fit_task, 1 epoch of 2 batches... see below; theirs: SGD over
-     the LoRA_ViT_timm parameters + head, loss as models/sdlora.py _update_representation)
+     (a forward-formula check: the same A, B, alpha on both sides)
+  2./3. task 2 trained by THEIR Learner._train (their update_network builds LoRA_ViT_timm on our ViT-Ti
+     instead of a pretrained ViT-B; SGD over the network, MultiStepLR, _update_representation: CE on
+     logits[:, known:]) for 2 epochs of one batch, and by our fit_task. Their initial A (random, drawn by
+     their reset_parameters) and their head initialisation are copied into ours; magnitudes and B start
+     from each side's own initialisation. Compared: features and losses of both steps, A, B, magnitudes,
+     head after the 2 SGD steps, inference features.
 """
 
 import copy
@@ -103,11 +111,96 @@ def their_model(alpha, A_new, B_new):
     return m
 
 
-# ============================================================== 1. qkv output with 2 old tasks
-print("== 1. qkv output with 2 old tasks (normalised, magnitudes) + current unnormalised branch")
+def ks_statistic(a, b):
+    """two-sample Kolmogorov-Smirnov statistic sup |F_a - F_b| of the values of a and b"""
+    a, b = a.flatten().double().sort().values, b.flatten().double().sort().values
+    grid = torch.cat([a, b])
+    fa = torch.searchsorted(a, grid, right=True).double() / len(a)
+    fb = torch.searchsorted(b, grid, right=True).double() / len(b)
+    return float((fa - fb).abs().max())
+
+
+def their_state(m):
+    """the new task's A (d x r, ours' layout), B (d x r) per row and block, and alpha_0..alpha_2 of a
+    LoRA_ViT_timm at task 2"""
+    A = {
+        r: [getattr(blk.attn.qkv, f"linear_a_{r}").weight.detach().T for blk in m.lora_vit.blocks]
+        for r in "qv"
+    }
+    B = {
+        r: [getattr(blk.attn.qkv, f"linear_b_{r}").weight.detach() for blk in m.lora_vit.blocks] for r in "qv"
+    }
+    alpha = torch.cat(
+        [m.wrapped_param_prev[0].param, m.wrapped_param_prev[1].param, m.wrapped_param[0].param]
+    )
+    return A, B, alpha.detach()
+
+
 X = common.task_images(clf, tasks[2])
 Y = torch.as_tensor([y for _, y in tasks[2].train]) - 4
+z = clf.prefix(X)
+
+# ============================================================== 0. initial state, each side's own init
+print("== 0. initial state of task 2: ours from our _begin_task, theirs from LoRA_ViT_timm's own init")
 clf._begin_task(2, None, None)
+torch.manual_seed(7)
+tm0 = their_lora.LoRA_ViT_timm(
+    vit_model=copy.deepcopy(plain), r=b.rank, filepath=tmp, index=False, cur_task_index=2
+)
+tA, tB, talpha = their_state(tm0)
+oA = {r: [units[f"vit.blocks.{i}.attn.qkv:{r}"].A_new.detach() for i in range(blocks)] for r in "qv"}
+oB = {r: [units[f"vit.blocks.{i}.attn.qkv:{r}"].B_new.detach() for i in range(blocks)] for r in "qv"}
+report(
+    "0. magnitudes alpha_0, alpha_1, alpha_2 at the start of task 2 (exact)",
+    mad(clf.alpha_, talpha) if clf.alpha_.shape == talpha.shape else float("inf"),
+    0,
+    f"ours {clf.alpha_.tolist()} theirs {talpha.tolist()}",
+)
+report(
+    "0. new B at the start of task 2, all blocks, q and v (exact: theirs zeros_)",
+    max(mad(oB[r][i], tB[r][i]) for r in "qv" for i in range(blocks)),
+    0,
+)
+report(
+    "0. new A shapes (d x r per block and row) equal",
+    float(sum(oA[r][i].shape != tA[r][i].shape for r in "qv" for i in range(blocks))),
+    0,
+    f"{tuple(tA['q'][0].shape)}",
+)
+oa, ta = (
+    torch.cat([a.flatten() for r in "qv" for a in oA[r]]),
+    torch.cat([a.flatten() for r in "qv" for a in tA[r]]),
+)
+n_a = oa.numel()
+ks_tol = 1.95 * (2.0 / n_a) ** 0.5  # the KS two-sample critical value at level 0.001
+report(
+    "0. new A: two-sample KS statistic, ours vs their kaiming_uniform_(a=sqrt 5) draws",
+    ks_statistic(oa, ta),
+    ks_tol,
+    f"{n_a} values each; tol = KS critical value at level 0.001",
+)
+report(
+    "0. new A: max |A| (the uniform bound 1/sqrt(d))",
+    abs(float(oa.abs().max()) - float(ta.abs().max())),
+    1e-3 / blocks**0.5,
+    f"ours {float(oa.abs().max()):.5f} theirs {float(ta.abs().max()):.5f} "
+    f"1/sqrt(d) {oA['q'][0].shape[0] ** -0.5:.5f}",
+)
+report(
+    "0. new A: std, relative difference",
+    abs(float(oa.std()) / float(ta.std()) - 1),
+    0.02,
+    f"ours {float(oa.std()):.5f} theirs {float(ta.std()):.5f}",
+)
+with torch.no_grad():
+    report(
+        "0. features of task 2's first forward, each side from its own init (B = 0: alpha, old tasks only)",
+        mad(clf.features(z, train=True), tm0.eval().lora_vit(X)),
+        1e-5,
+    )
+
+# ============================================================== 1. qkv output with 2 old tasks
+print("== 1. qkv output with 2 old tasks (normalised, magnitudes) + current unnormalised branch")
 gq = torch.Generator().manual_seed(3)
 with torch.no_grad():
     clf.alpha_.copy_(torch.tensor([0.7, 1.3, 0.9]))
@@ -116,7 +209,6 @@ with torch.no_grad():
 A_new = {r: [units[f"vit.blocks.{i}.attn.qkv:{r}"].A_new.detach() for i in range(blocks)] for r in "qv"}
 B_new = {r: [units[f"vit.blocks.{i}.attn.qkv:{r}"].B_new.detach() for i in range(blocks)] for r in "qv"}
 tm = their_model(clf.alpha_.detach(), A_new, B_new)
-z = clf.prefix(X)
 h_our = clf.features(z, train=True)  # sets the training composition (alpha / norms) on every unit
 xin = {}
 hooks = [
@@ -143,67 +235,141 @@ with torch.no_grad():
     )
 clf.model_.truncate(2)  # drop the open task: fit_task below re-opens it
 
-# ============================================================== 2./3. loss and two SGD steps at task 2
-print("== 2./3. task 2: loss and two SGD steps")
+# ============================================================== 2./3. task 2 by their Learner._train
+print("== 2./3. task 2: their Learner._train and our fit_task, 2 epochs of one batch (2 SGD steps)")
+import models.sdlora as their_sd  # noqa: E402
+from utils.inc_net import IncrementalNet  # noqa: E402
+
+their_init = {}
+
+
+def their_update_network(index=True):
+    """their update_network with our ViT-Ti (random, perturbed) instead of a pretrained ViT-B"""
+    m = their_lora.LoRA_ViT_timm(
+        vit_model=copy.deepcopy(plain).eval(), r=b.rank, num_classes=10, index=index, increment=2,
+        filepath=tmp, cur_task_index=learner._cur_task,
+    )  # fmt: skip
+    m.out_dim = 192
+    their_init["A"], _, _ = their_state(m)
+    their_init["A"] = {r: [a.clone() for a in v] for r, v in their_init["A"].items()}
+    return m
+
+
+class Shell(nn.Module):
+    out_dim = 192
+
+
+net = IncrementalNet.__new__(IncrementalNet)
+nn.Module.__init__(net)
+net.model_type, net.gradcam, net.fc, net.backbone = "vit", False, None, Shell()
+torch.manual_seed(11)
+net.update_fc(6)  # their head over the 6 classes seen: SimpleLinear (kaiming_uniform linear, bias 0)
+head_init = (net.fc.weight.detach()[4:].clone(), net.fc.bias.detach()[4:].clone())
+learner = their_sd.Learner.__new__(their_sd.Learner)
+learner.args = {
+    "lrate": 8e-3,  # exps/sdlora_c100.json (not our config's lr)
+    "milestones": [100],
+    "lrate_decay": 0.1,
+    "epochs": 2,
+    "filepath": tmp,
+    "increment": 2,
+}
+learner._cur_task, learner._known_classes, learner._total_classes = 2, 4, 6
+learner._device, learner._multiple_gpus, learner._network = "cpu", ["cpu"], net
+learner._compute_accuracy = lambda *a, **k: 0.0
+learner.update_network = their_update_network
+their_losses, their_feats = [], []
+their_sd.F = type("F", (), {"cross_entropy": staticmethod(lambda *a, **k: _ce(*a, **k))})
+
+
+def _ce(*a, **k):
+    loss = F.cross_entropy(*a, **k)
+    their_losses.append(float(loss))
+    return loss
+
+
+hook = net.fc.register_forward_pre_hook(lambda m, a: their_feats.append(a[0].detach().clone()))
+Yg = Y + 4
+torch.manual_seed(12)
+learner._train([(None, X, Yg)], None)  # their whole task>0 step: network, SGD, _update_representation, save
+hook.remove()
+tm = net.backbone.eval()
+
+# ours: their initial A and head copied in (drawn from different generators); alpha and B from our own init
+_begin = clf._begin_task
+
+
+def begin_with_their_A(k, z_, loader):
+    _begin(k, z_, loader)
+    with torch.no_grad():
+        for i in range(blocks):
+            for r in "qv":
+                units[f"vit.blocks.{i}.attn.qkv:{r}"].A_new.copy_(their_init["A"][r][i])
+
+
+class TheirHeadInit(nn.Linear):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        with torch.no_grad():
+            self.weight.copy_(head_init[0])
+            self.bias.copy_(head_init[1])
+
+
+clf._begin_task = begin_with_their_A
 cap.pop("our_z", None)
 cap.pop("our_h", None)
-with common.recording_optimizer("SGD") as opt_rec:
-    stats = clf.fit_task(tasks[2], stream_tasks=3)
-init = opt_rec["init"][-1]
-n_lora = 4 * blocks
-A0 = {r: [init[4 * i + (0 if r == "q" else 2)] for i in range(blocks)] for r in "qv"}
-B0 = {r: [init[4 * i + (1 if r == "q" else 3)] for i in range(blocks)] for r in "qv"}
-alpha0 = init[n_lora]
-tm = their_model(alpha0, A0, B0)
-head = nn.Linear(192, 2)
-with torch.no_grad():
-    head.weight.copy_(init[-2])
-    head.bias.copy_(init[-1])
-# their _update_representation: SGD(self._network.parameters(), lr, momentum=0.9);
-# loss = CE(logits[:, known:])
-opt = torch.optim.SGD(list(tm.parameters()) + list(head.parameters()), lr=b.lr, momentum=0.9)
-losses = []
-for step in range(2):
-    feats = tm.lora_vit(X)
-    if step == 0:
-        perm = [int(((cap["our_z"][0] - z[j]).abs().flatten(1).amax(1) == 0).nonzero()[0]) for j in range(4)]
-        report("2. features at the start of task 2 (B_2 = 0)", mad(cap["our_h"][0][perm], feats), 1e-5)
-    loss = F.cross_entropy(head(feats), Y)
-    losses.append(float(loss))
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+_Linear, nn.Linear = nn.Linear, TheirHeadInit
+try:
+    with common.recording_optimizer("SGD") as opt_rec:
+        stats = clf.fit_task(tasks[2], stream_tasks=3)
+finally:
+    nn.Linear = _Linear
+    clf._begin_task = _begin
+info(
+    "head initialisation differs (our shared learner): theirs SimpleLinear kaiming_uniform(linear), bias 0; "
+    "ours nn.Linear default",
+    f"their bias {head_init[1].tolist()}",
+    "their head copied into ours for the steps below",
+)
+perm = [int(((cap["our_z"][0] - z[j]).abs().flatten(1).amax(1) == 0).nonzero()[0]) for j in range(4)]
+report(
+    "2. features at step 1 (their A copied; alpha, B from each side's init)",
+    mad(cap["our_h"][0][perm], their_feats[0]),
+    1e-5,
+)
+perm2 = [int(((cap["our_z"][1] - z[j]).abs().flatten(1).amax(1) == 0).nonzero()[0]) for j in range(4)]
+report("2. features at step 2", mad(cap["our_h"][1][perm2], their_feats[1]), 1e-5)
 report(
     "2. CE loss, step 1",
-    abs(stats["loss_first"] - losses[0]) if stats["steps"] == 2 else 1.0,
+    abs(stats["loss_first"] - their_losses[0]) if stats["steps"] == 2 else 1.0,
     1e-5,
-    f"ours {stats['loss_first']:.6f} theirs {losses[0]:.6f} (loss_first = mean of the first 10% = step 1)",
+    f"ours {stats['loss_first']:.6f} theirs {their_losses[0]:.6f} (loss_first: the first 10% = step 1)",
 )
-report("2. CE loss, step 2", abs(stats["loss_last"] - losses[1]), 1e-5)
+report("2. CE loss, step 2", abs(stats["loss_last"] - their_losses[1]), 1e-5)
+_, tB, talpha = their_state(tm)
+tA = {
+    r: [getattr(blk.attn.qkv, f"linear_a_{r}").weight.detach().T for blk in tm.lora_vit.blocks] for r in "qv"
+}
 dA = dB = 0.0
-for i, blk in enumerate(tm.lora_vit.blocks):
-    w = blk.attn.qkv
+for i in range(blocks):
     for r in "qv":
         u = units[f"vit.blocks.{i}.attn.qkv:{r}"]
         c = u.columns(2)
-        dA = max(dA, mad(u.A[:, c], getattr(w, f"linear_a_{r}").weight.T))
-        dB = max(dB, mad(u.B[:, c], getattr(w, f"linear_b_{r}").weight))
+        dA = max(dA, mad(u.A[:, c], tA[r][i]))
+        dB = max(dB, mad(u.B[:, c], tB[r][i]))
 report("3. A_2 after 2 SGD steps (all blocks, q and v)", dA, 1e-6)
 report("3. B_2 after 2 SGD steps", dB, 1e-6)
-alpha_their = torch.cat(
-    [tm.wrapped_param_prev[0].param, tm.wrapped_param_prev[1].param, tm.wrapped_param[0].param]
-)
 report(
     "3. magnitudes alpha_0, alpha_1, alpha_2 after 2 SGD steps",
-    mad(torch.tensor(clf.magnitudes_[-1]), alpha_their),
+    mad(torch.tensor(clf.magnitudes_[-1]), talpha) if len(clf.magnitudes_[-1]) == 3 else float("inf"),
     1e-6,
     f"ours {[round(x, 6) for x in clf.magnitudes_[-1]]}",
 )
 untouched = max(mad(tm.wrapped_param_prev[j].param, torch.tensor([0.8])) for j in range(2, 20))
 info("3. their unused alpha_prev[2:20] stay 0.8", f"{untouched:.1e}")
 report(
-    "3. head after 2 SGD steps",
-    max(mad(clf.heads_[2].weight, head.weight), mad(clf.heads_[2].bias, head.bias)),
+    "3. head after 2 SGD steps (their fc rows of the task's classes)",
+    max(mad(clf.heads_[2].weight, net.fc.weight[4:]), mad(clf.heads_[2].bias, net.fc.bias[4:])),
     1e-6,
 )
 # inference with the frozen task-2 model (row C[2]) against their training module after training

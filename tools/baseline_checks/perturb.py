@@ -1,0 +1,296 @@
+"""Shows that the side-by-side checks can fail: each perturbation changes one quantity of OUR baselines and
+runs the check script that should see it.
+
+Every perturbation is a text replacement in a temporary copy of ``src/`` (under /tmp, removed afterwards;
+the repository is never modified). The check then runs in a subprocess with ``PYTHONPATH`` pointing at the
+patched copy, one at a time, one thread. A perturbation is caught when the check reports at least one FAIL
+line; a check that crashes is reported as "error", which does not count as caught. Prints the table
+``perturbation | script | caught (n FAIL lines)`` and exits 1 if any perturbation is not caught.
+
+    PROTEUS_THEIRS=/path/to/scratch python perturb.py            # all perturbations
+    PROTEUS_THEIRS=/path/to/scratch python perturb.py sdlora l2p  # those whose script matches a name
+    python perturb.py --list                                      # the perturbations, without running
+
+A sanity run of every check on the unpatched copy comes first (``--no-baseline`` skips it): a check that
+already fails there would make its perturbations look caught.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.abspath(os.path.join(HERE, "..", "..", "src"))
+LORA = "proteus/baselines/lora_methods.py"
+PROMPTS = "proteus/baselines/prompts.py"
+LEARNER = "proteus/baselines/learner.py"
+
+#: (name, check script, file under src, [(old text, new text), ...]); every old text must occur exactly once
+PERTURBATIONS = [
+    # ---- the review's table (notes/baselines-next.md)
+    (
+        "InfLoRA: A scaled by 1/sqrt(2) instead of 1/sqrt(3)",
+        "inflora",
+        LORA,
+        [("return U[:, :r] / math.sqrt(3)", "return U[:, :r] / math.sqrt(2)")],
+    ),
+    (
+        "InfLoRA: DualGPM threshold with (t+1)/T instead of t/T",
+        "inflora",
+        LORA,
+        [("(1.0 - start) * k / self.task_budget", "(1.0 - start) * (k + 1) / self.task_budget")],
+    ),
+    (
+        "L2P: keys not normalised in the match",
+        "l2p",
+        PROMPTS,
+        [
+            (
+                "sim = F.normalize(q, dim=-1) @ F.normalize(self.key_, dim=-1).T",
+                "sim = F.normalize(q, dim=-1) @ self.key_.T",
+            )
+        ],
+    ),
+    (
+        "L2P: prompts ranked by raw dot product (true cosines returned)",
+        "l2p",
+        PROMPTS,
+        [
+            (
+                "idx = sim.topk(self.config.baseline.top_k, dim=1).indices",
+                "idx = (q @ self.key_.T).topk(self.config.baseline.top_k, dim=1).indices",
+            )
+        ],
+    ),
+    (
+        "CODA: modified instead of classical Gram-Schmidt",
+        "coda",
+        PROMPTS,
+        [("v = v - (raw @ u) / (u @ u) * u", "v = v - (v @ u) / (u @ u) * u")],
+    ),
+    (
+        "DualPrompt: e-prompt key/value halves swapped",
+        "dualprompt",
+        PROMPTS,
+        [("pk, pv = E[:, j, 0], E[:, j, 1]", "pk, pv = E[:, j, 1], E[:, j, 0]")],
+    ),
+    (
+        "SD-LoRA: magnitudes start at 1.0 instead of 0.8",
+        "sdlora",
+        LORA,
+        [
+            (
+                "torch.full((k + 1,), b.magnitude_init, device=dev)",
+                "torch.full((k + 1,), 1.0, device=dev)",
+            )
+        ],
+    ),
+    (
+        "SD-LoRA: new B starts at 0.01 instead of 0",
+        "sdlora",
+        LORA,
+        [
+            (
+                'self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)',
+                'self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)\n'
+                "        for _u in self.model_.units.values():\n"
+                "            _u.B_new.data.fill_(0.01)",
+            )
+        ],
+    ),
+    # ---- further perturbations
+    (
+        "SD-LoRA: old branches not normalised by ||B|| ||A||",
+        "sdlora",
+        LORA,
+        [("u.s_fixed = alpha[owners] / norms", "u.s_fixed = alpha[owners]")],
+    ),
+    (
+        "SD-LoRA: new A drawn with twice the bound (2/sqrt(d))",
+        "sdlora",
+        LORA,
+        [
+            (
+                'self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)',
+                'self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)\n'
+                "        for _u in self.model_.units.values():\n"
+                "            _u.A_new.data.mul_(2.0)",
+            )
+        ],
+    ),
+    (
+        "SGD: momentum 0 instead of baseline.momentum (SD-LoRA)",
+        "sdlora",
+        LEARNER,
+        [("momentum=b.momentum, weight_decay=wd", "momentum=0.0, weight_decay=wd")],
+    ),
+    (
+        "InfLoRA: A designed from C without the DualGPM projection",
+        "inflora",
+        LORA,
+        [
+            (
+                "U, _, _ = torch.linalg.svd(self.project(C), full_matrices=False)",
+                "U, _, _ = torch.linalg.svd(C, full_matrices=False)",
+            )
+        ],
+    ),
+    (
+        "InfLoRA: Adam beta2 0.99 instead of 0.999 (visible from the second step on)",
+        "inflora",
+        LEARNER,
+        [
+            (
+                "torch.optim.Adam(params, lr=b.lr, betas=(0.9, 0.999), weight_decay=wd)",
+                "torch.optim.Adam(params, lr=b.lr, betas=(0.9, 0.99), weight_decay=wd)",
+            )
+        ],
+    ),
+    (
+        "learning rate x1.5 in the training loop (L2P)",
+        "l2p",
+        LEARNER,
+        [
+            (
+                "epoch_lr(b.lr, b.schedule, epoch, cfg.train.epochs)",
+                "epoch_lr(1.5 * b.lr, b.schedule, epoch, cfg.train.epochs)",
+            )
+        ],
+    ),
+    (
+        "SD-LoRA: method declaration's lr 1e-2 instead of 8e-3",
+        "sdlora",
+        "proteus/methods/__init__.py",
+        [('baseline__optimizer="sgd", baseline__lr=8e-3', 'baseline__optimizer="sgd", baseline__lr=1e-2')],
+    ),
+    (
+        "gradient clipping off (L2P)",
+        "l2p",
+        LEARNER,
+        [("if b.clip_grad is not None:", "if False:")],
+    ),
+    (
+        "L2P: features from the class token instead of the prompt tokens' mean",
+        "l2p",
+        PROMPTS,
+        [("return x[:, 1 : 1 + P.shape[1]].mean(1)", "return x[:, 0]")],
+    ),
+    (
+        "DualPrompt: pull-constraint weight 0.1 instead of 1.0",
+        "dualprompt",
+        PROMPTS,
+        [("self.aux_loss = -b.match_weight * cos.sum() / B", "self.aux_loss = -0.1 * cos.sum() / B")],
+    ),
+    (
+        "DualPrompt: no shared pool (task t's e-prompt starts fresh)",
+        "dualprompt",
+        PROMPTS,
+        [
+            (
+                "e = self.e_prompts_[-1].detach().clone() if self.e_prompts_ else fresh",
+                "e = fresh",
+            )
+        ],
+    ),
+    (
+        "CODA: cosine schedule without the released 2-epoch start at lr",
+        "coda",
+        LEARNER,
+        [("max(epoch - 1, 0)", "epoch")],
+    ),
+    (
+        "CODA: attention weights without normalising K",
+        "coda",
+        PROMPTS,
+        [
+            (
+                "w = (F.normalize(aq, dim=2) * F.normalize(K, dim=1)[None]).sum(2)",
+                "w = (F.normalize(aq, dim=2) * K[None]).sum(2)",
+            )
+        ],
+    ),
+]
+
+
+def patched_copy(edits, rel):
+    """a temporary copy of src/ with the edits applied to src/<rel>; returns its path (caller removes it)"""
+    tmp = tempfile.mkdtemp(prefix="proteus_perturb_")
+    dst = os.path.join(tmp, "src")
+    shutil.copytree(SRC, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    path = os.path.join(dst, rel)
+    text = open(path).read()
+    for old, new in edits:
+        n = text.count(old)
+        if n != 1:
+            shutil.rmtree(tmp)
+            raise SystemExit(f"perturbation text found {n} times in {rel} (expected once): {old!r}")
+        text = text.replace(old, new)
+    with open(path, "w") as f:
+        f.write(text)
+    return tmp
+
+
+def run_check(script, src):
+    env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    p = subprocess.run(
+        [sys.executable, os.path.join(HERE, f"check_{script}.py")],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    out = p.stdout
+    fails = [ln for ln in out.splitlines() if ln.startswith("FAIL |")]
+    m = re.search(r"SUMMARY: (\d+) pass, (\d+) fail, (\d+) info", out)
+    return p.returncode, fails, m, out + p.stderr
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if "--list" in sys.argv:
+        for name, script, rel, _ in PERTURBATIONS:
+            print(f"{name} | check_{script}.py | {rel}")
+        return 0
+    todo = [p for p in PERTURBATIONS if not args or any(a in p[1] for a in args)]
+    scripts = sorted({p[1] for p in todo})
+    if "--no-baseline" not in sys.argv:
+        for script in scripts:
+            rc, fails, m, out = run_check(script, SRC)
+            print(f"unperturbed check_{script}.py: rc {rc}, {m.group(0) if m else 'no SUMMARY'}", flush=True)
+            if rc or fails or not m:
+                print(out[-3000:])
+                print(f"check_{script}.py fails without a perturbation: fix that first")
+                return 1
+    rows = []
+    for name, script, rel, edits in todo:
+        tmp = patched_copy(edits, rel)
+        try:
+            rc, fails, m, out = run_check(script, os.path.join(tmp, "src"))
+        finally:
+            shutil.rmtree(tmp)
+        if m is None:
+            caught = "error (no SUMMARY)"
+            print(out[-2000:])
+        elif fails:
+            caught = f"yes ({len(fails)} FAIL)"
+        else:
+            caught = "NO (0 FAIL)"
+        rows.append((name, f"check_{script}.py", caught, fails))
+        print(f"{name} | check_{script}.py | {caught}", flush=True)
+        for ln in fails:
+            print(f"    {ln[:160]}")
+    print()
+    print("| perturbation | script | caught (n FAIL lines) |")
+    print("|---|---|---|")
+    for name, script, caught, _ in rows:
+        print(f"| {name} | `{script}` | {caught} |")
+    missed = [r for r in rows if not r[2].startswith("yes")]
+    print(f"\n{len(rows) - len(missed)} of {len(rows)} perturbations caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
