@@ -123,5 +123,5 @@ def format_row(r: dict[str, Any], verbose: bool = False) -> str:
 #: said once under the text output when nothing can say whether an input is from a learned task
 NOT_CHECKED = (
     "note: this knowledge base has no rejection thresholds, so an input from no learned task still gets a "
-    "class; learn with --set retrieval.reject=true to flag such inputs as unknown (docs/predict.md)"
+    "class; fit them with `proteus kb calibrate KB --images DIR` (held-out images; docs/predict.md)"
 )
