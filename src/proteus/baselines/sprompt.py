@@ -41,7 +41,7 @@ from proteus.engine.learner import LEARNERS, TestCache, TestOutcome
 from proteus.errors import NotFittedError
 from proteus.methods import declare
 
-__all__ = ["SPrompt", "nearest_key_task"]
+__all__ = ["N_KEYS", "SPrompt", "nearest_key_task", "task_keys"]
 
 #: K-Means centroids per task (the release's ``KMeans(n_clusters=5)``)
 N_KEYS = 5
