@@ -47,6 +47,8 @@ BASELINE = {
     "dualprompt-imagenet-r": ("dualprompt", "imagenet-r", 50, 24, "adam", 0.005 * 24 / 256),
     "coda-prompt-cifar100": ("coda-prompt", "cifar100", 20, 128, "adam", 1e-3),
     "coda-prompt-imagenet-r": ("coda-prompt", "imagenet-r", 50, 128, "adam", 1e-3),
+    "s-prompt-cifar100": ("s-prompt", "cifar100", 20, 128, "sgd", 1e-2),
+    "s-prompt-imagenet-r": ("s-prompt", "imagenet-r", 30, 128, "sgd", 1e-2),
 }
 
 

@@ -189,6 +189,10 @@ class ContinualClassifier:
         """The method's parameters trained in the open task (besides its head)."""
         return []
 
+    def weight_decay(self, k: int) -> float:
+        """Task k's weight decay: ``train.weight_decay`` (S-Prompt decays its first task more)."""
+        return self.config.train.weight_decay
+
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         """Open task k's state; ``z`` (cached prefix outputs) or ``loader`` (augmented batches) give its
         training inputs for methods that look at them first (InfLoRA)."""
@@ -271,7 +275,7 @@ class ContinualClassifier:
         self._begin_task(k, z, loader)
         head = nn.Linear(self.embed_dim, len(classes)).to(self.device_)
         params = [p for p in self.trainable() if p.requires_grad] + list(head.parameters())
-        opt = OPTIMIZERS.get(b.optimizer)(params, b, cfg.train.weight_decay)
+        opt = OPTIMIZERS.get(b.optimizer)(params, b, self.weight_decay(k))
         g = torch.Generator().manual_seed(seed)
         n = len(task.train)  # type: ignore[arg-type]
         steps_per_epoch = math.ceil(n / cfg.train.batch_size)
