@@ -450,3 +450,40 @@ def test_abrupt_on_shared_subset(tmp_path: Path) -> None:
     assert stamp["files"]["train"] + stamp["files"]["test"] == 12000 + 1797
     s = build_benchmark(BenchmarkConfig(name="folder", data=str(out), max_train_per_class=5))
     check_stream(s, 5, 4)
+
+
+# ------------------------------------------------------------------ ImageNet-R split conventions
+def test_the_shipped_coda_split_list_is_whole() -> None:
+    from proteus.streams.splits import coda_test_files
+
+    files = coda_test_files()
+    assert len(files) == 6000 and len(set(files)) == 6000 and files == sorted(files)
+    assert len({f.split("/")[0] for f in files}) == 200  # every ImageNet-R class has test images
+
+
+def test_coda_split_of_a_raw_tree(tmp_path: Path, monkeypatch) -> None:
+    from proteus.streams import build_benchmark, splits
+    from proteus.streams.errors import BenchmarkError
+    from tiny import write_image
+
+    root = tmp_path / "imagenet-r"
+    for c in ("n01", "n02", "n03", "n04"):
+        (root / c).mkdir(parents=True)
+        for i in range(3):
+            write_image(root / c / f"art_{i}.jpg", seed=i)
+    listed = ["n01/art_0.jpg", "n02/art_1.jpg", "n03/art_2.jpg", "n04/art_0.jpg"]
+    train, test, classes = splits.coda_imagenet_r(tmp_path, listed)
+    assert classes == ["n01", "n02", "n03", "n04"]
+    assert sorted(test.paths) == listed and len(train.paths) == 8 and not set(train.paths) & set(listed)
+    with pytest.raises(BenchmarkError, match="n05/art_9.jpg"):
+        splits.coda_imagenet_r(tmp_path, [*listed, "n05/art_9.jpg"])
+    # through the benchmark: benchmark.split=coda reads the raw tree; imagenet-a refuses it by name
+    monkeypatch.setattr(
+        "proteus.streams.builtin.coda_imagenet_r", lambda given: splits.coda_imagenet_r(given, listed)
+    )
+    stream = build_benchmark(
+        BenchmarkConfig(name="imagenet-r", data=str(tmp_path), split="coda", num_tasks=2)
+    )
+    assert sum(len(t.test) for t in stream.tasks) == 4 and sum(len(t.train) for t in stream.tasks) == 8
+    with pytest.raises(BenchmarkError, match="imagenet-r only"):
+        build_benchmark(BenchmarkConfig(name="imagenet-a", data=str(tmp_path), split="coda"))

@@ -261,6 +261,9 @@ class BenchmarkConfig:
     #: when the data are not under benchmark.data and the machine is online, let torchvision download them
     #: there (CIFAR-10/100; other benchmarks say where to get their data)
     download: bool = False
+    #: ImageNet-R/A's train/test convention (proteus.streams.splits.SPLITS): "folders" (the RevisitingCIL
+    #: archives' train/ and test/) or "coda" (raw ImageNet-R, CODA-Prompt's shipped 6,000-file test list)
+    split: str = "folders"
 
 
 @dataclass

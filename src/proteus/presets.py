@@ -40,6 +40,7 @@ from proteus.engine.trainer import S_UPDATES
 from proteus.heads import GAMMA_SELECTIONS, PROTOTYPES
 from proteus.methods import METHODS, apply_method
 from proteus.signatures.signature import CHOICES as SIGNATURE_CHOICES
+from proteus.streams.splits import SPLITS
 
 __all__ = [
     "CHOICES", "METHODS", "RANGES", "Interval", "config_file_keys", "packaged_config", "resolve_config",
@@ -58,6 +59,7 @@ CHOICES: dict[str, Collection[str]] = {
     "head.scope": HEAD_SCOPES,
     "retrieval.mode": COMPOSITIONS,
     "retrieval.novelty": NOVELTY,
+    "benchmark.split": SPLITS,
     "signature.keys": KEYS,
     "signature.task_score": TASK_SCORES,
     "head.gamma_selection": GAMMA_SELECTIONS,

@@ -37,6 +37,7 @@ from proteus.streams.datasets import (
     scan_image_folder,
 )
 from proteus.streams.errors import BenchmarkError, DataNotFoundError, TaskSpecError
+from proteus.streams.splits import CODA_TEST_SHA256, coda_imagenet_r
 
 #: default number of tasks per benchmark (the paper's setting)
 DEFAULT_NUM_TASKS: dict[str, int] = {
@@ -271,6 +272,13 @@ def cifar100(cfg: BenchmarkConfig) -> TaskStream:
 # ---------------------------------------------------------------------------------------------- ImageNet-R/A
 def _imagenet(name: str, cfg: BenchmarkConfig) -> TaskStream:
     given = data_root(cfg, name)
+    if cfg.split == "coda":  # raw ImageNet-R and a shipped test list (proteus.streams.splits)
+        if name != "imagenet-r":
+            raise BenchmarkError(f"{name}: benchmark.split=coda exists for imagenet-r only; use 'folders'")
+        train, test, classes = coda_imagenet_r(given)
+        _check_class_count(name, len(classes), _NUM_CLASSES[name], given, strict=False)
+        extra = {"format": "raw", "split": "coda", "split_sha256": CODA_TEST_SHA256}
+        return _permuted_stream(name, cfg, given, train, test, classes, extra)
     root = resolve_imagefolder(given, [name])
     if root is None:
         raise DataNotFoundError(
