@@ -107,9 +107,42 @@ def test_merge_budget_limits_the_cache() -> None:
     model = AdaptedBackbone(build_backbone("mobilenet_v2", pretrained=False, img_size=32))
     _add_tasks(model, 10)
     model.merge_budget_bytes = 0
-    assert model.merge_plan() == set()
+    assert model.merge_plan() == []
     model.merge_budget_bytes = None
     assert len(model.merge_plan()) > 0
+
+
+def test_merged_cache_stays_within_its_budget_at_m_100() -> None:
+    """100 tasks (rank 1 each): whatever a forward asks for, the cache holds at most the budget between
+    forwards (least recently used out first), the maps beyond it run factored, and the result is the
+    factored one's to round-off."""
+    torch.manual_seed(0)
+    model = AdaptedBackbone(build_backbone("mobilenet_v2", pretrained=False, img_size=32)).eval()
+    g = torch.Generator().manual_seed(1)
+    while model.num_tasks < 100:
+        model.begin_task(1, "learned", True, seed=model.num_tasks)
+        with torch.no_grad():
+            for u in model.units.values():
+                u.B_new.normal_(0, 0.05, generator=g)  # type: ignore[union-attr]
+        model.end_task()
+    per_task = sum(model.wrappers[n].merged_bytes_per_task() for n in model.merge_plan())
+    model.merge_budget_bytes = budget = 5 * per_task  # room for 5 tasks' merged weights of every map
+    z = model.prefix(torch.randn(8, 3, 32, 32))
+    t = torch.tensor([3, 97, 3, 50, 12, 97, 64, 0])
+    with torch.no_grad():
+        each = model.suffix_each(z, t)  # 6 distinct tasks: the costliest maps merged, the rest factored
+        assert 0 < model.merged_nbytes() <= budget
+        all_m = model.suffix(z[:2], list(range(100)))  # every task at once: beyond the budget, factored
+        assert model.merged_nbytes() <= budget
+        few = model.suffix(z[:2], [5, 6])  # two tasks fit: merged, the older entries evicted
+        assert model.merged_nbytes() <= budget and {k[2] for k in model.merged_cache.entries} >= {5, 6}
+        model.merge = "never"
+        ref_each, ref_all, ref_few = (
+            model.suffix_each(z, t),
+            model.suffix(z[:2], list(range(100))),
+            model.suffix(z[:2], [5, 6]),
+        )
+    assert _rel(each, ref_each) < 1e-4 and _rel(all_m, ref_all) < 1e-4 and _rel(few, ref_few) < 1e-4
 
 
 # ---------------------------------------------------------------------------------- staged prediction

@@ -271,6 +271,9 @@ class EvalConfig:
     batch_size: int = 64
     #: images above this many pixels are refused before they are decoded (``predict --max-pixels``)
     max_image_pixels: int = 64_000_000
+    #: MB of merged adapter weights kept for prediction (least recently used out first; the maps that do
+    #: not fit run factored, same result to float round-off); None: no limit (proteus.adapters.model)
+    merge_budget_mb: float | None = 1024.0
 
 
 @dataclass
@@ -384,6 +387,7 @@ PER_TASK_KEYS = (
     "train.num_workers",
     "eval.batch_size",
     "eval.max_image_pixels",
+    "eval.merge_budget_mb",
     "benchmark.data",
     "benchmark.tasks_file",
     "benchmark.download",

@@ -164,6 +164,8 @@ class Proteus:
         self.model_ = AdaptedBackbone(
             self.backbone_, scaling=cfg.adapter.scaling, enabled=cfg.adapter.enabled
         )
+        mb = cfg.eval.merge_budget_mb
+        self.model_.merge_budget_bytes = None if mb is None else int(mb * 2**20)
         self.model_.to(self.device_)
         self.eval_transform_ = build_transform(self.backbone_.data_config, train=False)
         train_tf = build_transform(self.backbone_.data_config, train=True, augment=cfg.train.augment)

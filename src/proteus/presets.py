@@ -144,6 +144,7 @@ RANGES: dict[str, Interval] = {
     "benchmark.max_train_per_class": AT_LEAST_1,
     "eval.batch_size": AT_LEAST_1,
     "eval.max_image_pixels": AT_LEAST_1,
+    "eval.merge_budget_mb": NON_NEGATIVE,
     "backbone.img_size": Interval(8, None),
     "backbone.adapt_last": AT_LEAST_1,
     "report.latency_batch": AT_LEAST_1,

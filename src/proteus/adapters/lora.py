@@ -31,6 +31,7 @@ space no new orthogonal direction exists; the rank is reduced (and reported) ins
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -272,6 +273,49 @@ COMPOSITION_KINDS = {"task": _task_rows, "all-units": _all_units, "none": _no_un
 TRANSFER_INIT = {"learned": None, "zero": 0.0, "identity": 1.0}
 
 
+class MergedCache:
+    """The merged weights ``W_0 + B diag(C[k]) A^T`` of every wrapper of a backbone, held within a byte
+    ``budget`` (None: no limit): beyond it the least recently used are dropped first. Keys are ``(owner,
+    kind, task)``; a wrapper drops its own entries when its stored tasks change."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget
+        self.entries: OrderedDict[tuple[int, str, int], torch.Tensor] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key: tuple[int, str, int]) -> torch.Tensor | None:
+        w = self.entries.get(key)
+        if w is not None:
+            self.entries.move_to_end(key)
+        return w
+
+    def put(self, key: tuple[int, str, int], w: torch.Tensor) -> None:
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.numel() * old.element_size()
+        self.entries[key] = w
+        self.nbytes += w.numel() * w.element_size()
+
+    def evict(self, keep: frozenset[tuple[int, str, int]] = frozenset()) -> None:
+        """Drop least recently used entries (other than ``keep``) until the cache fits its budget."""
+        if self.budget is None:
+            return
+        for key in list(self.entries):
+            if self.nbytes <= self.budget:
+                break
+            if key not in keep:
+                w = self.entries.pop(key)
+                self.nbytes -= w.numel() * w.element_size()
+
+    def drop(self, owner: int) -> None:
+        for key in [k for k in self.entries if k[0] == owner]:
+            w = self.entries.pop(key)
+            self.nbytes -= w.numel() * w.element_size()
+
+    def owner_nbytes(self, owner: int) -> int:
+        return sum(w.numel() * w.element_size() for k, w in self.entries.items() if k[0] == owner)
+
+
 class LoRAWrapper(nn.Module):
     """Wraps an ``nn.Linear`` or a 1x1 ``nn.Conv2d`` (PEFT style): the base layer is untouched and frozen.
 
@@ -306,7 +350,8 @@ class LoRAWrapper(nn.Module):
         self.groups = 1
         self.sizes: list[int] | None = None
         self.merged: tuple[list[int], str] | None = None
-        self._cache: dict[tuple[str, int], torch.Tensor] = {}
+        #: where the merged weights live (an :class:`AdaptedBackbone` shares one across its wrappers)
+        self.cache = MergedCache()
         self._cache_key: tuple = ()
 
     # ------------------------------------------------------------------ merged weights
@@ -321,15 +366,18 @@ class LoRAWrapper(nn.Module):
 
     def merged_weights(self, tasks: list[int], kind: str = "task") -> list[torch.Tensor]:
         """``W_0 + B diag(C[k]) A^T`` (each unit's rows of a fused map) for each task: cached per (kind,
-        task), built for the missing ones in one batched product. The cache is dropped when a unit loses
-        tasks (:meth:`LoRAUnit.truncate`) or moves; adding a task keeps it (older rows of C and older
-        columns of A, B never change)."""
+        task) in :attr:`cache` (least recently used out beyond its budget), built for the missing ones in
+        one batched product. This wrapper's entries are dropped when a unit loses tasks
+        (:meth:`LoRAUnit.truncate`) or moves; adding a task keeps them (older rows of C and older columns
+        of A, B never change)."""
         units = list(self.units.values())
         W0 = self.base.weight
         key = (W0.device, W0.dtype, W0._version, tuple(u.generation for u in units))
         if key != self._cache_key:
-            self._cache, self._cache_key = {}, key
-        missing = sorted({t for t in tasks if (kind, t) not in self._cache})
+            self.cache.drop(id(self))
+            self._cache_key = key
+        found = {t: self.cache.get((id(self), kind, t)) for t in dict.fromkeys(tasks)}
+        missing = sorted(t for t, w in found.items() if w is None)
         if missing:
             with torch.no_grad():
                 W = W0.detach().reshape(self.out_features, self.in_features).expand(len(missing), -1, -1)
@@ -337,15 +385,22 @@ class LoRAWrapper(nn.Module):
                 for u, (s, e) in zip(units, self.slices.values()):
                     W[:, s:e] += u.merged_updates(missing, kind).to(W.dtype)
             for t, w in zip(missing, W):
-                self._cache[(kind, t)] = w
-        return [self._cache[(kind, t)] for t in tasks]
+                found[t] = w
+                self.cache.put((id(self), kind, t), w)
+            self.cache.evict(frozenset((id(self), kind, t) for t in found))
+        return [found[t] for t in tasks]  # type: ignore[misc]
 
     def clear_merged(self) -> None:
-        self._cache, self._cache_key = {}, ()
+        self.cache.drop(id(self))
+        self._cache_key = ()
 
     def merged_nbytes(self) -> int:
-        """Bytes held by the cache of merged weights."""
-        return sum(w.numel() * w.element_size() for w in self._cache.values())
+        """Bytes of this wrapper's merged weights in the cache."""
+        return self.cache.owner_nbytes(id(self))
+
+    def merged_bytes_per_task(self) -> int:
+        """Bytes of one task's merged weight of this map."""
+        return self.in_features * self.out_features * self.base.weight.element_size()
 
     def _merged_forward(self, x: torch.Tensor, tasks: list[int], kind: str) -> torch.Tensor:
         """Group g through the map with task ``tasks[g]``'s merged weight. Without autocast each group is

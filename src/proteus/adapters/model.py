@@ -10,7 +10,11 @@ with keys in one space).
 Per map, the update of each group runs factored, ``((x A) * C[t_g]) B^T``, or merged, with the cached
 weight ``W_0 + B diag(C[t_g]) A^T`` (Eq. 9 summed into the map), chosen from the shapes
 (:meth:`AdaptedBackbone.merge_plan`): merged where the factored update would cost more than
-``merge_threshold`` times the map itself, within ``merge_budget_bytes`` of cached weights.
+``merge_threshold`` times the map itself. The merged weights live in one cache per backbone
+(:class:`~proteus.adapters.lora.MergedCache`) bounded by ``merge_budget_bytes`` (``eval.merge_budget_mb``):
+a forward merges the costliest maps first while its tasks' weights fit the budget and runs the rest
+factored, and the least recently used weights leave the cache first, so memory stays bounded however many
+tasks are learned.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from proteus.adapters.lora import LoRAUnit, LoRAWrapper
+from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache
 from proteus.backbones.base import Backbone
 
 
@@ -38,17 +42,20 @@ class AdaptedBackbone(nn.Module):
     #: within ``merge_budget_bytes`` (None: no limit); "always" / "never": every map merged / factored
     merge: str = "auto"
     merge_threshold: float = 0.25
-    merge_budget_bytes: int | None = 1 << 30
+    #: the default byte budget of the merged-weight cache (``eval.merge_budget_mb``: 1 GiB)
+    DEFAULT_MERGE_BUDGET = 1 << 30
 
     def __init__(self, backbone: Backbone, scaling: float = 1.0, enabled: bool = True) -> None:
         super().__init__()
         self.backbone = backbone
-        self._plan: tuple[tuple, set[str]] = ((), set())
+        self._plan: tuple[tuple, list[str]] = ((), [])
         self.wrappers: dict[str, LoRAWrapper] = {}
         self.units: dict[str, LoRAUnit] = {}
+        self.merged_cache = MergedCache(self.DEFAULT_MERGE_BUDGET)
         if enabled:
             for t in backbone.adapt_targets():
                 w = LoRAWrapper(t.module, t.slices, scaling)
+                w.cache = self.merged_cache
                 _set_submodule(backbone, t.name, w)
                 self.wrappers[t.name] = w
                 for k, u in w.units.items():
@@ -101,40 +108,66 @@ class AdaptedBackbone(nn.Module):
         return [u.s for u in self.units.values() if u.s is not None]
 
     # ------------------------------------------------------------------ merged weights
-    def merge_plan(self) -> set[str]:
-        """The maps that run merged (``merge = "auto"``): those whose factored update with every task's
-        columns costs more than ``merge_threshold`` x the map (:meth:`LoRAWrapper.factored_cost`), the
-        costliest first while the merged weights of all m tasks fit ``merge_budget_bytes``."""
+    @property
+    def merge_budget_bytes(self) -> int | None:
+        """The byte budget of the merged-weight cache (None: no limit)."""
+        return self.merged_cache.budget
+
+    @merge_budget_bytes.setter
+    def merge_budget_bytes(self, budget: int | None) -> None:
+        self.merged_cache.budget = None if budget is None else int(budget)
+        self.merged_cache.evict()
+
+    def merge_plan(self) -> list[str]:
+        """The maps that may run merged, costliest first: with ``merge = "auto"`` those whose factored
+        update with every task's columns costs more than ``merge_threshold`` x the map
+        (:meth:`LoRAWrapper.factored_cost`) and one of whose merged weights fits the budget; every map
+        with ``"always"``, none with ``"never"``. A forward merges them in this order while its tasks'
+        weights fit the budget (:meth:`merged_maps`)."""
         key = (self.merge, self.merge_threshold, self.merge_budget_bytes,
                tuple(u.total_rank for u in self.units.values()))  # fmt: skip
         if key == self._plan[0]:
             return self._plan[1]
-        plan: set[str] = set()
+        plan: list[str] = []
         if self.merge != "never":
-            m, left = self.num_tasks, self.merge_budget_bytes
+            budget = self.merge_budget_bytes
             ranked = sorted(self.wrappers.items(), key=lambda nw: -nw[1].factored_cost())
             for name, w in ranked:
-                need = m * w.in_features * w.out_features * w.base.weight.element_size()
                 if self.merge == "auto" and (
-                    w.factored_cost() <= self.merge_threshold or (left is not None and need > left)
+                    w.factored_cost() <= self.merge_threshold
+                    or (budget is not None and w.merged_bytes_per_task() > budget)
                 ):
                     continue
-                plan.add(name)
-                left = None if left is None else left - need
+                plan.append(name)
         self._plan = (key, plan)
         return plan
 
+    def merged_maps(self, n_tasks: int) -> set[str]:
+        """The maps a forward over ``n_tasks`` distinct compositions runs merged: :meth:`merge_plan`'s,
+        costliest first, while their merged weights for those tasks fit the budget together (every
+        planned map with ``merge = "always"``)."""
+        left = self.merge_budget_bytes if self.merge == "auto" else None
+        out = set()
+        for name in self.merge_plan():
+            need = n_tasks * self.wrappers[name].merged_bytes_per_task()
+            if left is not None:
+                if need > left:
+                    continue
+                left -= need
+            out.add(name)
+        return out
+
     def merged_nbytes(self) -> int:
-        """Bytes of merged weights cached by the wrappers."""
-        return sum(w.merged_nbytes() for w in self.wrappers.values())
+        """Bytes of merged weights in the cache (at most ``merge_budget_bytes`` between forwards)."""
+        return self.merged_cache.nbytes
 
     def prepare_merged(self, tasks: list[int] | None = None, kind: str = "task") -> int:
-        """Build the merged weights of ``tasks`` (default: all) for the maps of :meth:`merge_plan` now
-        rather than on first use (a server's warm-up; timings without the one-off cost). Returns the
-        bytes cached."""
+        """Build the merged weights of ``tasks`` (default: all) for the maps a forward over them would
+        merge (:meth:`merged_maps`) now rather than on first use (a server's warm-up; timings without the
+        one-off cost). Returns the bytes cached."""
         tasks = list(range(self.num_tasks)) if tasks is None else tasks
         if tasks and self.merge != "never":
-            for name in self.merge_plan():
+            for name in self.merged_maps(len(set(tasks))):
                 self.wrappers[name].merged_weights(tasks, kind)
         return self.merged_nbytes()
 
@@ -153,7 +186,7 @@ class AdaptedBackbone(nn.Module):
         if tasks is None:
             yield
             return
-        plan = self.merge_plan() if self.merge != "never" else set()
+        plan = self.merged_maps(len(set(tasks))) if self.merge != "never" else set()
         for name, w in self.wrappers.items():
             units = list(w.units.values())
             cols = [u.used_columns(tasks) for u in units]
