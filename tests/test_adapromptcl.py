@@ -21,7 +21,13 @@ import torch.nn.functional as F
 
 import proteus.baselines.adapromptcl as ada
 from proteus.baselines import build_baseline
-from proteus.baselines.adapromptcl import AdaPromptCL, SemanticGroups, distinct_partitions, warmup_vector
+from proteus.baselines.adapromptcl import (
+    AdaPromptCL,
+    SemanticGroups,
+    distinct_partitions,
+    kmeans_counts,
+    warmup_vector,
+)
 from proteus.cli import main
 from proteus.kb import KnowledgeBase
 from tiny import folder_args, folder_cfg, folder_stream, make_tree, write_spec
@@ -93,6 +99,16 @@ def test_postmerge_birch_and_kmeans_refine_the_groups() -> None:
     g = groups(postmerge_thrh=0.45)
     kinds = [g.assign(t, ang(a), t, 3).kind for t, a in enumerate([0, 60, 30])]
     assert kinds == ["first", "specific", "shared"] and g.blocks == [frozenset({0})]
+
+
+def test_kmeans_counts_follow_the_best_silhouette() -> None:
+    """K-Means runs with the kmeans_top_n counts above the best mean silhouette's (first on ties), else
+    above the fewest BIRCH clusters; never more clusters than candidates."""
+    sil = {2: [0.1, 0.3], 3: [0.5], 4: [0.2]}
+    assert kmeans_counts(sil, fewest=2, n=6, top_n=2) == [4, 5]
+    assert kmeans_counts({2: [0.4], 3: [0.4]}, fewest=2, n=6, top_n=2) == [3, 4]
+    assert kmeans_counts({}, fewest=2, n=6, top_n=2) == [3, 4]
+    assert kmeans_counts(sil, fewest=2, n=4, top_n=2) == [4] and kmeans_counts({}, 1, 2, 2) == [2]
 
 
 def test_distinct_partitions_ignore_label_names() -> None:
@@ -367,3 +383,20 @@ def test_run_through_the_cli_writes_results_and_the_groups(tree, tmp_path: Path,
     )
     back = SemanticGroups.from_meta(g, [tensors[f"warmup.{t}"].numpy() for t in range(3)])
     assert back.to_meta() == g
+
+
+def test_compare_runs_it_beside_another_baseline(tree, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(AdaPromptCL, "remerge_samples", 100)
+    monkeypatch.setattr(AdaPromptCL, "kmeans_run", 10)
+    out = tmp_path / "cmp"
+    argv = ["compare", *folder_args(*tree), "--methods", "adapromptcl,ncm", "--seeds", "0", "--out", str(out),
+            "-q", "--backbone", "vit_ti16", "--device", "cpu", "--set", "backbone.pretrained=false",
+            "--set", "backbone.img_size=32", "--set", "train.epochs=1", "--set", "train.batch_size=8",
+            "--set", "baseline.pool_size=20", "--set", "report.figures=false",
+            "--set", "report.latency=false"]  # fmt: skip
+    assert main(argv) == 0
+    rep = json.loads((out / "compare.json").read_text())
+    assert (
+        rep["methods"] == ["adapromptcl", "ncm"]
+        and rep["summary"]["adapromptcl"]["retrieval_acc"]["mean"] is None
+    )

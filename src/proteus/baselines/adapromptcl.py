@@ -63,7 +63,14 @@ from proteus.methods import declare
 from proteus.progress import bar as progress_bar
 from proteus.streams import Task
 
-__all__ = ["AdaPromptCL", "Decision", "SemanticGroups", "distinct_partitions", "warmup_vector"]
+__all__ = [
+    "AdaPromptCL",
+    "Decision",
+    "SemanticGroups",
+    "distinct_partitions",
+    "kmeans_counts",
+    "warmup_vector",
+]
 
 #: the release's ``evolve_epoch`` by benchmark (configs/{cifar100,imr,vtab}_dualprompt.py); others: CIFAR's
 EVOLVE_EPOCH = {"cifar100": 2, "imagenet-r": 7, "vtab": 19}
@@ -89,6 +96,14 @@ def distinct_partitions(labels: list[np.ndarray]) -> list[np.ndarray]:
             seen.add(canon)
             out.append(lab)
     return out
+
+
+def kmeans_counts(silhouettes: dict[int, list[float]], fewest: int, n: int, top_n: int) -> list[int]:
+    """The cluster counts K-Means re-clusters ``n`` merge candidates with: the ``top_n`` counts above the
+    count of the best mean silhouette over the BIRCH orderings (the first on ties), or above the fewest
+    BIRCH clusters when no ordering had a silhouette; each at most ``n``."""
+    base = max(silhouettes, key=lambda c: np.mean(silhouettes[c])) if silhouettes else fewest
+    return [base + j for j in range(1, top_n + 1) if n >= base + j]
 
 
 @dataclass
@@ -225,17 +240,11 @@ class SemanticGroups:
             if 1 < c < n and n > 2:
                 silhouettes.setdefault(c, []).append(float(silhouette_score(P, lab)))
         assert min_cls is not None
-        if silhouettes:  # the count of the best mean silhouette (first on ties)
-            base = max(silhouettes, key=lambda c: np.mean(silhouettes[c]))
-        else:
-            base = min_cls + 1
-        for j in range(1, self.kmeans_top_n + 1):
-            k = base + j
-            if n >= k:
-                for _ in range(self.kmeans_run):
-                    perm = rng.permutation(n)
-                    km = KMeans(n_clusters=k, n_init=5, random_state=rng.randint(2**31 - 1)).fit(P[perm])
-                    one_more.append(km.predict(P))
+        for k in kmeans_counts(silhouettes, min_cls + 1, n, self.kmeans_top_n):
+            for _ in range(self.kmeans_run):
+                perm = rng.permutation(n)
+                km = KMeans(n_clusters=k, n_init=5, random_state=rng.randint(2**31 - 1)).fit(P[perm])
+                one_more.append(km.predict(P))
         before = len(self.blocks)
         for labels in (fewest, one_more):
             self._add_blocks(distinct_partitions(labels), cands, t)
