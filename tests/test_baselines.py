@@ -24,7 +24,7 @@ from proteus.methods import METHODS, apply_method
 from proteus.streams import build_benchmark
 
 BASELINE_METHODS = sorted(n for n in METHODS.names() if METHODS.get(n).learner != "proteus")
-PROMPT_METHODS = {"l2p", "dualprompt", "coda-prompt", "s-prompt"}
+PROMPT_METHODS = {"l2p", "dualprompt", "coda-prompt", "s-prompt", "adapromptcl"}
 
 
 def _cfg(method: str, backbone: str = "vit_ti16", **sets) -> RunConfig:
@@ -63,7 +63,7 @@ def _batch(clf, stream, k: int = 0, n: int = 6) -> torch.Tensor:
 
 
 def test_every_declared_baseline_has_a_learner() -> None:
-    expected = {"inflora", "sd-lora", "l2p", "dualprompt", "coda-prompt", "ncm", "s-prompt"}
+    expected = {"inflora", "sd-lora", "l2p", "dualprompt", "coda-prompt", "ncm", "s-prompt", "adapromptcl"}
     assert set(BASELINE_METHODS) == expected
     for m in BASELINE_METHODS:
         assert METHODS.get(m).learner in BASELINES

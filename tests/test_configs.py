@@ -49,6 +49,8 @@ BASELINE = {
     "coda-prompt-imagenet-r": ("coda-prompt", "imagenet-r", 50, 128, "adam", 1e-3),
     "s-prompt-cifar100": ("s-prompt", "cifar100", 20, 128, "sgd", 1e-2),
     "s-prompt-imagenet-r": ("s-prompt", "imagenet-r", 30, 128, "sgd", 1e-2),
+    "adapromptcl-cifar100": ("adapromptcl", "cifar100", 50, 128, "adam", 0.025 * 128 / 256),
+    "adapromptcl-imagenet-r": ("adapromptcl", "imagenet-r", 50, 128, "adam", 0.025 * 128 / 256),
 }
 
 
