@@ -1,0 +1,216 @@
+"""The long-stream section (issue 28): how the cost of task k grows with k on a 100-task stream.
+
+The paper runs 50 and 100 tasks (CIFAR-100/50, ImageNet-R/100). This section learns a synthetic stream of
+``tasks`` tasks (2 classes each, ``per_class`` small random-pattern images per class, one class pattern per
+label) with the default ``proteus`` on a small randomly initialised backbone, committing every task to a
+knowledge base on disk as ``proteus learn`` does, and records for every k:
+
+* seconds to learn task k, split as the learner reports it (prefix, train, signature, head) plus the
+  commit; and the seconds per optimisation step of the training (``train_step``);
+* seconds per predict batch (``batch`` images of earlier tasks) along the default route, median of 3;
+* the peak resident set size during learn and during predict (MiB above the process's size at start);
+* the knowledge base's bytes on disk and the merged-weight cache's bytes.
+
+It writes ``long_stream.json`` (every row) and ``long_stream.png`` (each quantity against k) and reports
+the ratios the issue sets: learn time of the last task over task 10 (<= 1.3), predict time per batch at
+the last task over task 10 (<= 1.5), peak RSS at the last task within the merged-cache budget plus the
+model. Each ratio takes the median of a window of tasks (k-2 .. k+2) so that one noisy task on a shared
+machine does not decide it.
+
+    python tools/perf/perf_long.py --tasks 100 --out runs/long_stream
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from proteus import Proteus
+from proteus.experiment.store import commit
+from proteus.kb import KnowledgeBase
+from proteus.streams.base import Task
+from proteus.streams.datasets import ArrayImageDataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+from perf_timing import PeakMemory  # noqa: E402
+
+
+def synthetic_task(k: int, per_class: int, img: int, seed: int) -> Task:
+    """Task k: classes 2k and 2k+1, each a fixed random pattern plus noise (learnable, distinct per class)."""
+    rng = np.random.RandomState(seed + k)
+    images, labels = [], []
+    for c in (2 * k, 2 * k + 1):
+        pattern = np.random.RandomState(10_000 + c).randint(0, 256, (img, img, 3))
+        for _ in range(per_class + 4):
+            noise = rng.randint(-40, 41, (img, img, 3))
+            images.append(np.clip(pattern + noise, 0, 255).astype(np.uint8))
+            labels.append(c)
+    arr, y = np.stack(images), np.array(labels)
+    test = np.r_[np.arange(per_class, per_class + 4), per_class + 4 + np.arange(per_class, per_class + 4)]
+    train = np.setdiff1d(np.arange(len(y)), test)
+    return Task(
+        k, [2 * k, 2 * k + 1], [f"c{2 * k}", f"c{2 * k + 1}"],
+        ArrayImageDataset(arr, y[train], train), ArrayImageDataset(arr, y[test], test),
+    )  # fmt: skip
+
+
+def _window(rows: list[dict[str, Any]], key: str, k: int) -> float:
+    vals = [r[key] for r in rows if abs(r["task"] - k) <= 2 and r[key] is not None]
+    return statistics.median(vals)
+
+
+def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32, per_class: int = 16,
+        batch: int = 32, seed: int = 0, log: Any = print) -> dict[str, Any]:  # fmt: skip
+    """Learn ``tasks`` synthetic tasks, measuring every k; returns the report (also written to ``out``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    sets = {
+        "backbone.name": backbone, "backbone.pretrained": False, "backbone.img_size": img,
+        "backbone.adapt_last": 6 if backbone == "mobilenet_v2" else 2, "adapter.rank": 2,
+        "train.epochs": 1, "train.batch_size": 16, "head.rp_dim": 256, "device": "cpu", "seed": seed,
+    }  # fmt: skip
+    clf = Proteus.from_method("proteus", progress=False, **sets)
+    kb_dir = Path(tempfile.mkdtemp(prefix="proteus-long-"))
+    kb: KnowledgeBase | None = None
+    rows: list[dict[str, Any]] = []
+    held: list[Any] = []
+    t_start = time.perf_counter()
+    try:
+        for k in range(tasks):
+            task = synthetic_task(k, per_class, img, seed)
+            with PeakMemory(torch.device("cpu")) as pm_learn:
+                t0 = time.perf_counter()
+                stats = clf.fit_task(task)
+                t1 = time.perf_counter()
+                if kb is None:
+                    kb = KnowledgeBase.create(kb_dir, clf.kb_header())
+                commit(kb, clf)
+                t2 = time.perf_counter()
+            held += [task.test[i][0] for i in range(len(task.test))]
+            x = clf.transform_images(
+                [held[i % len(held)] for i in range(0, len(held), max(1, len(held) // batch))][:batch]
+            )
+            times = []
+            with PeakMemory(torch.device("cpu")) as pm_pred:
+                for _ in range(3):
+                    p0 = time.perf_counter()
+                    clf.predict(x)
+                    times.append(time.perf_counter() - p0)
+            sec = stats.seconds
+            steps = len(getattr(clf.trainer_, "train_log_", []) or []) or None
+            rows.append({
+                "task": k + 1,
+                "learn_s": t2 - t0, "fit_s": t1 - t0, "commit_s": t2 - t1,
+                "prefix_s": sec.get("prefix"), "train_s": sec.get("train"),
+                "signature_s": sec.get("signature"), "head_s": sec.get("head"),
+                "train_step_s": None if not steps else sec.get("train", 0.0) / steps,
+                "predict_s": statistics.median(times),
+                "learn_peak_mb": pm_learn.result.get("peak_mb"),
+                "predict_peak_mb": pm_pred.result.get("peak_mb"),
+                "kb_bytes": sum(f.stat().st_size for f in kb_dir.rglob("*") if f.is_file()),
+                "merged_cache_bytes": clf.model_.merged_nbytes(),
+            })  # fmt: skip
+            r = rows[-1]
+            if (k + 1) % 10 == 0 or k == 0:
+                log(f"task {k + 1:3d}: learn {r['learn_s']:.2f} s (train {r['train_s']:.2f}, signature "
+                    f"{r['signature_s']:.2f}, head {r['head_s']:.2f}, commit {r['commit_s']:.2f}), predict "
+                    f"{r['predict_s'] * 1e3:.0f} ms, KB {r['kb_bytes'] / 1e6:.1f} MB, merged cache "
+                    f"{r['merged_cache_bytes'] / 1e6:.1f} MB, peak RSS learn {r['learn_peak_mb']:.0f} "
+                    "MiB")  # fmt: skip
+    finally:
+        shutil.rmtree(kb_dir, ignore_errors=True)
+    last = rows[-1]["task"]
+    ref = min(10, last)
+    budget_mb = (clf.model_.merge_budget_bytes or 0) / 2**20
+    model_mb = sum(p.numel() * p.element_size() for p in clf.model_.parameters()) / 2**20
+    ratio = {
+        key: _window(rows, key, last) / _window(rows, key, ref)
+        for key in ("learn_s", "train_step_s", "predict_s")
+    }
+    slope_keys = (
+        "learn_s",
+        "train_s",
+        "signature_s",
+        "head_s",
+        "commit_s",
+        "predict_s",
+        "learn_peak_mb",
+        "kb_bytes",
+    )
+    ks = [r["task"] for r in rows]
+    report = {
+        "settings": {"tasks": tasks, "backbone": backbone, "img": img, "per_class": per_class, "batch": batch,
+                     **{k: v for k, v in sets.items() if k != "device"}},
+        "seconds_total": time.perf_counter() - t_start,
+        "learn_ratio_last_vs_10": ratio["learn_s"],
+        "train_step_ratio_last_vs_10": ratio["train_step_s"],
+        "predict_ratio_last_vs_10": ratio["predict_s"],
+        "peak_rss_mb_last": max(rows[-1]["learn_peak_mb"], rows[-1]["predict_peak_mb"]),
+        "merged_budget_mb": budget_mb, "model_mb": model_mb,
+        "kb_mb_per_task": rows[-1]["kb_bytes"] / last / 1e6,
+        "slopes_per_task": {key: float(np.polyfit(ks, [r[key] for r in rows], 1)[0]) for key in slope_keys},
+        "rows": rows,
+    }  # fmt: skip
+    (out / "long_stream.json").write_text(json.dumps(report, indent=1))
+    _plot(rows, out / "long_stream.png")
+    return report
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = [r["task"] for r in rows]
+    fig, ax = plt.subplots(2, 2, figsize=(9, 6))
+    for key in ("learn_s", "train_s", "signature_s", "head_s", "commit_s"):
+        ax[0, 0].plot(k, [r[key] for r in rows], label=key.removesuffix("_s"))
+    ax[0, 0].set(title="seconds to learn task k", xlabel="k")
+    ax[0, 0].legend(fontsize=7)
+    ax[0, 1].plot(k, [r["predict_s"] * 1e3 for r in rows])
+    ax[0, 1].set(title="ms per predict batch (default route)", xlabel="tasks learned")
+    ax[1, 0].plot(k, [r["learn_peak_mb"] for r in rows], label="learn")
+    ax[1, 0].plot(k, [r["predict_peak_mb"] for r in rows], label="predict")
+    ax[1, 0].set(title="peak RSS above start (MiB)", xlabel="k")
+    ax[1, 0].legend(fontsize=7)
+    ax[1, 1].plot(k, [r["kb_bytes"] / 1e6 for r in rows], label="KB on disk")
+    ax[1, 1].plot(k, [r["merged_cache_bytes"] / 1e6 for r in rows], label="merged-weight cache")
+    ax[1, 1].set(title="MB", xlabel="k")
+    ax[1, 1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", type=int, default=100)
+    ap.add_argument("--out", default="runs/long_stream")
+    ap.add_argument("--backbone", default="mobilenet_v2")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rep = run(args.tasks, Path(args.out), backbone=args.backbone)
+    keys = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
+    for key in keys:
+        print(f"{key}: {rep[key]:.3f}")
+    slopes = {k: round(v, 5) for k, v in rep["slopes_per_task"].items()}
+    print(f"peak RSS at the last task {rep['peak_rss_mb_last']:.0f} MiB (merged-cache budget "
+          f"{rep['merged_budget_mb']:.0f} MiB + model {rep['model_mb']:.0f} MiB); KB "
+          f"{rep['kb_mb_per_task']:.2f} MB per task; slopes per task: {json.dumps(slopes)}")  # fmt: skip
+    print(f"wrote {Path(args.out) / 'long_stream.json'} and long_stream.png")
+
+
+if __name__ == "__main__":
+    main()
