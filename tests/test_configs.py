@@ -49,6 +49,8 @@ BASELINE = {
     "coda-prompt-imagenet-r": ("coda-prompt", "imagenet-r", 50, 128, "adam", 1e-3),
     "s-prompt-cifar100": ("s-prompt", "cifar100", 20, 128, "sgd", 1e-2),
     "s-prompt-imagenet-r": ("s-prompt", "imagenet-r", 30, 128, "sgd", 1e-2),
+    "hide-prompt-cifar100": ("hide-prompt", "cifar100", 50, 192, "adam", 0.03 * 24 / 256),
+    "hide-prompt-imagenet-r": ("hide-prompt", "imagenet-r", 150, 192, "adam", 0.03 * 24 / 256),
 }
 
 
