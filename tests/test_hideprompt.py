@@ -36,6 +36,7 @@ from proteus.streams import build_benchmark
 from tiny import TINY, folder_args, make_tree, sets, write_spec
 
 SMALL = {"tii_epochs": 2, "ca_epochs": 2, "n_centroids": 3}
+SMALL_SETS = [f"baseline.{k}={v}" for k, v in SMALL.items()]
 
 
 def _cfg(backbone: str = "vit_ti16") -> RunConfig:
@@ -94,9 +95,9 @@ def fitted(stream):
 
     draw = hideprompt.pseudo_features
 
-    def spy_draw(stats, classes, n, generator):  # noqa: ANN001, ANN202
-        rec["drawn"].append(list(classes))
-        return draw(stats, classes, n, generator)
+    def spy_draw(stats, classes, n, generator, limit=None):  # noqa: ANN001, ANN202
+        rec["drawn"].append((list(classes), n, limit))
+        return draw(stats, classes, n, generator, limit)
 
     clf._begin_task, clf._end_task, clf._align_tii = on_begin, on_end, on_align_tii  # type: ignore[method-assign]
     mp = pytest.MonkeyPatch()
@@ -163,14 +164,23 @@ def test_head_learns_at_a_tenth_of_the_prompts_rate(fitted) -> None:
 
 
 def test_the_releases_timm_schedules() -> None:
-    """lr_scheduler.step(epoch) after each epoch: epoch e runs at the scheduler's value at e - 1."""
+    """timm's StepLR (x0.1 every 30 epochs) and CosineLR (to 1e-5) as the release's loop steps them,
+    ``lr_scheduler.step(epoch)`` after each epoch: epoch e runs at the scheduler's value at e - 1."""
+    from timm.scheduler import CosineLRScheduler, StepLRScheduler
+
     lr = 0.03 * 24 / 256
-    assert [epoch_lr(lr, "hide-step", e, 50) for e in (0, 1, 30)] == [lr] * 3
-    assert epoch_lr(lr, "hide-step", 31, 50) == pytest.approx(0.1 * lr)
-    assert epoch_lr(lr, "hide-cosine", 0, 150) == epoch_lr(lr, "hide-cosine", 1, 150) == pytest.approx(lr)
-    t = 74  # epoch 75
-    assert epoch_lr(lr, "hide-cosine", t + 1, 150) == pytest.approx(
-        1e-5 + 0.5 * (lr - 1e-5) * (1 + math.cos(math.pi * t / 150))
+    for name, epochs, make in (
+        ("hide-step", 50, lambda o: StepLRScheduler(o, decay_t=30, decay_rate=0.1)),
+        ("hide-cosine", 150, lambda o: CosineLRScheduler(o, t_initial=150, lr_min=1e-5)),
+    ):
+        for base in (lr, 0.1 * lr):  # the prompt's group and the head's
+            opt = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=base)
+            sched = make(opt)
+            for e in range(epochs):
+                assert epoch_lr(base, name, e, epochs) == pytest.approx(opt.param_groups[0]["lr"]), (name, e)
+                sched.step(e)
+    assert epoch_lr(lr, "hide-step", 30, 50) == lr and epoch_lr(lr, "hide-step", 31, 50) == pytest.approx(
+        lr / 10
     )
 
 
@@ -229,6 +239,10 @@ def test_pseudo_features_draw_every_class_of_its_statistics() -> None:
     torch.testing.assert_close(x[y == 7].var(0), torch.tensor([0.0401, 0.0401]), atol=0.005, rtol=0)
     torch.testing.assert_close(x[y == 9].std(0), torch.tensor([0.01, 0.01]), atol=0.001, rtol=0)
     assert not torch.equal(y[:100], torch.sort(y[:100]).values)  # shuffled
+    # only what an epoch's steps use is drawn: the first `limit` of the shuffled draws
+    x, y = pseudo_features(stats, [3, 7, 9], 4000, g, limit=3000)
+    assert x.shape == (3000, 2) and 800 < int((y == 7).sum()) < 1200
+    torch.testing.assert_close(x[y == 7].mean(0), torch.tensor([-5.0, 5.0]), atol=0.03, rtol=0)
 
 
 def test_alignment_moves_the_head_towards_the_statistics() -> None:
@@ -250,8 +264,11 @@ def test_alignment_after_task_2_covers_every_seen_class(fitted) -> None:
     """Both stages' alignments draw all seen classes; stage 2's moves task 1's head (not its prompt)."""
     clf, rec = fitted
     seen = sorted(clf.classes_)
-    # 2 TII + 2 head alignment epochs, each one draw of every seen class
-    assert len(rec["drawn"]) == 4 and all(sorted(d) == seen for d in rec["drawn"])
+    # 2 TII + 2 head alignment epochs, each one draw of every seen class; the release's batches (batch size
+    # x 1, x 5) and steps (task 1's classes) of them
+    assert len(rec["drawn"]) == 4 and all(sorted(d) == seen for d, _, _ in rec["drawn"])
+    bs, n_old = clf.config.train.batch_size, len(clf.task_classes_[0])
+    assert [(n, lim) for _, n, lim in rec["drawn"]] == [(bs, n_old * bs)] * 2 + [(5 * bs, n_old * 5 * bs)] * 2
     assert set(clf.stats_) == set(clf.tii_stats_) == set(seen)
     assert all(mu.shape == (3, clf.embed_dim) for mu, _ in clf.stats_.values())
     now = clf.state_tensors()
@@ -404,7 +421,6 @@ def test_run_through_the_cli(tmp_path: Path) -> None:
     tree = make_tree(tmp_path / "data", classes="abcdef", n_train=6, n_test=2)
     spec = write_spec(tmp_path / "tasks.yaml", [["a", "b"], ["c", "d"], ["e", "f"]])
     out = tmp_path / "run"
-    small = [f"baseline.{k}={v}" for k, v in SMALL.items()]
     argv = [
         "run",
         *folder_args(tree, spec),
@@ -413,7 +429,7 @@ def test_run_through_the_cli(tmp_path: Path) -> None:
         "--out",
         str(out),
         *TINY,
-        *sets(*small, base=[]),
+        *sets(*SMALL_SETS, base=[]),
     ]
     assert main(argv) == 0
     res = json.loads((out / "results.json").read_text())
@@ -429,3 +445,16 @@ def test_run_through_the_cli(tmp_path: Path) -> None:
     classes = [c for cs in head["meta"]["task_classes"] for c in cs]
     assert {f"stats.{c}.mean" for c in classes} | {f"tii_stats.{c}.var" for c in classes} <= set(tensors)
     assert tuple(tensors["prompt.2"].shape) == (5, 2, 5, 192)
+
+
+def test_compare_runs_it_beside_another_baseline(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    argv = ["compare", "--benchmark", "quickstart", "--methods", "hide-prompt,ncm", "--seeds", "0",
+            "--out", str(out), "--backbone", "vit_ti16", "-q", "--set", "backbone.pretrained=false",
+            "--set", "backbone.img_size=32", "--set", "train.epochs=1", "--set", "benchmark.num_tasks=2",
+            "--set", "benchmark.max_train_per_class=8", "--set", "report.figures=false",
+            "--set", "report.latency=false", *sets(*SMALL_SETS, base=[])]  # fmt: skip
+    assert main(argv) == 0
+    rep = json.loads((out / "compare.json").read_text())
+    assert rep["methods"] == ["hide-prompt", "ncm"]
+    assert rep["summary"]["hide-prompt"]["retrieval_acc"]["mean"] is not None

@@ -139,24 +139,29 @@ def class_statistics(h: torch.Tensor, y: torch.Tensor, n_centroids: int, seed: i
 
 
 def pseudo_features(
-    stats: ClassStats, classes: list[int], n: int, generator: torch.Generator
+    stats: ClassStats, classes: list[int], n: int, generator: torch.Generator, limit: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One epoch's pseudo-features, shuffled: ``n`` draws per centroid of every class of ``classes`` from
     N(mean, diag(var) + 1e-4 I), skipping centroids of zero mean variance (a single image), as the release's
     ``train_task_adaptive_prediction`` samples them. A class whose every centroid has zero variance (no more
-    images than centroids), which the release would leave out, is drawn from all of them. Returns (M, d)
-    float32 features and (M,) labels."""
-    xs, ys = [], []
+    images than centroids), which the release would leave out, is drawn from all of them. ``limit``: only
+    the first ``limit`` of the shuffled draws, which are all the release's epoch uses (the same distribution:
+    the draws are independent, so the shuffle picks the centroids first and only those are drawn). Returns
+    (M, d) float32 features and (M,) labels."""
+    mus, stds, labels = [], [], []
     for c in classes:
         means, var = stats[c]
         keep = var.mean(1) != 0
-        for mu, v in zip(means[keep] if keep.any() else means, var[keep] if keep.any() else var):
-            std = (v + 1e-4).sqrt().float()
-            xs.append(mu.float() + std * torch.randn(n, len(mu), generator=generator))
-            ys.append(torch.full((n,), c, dtype=torch.long))
-    x, y = torch.cat(xs), torch.cat(ys)
-    perm = torch.randperm(len(x), generator=generator)
-    return x[perm], y[perm]
+        if keep.any():
+            means, var = means[keep], var[keep]
+        mus.append(means.float())
+        stds.append((var + 1e-4).sqrt().float())
+        labels += [c] * len(means)
+    mu, std, label = torch.cat(mus), torch.cat(stds), torch.as_tensor(labels, dtype=torch.long)
+    which = torch.arange(len(mu)).repeat_interleave(n)[torch.randperm(len(mu) * n, generator=generator)]
+    which = which[:limit]
+    x = mu[which] + std[which] * torch.randn(len(which), mu.shape[1], generator=generator)
+    return x, label[which]
 
 
 def align_on_pseudo_features(
@@ -174,7 +179,7 @@ def align_on_pseudo_features(
     for epoch in range(epochs):
         for group in opt.param_groups:
             group["lr"] = lr * (1 + math.cos(math.pi * epoch / epochs)) / 2
-        x, y = pseudo_features(stats, classes, n, generator)
+        x, y = pseudo_features(stats, classes, n, generator, limit=steps * n)
         for i in range(steps):
             xb, yb = x[i * n : (i + 1) * n], y[i * n : (i + 1) * n]
             if not len(xb):
