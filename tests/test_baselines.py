@@ -24,7 +24,7 @@ from proteus.methods import METHODS, apply_method
 from proteus.streams import build_benchmark
 
 BASELINE_METHODS = sorted(n for n in METHODS.names() if METHODS.get(n).learner != "proteus")
-PROMPT_METHODS = {"l2p", "dualprompt", "coda-prompt", "s-prompt", "adapromptcl"}
+PROMPT_METHODS = {"l2p", "dualprompt", "coda-prompt", "s-prompt", "adapromptcl", "hide-prompt"}
 
 
 def _cfg(method: str, backbone: str = "vit_ti16", **sets) -> RunConfig:
@@ -63,7 +63,17 @@ def _batch(clf, stream, k: int = 0, n: int = 6) -> torch.Tensor:
 
 
 def test_every_declared_baseline_has_a_learner() -> None:
-    expected = {"inflora", "sd-lora", "l2p", "dualprompt", "coda-prompt", "ncm", "s-prompt", "adapromptcl"}
+    expected = {
+        "inflora",
+        "sd-lora",
+        "l2p",
+        "dualprompt",
+        "coda-prompt",
+        "ncm",
+        "s-prompt",
+        "adapromptcl",
+        "hide-prompt",
+    }
     assert set(BASELINE_METHODS) == expected
     for m in BASELINE_METHODS:
         assert METHODS.get(m).learner in BASELINES
@@ -261,8 +271,9 @@ def test_every_baseline_runs(method: str, tmp_path: Path) -> None:
     assert main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["method"] == method and res["num_tasks"] == 2 and len(res["avg_acc"]) == 2
-    # S-Prompt retrieves a task per input (its K-Means keys); the others retrieve none
-    assert (res["retrieval_acc"] is None) == (method != "s-prompt") and res["forgetting"] is not None
+    # S-Prompt (its K-Means keys) and HiDe-Prompt (its TII) retrieve a task per input; the others none
+    assert (res["retrieval_acc"] is None) == (method not in ("s-prompt", "hide-prompt"))
+    assert res["forgetting"] is not None
     assert (out / "split.json").is_file()
     # one persistence layer: the baseline's learned tensors are its knowledge base's head object
     kb = KnowledgeBase.open(out / "kb")

@@ -51,6 +51,8 @@ BASELINE = {
     "s-prompt-imagenet-r": ("s-prompt", "imagenet-r", 30, 128, "sgd", 1e-2),
     "adapromptcl-cifar100": ("adapromptcl", "cifar100", 50, 128, "adam", 0.025 * 128 / 256),
     "adapromptcl-imagenet-r": ("adapromptcl", "imagenet-r", 50, 128, "adam", 0.025 * 128 / 256),
+    "hide-prompt-cifar100": ("hide-prompt", "cifar100", 50, 192, "adam", 0.03 * 24 / 256),
+    "hide-prompt-imagenet-r": ("hide-prompt", "imagenet-r", 150, 192, "adam", 0.03 * 24 / 256),
 }
 
 

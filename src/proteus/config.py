@@ -247,6 +247,18 @@ class BaselineConfig:
     #: the number of tasks the prompt pool is divided over (CODA-Prompt: pool_size / max_tasks per task;
     #: DualPrompt: e-prompts); None = the stream's number of tasks
     max_tasks: int | None = None
+    #: HiDe-Prompt (:mod:`proteus.baselines.hideprompt`; its contrastive weight ``reg`` is ``ortho_weight``):
+    #: task t's e-prompt trains as (1 - m) P_t + m mean(P_0..P_t-1) and keeps it (m = ``prompt_momentum``);
+    #: stage 1 (task-identity inference: an MLP head on the frozen class token) trains ``tii_epochs`` at
+    #: ``tii_lr``; both stages re-align their heads on pseudo-features of ``n_centroids`` K-Means centroids
+    #: per class for ``ca_epochs`` (SGD, cosine annealing) at ``tii_ca_lr`` / ``ca_lr``
+    prompt_momentum: float = 0.01
+    tii_epochs: int = 20
+    tii_lr: float = 4.6875e-5
+    tii_ca_lr: float = 4.6875e-4
+    ca_lr: float = 5e-3
+    ca_epochs: int = 30
+    n_centroids: int = 10
 
 
 @dataclass

@@ -98,6 +98,9 @@ class ContinualClassifier:
     options: tuple[str, ...] = ("optimizer", "lr", "momentum", "schedule", "clip_grad", "max_tasks")
     #: whether the method needs a backbone with tokens (a ViT)
     needs_tokens: bool = False
+    #: the head's learning rate over the method's (HiDe-Prompt's ``larger_prompt_lr``: 0.1); at 1 the
+    #: optimiser has one parameter group
+    head_lr_scale: float = 1.0
 
     def __init__(self, config: RunConfig, *, progress: bool = True) -> None:
         self.config = config
@@ -274,8 +277,12 @@ class ContinualClassifier:
             )  # fmt: skip
         self._begin_task(k, z, loader)
         head = nn.Linear(self.embed_dim, len(classes)).to(self.device_)
-        params = [p for p in self.trainable() if p.requires_grad] + list(head.parameters())
-        opt = OPTIMIZERS.get(b.optimizer)(params, b, self.weight_decay(k))
+        own = [p for p in self.trainable() if p.requires_grad]
+        params = own + list(head.parameters())
+        groups: list[Any] = params
+        if self.head_lr_scale != 1.0:
+            groups = [{"params": own}, {"params": list(head.parameters()), "lr_scale": self.head_lr_scale}]
+        opt = OPTIMIZERS.get(b.optimizer)(groups, b, self.weight_decay(k))
         g = torch.Generator().manual_seed(seed)
         n = len(task.train)  # type: ignore[arg-type]
         steps_per_epoch = math.ceil(n / cfg.train.batch_size)
@@ -285,7 +292,7 @@ class ContinualClassifier:
         self.train_log_ = []
         for epoch in range(cfg.train.epochs):
             for group in opt.param_groups:
-                group["lr"] = epoch_lr(b.lr, b.schedule, epoch, cfg.train.epochs)
+                group["lr"] = epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)
             for zb, yb in self._batches(z, y_all, loader, g):
                 target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=self.device_)
                 self.aux_loss: torch.Tensor | float = 0.0

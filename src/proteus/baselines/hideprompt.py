@@ -1,0 +1,524 @@
+"""HiDe-Prompt: Hierarchical Decomposition of prompt-based continual learning (Wang et al., NeurIPS 2023).
+
+The method as the authors' released code runs it (thu-ml/HiDe-Prompt @ 0ed4333: ``trainers/tii_trainer.py``
+with ``engines/hide_tii_engine.py`` for stage 1, ``trainers/hideprompt_trainer.py`` with
+``engines/hide_promtp_wtp_and_tap_engine.py`` for stage 2, ``peft/prompt/hide_prompt.py``,
+``vits/hide_prompt_vision_transformer.py``, ``configs/{cifar100,imr}_hideprompt_5e.py`` and
+``training_scripts/train_{cifar100,imr}_vit.sh``), rebuilt on the shared baseline learner. Per task t:
+
+* **stage 1, task-identity inference (TII)**: an MLP on the frozen ViT's prompt-free class token
+  (``MlpMapping`` with hidden ``[2]``: ``LN(x + W2 GELU(W1 x))``, W1 d -> 2d) and a linear head over every
+  seen class, trained ``baseline.tii_epochs`` with Adam at ``baseline.tii_lr`` (constant), the cross-entropy
+  over task t's classes (the other classes' logits masked), gradient norm clipped at ``clip_grad``. Then
+  the class statistics of task t's classes are stored -- per class, K-Means with ``baseline.n_centroids``
+  centroids on the class tokens of its un-augmented training images, each centroid's mean and per-dimension
+  variance (the release's ``multi-centroid`` storage) -- and, from task 2 on, the MLP and head are
+  re-aligned on pseudo-features of every seen class (:func:`align_on_pseudo_features`);
+* **stage 2, within-task and task-adaptive prediction**: one e-prompt per task, prefix tuning (L key and L
+  value tokens) in ``baseline.prompt_layers`` (blocks 0-4). Task t's prompt P_t starts as a copy of task
+  t-1's (the release's ``shared_prompt_pool``; task 1's from U(-1, 1)) and trains as
+  ``(1 - m) P_t + m mean(P_0 .. P_t-1)`` (the old prompts detached, m = ``baseline.prompt_momentum``),
+  which becomes P_t when the task ends (:func:`momentum_prompt`). Every training input uses task t's
+  prompt; the head reads the class token. Loss: the cross-entropy over task t's classes plus
+  ``baseline.ortho_weight`` (the release's ``reg``) times the contrastive :func:`orth_loss` of the
+  instructed features against every stored centroid (temperature 0.8). Adam; the prompt at
+  ``baseline.lr``, the head at 0.1 ``baseline.lr`` (``larger_prompt_lr``). When the task ends, the
+  statistics of the instructed features (task t's prompt) of task t's classes are stored, and from task 2
+  on every seen task's head is aligned on pseudo-features of all seen classes (``baseline.ca_lr``);
+* **test**: the TII predicts a class among the seen ones; the task owning it picks the prompt; the final
+  heads predict over every seen class. The TII's task is reported as ``retrieval_acc``.
+
+Deliberate differences from the release (docs/experiments.md, "HiDe-Prompt"): per-sample (key, value)
+prefixes where the release's ``(layers, 2, B) -> (layers, B, 2)`` reshape mixes the batch with the
+key/value halves; one process with the release's global batch in place of 8 processes (the contrastive
+loss is still taken per group of :attr:`HiDePrompt.contrast_group` features, as each process did); K-Means
+with a fixed seed and at most as many centroids as a class has images; the heads scored are the seen
+classes' only.
+
+This module is the whole method -- its learner, its schedules and its declaration.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.cluster import KMeans
+from sklearn.exceptions import ConvergenceWarning
+from torch import nn
+
+from proteus.baselines.learner import SCHEDULES
+from proteus.baselines.prompts import PromptClassifier
+from proteus.engine.embedder import ImageDataset
+from proteus.engine.learner import LEARNERS, TestCache, TestOutcome
+from proteus.errors import NotFittedError
+from proteus.methods import declare
+from proteus.streams import Task
+
+__all__ = [
+    "ClassStats",
+    "HiDePrompt",
+    "TIIHead",
+    "align_on_pseudo_features",
+    "class_statistics",
+    "momentum_prompt",
+    "orth_loss",
+    "pseudo_features",
+]
+
+#: the release's contrastive temperature (``orth_loss``: ``M M^T / 0.8``)
+TEMPERATURE = 0.8
+#: timm's schedulers as the release builds them: ``StepLR`` decays by 0.1 every 30 epochs; ``CosineLR`` to
+#: ``min_lr`` 1e-5
+STEP_EPOCHS, STEP_RATE, COSINE_MIN_LR = 30, 0.1, 1e-5
+
+
+# ------------------------------------------------------------------ the release's two timm schedules
+# Its loop calls ``lr_scheduler.step(epoch)`` after epoch ``epoch``: epoch 0 runs at lr, epoch e >= 1 at the
+# scheduler's value at e - 1.
+@SCHEDULES.register(
+    "hide-step", help="HiDe-Prompt: timm StepLR, x0.1 every 30 epochs, stepped after an epoch"
+)
+def _hide_step(lr: float, epoch: int, epochs: int) -> float:
+    return lr * STEP_RATE ** (max(epoch - 1, 0) // STEP_EPOCHS)
+
+
+@SCHEDULES.register(
+    "hide-cosine", help="HiDe-Prompt: timm CosineLR to 1e-5 over the epochs, stepped after one"
+)
+def _hide_cosine(lr: float, epoch: int, epochs: int) -> float:
+    t = max(epoch - 1, 0)
+    return COSINE_MIN_LR + 0.5 * (lr - COSINE_MIN_LR) * (1 + math.cos(math.pi * t / max(epochs, 1)))
+
+
+# ------------------------------------------------------------------ the method's pieces
+def momentum_prompt(raw: torch.Tensor, old: list[torch.Tensor], m: float) -> torch.Tensor:
+    """``(1 - m) raw + m mean(old)`` with the old prompts detached (``EPrompt.forward`` with
+    ``prompt_momentum``); ``raw`` itself without old prompts or at m = 0."""
+    if not old or m == 0:
+        return raw
+    return (1 - m) * raw + m * torch.stack([o.detach() for o in old]).mean(0).to(raw.dtype)
+
+
+def orth_loss(
+    features: torch.Tensor, means: torch.Tensor | None, temperature: float = TEMPERATURE
+) -> torch.Tensor:
+    """The release's contrastive ``orth_loss`` (before its ``reg`` weight): M = [stored centroids; features],
+    the cross-entropy of ``M M^T / temperature`` with each row's own index as its target, averaged over every
+    row of M. Without stored centroids (task 1) M is the features alone. Computed in the centroids' float64,
+    as the release's concatenation promotes it."""
+    f = features.double()
+    M = f if means is None or len(means) == 0 else torch.cat([means.to(f.device, torch.float64), f])
+    sim = M @ M.T / temperature
+    return F.cross_entropy(sim, torch.arange(len(M), device=M.device))
+
+
+ClassStats = dict[int, tuple[torch.Tensor, torch.Tensor]]
+"""class -> (k, d) centroid means and (k, d) per-dimension variances, float64 on the CPU."""
+
+
+def class_statistics(h: torch.Tensor, y: torch.Tensor, n_centroids: int, seed: int) -> ClassStats:
+    """Per class of ``y``: K-Means (``n_centroids``, at most the class's images) on its features ``h`` (N, d),
+    each cluster's mean and population variance (the release's ``multi-centroid`` storage)."""
+    out: ClassStats = {}
+    for c in torch.unique(y).tolist():
+        x = h[y == c].double().cpu().numpy()
+        k = min(n_centroids, len(x))
+        with warnings.catch_warnings():  # fewer distinct images than centroids
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            labels = KMeans(n_clusters=k, n_init=10, random_state=seed).fit(x).labels_
+        means = np.stack([x[labels == i].mean(0) for i in range(k)])
+        var = np.stack([x[labels == i].var(0) for i in range(k)])
+        out[int(c)] = (torch.as_tensor(means), torch.as_tensor(var))
+    return out
+
+
+def pseudo_features(
+    stats: ClassStats, classes: list[int], n: int, generator: torch.Generator, limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One epoch's pseudo-features, shuffled: ``n`` draws per centroid of every class of ``classes`` from
+    N(mean, diag(var) + 1e-4 I), skipping centroids of zero mean variance (a single image), as the release's
+    ``train_task_adaptive_prediction`` samples them. A class whose every centroid has zero variance (no more
+    images than centroids), which the release would leave out, is drawn from all of them. ``limit``: only
+    the first ``limit`` of the shuffled draws, which are all the release's epoch uses (the same distribution:
+    the draws are independent, so the shuffle picks the centroids first and only those are drawn). Returns
+    (M, d) float32 features and (M,) labels."""
+    mus, stds, labels = [], [], []
+    for c in classes:
+        means, var = stats[c]
+        keep = var.mean(1) != 0
+        if keep.any():
+            means, var = means[keep], var[keep]
+        mus.append(means.float())
+        stds.append((var + 1e-4).sqrt().float())
+        labels += [c] * len(means)
+    mu, std, label = torch.cat(mus), torch.cat(stds), torch.as_tensor(labels, dtype=torch.long)
+    which = torch.arange(len(mu)).repeat_interleave(n)[torch.randperm(len(mu) * n, generator=generator)]
+    which = which[:limit]
+    x = mu[which] + std[which] * torch.randn(len(which), mu.shape[1], generator=generator)
+    return x, label[which]
+
+
+def align_on_pseudo_features(
+    forward: Any, params: list[nn.Parameter], stats: ClassStats, classes: list[int], *, n: int, steps: int,
+    epochs: int, lr: float, generator: torch.Generator, device: torch.device,
+) -> list[float]:  # fmt: skip
+    """Classifier alignment (the release's ``train_task_adaptive_prediction``): for ``epochs`` epochs, draw
+    :func:`pseudo_features` of every class in ``classes`` and take ``steps`` SGD steps (momentum 0.9, no
+    weight decay: the release's parameter group sets its parsed ``weight_decay``, 0.0) on batches of ``n``
+    of them, the cross-entropy of ``forward(x)``, logits over ``classes`` in order; lr follows
+    ``CosineAnnealingLR(T_max=epochs)`` stepped per epoch. Returns the losses."""
+    col = {c: i for i, c in enumerate(classes)}
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.0)
+    losses: list[float] = []
+    for epoch in range(epochs):
+        for group in opt.param_groups:
+            group["lr"] = lr * (1 + math.cos(math.pi * epoch / epochs)) / 2
+        x, y = pseudo_features(stats, classes, n, generator, limit=steps * n)
+        for i in range(steps):
+            xb, yb = x[i * n : (i + 1) * n], y[i * n : (i + 1) * n]
+            if not len(xb):
+                break
+            target = torch.as_tensor([col[int(c)] for c in yb.tolist()], device=device)
+            loss = F.cross_entropy(forward(xb.to(device)), target)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    opt.zero_grad(set_to_none=True)
+    return losses
+
+
+class TIIHead(nn.Module):
+    """Stage 1's model on the frozen class token: the release's ``MlpMapping`` (hidden ``[2]``: Linear
+    d -> 2d, GELU, Linear 2d -> d, plus the input, then LayerNorm), then one linear head per task (the
+    release's one head over all classes, column block by column block). Linear layers start as timm's:
+    N(0, 0.02) truncated, bias 0."""
+
+    def __init__(self, d: int, hidden: int = 2) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.norm = nn.Linear(d, hidden * d), nn.Linear(hidden * d, d), nn.LayerNorm(d)
+        self.heads = nn.ModuleList()
+        for lin in (self.fc1, self.fc2):
+            _timm_init(lin)
+
+    def add_head(self, n: int) -> None:
+        head = nn.Linear(self.fc1.in_features, n).to(self.fc1.weight.device)
+        self.heads.append(_timm_init(head))
+
+    def embed(self, q: torch.Tensor) -> torch.Tensor:
+        return self.norm(q + self.fc2(F.gelu(self.fc1(q))))
+
+    def forward(self, q: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
+        """(B, C) logits of the class tokens ``q`` over the columns of ``self.heads[heads]``."""
+        e = self.embed(q)
+        return torch.cat([h(e) for h in self.heads[heads]], 1)
+
+
+def _timm_init(lin: nn.Linear) -> nn.Linear:
+    nn.init.trunc_normal_(lin.weight, std=0.02)
+    nn.init.zeros_(lin.bias)
+    return lin
+
+
+# ------------------------------------------------------------------ the learner
+@LEARNERS.register("hide-prompt", help="HiDe-Prompt: task-identity inference, then a prompt per task")
+class HiDePrompt(PromptClassifier):
+    """HiDe-Prompt: an MLP head on the frozen class token infers the task, whose e-prompt (prefix) and the
+    heads of every seen class classify; both heads re-aligned on pseudo-features of stored statistics."""
+
+    name = "hide-prompt"
+    options = (
+        "optimizer", "lr", "schedule", "clip_grad", "prompt_length", "prompt_layers", "ortho_weight",
+        "prompt_momentum", "tii_epochs", "tii_lr", "tii_ca_lr", "ca_lr", "ca_epochs", "n_centroids",
+    )  # fmt: skip
+    #: ``larger_prompt_lr``: the head at 0.1 times the prompt's learning rate
+    head_lr_scale = 0.1
+    #: pseudo-features drawn per centroid (and the batch) of the alignment, in ``train.batch_size``s: stage 1
+    #: ``batch_size``, stage 2 ``batch_size * 5`` (the release's per-process counts; at the global batch of
+    #: the configs they are the 8 processes' together)
+    ca_draws: tuple[int, int] = (1, 5)
+    #: the release's contrastive loss is computed per process, over its 24 features: ours over groups of
+    #: this many features of a batch, averaged (the whole batch when it is smaller)
+    contrast_group: int = 24
+    #: the open task, its un-augmented training pass (prefix outputs, labels) once computed, and the state a
+    #: failed task restores
+    _open: Task | None = None
+    _plain: tuple[torch.Tensor, torch.Tensor] | None = None
+    _backup: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ state
+    def _make_state(self, d: int) -> None:
+        self._gen = torch.Generator().manual_seed(self.config.seed)
+        b = self.config.baseline
+        #: task t's e-prompt: (blocks, 2 = key / value, L, d)
+        self._shape = (len(b.prompt_layers), 2, b.prompt_length, d)
+        self.prompts_: list[nn.Parameter] = []
+        self.tii_ = TIIHead(d).to(next(self.vit.parameters()).device)
+        #: stage 1's and stage 2's class statistics (prompt-free / instructed class tokens)
+        self.tii_stats_: ClassStats = {}
+        self.stats_: ClassStats = {}
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        return {str(t): p for t, p in enumerate(self.prompts_)}  # written as prompt.<t>
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [self.prompts_[-1]]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = super().state_tensors()
+        out.update({f"tii.{n}": t.detach().cpu().contiguous() for n, t in self.tii_.state_dict().items()})
+        for tag, stats in (("tii_stats", self.tii_stats_), ("stats", self.stats_)):
+            for c, (mu, var) in stats.items():
+                out[f"{tag}.{c}.mean"], out[f"{tag}.{c}.var"] = mu.contiguous(), var.contiguous()
+        return out
+
+    # ------------------------------------------------------------------ one task: stage 1, then stage 2
+    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
+        self._open, self._plain, self._backup = task, None, None
+        try:
+            return super()._fit_task(task, k)
+        finally:
+            self._open, self._plain = None, None
+
+    def prefix_dataset(
+        self, ds: Any, desc: str = "prefix", transform: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the learner's; the open task's un-augmented training pass is kept for the task's statistics."""
+        if (
+            transform is None
+            and self._plain is not None
+            and self._open is not None
+            and ds is self._open.train
+        ):
+            return self._plain
+        z, y = super().prefix_dataset(ds, desc, transform)
+        if transform is None and self._open is not None and ds is self._open.train:
+            self._plain = (z, y)
+        return z, y
+
+    def _plain_pass(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The open task's training images once, un-augmented (the release's per-class loaders use the test
+        transform), as prefix outputs on the device with their labels."""
+        assert self._open is not None
+        bs = self.config.eval.batch_size
+        if self._plain is not None:
+            z, y = self._plain
+            for i in range(0, len(z), bs):
+                yield z[i : i + bs].to(self.device_), y[i : i + bs]
+            return
+        loader = torch.utils.data.DataLoader(
+            ImageDataset(self._open.train, self.eval_transform_), batch_size=bs
+        )
+        for x, y in loader:
+            yield self.prefix_batch(x), y
+
+    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+        assert self._open is not None
+        self._backup = {
+            "tii": {n: t.clone() for n, t in self.tii_.state_dict().items()},
+            "heads": [{n: t.clone() for n, t in h.state_dict().items()} for h in self.heads_],
+        }
+        classes = [int(c) for c in self._open.classes]
+        y = self._plain[1] if z is not None and self._plain is not None else None
+        self._train_tii(k, classes, z, y, loader)
+        with torch.no_grad():
+            q = [(self.query(zb), yb) for zb, yb in self._plain_pass()]
+        self.tii_stats_.update(
+            class_statistics(
+                torch.cat([a.float().cpu() for a, _ in q]), torch.cat([b for _, b in q]),
+                self.config.baseline.n_centroids, self.config.seed * 1000 + k,
+            )
+        )  # fmt: skip
+        if k > 0:
+            self._align_tii(k, [*self.classes_, *classes])
+        # stage 2: the shared pool's copy of task t-1's prompt (task 1: U(-1, 1))
+        fresh = torch.rand(*self._shape, generator=self._gen) * 2 - 1
+        start = self.prompts_[-1].detach().cpu().clone() if self.prompts_ else fresh
+        self.prompts_.append(self._to(start))
+        self._old_means = self._centroids()
+
+    def _train_tii(
+        self, k: int, classes: list[int], z: torch.Tensor | None, y: torch.Tensor | None, loader: Any
+    ) -> None:
+        """Stage 1 on task k: Adam on the MLP and the heads at ``tii_lr`` (constant), the cross-entropy over
+        task k's classes (the release masks the others' logits: their columns get no gradient), clipped."""
+        b = self.config.baseline
+        self.tii_.add_head(len(classes))
+        local = {c: i for i, c in enumerate(classes)}
+        params = [p for p in self.tii_.parameters()]
+        opt = torch.optim.Adam(params, lr=b.tii_lr, betas=(0.9, 0.999), weight_decay=0.0)
+        g = torch.Generator().manual_seed(self.config.seed * 1000 + k + 500)
+        self.tii_.train()
+        for _ in range(b.tii_epochs):
+            for zb, yb in self._batches(z, y, loader, g):
+                target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=self.device_)
+                logits = self.tii_(self.query(zb.to(self.device_)).float(), slice(k, k + 1))
+                loss = F.cross_entropy(logits, target)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if b.clip_grad is not None:
+                    torch.nn.utils.clip_grad_norm_(params, b.clip_grad)
+                opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def _align_tii(self, k: int, seen: list[int]) -> list[float]:
+        """Stage 1's alignment after task k (k >= 1): MLP and heads on pseudo-features of every seen class,
+        as many steps per epoch as the tasks before k have classes (the release's ``crct_num``)."""
+        b = self.config.baseline
+        return align_on_pseudo_features(
+            lambda x: self.tii_(x), list(self.tii_.parameters()), self.tii_stats_, seen,
+            n=self.config.train.batch_size * self.ca_draws[0], steps=len(self.classes_),
+            epochs=b.ca_epochs, lr=b.tii_ca_lr, generator=self._ca_gen(k, 1), device=self.device_,
+        )  # fmt: skip
+
+    def _ca_gen(self, k: int, stage: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.config.seed * 1000 + k + 700 + stage)
+
+    def _centroids(self) -> torch.Tensor | None:
+        """Every stored stage-2 centroid (the release's ``cls_mean``), (n, d) float64, or None."""
+        if not self.stats_:
+            return None
+        return torch.cat([mu for mu, _ in self.stats_.values()]).to(self.device_)
+
+    @torch.no_grad()
+    def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+        m = self.config.baseline.prompt_momentum
+        P = self.prompts_[k]
+        P.data.copy_(momentum_prompt(P.detach(), list(self.prompts_[:k]), m))
+        P.requires_grad_(False)
+        t = torch.tensor([k], device=self.device_)
+        hs, ys = [], []
+        for zb, yb in self._plain_pass():
+            with self._autocast():
+                hs.append(self.prompted(zb, t.expand(len(zb))).float().cpu())
+            ys.append(yb)
+        self.stats_.update(
+            class_statistics(
+                torch.cat(hs), torch.cat(ys), self.config.baseline.n_centroids, self.config.seed * 1000 + k
+            )
+        )
+        if k > 0:
+            with torch.enable_grad():
+                self._align_heads(k)
+
+    def _align_heads(self, k: int) -> list[float]:
+        """Stage 2's alignment after task k (k >= 1): every seen task's head (not the prompts) on
+        pseudo-features of every seen class, at ``ca_lr``."""
+        b = self.config.baseline
+        params = list(self.heads_.parameters())
+        for p in params:
+            p.requires_grad_(True)
+        try:
+            return align_on_pseudo_features(
+                lambda x: torch.cat([h(x) for h in self.heads_], 1), params, self.stats_, list(self.classes_),
+                n=self.config.train.batch_size * self.ca_draws[1],
+                steps=sum(len(c) for c in self.task_classes_[:k]),
+                epochs=b.ca_epochs, lr=b.ca_lr, generator=self._ca_gen(k, 2), device=self.device_,
+            )  # fmt: skip
+        finally:
+            for p in params:
+                p.requires_grad_(False)
+
+    def _abort_task(self, k: int) -> None:
+        del self.prompts_[k:]
+        backup = getattr(self, "_backup", None)
+        if backup is not None:
+            del self.tii_.heads[k:]
+            self.tii_.load_state_dict(backup["tii"])
+            for h, sd in zip(self.heads_, backup["heads"]):
+                h.load_state_dict(sd)
+        seen = {c for cs in self.task_classes_[:k] for c in cs}
+        for stats in (self.tii_stats_, self.stats_):
+            for c in [c for c in stats if c not in seen]:
+                del stats[c]
+
+    # ------------------------------------------------------------------ forward
+    def prompt_of(self, k: int) -> torch.Tensor:
+        """Task k's prompt as its training uses it: while task k is open, :func:`momentum_prompt` of its raw
+        prompt and the earlier ones; once closed, the stored prompt (already that)."""
+        P = self.prompts_[k]
+        if P.requires_grad:
+            return momentum_prompt(P, list(self.prompts_[:k]), self.config.baseline.prompt_momentum)
+        return P
+
+    def prompted(
+        self, z: torch.Tensor, task: torch.Tensor | None, prompt: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, d) the class token after the final norm with each input's task e-prompt as prefixes (a given
+        ``prompt`` for every input instead): block ``prompt_layers[j]`` attends to (P[j, 0], P[j, 1])."""
+        B = z.shape[0]
+        if prompt is None:
+            assert task is not None
+            P = torch.stack([self.prompts_[t] for t in range(len(self.prompts_))])[task]  # (B, n, 2, L, d)
+        else:
+            P = prompt[None].expand(B, *prompt.shape)
+        prefixes = {
+            layer: (P[:, j, 0], P[:, j, 1]) for j, layer in enumerate(self.config.baseline.prompt_layers)
+        }
+        return self.run_blocks(self.tokens(z), prefixes)[:, 0]
+
+    def select(self, q: torch.Tensor) -> torch.Tensor:
+        """(B,) the task of each query: the task owning the TII's predicted class among the seen ones."""
+        if not len(self.tii_.heads):
+            raise NotFittedError(f"{self.name}: not fitted; call fit_task first")
+        sizes = [h.out_features for h in self.tii_.heads]
+        owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.as_tensor(sizes)).to(q.device)
+        with torch.autocast(q.device.type, enabled=False):
+            return owner[self.tii_(q.float()).argmax(1)]
+
+    def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
+        """Training: every input under the open task's prompt, and the contrastive loss. Inference: under
+        the prompt of the task its TII predicts."""
+        if not train:
+            return self.prompted(z, self.select(self.query(z)))
+        k = len(self.prompts_) - 1
+        h = self.prompted(z, None, prompt=self.prompt_of(k))
+        reg = self.config.baseline.ortho_weight
+        if reg:
+            groups = h.float().split(self.contrast_group)
+            self.aux_loss = reg * torch.stack([orth_loss(g, self._old_means) for g in groups]).mean().float()
+        return h
+
+    # ------------------------------------------------------------------ inference
+    @torch.no_grad()
+    def infer(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, C_seen) logits of prefix outputs under their TII-selected prompts; (N,) the selected tasks."""
+        if not self.num_tasks or len(self.tii_.heads) != self.num_tasks:
+            raise NotFittedError(f"{self.name}: not fitted; call fit_task first")
+        outs, tasks = [], []
+        for chunk in z.split(self.config.eval.batch_size):
+            chunk = chunk.to(self.device_)
+            t = self.select(self.query(chunk))
+            with self._autocast():
+                h = self.prompted(chunk, t).float()
+            outs.append(torch.cat([head(h) for head in self.heads_], 1).cpu())
+            tasks.append(t.cpu())
+        return torch.cat(outs), torch.cat(tasks)
+
+    def logits_prefix(self, z: torch.Tensor) -> torch.Tensor:
+        return self.infer(z)[0]
+
+    def predict_test(self, cache: TestCache, tau: int, k: int) -> TestOutcome:
+        """Test set tau after task k: the argmax over every seen class under the TII-selected prompt, and the
+        TII's task (its accuracy goes to results.json's ``retrieval_acc``)."""
+        logits, task = self.infer(cache.prefix(tau))
+        return TestOutcome(torch.as_tensor(self.classes_)[logits.argmax(1)], task=task)
+
+
+declare(
+    "hide-prompt",
+    "HiDe-Prompt (Wang et al., NeurIPS 2023): task-identity inference by an MLP head, then a prompt per "
+    "task; both heads aligned on pseudo-features",
+    learner="hide-prompt",
+    baseline__optimizer="adam", baseline__lr=0.03 * 24 / 256, baseline__schedule="hide-step",
+    baseline__clip_grad=1.0, baseline__prompt_length=5, baseline__prompt_layers=[0, 1, 2, 3, 4],
+    baseline__ortho_weight=0.1, baseline__prompt_momentum=0.01, baseline__tii_epochs=20,
+    baseline__tii_lr=5e-4 * 24 / 256, baseline__tii_ca_lr=5e-3 * 24 / 256, baseline__ca_lr=5e-3,
+    baseline__ca_epochs=30, baseline__n_centroids=10,
+)  # fmt: skip
