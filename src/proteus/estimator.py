@@ -165,6 +165,7 @@ class Proteus:
             self.backbone_, scaling=cfg.adapter.scaling, enabled=cfg.adapter.enabled
         )
         self.model_.to(self.device_)
+        self.model_.compile_mode = cfg.compile
         self.eval_transform_ = build_transform(self.backbone_.data_config, train=False)
         train_tf = build_transform(self.backbone_.data_config, train=True, augment=cfg.train.augment)
         self.embedder_ = Embedder(
