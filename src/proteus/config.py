@@ -316,6 +316,9 @@ class RunConfig:
     device: str = "auto"
     #: the backbone's forward passes: "auto" (bfloat16 autocast on CUDA, float32 elsewhere), "bf16", "fp32"
     precision: str = "auto"
+    #: torch.compile of the backbone's inference forwards: "none" (eager), "default", "reduce-overhead",
+    #: "max-autotune" (same results to float round-off; eager with one warning where it cannot compile)
+    compile: str = "none"
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -362,10 +365,10 @@ class RunConfig:
 
     def task_settings(self) -> dict[str, Any]:
         """What a task's record keeps of how it was learned: the keys that may change per task
-        (:data:`PER_TASK_KEYS`) but the device (the learner records the one it resolved), the data's location
-        and the report."""
+        (:data:`PER_TASK_KEYS`) but the device (the learner records the one it resolved), ``compile`` (how
+        fast, not what), the data's location and the report."""
         flat = flatten(self.to_dict())
-        skip = ("device", "report.", "benchmark.")
+        skip = ("device", "compile", "report.", "benchmark.")
         return {k: v for k, v in flat.items() if per_task(k) and not k.startswith(skip)}
 
     def fingerprint(self) -> str:
@@ -393,6 +396,7 @@ LEGACY_DEFAULTS: dict[str, Any] = {
 PER_TASK_KEYS = (
     "device",
     "precision",
+    "compile",
     "train.epochs",
     "train.lr",
     "train.batch_size",

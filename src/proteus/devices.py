@@ -8,23 +8,31 @@
 * Sums by class that give the same bits in every process (:func:`index_add`): a knowledge base learned
   task by task in separate processes, or recovered after a crash, must equal the one a single run writes.
 * Clocks that wait for the device's queued work (per-phase timings of GPU work), and peak GPU memory.
+* ``torch.compile`` of the backbone's inference forwards (``compile`` in the config,
+  :class:`CompiledForward`): the issue's "``torch.compile`` as an option measured in the bench"; eager
+  when it cannot compile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 __all__ = [
+    "COMPILE_MODES",
     "PRECISIONS",
+    "CompiledForward",
     "Precision",
     "autocast",
     "autocast_dtype",
     "clock",
+    "compile_failure",
     "index_add",
     "peak_memory_mb",
     "reset_peak_memory",
@@ -76,6 +84,66 @@ def autocast(device: torch.device, precision: str = "auto") -> Iterator[None]:
     finally:
         if tf32:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+#: ``compile``: ``none`` (eager, the default: the numbers every release wrote) or the ``torch.compile`` mode
+#: of the backbone's inference forwards (same results to float round-off: fused kernels may sum in another
+#: order)
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+
+#: the ``torch.compile`` backend of :class:`CompiledForward` (tests use ``eager``: no C++ build)
+COMPILE_BACKEND = "inductor"
+
+#: why ``torch.compile`` failed in this process (set once; every compiled forward then runs eagerly)
+_compile_failure: str | None = None
+
+
+def compile_failure() -> str | None:
+    """Why ``torch.compile`` failed in this process (None: it has not)."""
+    return _compile_failure
+
+
+class CompiledForward:
+    """``fn`` compiled by ``torch.compile(mode=mode, dynamic=True)`` on its first call, for any device and
+    dtype. Batches of other sizes reuse one graph with a symbolic batch size (ints held by modules, such
+    as a LoRA wrapper's group count, are symbolic too), so a stream of varying batches compiles a few
+    graphs, not one per size. If compiling or running the compiled graph fails (no C++ compiler, an op
+    the compiler does not support), the call runs ``fn`` eagerly, one warning naming the ``compile`` key
+    is given, and every compiled forward of the process stays eager from then on; an error that the
+    eager ``fn`` raises too is raised as is."""
+
+    def __init__(self, fn: Callable[..., Any], mode: str) -> None:
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
+        self.fn, self.mode = fn, mode
+        self._compiled: Callable[..., Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether calls go through ``torch.compile`` (not ``none``, and nothing failed to compile)."""
+        return self.mode != "none" and _compile_failure is None
+
+    def __call__(self, *args: Any) -> Any:
+        global _compile_failure
+        if not self.active:
+            return self.fn(*args)
+        try:
+            if self._compiled is None:
+                mode = None if self.mode == "default" else self.mode
+                self._compiled = torch.compile(self.fn, mode=mode, dynamic=True, backend=COMPILE_BACKEND)
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+                return self._compiled(*args)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler falls back to eager
+            out = self.fn(*args)  # an error of the forward itself is raised here, not hidden
+            reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            _compile_failure = f"{type(e).__name__}: {reason}"
+            warnings.warn(
+                f"compile={self.mode!r}: torch.compile failed ({_compile_failure}); the backbone's forward "
+                "passes run eagerly in this process (set compile=none to silence this)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return out
 
 
 def clock(device: torch.device) -> float:

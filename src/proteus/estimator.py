@@ -167,6 +167,7 @@ class Proteus:
         mb = cfg.eval.merge_budget_mb
         self.model_.merge_budget_bytes = None if mb is None else int(mb * 2**20)
         self.model_.to(self.device_)
+        self.model_.compile_mode = cfg.compile
         self.eval_transform_ = build_transform(self.backbone_.data_config, train=False)
         train_tf = build_transform(self.backbone_.data_config, train=True, augment=cfg.train.augment)
         self.embedder_ = Embedder(

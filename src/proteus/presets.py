@@ -30,7 +30,7 @@ from proteus.config import (
     nest,
     parse_set,
 )
-from proteus.devices import PRECISIONS
+from proteus.devices import COMPILE_MODES, PRECISIONS
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
 from proteus.engine.experts import COMBINATIONS, HEAD_SCOPES
 from proteus.engine.key_space import SPACES
@@ -50,6 +50,7 @@ __all__ = [
 #: key -> allowed values (a registry or a tuple)
 CHOICES: dict[str, Collection[str]] = {
     "precision": tuple(PRECISIONS),
+    "compile": COMPILE_MODES,
     "adapter.transfer": tuple(TRANSFER_INIT),
     "adapter.s_update": S_UPDATES,
     "train.tasks": TRAIN_SCHEDULES,

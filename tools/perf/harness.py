@@ -39,6 +39,10 @@ Figures (the JSON keys; each record holds ``value``, ``target``, ``op``, ``pass`
 ``ridge_sweep_speedup`` (>= 10)
     :meth:`RanPACHead.select_gamma` (one eigendecomposition for all gamma candidates) against
     :meth:`RanPACHead.select_gamma_naive` (RanPAC's one solve per candidate).
+``beyond_paper.compile_speedup`` (>= 1, informative)
+    :meth:`Proteus.predict` eager over the same with ``compile=default`` (``torch.compile`` of the
+    backbone's forwards), interleaved after warm-up; compile time, graphs built and the logits' largest
+    difference in ``details`` (:mod:`perf_compile`).
 
 Peak memory of prediction and of a training step is reported under ``memory`` (CUDA:
 ``max_memory_allocated``; CPU: the peak resident set size sampled every 2 ms by a thread, minus the
@@ -72,6 +76,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from perf_compile import section_compile
 from perf_fits import section_dpgmm, section_train
 from perf_kb import section_kb, section_ridge
 from perf_latency import section_latency
@@ -175,8 +180,12 @@ def _run_sections(
     log: Callable[[str], None],
 ) -> None:
     for name, keys in SECTIONS.items():
-        if only and name not in only:
+        # inductor's compile alone takes minutes on a CPU: the compile section runs there only when named
+        opt_in = name == "compile" and dev.type == "cpu" and s.compile_backend == "inductor"
+        if (only and name not in only) or (opt_in and not only):
             reason = f"section {name!r} skipped (PROTEUS_BENCH_ONLY / --only)"
+            if opt_in and not only:
+                reason = "section 'compile' runs on a CPU only when named (--only compile): minutes of compiling"
             for key in keys:
                 report[key]["reason"] = reason
             if name == "latency":
@@ -197,6 +206,8 @@ def _run_sections(
                 res = section_train(dev, s, log)
             elif name == "kb":
                 res = section_kb(dev, s, log)
+            elif name == "compile":
+                res = section_compile(dev, s, log)
             else:
                 res = section_ridge(dev, s, log)
         except Exception as e:  # noqa: BLE001 - one failing section must not lose the others

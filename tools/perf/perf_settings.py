@@ -26,6 +26,7 @@ BEYOND_FIGURES: dict[str, tuple[str, float]] = {
     "predict_vs_limit_adapt_last6": (">=", 0.7),
     "two_stage_speedup_m50": (">=", 10.0),
     "two_stage_speedup_m100": (">=", 20.0),
+    "compile_speedup": (">=", 1.0),
 }
 
 #: section -> the figure keys it fills
@@ -37,6 +38,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "train": ("train_step_overhead",),
     "kb": ("kb_mb_per_task", "kb_retrieval_acc_delta"),
     "ridge": ("ridge_sweep_speedup",),
+    "compile": (),
 }
 
 #: the paper's inference latency tables (App., "Complexity of PROTEUS Inference"), seconds per batch
@@ -142,6 +144,10 @@ class Settings:
     ridge_classes: int = 10
     ridge_fast_reps: int = 3
     ridge_naive_reps: int = 1
+    # compile_speedup: eager against compile=default predict (the backend: "eager" is dynamo alone)
+    compile_case: Case = field(default_factory=lambda: Case("vit_ti16", 96))
+    compile_backend: str = "inductor"
+    compile_reps: int = 5
 
     @classmethod
     def for_mode(cls, mode: str, device: torch.device) -> Settings:
@@ -158,6 +164,7 @@ class Settings:
             s.train_case, s.train_batch = Case("vit_ti16", 96), 16
             s.kb_retrieval_d, s.kb_tasks, s.kb_train_per_task, s.kb_test_per_task = 256, 5, 1500, 300
             s.ridge_rp_dim = 1000
+            s.compile_case, s.compile_reps = Case("vit_ti16", 64), 3
         elif mode == "tiny":  # a smoke test of every code path (the test suite), not a measurement
             s.threads = 1  # tiny ops on a busy machine: OpenMP barriers would dominate
             s.batch, s.m, s.rp_dim = 4, 3, 256
@@ -173,6 +180,7 @@ class Settings:
             s.kb_tasks, s.kb_retrieval_d, s.kb_classes, s.kb_rp_dim = 3, 32, 4, 128
             s.kb_train_per_task, s.kb_test_per_task = 240, 60
             s.ridge_rp_dim, s.ridge_n, s.ridge_d, s.ridge_fast_reps = 200, 300, 64, 1
+            s.compile_case, s.compile_backend, s.compile_reps = Case("mobilenet_v2", 32), "eager", 1
         elif mode != "full":
             raise ValueError(f"unknown bench mode {mode!r}")
         if device.type == "cuda" and mode != "tiny":
@@ -188,6 +196,7 @@ class Settings:
             s.train_case, s.train_batch, s.train_reps = Case("vit_b16", img), 32, 10
             s.dpgmm_ours_reps = 5
             s.ridge_fast_reps = 5
+            s.compile_case, s.compile_reps = Case("vit_b16", img), 10
         return s
 
 

@@ -15,6 +15,11 @@ weight ``W_0 + B diag(C[t_g]) A^T`` (Eq. 9 summed into the map), chosen from the
 a forward merges the costliest maps first while its tasks' weights fit the budget and runs the rest
 factored, and the least recently used weights leave the cache first, so memory stays bounded however many
 tasks are learned.
+
+Inference forwards (no gradients) of the prefix and the suffix may run through ``torch.compile``
+(``compile_mode``, the config's ``compile``: :class:`proteus.devices.CompiledForward`); training stays eager.
+Compiled forwards run every map factored: the merged form's per-task weight cache and in-place GEMMs break
+dynamo's graph at every map (a recompile per layer shape) and fail inductor's stride checks.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import nn
 
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache
 from proteus.backbones.base import Backbone
+from proteus.devices import CompiledForward, compile_failure
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -44,10 +50,14 @@ class AdaptedBackbone(nn.Module):
     merge_threshold: float = 0.25
     #: the default byte budget of the merged-weight cache (``eval.merge_budget_mb``: 1 GiB)
     DEFAULT_MERGE_BUDGET = 1 << 30
+    #: the config's ``compile`` (:data:`proteus.devices.COMPILE_MODES`): "none" runs every forward eagerly;
+    #: otherwise the prefix and suffix forwards without gradients go through ``torch.compile`` in that mode
+    compile_mode: str = "none"
 
     def __init__(self, backbone: Backbone, scaling: float = 1.0, enabled: bool = True) -> None:
         super().__init__()
         self.backbone = backbone
+        self._compiled: dict[str, CompiledForward] = {}
         self._plan: tuple[tuple, list[str]] = ((), [])
         self.wrappers: dict[str, LoRAWrapper] = {}
         self.units: dict[str, LoRAUnit] = {}
@@ -186,7 +196,7 @@ class AdaptedBackbone(nn.Module):
         if tasks is None:
             yield
             return
-        plan = self.merged_maps(len(set(tasks))) if self.merge != "never" else set()
+        plan = self.merged_maps(len(set(tasks))) if self.merge != "never" and not self._compiles() else set()
         for name, w in self.wrappers.items():
             units = list(w.units.values())
             cols = [u.used_columns(tasks) for u in units]
@@ -207,20 +217,35 @@ class AdaptedBackbone(nn.Module):
             for w in self.wrappers.values():
                 w.groups, w.sizes, w.merged = 1, None, None
 
+    def _compiles(self) -> bool:
+        """Whether forwards now go through ``torch.compile`` (a mode set, no gradients, no failure)."""
+        return self.compile_mode != "none" and not torch.is_grad_enabled() and compile_failure() is None
+
+    def _forward(self, part: str, x: torch.Tensor) -> torch.Tensor:
+        """The backbone's ``forward_prefix`` or ``forward_suffix`` (``part``) of ``x``: compiled once per
+        process and mode (:attr:`compile_mode`) when no gradient is needed, eager otherwise."""
+        fn = self.backbone.forward_prefix if part == "prefix" else self.backbone.forward_suffix
+        if not self._compiles():
+            return fn(x)
+        c = self._compiled.get(part)
+        if c is None or c.mode != self.compile_mode:
+            c = self._compiled[part] = CompiledForward(fn, self.compile_mode)
+        return c(x)
+
     def prefix(self, x: torch.Tensor) -> torch.Tensor:
         """The frozen prefix h_0(x), shared by all tasks."""
         with torch.no_grad():
-            return self.backbone.forward_prefix(x)
+            return self._forward("prefix", x)
 
     def suffix(self, z: torch.Tensor, tasks: list[int] | None = None, kind: str = "task") -> torch.Tensor:
         """Embed prefix outputs. ``tasks=None``: the open task's training composition, (N, d).
         Otherwise one group per entry of ``tasks``: (G, N, d)."""
         if tasks is None:
-            return self.backbone.forward_suffix(z)
+            return self._forward("suffix", z)
         G, n = len(tasks), z.shape[0]
         zz = z.repeat(G, *([1] * (z.dim() - 1)))
         with self.compose(tasks, kind):
-            h = self.backbone.forward_suffix(zz)
+            h = self._forward("suffix", zz)
         return h.reshape(G, n, -1)
 
     def suffix_grouped(
@@ -231,7 +256,7 @@ class AdaptedBackbone(nn.Module):
         if sum(sizes) != z.shape[0] or len(sizes) != len(tasks):
             raise ValueError(f"sizes {sizes} must give one group per task and add up to {z.shape[0]}")
         with self.compose(tasks, kind, sizes):
-            return self.backbone.forward_suffix(z)
+            return self._forward("suffix", z)
 
     def suffix_each(self, z: torch.Tensor, tasks: torch.Tensor, kind: str = "task") -> torch.Tensor:
         """(N, d): row i of ``z`` under composition ``tasks[i]``, one forward (rows grouped by task)."""

@@ -26,7 +26,7 @@ from proteus.cli.commands import (
     cmd_serve,
     cmd_weights,
 )
-from proteus.devices import PRECISIONS
+from proteus.devices import COMPILE_MODES, PRECISIONS
 
 EPILOG = """\
 examples:
@@ -92,7 +92,27 @@ def _add_run_args(p: argparse.ArgumentParser, benchmark_required: bool = True) -
     p.add_argument("--seed", type=int, help="seed (class order stays benchmark.class_order_seed)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: auto)")
     _add_precision(p)
+    p.add_argument(
+        "--compile",
+        action=_CompileAction,
+        choices=COMPILE_MODES,
+        help="torch.compile the backbone's inference forwards in this mode (default none: eager; same "
+        "results to float round-off); the same as --set compile=MODE",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+class _CompileAction(argparse.Action):
+    """``--compile MODE`` is ``--set compile=MODE`` (in the order given among the --set options)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        namespace.set = [*(getattr(namespace, "set", None) or []), f"compile={values}"]
 
 
 class _TrackAction(argparse.Action):
