@@ -185,7 +185,7 @@ def _run_sections(
         if (only and name not in only) or (opt_in and not only):
             reason = f"section {name!r} skipped (PROTEUS_BENCH_ONLY / --only)"
             if opt_in and not only:
-                reason = "section 'compile' runs on a CPU only when named (--only compile): minutes of compiling"
+                reason = "section 'compile' runs on a CPU only when named (--only compile): slow to compile"
             for key in keys:
                 report[key]["reason"] = reason
             if name == "latency":
