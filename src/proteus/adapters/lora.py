@@ -307,6 +307,19 @@ class MergedCache:
                 w = self.entries.pop(key)
                 self.nbytes -= w.numel() * w.element_size()
 
+    def fitting(self, sizes: list[tuple[str, int]], n_tasks: int, bounded: bool = True) -> set[str]:
+        """Of maps ``(name, bytes of one task's merged weight)``, costliest first: those whose merged
+        weights for ``n_tasks`` tasks fit the budget together (all of them when not ``bounded``)."""
+        left = self.budget if bounded else None
+        out = set()
+        for name, size in sizes:
+            if left is not None:
+                if n_tasks * size > left:
+                    continue
+                left -= n_tasks * size
+            out.add(name)
+        return out
+
     def drop(self, owner: int) -> None:
         for key in [k for k in self.entries if k[0] == owner]:
             w = self.entries.pop(key)

@@ -153,19 +153,10 @@ class AdaptedBackbone(nn.Module):
         return plan
 
     def merged_maps(self, n_tasks: int) -> set[str]:
-        """The maps a forward over ``n_tasks`` distinct compositions runs merged: :meth:`merge_plan`'s,
-        costliest first, while their merged weights for those tasks fit the budget together (every
-        planned map with ``merge = "always"``)."""
-        left = self.merge_budget_bytes if self.merge == "auto" else None
-        out = set()
-        for name in self.merge_plan():
-            need = n_tasks * self.wrappers[name].merged_bytes_per_task()
-            if left is not None:
-                if need > left:
-                    continue
-                left -= need
-            out.add(name)
-        return out
+        """The maps a forward over ``n_tasks`` distinct compositions runs merged: :meth:`merge_plan`'s
+        that fit the budget together (:meth:`MergedCache.fitting`; all of them with ``"always"``)."""
+        sizes = [(name, self.wrappers[name].merged_bytes_per_task()) for name in self.merge_plan()]
+        return self.merged_cache.fitting(sizes, n_tasks, bounded=self.merge == "auto")
 
     def merged_nbytes(self) -> int:
         """Bytes of merged weights in the cache (at most ``merge_budget_bytes`` between forwards)."""
