@@ -21,10 +21,11 @@ What differs from scikit-learn is how the updates are computed, never what they 
   the scatter matrices only (``N_k`` and the component means use every point); the relative effect on
   the covariances is below ``N * 1e-12``.
 * All Mahalanobis terms of the E-step are one matrix product with the stacked factors. For large
-  problems the E-step is screened (see :meth:`DPGMM._weighted_log_prob`): exact upper bounds from
-  low-dimensional marginals, or a float32 pass with a generous error bound, select the (sample,
-  component) pairs that can be within 50 nats of a sample's best; only those are computed in full
-  float64. The others have responsibilities below ``exp(-50)`` relative to the best and keep their bound.
+  problems the E-step is screened (see :meth:`DPGMM._weighted_log_prob`): a bfloat16 pass (where
+  bfloat16 products are native, e.g. CPUs with AVX512-BF16), exact upper bounds from low-dimensional
+  marginals, or a float32 pass, each with a generous error bound, select the (sample, component) pairs
+  that can be within 50 nats of a sample's best; only those are computed in full float64. The others
+  have responsibilities below ``exp(-50)`` relative to the best and keep their bound.
 * The k-means initialisation (:func:`~proteus.signatures.kmeans.kmeans`) draws its k-means++ seeds
   from ``numpy.random.RandomState(random_state)`` exactly as scikit-learn's ``KMeans`` does, so the same
   ``random_state`` gives the same initial partition and hence the same fit as scikit-learn (the DP-GMM
@@ -326,6 +327,10 @@ class DPGMM(VariationalPosterior):
         Large float64 problems are screened first, so that only the pairs (row, component) that can
         matter get the full ``O(d s_k)`` Mahalanobis computation, in float64:
 
+        0. where bfloat16 products are native (:func:`~proteus.signatures.woodbury.bf16_is_fast`), the
+           product in bfloat16 with an assumed error of ``_BF16_REL_ERR`` (16 bfloat16 units) of its
+           magnitude; the best pair of each row is computed exactly and every pair whose estimate plus
+           error reaches within ``_SCREEN_MARGIN`` of it too (``screen_bf16 = False`` skips the stage);
         1. upper bounds from each component's marginal on the ``_MARGINAL_DIM`` leading eigen-directions
            of the covariance prior (exact bounds, see :func:`~proteus.signatures.woodbury.marginal_bounds`);
            the best-bounded pair of each row is computed exactly, and every pair whose bound is within
