@@ -155,13 +155,17 @@ def test_predict_proba_rows_sum_to_one() -> None:
         assert len(np.unique(labels[pred == c])) == 1
 
 
-@pytest.mark.parametrize(("marginal_max", "stage"), [(1.0, "marginal"), (0.0, "float32"), (-1.0, "plain")])
+@pytest.mark.parametrize(
+    ("marginal_max", "stage"), [(1.0, "bfloat16"), (1.0, "marginal"), (0.0, "float32"), (-1.0, "plain")]
+)
 def test_screened_e_step_matches_sklearn(
     monkeypatch: pytest.MonkeyPatch, marginal_max: float, stage: str
 ) -> None:
     """The screening stages of the E-step (used for large problems) give scikit-learn's fit."""
     import proteus.signatures.dpgmm as mod
 
+    if stage == "bfloat16" and not mod.bf16_is_fast(torch.device("cpu")):
+        pytest.skip("bfloat16 products are not native on this CPU")
     monkeypatch.setattr(mod, "_SCREEN_MIN_WORK", 0)
     monkeypatch.setattr(mod, "_MARGINAL_DIM", 8)
     monkeypatch.setattr(mod, "_MARGINAL_MAX_FRACTION", marginal_max)
@@ -170,8 +174,13 @@ def test_screened_e_step_matches_sklearn(
     X, _ = _clusters(64, 500, 4, seed=5)
     Xtr, Xte = X[:300], X[300:]
     ref = _sklearn(Xtr, 10)
-    ours = DPGMM(n_components=10)._fit(Xtr, _sklearn_init_resp(Xtr, 10))
-    if stage == "marginal":
+    ours = DPGMM(n_components=10)
+    ours.screen_bf16 = stage == "bfloat16"
+    ours._fit(Xtr, _sklearn_init_resp(Xtr, 10))
+    if stage == "bfloat16":
+        assert 0.0 < ours._bf16_hits <= mod._BF16_MAX_FRACTION
+        assert ours._marg_hits == 0.0 and ours._screen_hits == 0.0
+    elif stage == "marginal":
         assert 0.0 < ours._marg_hits <= 1.0 and ours._screen_hits == 0.0
     elif stage == "float32":
         assert 0.0 < ours._screen_hits <= mod._SCREEN_MAX_FRACTION
@@ -180,3 +189,22 @@ def test_screened_e_step_matches_sklearn(
     assert _rel(ours.covariances_.numpy(), ref.covariances_) < 1e-8
     np.testing.assert_allclose(ours.score_samples(Xte).numpy(), ref.score_samples(Xte), rtol=1e-9)
     assert np.array_equal(ours.predict(Xte).numpy(), ref.predict(Xte))
+
+
+def test_bf16_screening_error_within_its_assumed_bound() -> None:
+    """The bfloat16 pass's error stays well inside the bound the screening assumes (``_BF16_REL_ERR`` of
+    the magnitude), also for far-apart, tight clusters (large inputs, small Mahalanobis terms)."""
+    from proteus.signatures.dpgmm import _BF16_REL_ERR
+    from proteus.signatures.woodbury import augment_bf16, maha_bf16, maha_over_dof
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    for d, n, k, sep in [(64, 600, 4, 6.0), (64, 600, 4, 300.0), (96, 900, 5, 2.0)]:
+        X, _ = _clusters(d, n, k, seed=1, sep=sep)
+        gm = DPGMM(n_components=10, max_iter=1)
+        gm.screen = False
+        gm.fit(X)
+        Xr, f = gm._rotate(X), gm._factors
+        exact, _ = maha_over_dof(f, gm._means_r, Xr, None, False, 1 << 24)
+        approx, mag = maha_bf16(f, gm._means_r, Xr, augment_bf16(Xr), None, 1 << 20)
+        assert float(((approx - exact).abs() / mag).max()) < _BF16_REL_ERR / 4

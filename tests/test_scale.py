@@ -33,8 +33,10 @@ def test_default_storage_agrees_with_full_covariances(method: str) -> None:
 
 
 def test_defaults_store_exactly() -> None:
-    """No method stores approximate covariances by default: full, or shared with every factor row."""
+    """No method stores approximate covariances by default: full (float32), or shared with every factor
+    row (float16 rows, ~1e-5 of float32: "auto"); float32 stays available as the exact option."""
     for method in ("proteus-paper", "proteus"):
         cfg = resolve_config(None, method).signature
         assert cfg.covariance == "full" or (cfg.covariance == "shared" and cfg.rank is None), method
-        assert cfg.storage_dtype == "float32", method
+        assert cfg.storage_dtype == "auto", method
+    assert STORAGES["full"]["storage_dtype"] == STORAGES["shared"]["storage_dtype"] == "float32"

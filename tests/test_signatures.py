@@ -310,7 +310,8 @@ def test_shared_equals_full_when_the_factors_fit(method: str, n: int) -> None:
     train, test, _ = _tasks(seed=8)
     X = torch.cat(test)
     full = fit_signature(train[0][:n], _cfg(method=method), seed=3)
-    shared = fit_signature(train[0][:n], _cfg(method=method, covariance="shared", rank=D), seed=3)
+    cfg = _cfg(method=method, covariance="shared", rank=D, storage_dtype="float32")  # the exact option
+    shared = fit_signature(train[0][:n], cfg, seed=3)
     assert shared.components.kind == "shared" and shared.n_active == full.n_active
     assert _rel_nll_error(full.score(X), shared.score(X)).max().item() < 1e-4
     torch.testing.assert_close(shared.logdets(), full.logdets(), rtol=1e-5, atol=1e-3)
@@ -357,8 +358,16 @@ def test_shared_approximation_beyond_the_budget() -> None:
 def test_shared_float16_storage_and_bit_exact_round_trip(tmp_path: Path) -> None:
     train, test, _ = _tasks(seed=11)
     X = torch.cat(test)
-    for kw in ({"calibrate": "standardize", "normalize": "l2"}, {"method": "kmeans"}, {"rank": 4}):
+    for kw in (
+        {"calibrate": "standardize", "normalize": "l2"},
+        {"method": "kmeans"},
+        {"rank": 4},
+        {"storage_dtype": "float32"},
+    ):
         sig = fit_signature(train[1], _cfg(covariance="shared", **kw), seed=7)
+        # the default ("auto") stores kind "shared" compactly; a fresh signature already scores as stored
+        compact = kw.get("storage_dtype", "auto") != "float32"
+        assert sig.storage_dtype == ("float16" if compact else "float32")
         tensors, meta = sig.to_tensors()
         assert meta["covariance"] == "shared" and meta["rank"] == sig.components.rank
         save_file(tensors, str(tmp_path / "sig.safetensors"))
@@ -371,10 +380,18 @@ def test_shared_float16_storage_and_bit_exact_round_trip(tmp_path: Path) -> None
         assert m2 == meta and t2.keys() == tensors.keys()
         assert all(torch.equal(t2[k], tensors[k]) for k in tensors)
         assert loaded.nbytes() == sig.nbytes() == sum(v.numel() * v.element_size() for v in tensors.values())
-        # float16 storage: only the low-rank rows shrink (the d x d prior stays float32)
+        if compact:  # float16 rows; the eigenbasis as float32 Householder vectors, d (d - 1) / 2 values
+            d = sig.d
+            assert tensors["lowrank"].dtype == torch.float16 and "prior_evecs" not in tensors
+            assert tensors["prior_qr"].dtype == torch.float32 and tensors["prior_qr"].shape == (
+                d * (d - 1) // 2,
+            )
+            continue
+        assert tensors["lowrank"].dtype == torch.float32 and tensors["prior_evecs"].dtype == torch.float32
+        # the exact float32 storage against float16 storage of the same fit
         sig.storage_dtype = "float16"
         t16, m16 = sig.to_tensors()
-        assert t16["lowrank"].dtype == torch.float16 and t16["prior_evecs"].dtype == torch.float32
+        assert t16["lowrank"].dtype == torch.float16 and t16["prior_qr"].dtype == torch.float32
         half = Signature.from_tensors(t16, m16)
         ref, got = sig.raw_score(X), half.raw_score(X)
         assert got.dtype == torch.float32
@@ -425,3 +442,23 @@ def test_config_accepts_shared_covariance() -> None:
     cfg.signature.covariance = "diag"
     with pytest.raises(Exception, match="signature.covariance"):
         validate(cfg)
+
+
+def test_compact_shared_storage_passes_the_kb_tensor_rules() -> None:
+    """A float16 "shared" signature (prior_qr instead of prior_evecs) is a valid task object, and an old
+    float32 one (prior_evecs) still is; without either basis the object is incomplete."""
+    from proteus.kb.tensors import Obj, check_objects
+
+    train, _, _ = _tasks(seed=4)
+    names = {torch.float32: "F32", torch.float16: "F16", torch.int64: "I64"}
+    for dtype in ("float16", "float32"):
+        sig = fit_signature(train[0], _cfg(covariance="shared", storage_dtype=dtype), seed=1)
+        tensors, meta = sig.to_tensors()
+        assert ("prior_qr" in tensors) == (dtype == "float16")
+        shapes = {f"signature/{k}": (names[v.dtype], tuple(v.shape)) for k, v in tensors.items()}
+        record = {"index": 0, "classes": [0, 1], "signature": meta}
+        totals = {"signature/ranks": int(tensors["ranks"].sum())}
+        assert check_objects([record], [Obj("task index 0", "t", record, 0, shapes, totals=totals)]) == []
+        del shapes["signature/prior_qr" if dtype == "float16" else "signature/prior_evecs"]
+        problems = check_objects([record], [Obj("task index 0", "t", record, 0, shapes, totals=totals)])
+        assert len(problems) == 1 and "prior_qr" in problems[0], problems

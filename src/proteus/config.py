@@ -138,8 +138,11 @@ class SignatureConfig:
     max_iter: int = 100
     tol: float = 1e-3
     reg_covar: float = 1e-6
-    #: storage dtype of signature factors in the KB: "float32" or "float16"
-    storage_dtype: str = "float32"
+    #: storage dtype of signature factors in the KB: "auto" (default: float16 for ``covariance = "shared"``,
+    #: whose low-rank rows then take half the bytes and its eigenbasis is stored as float32 Householder
+    #: vectors, scores within ~1e-5 of float32 and the same retrieval in the scale check; float32 for
+    #: "full" and "ppca", whose float16 factors move scores by ~1e-3), "float32" (exact) or "float16"
+    storage_dtype: str = "auto"
 
 
 @dataclass

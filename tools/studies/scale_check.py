@@ -32,7 +32,7 @@ import torch
 
 from proteus.heads import RanPACHead
 from proteus.presets import resolve_config
-from proteus.signatures import fit_clusters, retrieve, signature_from_fit
+from proteus.signatures import Signature, fit_clusters, retrieve, signature_from_fit
 
 #: storage options compared with "full" (signature.* overrides); "shared" keeps every factor row (exact)
 STORAGES: dict[str, dict[str, Any]] = {
@@ -105,6 +105,12 @@ def _head(cfg: Any, d: int, rp_dim: int) -> RanPACHead:
     )  # fmt: skip
 
 
+def _stored(sig: Signature) -> Signature:
+    """``sig`` after a round trip through its stored tensors (what a knowledge base loads)."""
+    tensors, meta = sig.to_tensors()
+    return Signature.from_tensors(tensors, meta)
+
+
 def run_recipe(
     stream: SyntheticStream, method: str, rp_dim: int, storages: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
@@ -136,7 +142,8 @@ def run_recipe(
     for name, over in storages.items():
         sc = replace(sig_cfg, **over)
         t0 = time.perf_counter()
-        sigs = [signature_from_fit(train_h[k], sc, fits[k]) for k in range(s.tasks)]
+        # as the knowledge base stores them: through the stored tensors (float16 rows are rounded there)
+        sigs = [_stored(signature_from_fit(train_h[k], sc, fits[k])) for k in range(s.tasks)]
         build_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         task = retrieve([sigs[j].score(H_all[j]) for j in range(s.tasks)]).task

@@ -115,7 +115,7 @@ def _stores_prototypes(record: Any) -> bool:
 
 #: tensors an object must hold when its record says so: (object kind, record path ("" the record itself;
 #: else also the tensors' prefix), condition on what is there, tensor names; ``a|b``: one of them)
-_SIGNATURE_TENSORS = ("means", "weights", "center", "logdet", "prec_chol|U|prior_evecs")
+_SIGNATURE_TENSORS = ("means", "weights", "center", "logdet", "prec_chol|U|prior_evecs|prior_qr")
 REQUIRED: tuple[tuple[str, str, Any, tuple[str, ...]], ...] = (
     ("head", "", _fitted_ranpac, ("G", "Q", "counts", "W_out")),
     ("head", "", lambda r: _fitted_ranpac(r) and _positive_int(r.get("rp_dim")), ("W_rand",)),
@@ -131,8 +131,10 @@ TOGETHER: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("task", r"forget/(?:h|y)", ("forget/h", "forget/y")),
     ("task", r"(?P<g>lda|shortlist|novelty)/(?:x|y)", ("{g}/x", "{g}/y")),
     ("task", rf"{_SIG}/(?:U|lam|sigma2)", ("{s}/U", "{s}/lam", "{s}/sigma2")),
-    ("task", rf"{_SIG}/(?:prior_evecs|prior_evals|lowrank|ranks|iso|ridge)",
-     tuple(f"{{s}}/{n}" for n in ("prior_evecs", "prior_evals", "lowrank", "ranks", "iso", "ridge"))),
+    # kind "shared": the eigenbasis as prior_evecs (d, d) or, stored compactly, as prior_qr (its Householder
+    # vectors, d (d - 1) / 2; signatures/householder.py)
+    ("task", rf"{_SIG}/(?:prior_evecs|prior_qr|prior_evals|lowrank|ranks|iso|ridge)",
+     tuple(f"{{s}}/{n}" for n in ("prior_evals", "lowrank", "ranks", "iso", "ridge"))),
 )  # fmt: skip
 _ADAPTER_MAP = re.compile(r"adapter/(?P<g>.+)/A")
 

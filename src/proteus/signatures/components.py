@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from proteus.registry import Registry
+from proteus.signatures.householder import unpack_orthogonal
 from proteus.signatures.posterior import PosteriorFactors
 
 __all__ = ["COVARIANCES", "ComponentSource", "GaussianComponents", "compute_dtype"]
@@ -85,6 +86,8 @@ class GaussianComponents(ABC):
     #: those of them with one entry per component (:meth:`select` indexes them)
     per_component: ClassVar[tuple[str, ...]]
     rank: int | None = None
+    #: the compactly stored eigenbasis this object was loaded from (kind "shared"), if any
+    _packed_basis: Tensor | None = None
 
     weights: Tensor
     means: Tensor
@@ -128,6 +131,14 @@ class GaussianComponents(ABC):
     def from_tensors(cls, tensors: dict[str, Tensor]) -> GaussianComponents:
         """Rebuild from :meth:`to_tensors`'s dict, of whichever kind it holds (float16 factors are
         upcast to float32)."""
+        packed = None
+        if "prior_qr" in tensors and "prior_evecs" not in tensors and "means" in tensors:
+            # kind "shared" stored compactly (float16 factors): the eigenbasis as Householder vectors
+            packed = tensors["prior_qr"]
+            V = unpack_orthogonal(packed, int(tensors["means"].shape[-1]))
+            tensors = {k: v for k, v in tensors.items() if k != "prior_qr"} | {
+                "prior_evecs": V.to(packed.dtype)
+            }
         kinds = [COVARIANCES.get(name) for name in COVARIANCES]
         kind = next((k for k in kinds if k.factor_names[0] in tensors), None)
         if kind is None:
@@ -139,7 +150,9 @@ class GaussianComponents(ABC):
         floats = [k for k in need if tensors[k].is_floating_point()]
         wide = max((tensors[k].dtype for k in floats), key=lambda dt: torch.finfo(dt).bits)
         cdt = compute_dtype(wide)
-        return kind._stored({k: (tensors[k].to(cdt) if k in floats else tensors[k]) for k in need})
+        obj = kind._stored({k: (tensors[k].to(cdt) if k in floats else tensors[k]) for k in need})
+        obj._packed_basis = packed  # stored again as it came (bit-identical round trips)
+        return obj
 
     def to_tensors(self, dtype: str | torch.dtype = torch.float32) -> dict[str, Tensor]:
         """Tensors for safetensors: the big factor in ``dtype`` (float16/float32), the rest float32+."""

@@ -197,9 +197,7 @@ class VariationalPosterior:
         for name in ("weights_", "means_", "degrees_of_freedom_", "mean_precision_"):
             if not bool(torch.isfinite(getattr(self, name)).all()):
                 raise SignatureFitError(f"the DP-GMM fit produced non-finite {name.rstrip('_')}")
-        if not bool(
-            torch.isfinite(self._factors.FT).all() and torch.isfinite(self._factors.logdet_num).all()
-        ):
+        if not self._factors.all_finite():
             raise SignatureFitError("the DP-GMM fit produced non-finite covariance factors")
 
     # ------------------------------------------------------------------ helpers

@@ -75,7 +75,17 @@ _MIN_WEIGHT = 1e-3
 _MIN_POINTS = 2
 _MAD_TO_SIGMA = 1.4826
 _FORMAT = 1
-_STORAGE = ("float32", "float16")
+#: ``signature.storage_dtype``: "auto" stores kind "shared" in float16 (its low-rank rows; the eigenbasis
+#: as float32 Householder vectors: within 1e-5 of float32, half the bytes) and the other kinds in float32
+_STORAGE = ("auto", "float32", "float16")
+
+
+def _resolve_storage(name: str, kind: str) -> str:
+    """The concrete storage dtype of ``signature.storage_dtype`` for components of ``kind``."""
+    if name == "auto":
+        return "float16" if kind == "shared" else "float32"
+    return name
+
 
 T = TypeVar("T")
 
@@ -260,7 +270,8 @@ class Signature:
 
     def to_tensors(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """``(tensors, meta)``: tensors (CPU) in ``storage_dtype`` for safetensors, meta for JSON."""
-        t = {k: v.cpu() for k, v in self.components.to_tensors(self.storage_dtype).items()}
+        dtype = _resolve_storage(self.storage_dtype, self.components.kind)
+        t = {k: v.cpu() for k, v in self.components.to_tensors(dtype).items()}
         return t, self.meta
 
     @classmethod
@@ -350,8 +361,12 @@ def signature_from_fit(H: Tensor, cfg: SignatureConfig, fit: ClusterFit) -> Sign
         active = ((weights >= _MIN_WEIGHT) & (counts >= _MIN_POINTS)).nonzero().flatten()
         if active.numel() == 0:
             active = weights.argmax().reshape(1)
+        storage = _resolve_storage(cfg.storage_dtype, cfg.covariance)
+        comps = kind.from_fit(fit, active, cfg.rank, N)
+        if storage != "float32":  # score as the stored (rounded) factors score, before and after a reload
+            comps = GaussianComponents.from_tensors(comps.to_tensors(storage))
         sig = Signature(
-            kind.from_fit(fit, active, cfg.rank, N),
+            comps,
             method=cfg.method,
             normalize=cfg.normalize,
             score_kind=cfg.score,
@@ -360,7 +375,7 @@ def signature_from_fit(H: Tensor, cfg: SignatureConfig, fit: ClusterFit) -> Sign
             lower_bound=fit.lower_bound,
             n_iter=fit.n_iter,
             converged=fit.converged,
-            storage_dtype=cfg.storage_dtype,
+            storage_dtype=storage,
         )
         sig.calibration = calibration.fit(sig, H)
         scores = sig.raw_score(H[: min(N, 256)])

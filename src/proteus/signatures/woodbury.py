@@ -28,7 +28,10 @@ from torch import Tensor
 from proteus.signatures.errors import SignatureFitError
 from proteus.signatures.kmeans import mm_nt
 
-__all__ = ["MahalanobisFactors", "base_term", "factorise", "maha_over_dof", "maha_pairs", "marginal_bounds"]
+__all__ = [
+    "MahalanobisFactors", "augment_bf16", "base_term", "bf16_is_fast", "factorise", "maha_bf16",
+    "maha_over_dof", "maha_pairs", "marginal_bounds",
+]  # fmt: skip
 
 
 @dataclass
@@ -40,15 +43,37 @@ class MahalanobisFactors:
     ``bounds[k][0]:bounds[k][1]`` of ``FT``.
     """
 
-    FT: Tensor  # (R, d) stacked factor rows
-    off: Tensor  # (R,) FT row . m_k
+    parts: list[Tensor]  # T factor blocks (r_k, d): component k's rows of FT
+    part_off: list[Tensor]  # T offsets (r_k,): FT_k m_k
     S: Tensor  # (R, T) signed component indicator: +1 dense, -1 Woodbury
     bounds: list[tuple[int, int]]
     wood: Tensor  # (T,) bool
     inv_D: Tensor  # (T, d) 1 / (e + N_k reg_covar)
     logdet_num: Tensor  # (T,) log|Num_k|
     low: tuple[Tensor, Tensor] | None = None  # float32 copies of (FT, off) for the screening pass
+    bf16: Tensor | None = None  # bfloat16 [FT, -off] (R, d + 1) for the bfloat16 screening pass
     marg: tuple[Tensor, Tensor, Tensor] | None = None  # marginal factors, offsets, block sums
+    _stacked: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def FT(self) -> Tensor:
+        """(R, d) stacked factor rows (built on first use)."""
+        return self._stack()[0]
+
+    @property
+    def off(self) -> Tensor:
+        """(R,) ``FT`` row . m_k."""
+        return self._stack()[1]
+
+    def _stack(self) -> tuple[Tensor, Tensor]:
+        if self._stacked is None:
+            self._stacked = (torch.cat(self.parts, 0), torch.cat(self.part_off, 0))
+        return self._stacked
+
+    def all_finite(self) -> bool:
+        """Whether every factor and log-determinant is finite (a non-finite entry makes its sum so)."""
+        sums = torch.stack([p.sum() for p in self.parts] + [self.logdet_num.sum()])
+        return bool(torch.isfinite(sums).all())
 
 
 def factorise(B_list: list[Tensor], D: Tensor, means: Tensor) -> MahalanobisFactors:
@@ -103,18 +128,18 @@ def factorise(B_list: list[Tensor], D: Tensor, means: Tensor) -> MahalanobisFact
             logdet[k] = ld[i]
     rows = [f for f in FT if f is not None]
     assert len(rows) == T
-    FT_all = torch.cat(rows, 0)
     sizes = [f.shape[0] for f in rows]
+    R = sum(sizes)
     ends = np.cumsum(sizes).tolist()
     bounds = [(e - n, e) for n, e in zip(sizes, ends)]
     seg = torch.repeat_interleave(torch.arange(T, device=device), torch.tensor(sizes, device=device))
-    off = (FT_all * means.index_select(0, seg)).sum(1)
+    offs = [rows[k] @ means[k] for k in range(T)]
     sign_t = torch.tensor(sign, dtype=dtype, device=device)
-    S = torch.zeros((FT_all.shape[0], T), dtype=dtype, device=device)
-    S[torch.arange(FT_all.shape[0], device=device), seg] = sign_t.index_select(0, seg)
+    S = torch.zeros((R, T), dtype=dtype, device=device)
+    S[torch.arange(R, device=device), seg] = sign_t.index_select(0, seg)
     return MahalanobisFactors(
-        FT=FT_all,
-        off=off,
+        parts=rows,
+        part_off=offs,
         S=S,
         bounds=bounds,
         wood=sign_t < 0,
@@ -172,6 +197,58 @@ def maha_over_dof(
     return out.clamp_min_(0.0), mag
 
 
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether bfloat16 matrix products are native here (a CPU with AVX512-BF16 or AMX through oneDNN:
+    several times float32's throughput; elsewhere they are emulated and slower)."""
+    if device.type != "cpu":
+        return False
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def augment_bf16(Xr: Tensor) -> Tensor:
+    """``[Xr, 1]`` in bfloat16 (N, d + 1): the input of :func:`maha_bf16`."""
+    return torch.cat([Xr, Xr.new_ones((Xr.shape[0], 1))], 1).to(torch.bfloat16)
+
+
+def maha_bf16(
+    f: MahalanobisFactors, m: Tensor, Xr: Tensor, A: Tensor, x2: Tensor | None, chunk_elements: int
+) -> tuple[Tensor, Tensor]:
+    """:func:`maha_over_dof` with the big product in bfloat16 (the first screening pass), and a magnitude
+    (N, T) that bounds its rounding error (relative). ``A``: :func:`augment_bf16` of ``Xr``.
+
+    The offsets ``FT m_k`` enter the product as an extra column (``[x, 1] . [FT_j, -off_j]``), so each
+    output is ``FT_j (x - m_k)`` rounded once to bfloat16 relative to itself; the squares, the sums per
+    component and the Woodbury components' leading term are float32 / input dtype. The error is then a
+    few bfloat16 units (2^-8) of the magnitude ``sum_j |FT_j (x - m_k)|^2 + ||x - m_k||^2_{D^-1}``.
+    """
+    T = f.S.shape[1]
+    N = Xr.shape[0]
+    if f.bf16 is None:
+        f.bf16 = torch.cat(
+            [torch.cat([p, -o[:, None]], 1).to(torch.bfloat16) for p, o in zip(f.parts, f.part_off)], 0
+        )
+    Bm = f.bf16
+    ind = f.S.abs().float()  # (R, T) component indicator
+    R = Bm.shape[0]
+    ssq = torch.empty((N, T), dtype=torch.float32, device=Xr.device)  # sum_j |FT_j (x - m_k)|^2
+    chunk = max(1, chunk_elements // max(R, T, 1))
+    for s in range(0, N, chunk):
+        Y = (A[s : s + chunk] @ Bm.T).float()
+        Y.square_()
+        ssq[s : s + chunk] = Y @ ind
+    mag = ssq.to(Xr.dtype)
+    q = mag * torch.where(f.wood, -1.0, 1.0).to(Xr.dtype)[None, :]
+    if bool(f.wood.any()):
+        base = base_term(f, m, Xr, x2)
+        base = torch.where(f.wood[None, :], base, torch.zeros_like(base))
+        q += base
+        mag += base
+    return q.clamp_min_(0.0), mag
+
+
 def marginal_bounds(
     f: MahalanobisFactors, B_list: list[Tensor], m: Tensor, Xr: Tensor, p: int, chunk_elements: int
 ) -> Tensor:
@@ -212,12 +289,12 @@ def maha_pairs(
     """Exact ``maha/dof`` for the (row, component) pairs marked in ``cand`` (N, T): per component,
     ``(rows, k, values)``."""
     out = []
-    for k, (a, b) in enumerate(f.bounds):
+    for k in range(len(f.bounds)):
         rows = cand[:, k].nonzero().flatten()
         if rows.numel() == 0:
             continue
         xs = Xr.index_select(0, rows)
-        Y = xs @ f.FT[a:b].T - f.off[a:b][None, :]
+        Y = xs @ f.parts[k].T - f.part_off[k][None, :]
         q = (Y * Y).sum(1)
         if bool(f.wood[k]):
             diff = xs - m[k]
