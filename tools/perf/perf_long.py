@@ -42,7 +42,7 @@ from proteus.streams.base import Task
 from proteus.streams.datasets import ArrayImageDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from perf_timing import PeakMemory  # noqa: E402
+from perf_timing import PeakMemory, _rss_bytes  # noqa: E402
 
 
 def synthetic_task(k: int, per_class: int, img: int, seed: int) -> Task:
@@ -70,13 +70,15 @@ def _window(rows: list[dict[str, Any]], key: str, k: int) -> float:
 
 
 def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32, per_class: int = 16,
-        batch: int = 32, seed: int = 0, log: Any = print) -> dict[str, Any]:  # fmt: skip
+        batch: int = 32, seed: int = 0, merge_budget_mb: float | None = 1024.0,
+        log: Any = print) -> dict[str, Any]:  # fmt: skip
     """Learn ``tasks`` synthetic tasks, measuring every k; returns the report (also written to ``out``)."""
     out.mkdir(parents=True, exist_ok=True)
     sets = {
         "backbone.name": backbone, "backbone.pretrained": False, "backbone.img_size": img,
         "backbone.adapt_last": 6 if backbone == "mobilenet_v2" else 2, "adapter.rank": 2,
         "train.epochs": 1, "train.batch_size": 16, "head.rp_dim": 256, "device": "cpu", "seed": seed,
+        "eval.merge_budget_mb": merge_budget_mb,
     }  # fmt: skip
     clf = Proteus.from_method("proteus", progress=False, **sets)
     kb_dir = Path(tempfile.mkdtemp(prefix="proteus-long-"))
@@ -118,6 +120,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                 "predict_peak_mb": pm_pred.result.get("peak_mb"),
                 "kb_bytes": sum(f.stat().st_size for f in kb_dir.rglob("*") if f.is_file()),
                 "merged_cache_bytes": clf.model_.merged_nbytes(),
+                "rss_mb": (_rss_bytes() or 0) / 2**20,
             })  # fmt: skip
             r = rows[-1]
             if (k + 1) % 10 == 0 or k == 0:
@@ -155,6 +158,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "train_step_ratio_last_vs_10": ratio["train_step_s"],
         "predict_ratio_last_vs_10": ratio["predict_s"],
         "peak_rss_mb_last": max(rows[-1]["learn_peak_mb"], rows[-1]["predict_peak_mb"]),
+        "rss_mb_start": rows[0]["rss_mb"] - rows[0]["merged_cache_bytes"] / 2**20,
+        "rss_mb_last": rows[-1]["rss_mb"],
         "merged_budget_mb": budget_mb, "model_mb": model_mb,
         "kb_mb_per_task": rows[-1]["kb_bytes"] / last / 1e6,
         "slopes_per_task": {key: float(np.polyfit(ks, [r[key] for r in rows], 1)[0]) for key in slope_keys},
@@ -198,14 +203,16 @@ def main() -> None:
     ap.add_argument("--out", default="runs/long_stream")
     ap.add_argument("--backbone", default="mobilenet_v2")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--merge-budget-mb", type=float, default=1024.0, help="eval.merge_budget_mb")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rep = run(args.tasks, Path(args.out), backbone=args.backbone)
+    rep = run(args.tasks, Path(args.out), backbone=args.backbone, merge_budget_mb=args.merge_budget_mb)
     keys = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
     for key in keys:
         print(f"{key}: {rep[key]:.3f}")
     slopes = {k: round(v, 5) for k, v in rep["slopes_per_task"].items()}
+    print(f"resident {rep['rss_mb_start']:.0f} MiB after task 1, {rep['rss_mb_last']:.0f} MiB after the last")
     print(f"peak RSS at the last task {rep['peak_rss_mb_last']:.0f} MiB (merged-cache budget "
           f"{rep['merged_budget_mb']:.0f} MiB + model {rep['model_mb']:.0f} MiB); KB "
           f"{rep['kb_mb_per_task']:.2f} MB per task; slopes per task: {json.dumps(slopes)}")  # fmt: skip
