@@ -247,7 +247,7 @@ class DPGMM(VariationalPosterior):
 
         # ---- initial responsibilities
         if init_resp is None:
-            resp = self._initial_resp(Xr, T)
+            resp = initial_resp(Xr, T, self.init_params, self.random_state)
         else:
             resp = init_resp
         self._x2 = Xr * Xr
@@ -277,21 +277,6 @@ class DPGMM(VariationalPosterior):
         self._finalise()
         del self._x2, self._xaug
         return self
-
-    def _initial_resp(self, Xr: Tensor, T: int) -> Tensor:
-        N = Xr.shape[0]
-        rs = np.random.RandomState(self.random_state)  # scikit-learn's stream for the same random_state
-        if self.init_params == "random":
-            resp = torch.from_numpy(rs.uniform(size=(N, T))).to(device=Xr.device, dtype=Xr.dtype)
-            return resp / resp.sum(1, keepdim=True)
-        resp = torch.zeros((N, T), dtype=Xr.dtype, device=Xr.device)
-        if self.init_params == "kmeans":
-            labels, _, _ = kmeans(Xr, T, rs)
-            resp[torch.arange(N, device=Xr.device), labels] = 1.0
-        else:  # k-means++ seeds: one point per component
-            _, idx = kmeans_plusplus(Xr, T, Draws(rs), (Xr * Xr).sum(1))
-            resp[idx, torch.arange(T, device=Xr.device)] = 1.0
-        return resp
 
     def _m_step(self, Xr: Tensor, resp: Tensor) -> None:
         """Variational M-step (scikit-learn's ``_m_step`` / ``_initialize``) in the rotated basis."""
@@ -349,6 +334,25 @@ class DPGMM(VariationalPosterior):
     def _e_step(self, Xr: Tensor) -> Tensor:
         wlp = self._weighted_log_prob(Xr, getattr(self, "_x2", None))
         return wlp - torch.logsumexp(wlp, dim=1, keepdim=True)
+
+
+def initial_resp(Xr: Tensor, T: int, init_params: str, random_state: int | None) -> Tensor:
+    """(N, T) initial responsibilities as scikit-learn draws them for the same ``random_state``:
+    ``"random"`` (uniform, normalised), ``"kmeans"`` (one-hot k-means labels) or k-means++ seeds (one
+    point per component)."""
+    N = Xr.shape[0]
+    rs = np.random.RandomState(random_state)  # scikit-learn's stream for the same random_state
+    if init_params == "random":
+        resp = torch.from_numpy(rs.uniform(size=(N, T))).to(device=Xr.device, dtype=Xr.dtype)
+        return resp / resp.sum(1, keepdim=True)
+    resp = torch.zeros((N, T), dtype=Xr.dtype, device=Xr.device)
+    if init_params == "kmeans":
+        labels, _, _ = kmeans(Xr, T, rs)
+        resp[torch.arange(N, device=Xr.device), labels] = 1.0
+    else:  # k-means++ seeds: one point per component
+        _, idx = kmeans_plusplus(Xr, T, Draws(rs), (Xr * Xr).sum(1))
+        resp[idx, torch.arange(T, device=Xr.device)] = 1.0
+    return resp
 
 
 def _screened_log_prob(gm: DPGMM, Xr: Tensor, x2: Tensor | None) -> Tensor:
