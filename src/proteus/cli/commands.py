@@ -332,10 +332,10 @@ def cmd_kb_show(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from proteus.serve import serve
 
+    limits = ("read_timeout", "request_timeout", "max_concurrency", "max_queue", "max_batch")
+    given = {k: getattr(args, k) for k in limits if hasattr(args, k)}  # the rest: Limits' defaults
     serve(args.kb, host=args.host, port=args.port, device=args.device, precision=args.precision,
-          poll_seconds=args.poll, read_timeout=args.read_timeout, request_timeout=args.request_timeout,
-          max_concurrency=args.max_concurrency, max_queue=args.max_queue,
-          max_batch=args.max_batch)  # fmt: skip
+          poll_seconds=args.poll, **given)  # fmt: skip
     return 0
 
 

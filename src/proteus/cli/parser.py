@@ -377,29 +377,30 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--read-timeout",
         type=_positive,
-        default=30.0,
+        default=argparse.SUPPRESS,  # proteus.serve.Limits holds the defaults
         metavar="SECONDS",
         help="close a connection that sends nothing for this long (e.g. a body shorter than its "
-        "Content-Length: 408)",
+        "Content-Length: 408; default: 30)",
     )
     sv.add_argument(
         "--request-timeout",
         type=_positive,
-        default=300.0,
+        default=argparse.SUPPRESS,  # proteus.serve.Limits holds the defaults
         metavar="SECONDS",
-        help="answer a prediction request within this long, or 504 (408 while its body is still arriving)",
+        help="answer a prediction request within this long, or 504 (408 while its body is still arriving; "
+        "default: 300)",
     )
     sv.add_argument(
         "--max-concurrency",
         type=_at_least(1),
-        default=32,
+        default=argparse.SUPPRESS,  # proteus.serve.Limits holds the defaults
         metavar="N",
         help="prediction requests served at once; their images are predicted together (default: 32)",
     )
     sv.add_argument(
         "--max-queue",
         type=_at_least(0),
-        default=128,
+        default=argparse.SUPPRESS,  # proteus.serve.Limits holds the defaults
         metavar="N",
         help="requests waiting for one of those slots; beyond them a request is refused with 503 "
         "(default: 128)",
@@ -407,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--max-batch",
         type=_at_least(1),
-        default=32,
+        default=argparse.SUPPRESS,  # proteus.serve.Limits holds the defaults
         metavar="N",
         help="the most images per forward of the model (default: 32)",
     )

@@ -141,18 +141,16 @@ class KBServer:
         device: str | None = None,
         poll_seconds: float = 1.0,
         precision: str | None = None,
-        read_timeout: float = 30.0,
-        request_timeout: float = 300.0,
-        max_concurrency: int = 32,
-        max_queue: int = 128,
-        max_batch: int = 32,
+        **limits: float,
     ) -> None:
-        limits = Limits(read_timeout, request_timeout, max_concurrency, max_queue, max_batch)
+        """``limits``: the fields of :class:`Limits` (``read_timeout``, ``max_concurrency``, ...), its
+        defaults for those not given."""
+        self.limits = Limits(**limits)  # type: ignore[arg-type]
         self.kb = ServedKB(kb_dir, device, precision, poll_seconds)
-        self.app = create_app(self.kb, watch=False, limits=limits)
+        self.app = create_app(self.kb, watch=False, limits=self.limits)
         self.socket = _bind(*address)
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
-        self.server = uvicorn.Server(_config(self.app, address[0], self.server_address[1], limits))
+        self.server = uvicorn.Server(_config(self.app, address[0], self.server_address[1], self.limits))
         self._running = threading.Lock()
         self._stopped = threading.Event()
 
@@ -201,24 +199,12 @@ def serve(
     device: str | None = None,
     poll_seconds: float = 1.0,
     precision: str | None = None,
-    read_timeout: float = 30.0,
-    request_timeout: float = 300.0,
-    max_concurrency: int = 32,
-    max_queue: int = 128,
-    max_batch: int = 32,
+    **limits: float,
 ) -> None:
-    """Serve ``kb_dir`` until interrupted (Ctrl-C or SIGTERM: running requests are finished first)."""
+    """Serve ``kb_dir`` until interrupted (Ctrl-C or SIGTERM: running requests are finished first);
+    ``limits``: the fields of :class:`Limits`."""
     server = KBServer(
-        (host, port),
-        kb_dir,
-        device=device,
-        poll_seconds=poll_seconds,
-        precision=precision,
-        read_timeout=read_timeout,
-        request_timeout=request_timeout,
-        max_concurrency=max_concurrency,
-        max_queue=max_queue,
-        max_batch=max_batch,
+        (host, port), kb_dir, device=device, poll_seconds=poll_seconds, precision=precision, **limits
     )
     server.start_watching()
     if not log.handlers:  # the access log and reloads on stderr, one line each
@@ -233,7 +219,8 @@ def serve(
             uv.propagate = False
     print(
         f"serving {kb_dir} ({server.clf.num_tasks} tasks) on http://{host}:{server.server_address[1]} "
-        f"(up to {max_concurrency} requests at once, batches of up to {max_batch} images)",
+        f"(up to {server.limits.max_concurrency} requests at once, batches of up to "
+        f"{server.limits.max_batch} images)",
         flush=True,
     )
     try:
