@@ -56,7 +56,6 @@ from torch import nn
 from proteus.baselines.learner import OPTIMIZERS, epoch_lr
 from proteus.baselines.prompts import PromptClassifier
 from proteus.config import ConfigError
-from proteus.engine.embedder import ImageDataset
 from proteus.engine.learner import LEARNERS, LearnerState
 from proteus.errors import NotFittedError
 from proteus.methods import declare
@@ -491,19 +490,9 @@ class AdaPromptCL(PromptClassifier):
 
     def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
         cfg, b = self.config, self.config.baseline
-        seed = cfg.seed * 1000 + k
-        torch.manual_seed(seed)
         classes = [int(c) for c in task.classes]
         local = {c: i for i, c in enumerate(classes)}
-        z, loader, y_all = None, None, None
-        if not cfg.train.augment:
-            z, y_all = self.prefix_dataset(task.train, f"task {k + 1}: prefix")
-        else:
-            gl = torch.Generator().manual_seed(seed)
-            loader = torch.utils.data.DataLoader(
-                ImageDataset(task.train, self.train_transform_), batch_size=cfg.train.batch_size,
-                shuffle=True, generator=gl, num_workers=cfg.train.num_workers,
-            )  # fmt: skip
+        seed, z, y_all, loader = self._task_inputs(task, k)
         self._begin_task(k, z, loader)
         head = self._new_head(len(classes))
         head0 = {n: t.detach().clone() for n, t in head.state_dict().items()}

@@ -491,15 +491,7 @@ class HiDePrompt(PromptClassifier):
         """(N, C_seen) logits of prefix outputs under their TII-selected prompts; (N,) the selected tasks."""
         if not self.num_tasks or len(self.tii_.heads) != self.num_tasks:
             raise NotFittedError(f"{self.name}: not fitted; call fit_task first")
-        outs, tasks = [], []
-        for chunk in z.split(self.config.eval.batch_size):
-            chunk = chunk.to(self.device_)
-            t = self.select(self.query(chunk))
-            with self._autocast():
-                h = self.prompted(chunk, t).float()
-            outs.append(torch.cat([head(h) for head in self.heads_], 1).cpu())
-            tasks.append(t.cpu())
-        return torch.cat(outs), torch.cat(tasks)
+        return self.selected_logits(z)
 
     def logits_prefix(self, z: torch.Tensor) -> torch.Tensor:
         return self.infer(z)[0]

@@ -259,22 +259,28 @@ class ContinualClassifier:
     def _abort_task(self, k: int) -> None:
         """Drop whatever task k (not finished) added to the method's state."""
 
-    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
-        cfg, b = self.config, self.config.baseline
+    def _task_inputs(self, task: Task, k: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None, Any]:
+        """Task k's seed (torch's global stream seeded with it) and its training inputs: the cached
+        prefix outputs and labels ``(z, y)`` without augmentation, else a shuffling, augmenting loader
+        (``z``, ``y`` None). Every baseline's training starts here."""
+        cfg = self.config
         seed = cfg.seed * 1000 + k
         torch.manual_seed(seed)
+        if not cfg.train.augment:
+            z, y_all = self.prefix_dataset(task.train, f"task {k + 1}: prefix")
+            return seed, z, y_all, None
+        gl = torch.Generator().manual_seed(seed)
+        loader = torch.utils.data.DataLoader(
+            ImageDataset(task.train, self.train_transform_), batch_size=cfg.train.batch_size,
+            shuffle=True, generator=gl, num_workers=cfg.train.num_workers,
+        )  # fmt: skip
+        return seed, None, None, loader
+
+    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
+        cfg, b = self.config, self.config.baseline
         classes = [int(c) for c in task.classes]
         local = {c: i for i, c in enumerate(classes)}
-        cache = not cfg.train.augment
-        z, loader, y_all = None, None, None
-        if cache:
-            z, y_all = self.prefix_dataset(task.train, f"task {k + 1}: prefix")
-        else:
-            gl = torch.Generator().manual_seed(seed)
-            loader = torch.utils.data.DataLoader(
-                ImageDataset(task.train, self.train_transform_), batch_size=cfg.train.batch_size,
-                shuffle=True, generator=gl, num_workers=cfg.train.num_workers,
-            )  # fmt: skip
+        seed, z, y_all, loader = self._task_inputs(task, k)
         self._begin_task(k, z, loader)
         head = nn.Linear(self.embed_dim, len(classes)).to(self.device_)
         own = [p for p in self.trainable() if p.requires_grad]

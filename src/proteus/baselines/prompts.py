@@ -124,6 +124,21 @@ class PromptClassifier(ContinualClassifier):
             x = block_with_prefix(blk, x, prefixes.get(i))
         return self.vit.norm(x)
 
+    @torch.no_grad()
+    def selected_logits(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the methods that pick one prompt per input (``select`` on the query, then ``prompted``):
+        every seen class's logits (N, C_seen) of prefix outputs under their picked prompts, and (N,) the
+        picks, in evaluation batches."""
+        outs, picks = [], []
+        for chunk in z.split(self.config.eval.batch_size):
+            chunk = chunk.to(self.device_)
+            t = self.select(self.query(chunk))  # type: ignore[attr-defined]
+            with self._autocast():
+                h = self.prompted(chunk, t).float()  # type: ignore[attr-defined]
+            outs.append(torch.cat([head(h) for head in self.heads_], 1).cpu())
+            picks.append(t.cpu())
+        return torch.cat(outs), torch.cat(picks)
+
     def _params(self) -> dict[str, nn.Parameter]:
         raise NotImplementedError
 

@@ -143,17 +143,8 @@ class SPrompt(PromptClassifier):
             raise NotFittedError(f"{self.name}: not fitted; call fit_task first")
         sizes = [len(c) for c in self.task_classes_]
         owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.as_tensor(sizes))  # column -> task
-        outs, tasks = [], []
-        for chunk in z.split(self.config.eval.batch_size):
-            chunk = chunk.to(self.device_)
-            t = self.select(self.query(chunk))
-            with self._autocast():
-                h = self.prompted(chunk, t).float()
-            logits = torch.cat([head(h) for head in self.heads_], 1).cpu()
-            t = t.cpu()
-            outs.append(logits.masked_fill(owner[None] != t[:, None], float("-inf")))
-            tasks.append(t)
-        return torch.cat(outs), torch.cat(tasks)
+        logits, tasks = self.selected_logits(z)
+        return logits.masked_fill(owner[None] != tasks[:, None], float("-inf")), tasks
 
     def logits_prefix(self, z: torch.Tensor) -> torch.Tensor:
         """(N, C_seen) logits: the retrieved task's head, -inf on every other task's classes."""
