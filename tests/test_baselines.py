@@ -20,21 +20,16 @@ from proteus.baselines.prompts import block_with_prefix, gram_schmidt
 from proteus.cli import main
 from proteus.config import RunConfig
 from proteus.kb import KnowledgeBase
-from proteus.methods import METHODS, apply_method
-from proteus.streams import build_benchmark
+from proteus.methods import METHODS
+from tiny import baseline_cfg, baseline_stream
 
 BASELINE_METHODS = sorted(n for n in METHODS.names() if METHODS.get(n).learner != "proteus")
 PROMPT_METHODS = {"l2p", "dualprompt", "coda-prompt", "s-prompt", "adapromptcl", "hide-prompt"}
 
 
 def _cfg(method: str, backbone: str = "vit_ti16", **sets) -> RunConfig:
-    cfg = RunConfig()
-    apply_method(cfg, method)
-    cfg.device = "cpu"
-    cfg.backbone.name, cfg.backbone.pretrained, cfg.backbone.img_size = backbone, False, 32
+    cfg = baseline_cfg(method, backbone)
     cfg.backbone.adapt_last = None if method in PROMPT_METHODS else 2
-    cfg.train.epochs, cfg.train.batch_size = 1, 16
-    cfg.benchmark.num_tasks, cfg.benchmark.max_train_per_class = 2, 8
     cfg.baseline.rank = 4
     if method == "coda-prompt":
         cfg.baseline.pool_size, cfg.baseline.max_tasks = 4, 2
@@ -46,9 +41,7 @@ def _cfg(method: str, backbone: str = "vit_ti16", **sets) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def stream():
-    cfg = RunConfig()
-    cfg.benchmark.num_tasks, cfg.benchmark.max_train_per_class = 2, 8
-    return build_benchmark(cfg.benchmark)
+    return baseline_stream()
 
 
 def _frozen_state(clf) -> dict[str, torch.Tensor]:

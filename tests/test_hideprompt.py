@@ -31,21 +31,14 @@ from proteus.cli import main
 from proteus.config import RunConfig
 from proteus.experiment import resolve_config
 from proteus.kb import KnowledgeBase
-from proteus.methods import apply_method
-from proteus.streams import build_benchmark
-from tiny import TINY, folder_args, make_tree, sets, write_spec
+from tiny import TINY, baseline_cfg, baseline_stream, folder_args, make_tree, sets, write_spec
 
 SMALL = {"tii_epochs": 2, "ca_epochs": 2, "n_centroids": 3}
 SMALL_SETS = [f"baseline.{k}={v}" for k, v in SMALL.items()]
 
 
 def _cfg(backbone: str = "vit_ti16") -> RunConfig:
-    cfg = RunConfig()
-    apply_method(cfg, "hide-prompt")
-    cfg.device = "cpu"
-    cfg.backbone.name, cfg.backbone.pretrained, cfg.backbone.img_size = backbone, False, 32
-    cfg.train.epochs, cfg.train.batch_size = 1, 16
-    cfg.benchmark.num_tasks, cfg.benchmark.max_train_per_class = 2, 8
+    cfg = baseline_cfg("hide-prompt", backbone)
     for k, v in SMALL.items():
         setattr(cfg.baseline, k, v)
     return cfg
@@ -53,9 +46,7 @@ def _cfg(backbone: str = "vit_ti16") -> RunConfig:
 
 @pytest.fixture(scope="module")
 def stream():
-    cfg = RunConfig()
-    cfg.benchmark.num_tasks, cfg.benchmark.max_train_per_class = 2, 8
-    return build_benchmark(cfg.benchmark)
+    return baseline_stream()
 
 
 @pytest.fixture(scope="module")

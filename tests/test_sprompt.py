@@ -22,8 +22,7 @@ from proteus.cli import main
 from proteus.config import RunConfig
 from proteus.experiment import resolve_config
 from proteus.kb import KnowledgeBase
-from proteus.methods import apply_method
-from proteus.streams import build_benchmark
+from tiny import baseline_cfg, baseline_stream
 
 TINY_RUN = ["--backbone", "vit_ti16", "-q", "--set", "backbone.pretrained=false",
             "--set", "backbone.img_size=32", "--set", "train.epochs=1", "--set", "benchmark.num_tasks=2",
@@ -31,20 +30,12 @@ TINY_RUN = ["--backbone", "vit_ti16", "-q", "--set", "backbone.pretrained=false"
 
 
 def _cfg(backbone: str = "vit_ti16") -> RunConfig:
-    cfg = RunConfig()
-    apply_method(cfg, "s-prompt")
-    cfg.device = "cpu"
-    cfg.backbone.name, cfg.backbone.pretrained, cfg.backbone.img_size = backbone, False, 32
-    cfg.train.epochs, cfg.train.batch_size = 1, 16
-    cfg.benchmark.num_tasks, cfg.benchmark.max_train_per_class = 2, 8
-    return cfg
+    return baseline_cfg("s-prompt", backbone)
 
 
 @pytest.fixture(scope="module")
 def stream():
-    cfg = RunConfig()
-    cfg.benchmark.num_tasks, cfg.benchmark.max_train_per_class = 2, 8
-    return build_benchmark(cfg.benchmark)
+    return baseline_stream()
 
 
 @pytest.fixture(scope="module")

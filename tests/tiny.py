@@ -87,3 +87,25 @@ def folder_stream(cfg: RunConfig) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # single-class tasks warn
         return build_benchmark(cfg.benchmark)
+
+
+def baseline_cfg(method: str, backbone: str = "vit_ti16") -> RunConfig:
+    """A baseline's config for the tiny quickstart runs of the baseline tests: a random ``backbone`` at 32 px
+    on the CPU, one epoch of batches of 16, 2 tasks of 8 training images per class (``baseline_stream``)."""
+    from proteus.config import RunConfig
+    from proteus.methods import apply_method
+
+    cfg = RunConfig()
+    apply_method(cfg, method)
+    cfg.device = "cpu"
+    cfg.backbone.name, cfg.backbone.pretrained, cfg.backbone.img_size = backbone, False, 32
+    cfg.train.epochs, cfg.train.batch_size = 1, 16
+    cfg.benchmark.num_tasks, cfg.benchmark.max_train_per_class = 2, 8
+    return cfg
+
+
+def baseline_stream() -> Any:
+    """The stream of :func:`baseline_cfg`: the quickstart, 2 tasks of 8 training images per class."""
+    from proteus.streams import build_benchmark
+
+    return build_benchmark(baseline_cfg("ranpac").benchmark)
