@@ -135,6 +135,7 @@ class RetrievalKeys:
     ) -> tuple[RetrievalResult, Under]:
         X = space.embed(embedder, z, shard=False)
         res = self.retrieve_space(X, m, classes)
+        res.novelty = self.novelty_of(X, classes)  # answering a user: is the input from a learned task?
 
         def under(cand: Tensor) -> Tensor:
             N, K = cand.shape
@@ -175,6 +176,11 @@ class RetrievalKeys:
         return self.retrieve_space(self.space.select(H, F), H.shape[0], classes)
 
     # the class-Gaussian detector of inputs from no learned task (LDA keys only: proteus.engine.novelty)
+    def novelty_of(self, X: Tensor, classes: list[list[int]]) -> Tensor | None:
+        """The novelty of inputs X (N, d) in :attr:`space` (> 0: from no learned task); None for keys
+        without a detector. Computed on :meth:`predict`'s route only, not in evaluation."""
+        return None
+
     def novelty_thresholds(self, classes: list[list[int]]) -> list[float]:
         """Each task's class-Gaussian threshold; [] for keys without one."""
         return []

@@ -154,7 +154,6 @@ class LDAKeys(RetrievalKeys):
             component=torch.zeros_like(task),
             score=scores[rows, task],
             task_scores=scores,
-            novelty=self.novelty_of(X, classes),
         )
 
     def _fit_novelty(self, classes: list[list[int]]) -> Tensor | None:

@@ -33,7 +33,8 @@ class RetrievalResult:
     ``score (N,)`` the retrieved task's reduced score, ``task_scores (N, m)`` every task's reduced score
     (lower is better: the best component's score for ``top_k = 1``, else ``-logsumexp`` of the K best).
     ``novelty (N,)``: where the keys carry a detector of inputs from no learned task
-    (:mod:`proteus.engine.novelty`), each input's score minus its threshold (> 0: unknown); else None.
+    (:mod:`proteus.engine.novelty`) and the result answers :meth:`proteus.Proteus.predict` (not an
+    evaluation), each input's score minus its threshold (> 0: unknown); else None.
     """
 
     task: Tensor
