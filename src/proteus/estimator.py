@@ -72,7 +72,6 @@ from proteus.engine.trainer import AdapterTrainer
 from proteus.errors import NotFittedError
 from proteus.faults import crash_point
 from proteus.heads import RanPACHead
-from proteus.images import load_images
 from proteus.kb import KnowledgeBase
 from proteus.methods import METHODS
 from proteus.presets import resolve_config, validate
@@ -359,12 +358,15 @@ class Proteus:
         space = self.keys_.space
         if space is None:  # keys under each task's own adapter: no one space, no class statistics
             return self.keys_.calibrate(torch.zeros(0), torch.zeros(0), [], tpr)
-        bs, feats = self.config.eval.batch_size, []
-        for i in range(0, len(images), bs):
-            ims = load_images(images[i : i + bs], self.config.eval.max_image_pixels)[0]
-            z = self.embedder_.prefix(self.transform_images(ims))
-            feats.append(space.embed(self.embedder_, z, shard=False))
-        X = torch.cat(feats)
+
+        def embed(ims: list[Image.Image]) -> torch.Tensor:  # the key space's features of a decoded batch
+            return space.embed(self.embedder_, self.embedder_.prefix(self.transform_images(ims)), shard=False)
+
+        ec = self.config.eval
+        batches = predict_batches(
+            images, embed, ec.batch_size, progress=self.progress, max_pixels=ec.max_image_pixels
+        )  # type: ignore[arg-type]
+        X = torch.cat([b.prediction for b in batches])  # type: ignore[misc]
         y = torch.as_tensor(list(labels), dtype=torch.long)
         return self.keys_.calibrate(X, y, [t.classes for t in self.records_], tpr)
 
