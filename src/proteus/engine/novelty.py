@@ -47,6 +47,7 @@ __all__ = [
     "CalibrationRows",
     "ClassGaussians",
     "ClassNovelty",
+    "check_tpr",
     "holdout_split",
 ]
 
@@ -96,10 +97,16 @@ class Calibration:
         return cls([float(v) for v in d["scores"]], float(d["tpr"]), float(d["threshold"]))
 
 
-def threshold_at(sorted_scores: torch.Tensor, tpr: float) -> float:
-    """The smallest score that a fraction ``tpr`` of the held-out scores is at or under."""
+def check_tpr(tpr: float) -> float:
+    """``tpr`` if it is a true-positive rate in (0, 1], else a :class:`ConfigError`."""
     if not 0.0 < tpr <= 1.0:
         raise ConfigError(f"the true-positive rate must be in (0, 1], got {tpr}")
+    return float(tpr)
+
+
+def threshold_at(sorted_scores: torch.Tensor, tpr: float) -> float:
+    """The smallest score that a fraction ``tpr`` of the held-out scores is at or under."""
+    check_tpr(tpr)
     s = sorted_scores.double().sort().values
     return float(s[max(0, math.ceil(tpr * len(s) - 1e-9) - 1)])
 
@@ -198,8 +205,7 @@ class ClassNovelty:
         self._fitted = None
 
     def set_tpr(self, tpr: float) -> None:
-        threshold_at(torch.zeros(1), tpr)  # checks the rate
-        self.tpr, self._fitted = float(tpr), None
+        self.tpr, self._fitted = check_tpr(tpr), None
 
     def fit(self, G: Tensor, Q: Tensor, counts: Tensor, task_of: Tensor, stamp: Any) -> bool:
         """(Re)build the Gaussians and each task's threshold when ``stamp`` (the statistics' version)

@@ -13,10 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from proteus.engine.learner import check_supports
-from proteus.engine.novelty import Calibration
+from proteus.engine.novelty import Calibration, check_tpr
 from proteus.experiment.store import commit, load_learner
 from proteus.kb import KBError, KnowledgeBase, write_lock
 from proteus.streams.datasets import IMG_EXTENSIONS, list_class_dirs, list_images
@@ -45,8 +43,7 @@ def recalibrate(
             if keyed:
                 t["calibration"] = Calibration.from_dict(t["calibration"]).at(tpr).to_dict()
             if t.get("novelty"):
-                Calibration.from_scores(torch.zeros(1), tpr)  # checks the rate
-                t["novelty"] = {**t["novelty"], "tpr": float(tpr)}
+                t["novelty"] = {**t["novelty"], "tpr": check_tpr(tpr)}
         manifest["tasks"] = tasks
         kb.commit(manifest)
         if keyed:
