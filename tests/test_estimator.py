@@ -109,9 +109,6 @@ CLASS_BUDGET_EXCEPTIONS = {
     # debt (issue 27): stage 1 (the TII model, its statistics and alignment) should become its own class
     "baselines/hideprompt.py::HiDePrompt": "both stages of HiDe-Prompt in one learner; stage 1 is to be "
     "split out into its own class",
-    # debt (issue 27): the warm-up / post phases of a task could move to a phase object
-    "baselines/adapromptcl.py::AdaPromptCL": "the warm-up, grouping and post phases of a task in one "
-    "learner; 4 lines over",
 }
 
 
