@@ -27,6 +27,7 @@ SRC = os.path.abspath(os.path.join(HERE, "..", "..", "src"))
 LORA = "proteus/baselines/lora_methods.py"
 PROMPTS = "proteus/baselines/prompts.py"
 LEARNER = "proteus/baselines/learner.py"
+SPROMPT = "proteus/baselines/sprompt.py"
 
 #: (name, check script, file under src, [(old text, new text), ...]); every old text must occur exactly once
 PERTURBATIONS = [
@@ -211,6 +212,93 @@ PERTURBATIONS = [
                 "w = (F.normalize(aq, dim=2) * K[None]).sum(2)",
             )
         ],
+    ),
+    # ---- S-Prompt (check_sprompt.py)
+    (
+        "S-Prompt: L2 instead of the release's L1 distance in the task selection",
+        "sprompt",
+        SPROMPT,
+        [
+            (
+                'getattr(self, "keys_", []), p=1.0)',
+                'getattr(self, "keys_", []), p=2.0)',
+            )
+        ],
+    ),
+    (
+        "S-Prompt: the test query not normalised before the nearest key",
+        "sprompt",
+        SPROMPT,
+        [("return nearest_key_task(F.normalize(q.float(), dim=-1), ", "return nearest_key_task(q.float(), ")],
+    ),
+    (
+        "S-Prompt: features not normalised before K-Means",
+        "sprompt",
+        SPROMPT,
+        [
+            (
+                "q = torch.cat([F.normalize(self.query(c).float(), dim=-1).cpu() for c in",
+                "q = torch.cat([self.query(c).float().cpu() for c in",
+            )
+        ],
+    ),
+    ("S-Prompt: 4 K-Means keys per task instead of 5", "sprompt", SPROMPT, [("N_KEYS = 5", "N_KEYS = 4")]),
+    (
+        "S-Prompt: K-Means with one start (scikit-learn 1.4+'s default) instead of the release-era 10",
+        "sprompt",
+        SPROMPT,
+        [
+            (
+                "KMeans(n_clusters=n, random_state=0, n_init=10)",
+                "KMeans(n_clusters=n, random_state=0, n_init=1)",
+            )
+        ],
+    ),
+    (
+        "S-Prompt: prompt inserted before the class token",
+        "sprompt",
+        SPROMPT,
+        [("x = torch.cat([x[:, :1], P.to(x.dtype), x[:, 1:]], 1)", "x = torch.cat([P.to(x.dtype), x], 1)")],
+    ),
+    (
+        "S-Prompt: prompt receives the class token's position embedding",
+        "sprompt",
+        SPROMPT,
+        [
+            (
+                "x = torch.cat([x[:, :1], P.to(x.dtype), x[:, 1:]], 1)",
+                "x = torch.cat([x[:, :1], P.to(x.dtype) + self.vit.pos_embed[:, :1], x[:, 1:]], 1)",
+            )
+        ],
+    ),
+    (
+        "S-Prompt: prediction over every task's head instead of the selected task's",
+        "sprompt",
+        SPROMPT,
+        [
+            (
+                'return logits.masked_fill(owner[None] != tasks[:, None], float("-inf")), tasks',
+                "return logits, tasks",
+            )
+        ],
+    ),
+    (
+        "S-Prompt: first-task weight decay 2e-4 instead of 5e-4",
+        "sprompt",
+        SPROMPT,
+        [("first_task_decay: float = 2.5", "first_task_decay: float = 1.0")],
+    ),
+    (
+        "S-Prompt: SGD momentum 0 instead of 0.9 (its declaration)",
+        "sprompt",
+        SPROMPT,
+        [("baseline__lr=0.01, baseline__momentum=0.9,", "baseline__lr=0.01, baseline__momentum=0.0,")],
+    ),
+    (
+        "S-Prompt: cosine annealing stepped before the epoch instead of after",
+        "sprompt",
+        SPROMPT,
+        [("math.cos(math.pi * epoch / max(epochs, 1))", "math.cos(math.pi * (epoch + 1) / max(epochs, 1))")],
     ),
 ]
 
