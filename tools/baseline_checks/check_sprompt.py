@@ -276,6 +276,12 @@ class TheirHeadInit(_Linear):
             self.bias.copy_(their_init["head"][cap["task"]][1])
 
 
+def rec_their_forward(m, a, out):
+    """their training forwards (the ones with grad): the input images and the features"""
+    if torch.is_grad_enabled():
+        cap.setdefault("their_h", []).append((a[0].detach().clone(), out.detach().clone()))
+
+
 def _rec_ce(*a, **k):
     loss = F.cross_entropy(*a, **k)
     cap.setdefault("their_losses", []).append(float(loss))
@@ -298,20 +304,12 @@ try:
         cap["task"], Recording.side = k, "ours"
         nn.Linear = TheirHeadInit
         try:
-            stats = clf.fit_task(task, stream_tasks=T)
+            clf.fit_task(task, stream_tasks=T)
         finally:
             nn.Linear = _Linear
         # theirs: incremental_train as it is (update_fc, DataLoader, _train, train_function, clustering)
         Recording.side = "theirs"
-        hook = (
-            net.image_encoder.register_forward_hook(  # their training forwards (with grad): images, features
-                lambda m, a, out: (
-                    cap.setdefault("their_h", []).append((a[0].detach().clone(), out.detach().clone()))
-                    if torch.is_grad_enabled()
-                    else None
-                )
-            )
-        )
+        hook = net.image_encoder.register_forward_hook(rec_their_forward)
         their.incremental_train(DataManager(k))
         hook.remove()
         their_keys_pipeline.append(their.all_keys[-1].clone())
