@@ -75,3 +75,37 @@ def test_no_pickle_in_kb(tmp_path) -> None:
         if p.is_file():
             assert p.suffix in {".json", ".safetensors"}, p
             assert not p.read_bytes().startswith(b"\x80"), f"{p} looks like a pickle"
+
+
+def test_commit_serialises_only_the_objects_whose_content_changed(tmp_path, monkeypatch) -> None:
+    """A long stream re-commits k tasks per task: unchanged objects are found by their content key, never
+    serialised again; a change in place (same shape) or a deleted file is always written."""
+    import proteus.kb.store as store
+
+    saved: list[set[str]] = []
+    real_save = store.st_save
+    monkeypatch.setattr(store, "st_save", lambda t: saved.append(set(t)) or real_save(t))
+    kb = _kb(tmp_path)
+    tensors = [{"a": torch.randn(4, 3), "n": torch.tensor([k])} for k in range(3)]
+    head = ({"m": 1}, {"G": torch.randn(3, 3, dtype=torch.float64)})
+    kb.commit_state([({"index": k}, t) for k, t in enumerate(tensors)], head)
+    assert len(saved) == 4
+    saved.clear()
+    kb.commit_state([({"index": k}, t) for k, t in enumerate(tensors)], head)  # nothing changed
+    assert saved == []
+    before = [t["object"] for t in kb.manifest["tasks"]]
+    tensors[1]["a"][0, 0] += 1.0  # in place: same tensor, same shape, other bytes
+    tensors[2]["a"].view(torch.int32)[1, 1] ^= 1  # one bit
+    kb.commit_state([({"index": k}, t) for k, t in enumerate(tensors)], head)
+    assert len(saved) == 2
+    after = [t["object"] for t in kb.manifest["tasks"]]
+    assert after[0] == before[0] and after[1] != before[1] and after[2] != before[2]
+    saved.clear()
+    (tmp_path / "kb" / after[0]).unlink()  # an object gone from disk is written again, not assumed
+    kb.commit_state([({"index": k}, t) for k, t in enumerate(tensors)], head)
+    assert len(saved) == 1 and (tmp_path / "kb" / after[0]).is_file()
+    back = KnowledgeBase.open(tmp_path / "kb")
+    assert all(
+        torch.equal(back.read(r["object"], r["sha256"])["a"], tensors[k]["a"])
+        for k, r in enumerate(back.manifest["tasks"])
+    )

@@ -14,7 +14,10 @@ it over ``manifest.json`` (atomic on POSIX), then fsyncs the directory. Objects 
 names carry their hash), so a process killed at any moment leaves either the old manifest with all its
 objects, or the new one. After the rename, files referenced neither by the new manifest nor by the previous
 one (``manifest.prev.json``) are swept, with the temporary files of interrupted commits: a reader that opened
-the previous state while the commit ran still finds every file it needs.
+the previous state while the commit ran still finds every file it needs. A learner commits its whole state
+every time; the objects whose content this KB already wrote (same :func:`content_key`: sha256 of the raw
+tensors, cheaper than serialising them) are not serialised again, so a commit of task k of a long stream
+writes task k's object and the head, not k objects.
 
 Integrity: every object's sha256 is recorded in the manifest and verified when it is read (a truncated or
 edited file is detected, never loaded), and the manifest carries ``checksum``, the sha256 of its canonical
@@ -53,6 +56,7 @@ Crash points (:func:`proteus.faults.crash_point`) mark the commit's steps for th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import stat
@@ -101,6 +105,18 @@ from proteus.kb.tensors import Obj, check_objects, shapes_of
 Part = tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 
+def content_key(kind: str, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of an object's content: its kind, then per tensor (in name order) its name, dtype, shape and raw
+    bytes. Equal keys mean equal safetensors files, found without serialising the tensors (the costly part of
+    re-committing a long stream's unchanged tasks); ``tensors`` are contiguous and on the CPU."""
+    h = hashlib.sha256(kind.encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 class KnowledgeBase:
     """A directory holding a PROTEUS knowledge base. Use :meth:`open`, :meth:`new` or :meth:`create`; writers
     hold :meth:`write_lock` from before they open it until after their commit."""
@@ -118,6 +134,9 @@ class KnowledgeBase:
         self._manifest_sha: str | None = None  # sha256 of manifest.json's bytes as read or written
         self._cache: dict[str, tuple[str, bytes]] = {}  # rel -> (sha256, verified bytes) of the snapshot
         self._pending: dict[str, bytes] = {}  # objects of a KB not yet on disk, written at its first commit
+        #: content key (:func:`content_key`) -> (rel, sha256) of the objects this KB wrote: each commit of a
+        #: long stream serialises only the objects whose content changed since (issue 28)
+        self._known: dict[str, tuple[str, str]] = {}
 
     # ------------------------------------------------------------------ open / create
     @staticmethod
@@ -301,9 +320,17 @@ class KnowledgeBase:
     def write_object(self, kind: str, tensors: dict[str, torch.Tensor]) -> tuple[str, str]:
         """Write a content-addressed object; returns (relative path, sha256). Not yet committed (a KB from
         :meth:`new` keeps it in memory until its first commit)."""
-        data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        key = content_key(kind, tensors)
+        known = self._known.get(key)
+        if known is not None and (
+            known[0] in self._pending or (self._on_disk and (self.root / known[0]).is_file())
+        ):
+            return known
+        data = st_save(tensors)
         sha = _sha(data)
         rel = f"{OBJECTS}/{kind}-{sha[:16]}.safetensors"
+        self._known[key] = (rel, sha)
         if not self._on_disk:
             self._pending[rel] = data
             return rel, sha
@@ -431,8 +458,10 @@ class KnowledgeBase:
                 self._begin_first_commit(manifest)
             else:
                 previous = self._current_manifest()
+            checked = {(rel, sha) for _, rel, sha in _refs(self.manifest)}  # their paths were checked already
             for label, rel, sha in _refs(manifest):
-                if not self._path(rel, sha).is_file():
+                path = self.root / rel if (rel, sha) in checked else self._path(rel, sha)
+                if not path.is_file():
                     raise KBError(
                         f"{self.root / rel}: missing ({label}); write it with write_object before committing "
                         "a manifest that references it"
@@ -456,6 +485,7 @@ class KnowledgeBase:
         self._pending.clear()
         keep = dict(self._objects())
         self._cache = {rel: v for rel, v in self._cache.items() if keep.get(rel) == v[0]}
+        self._known = {key: v for key, v in self._known.items() if keep.get(v[0]) == v[1]}
         crash_point("commit:manifest")
         self.sweep()
 
