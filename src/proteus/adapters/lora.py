@@ -417,8 +417,11 @@ class LoRAWrapper(nn.Module):
 
     def _merged_forward(self, x: torch.Tensor, tasks: list[int], kind: str) -> torch.Tensor:
         """Group g through the map with task ``tasks[g]``'s merged weight. Without autocast each group is
-        one GEMM written in place into the output (no concatenation: on a CPU this is faster than the
-        convolution kernel for 1x1 maps over >= 32 positions); otherwise one map call per group."""
+        one GEMM written in place into the output (no concatenation); a 1x1 map over >= 16 positions
+        multiplies channels-first, (p, q) @ (n, q, HW); over fewer positions, and a linear map, multiplies
+        rows, (n HW, q) @ (q, p), channels last: on a CPU the convolution kernel and the channels-first GEMM
+        are 3-5x slower there (2x2 and 3x3 maps: docs/performance.md), and a batch spread over many tasks
+        makes one such call per task. Under autocast, one map call per group."""
         weights = self.merged_weights(tasks, kind)
         sizes = self.sizes or [x.shape[0] // len(tasks)] * len(tasks)
         b, q, p = self.base, self.in_features, self.out_features
@@ -426,20 +429,31 @@ class LoRAWrapper(nn.Module):
         direct = (
             not torch.is_autocast_enabled(x.device.type) and x.is_contiguous() and x.dtype == weights[0].dtype
         )
-        if direct and (not self.is_conv or x.shape[2] * x.shape[3] >= 32):
-            n_all = x.shape[0]
-            xv = x.view(n_all, q, -1) if self.is_conv else x.reshape(n_all, -1, q)
-            out = x.new_empty(n_all, p, xv.shape[2]) if self.is_conv else x.new_empty(n_all, xv.shape[1], p)
+        n_all = x.shape[0]
+        if direct and self.is_conv and x.shape[2] * x.shape[3] >= 16:
+            xv = x.view(n_all, q, -1)
+            out = x.new_empty(n_all, p, xv.shape[2])
             pos = 0
-            for n, W in zip(sizes, weights):
-                if self.is_conv:  # (p, q) @ (n, q, HW) -> (n, p, HW)
-                    torch.matmul(W, xv[pos : pos + n], out=out[pos : pos + n])
-                else:  # rows of (n L, q) @ (q, p)
-                    torch.mm(xv[pos : pos + n].flatten(0, 1), W.T, out=out[pos : pos + n].flatten(0, 1))
+            for n, W in zip(sizes, weights):  # (p, q) @ (n, q, HW) -> (n, p, HW)
+                torch.matmul(W, xv[pos : pos + n], out=out[pos : pos + n])
                 pos += n
             if bias is not None:
-                out += bias[:, None] if self.is_conv else bias
-            return out.view(n_all, p, *x.shape[2:]) if self.is_conv else out.view(*x.shape[:-1], p)
+                out += bias[:, None]
+            return out.view(n_all, p, *x.shape[2:])
+        if direct:
+            xr = x.movedim(1, -1) if self.is_conv else x  # rows of q channels
+            per = xr[0].numel() // q  # rows per input
+            xr = xr.reshape(-1, q)
+            out = x.new_empty(xr.shape[0], p)
+            pos = 0
+            for n, W in zip(sizes, weights):
+                torch.mm(xr[pos : pos + n * per], W.T, out=out[pos : pos + n * per])
+                pos += n * per
+            if bias is not None:
+                out += bias
+            if self.is_conv:
+                return out.view(n_all, *x.shape[2:], p).movedim(-1, 1).contiguous()
+            return out.view(*x.shape[:-1], p)
         outs = []
         for xs, W in zip(x.split(sizes), weights):
             if self.is_conv:

@@ -137,6 +137,11 @@ class ClassGaussians:
     means: Tensor
     present: Tensor
     precision: Tensor
+    #: each mean's squared norm under ``precision``, (C,): computed once, not per batch (O(C d^2))
+    mean_norms: Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.mean_norms = ((self.means @ self.precision) * self.means).sum(1)
 
     @classmethod
     def from_statistics(
@@ -169,7 +174,7 @@ class ClassGaussians:
         X = X.to(self.precision.device, torch.float64)
         M = self.means
         XP = X @ self.precision
-        d2 = (XP * X).sum(1, keepdim=True) - 2.0 * XP @ M.T + ((M @ self.precision) * M).sum(1)[None]
+        d2 = (XP * X).sum(1, keepdim=True) - 2.0 * XP @ M.T + self.mean_norms[None]
         d2 = d2.masked_fill(~self.present[None], float("inf"))
         best, cls = d2.min(1)
         return best.clamp_min(0.0), cls
