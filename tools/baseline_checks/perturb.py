@@ -156,8 +156,8 @@ PERTURBATIONS = [
         LEARNER,
         [
             (
-                "epoch_lr(b.lr, b.schedule, epoch, cfg.train.epochs)",
-                "epoch_lr(1.5 * b.lr, b.schedule, epoch, cfg.train.epochs)",
+                'epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)',
+                'epoch_lr(1.5 * b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)',
             )
         ],
     ),
@@ -210,6 +210,30 @@ PERTURBATIONS = [
             (
                 "w = (F.normalize(aq, dim=2) * F.normalize(K, dim=1)[None]).sum(2)",
                 "w = (F.normalize(aq, dim=2) * K[None]).sum(2)",
+            )
+        ],
+    ),
+    # ---- seen only by several optimiser steps of the released training step (Adam's first step is
+    # lr * sign(g): blind to a gradient scaled by a constant, and the lr schedule starts at lr)
+    (
+        "DualPrompt: gradient clipped at norm 10 instead of 1.0 (visible from the second step on)",
+        "dualprompt",
+        "proteus/methods/__init__.py",
+        [
+            (
+                "baseline__prompt_layers=[2, 3, 4], baseline__match_weight=1.0, baseline__clip_grad=1.0,",
+                "baseline__prompt_layers=[2, 3, 4], baseline__match_weight=1.0, baseline__clip_grad=10.0,",
+            )
+        ],
+    ),
+    (
+        "CODA: training loop at a constant lr (epoch_lr itself unchanged; the cosine from epoch 3 on)",
+        "coda",
+        LEARNER,
+        [
+            (
+                'epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)',
+                'epoch_lr(b.lr * group.get("lr_scale", 1.0), "constant", epoch, cfg.train.epochs)',
             )
         ],
     ),
