@@ -187,7 +187,7 @@ declare(
     "dualprompt",
     "DualPrompt (Wang et al., ECCV 2022): shared g-prompts and per-task e-prompts, prefix tuning",
     learner="dualprompt",
-    baseline__optimizer="adam", baseline__lr=1.875e-3, baseline__schedule="constant",
+    baseline__optimizer="adam", baseline__lr=2.8125e-3, baseline__schedule="constant",  # 0.03 * 24 / 256
     baseline__prompt_length=5, baseline__g_length=5, baseline__g_layers=[0, 1],
     baseline__prompt_layers=[2, 3, 4], baseline__match_weight=1.0, baseline__clip_grad=1.0,
 )  # fmt: skip
