@@ -315,6 +315,27 @@ def test_tii_head_is_the_releases_mlp_mapping() -> None:
         torch.testing.assert_close(m(q, slice(1, 2)), m.heads[1](e))
 
 
+def test_the_tii_starts_from_the_runs_seed() -> None:
+    """Its MLP's initialisation depends on ``seed`` only, not on the global random stream's state (it is
+    built before a task seeds that stream), nor does it move that stream."""
+    from proteus.baselines.hideprompt import TaskIdentityInference
+
+    cfg = _cfg()
+    nets = []
+    for state in (1, 2):
+        torch.manual_seed(state)
+        nets.append(TaskIdentityInference(cfg, 16, torch.device("cpu")).net.state_dict())
+    assert all(torch.equal(nets[0][n], nets[1][n]) for n in nets[0])
+    torch.manual_seed(3)
+    expect = torch.rand(3)
+    torch.manual_seed(3)
+    TaskIdentityInference(cfg, 16, torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expect)
+    cfg.seed = 1
+    other = TaskIdentityInference(cfg, 16, torch.device("cpu")).net.state_dict()
+    assert not torch.equal(other["fc1.weight"], nets[0]["fc1.weight"])
+
+
 def test_the_tii_class_picks_the_prompt(fitted, stream) -> None:
     """Forced by its head's bias, the TII's class decides the task; that task's prompt runs, and the
     final heads score every seen class."""

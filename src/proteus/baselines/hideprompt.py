@@ -253,7 +253,9 @@ class TaskIdentityInference:
 
     def __init__(self, config: RunConfig, d: int, device: torch.device) -> None:
         self.config, self.device = config, device
-        self.net = TIIHead(d).to(device)
+        with torch.random.fork_rng(devices=[]):  # the run's seed, not the global stream's state
+            torch.manual_seed(config.seed)
+            self.net = TIIHead(d).to(device)
         #: class -> its centroids of the prompt-free class tokens
         self.stats: ClassStats = {}
 
