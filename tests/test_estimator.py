@@ -106,9 +106,6 @@ CLASS_BUDGET_EXCEPTIONS = {
     "decision function and downdate over the same Gram matrices",
     "baselines/learner.py::ContinualClassifier": "the baselines' base learner: its training step, "
     "per-task heads, options and the learner protocol's hooks (the run loop is the shared one)",
-    # debt (issue 27): stage 1 (the TII model, its statistics and alignment) should become its own class
-    "baselines/hideprompt.py::HiDePrompt": "both stages of HiDe-Prompt in one learner; stage 1 is to be "
-    "split out into its own class",
 }
 
 

@@ -63,7 +63,7 @@ def fitted(stream):
         "groups": [],
         "drawn": [],
     }
-    begin, end, align_tii = clf._begin_task, clf._end_task, clf._align_tii
+    begin, end, align_tii = clf._begin_task, clf._end_task, clf.tii_.align
 
     def on_begin(k, z, loader):  # noqa: ANN001, ANN202
         begin(k, z, loader)
@@ -74,9 +74,9 @@ def fitted(stream):
         rec["trained_raw"] = clf.prompts_[k].detach().clone()
         end(k, z, loader)
 
-    def on_align_tii(k, seen):  # noqa: ANN001, ANN202
-        rec["tii_before_align"] = {n: t.clone() for n, t in clf.tii_.state_dict().items()}
-        return align_tii(k, seen)
+    def on_align_tii(k, seen, steps):  # noqa: ANN001, ANN202
+        rec["tii_before_align"] = clf.tii_.snapshot()
+        return align_tii(k, seen, steps)
 
     adam_step = torch.optim.Adam.step
 
@@ -90,7 +90,7 @@ def fitted(stream):
         rec["drawn"].append((list(classes), n, limit))
         return draw(stats, classes, n, generator, limit)
 
-    clf._begin_task, clf._end_task, clf._align_tii = on_begin, on_end, on_align_tii  # type: ignore[method-assign]
+    clf._begin_task, clf._end_task, clf.tii_.align = on_begin, on_end, on_align_tii  # type: ignore[method-assign]
     mp = pytest.MonkeyPatch()
     mp.setattr(torch.optim.Adam, "step", spy_step)
     mp.setattr(hideprompt, "pseudo_features", spy_draw)
@@ -98,7 +98,7 @@ def fitted(stream):
         clf.fit_task(stream.tasks[1], stream_tasks=2)
     finally:
         mp.undo()
-        del clf._begin_task, clf._end_task, clf._align_tii
+        del clf._begin_task, clf._end_task, clf.tii_.align
     return clf, rec
 
 
@@ -260,7 +260,7 @@ def test_alignment_after_task_2_covers_every_seen_class(fitted) -> None:
     assert len(rec["drawn"]) == 4 and all(sorted(d) == seen for d, _, _ in rec["drawn"])
     bs, n_old = clf.config.train.batch_size, len(clf.task_classes_[0])
     assert [(n, lim) for _, n, lim in rec["drawn"]] == [(bs, n_old * bs)] * 2 + [(5 * bs, n_old * 5 * bs)] * 2
-    assert set(clf.stats_) == set(clf.tii_stats_) == set(seen)
+    assert set(clf.stats_) == set(clf.tii_.stats) == set(seen)
     assert all(mu.shape == (3, clf.embed_dim) for mu, _ in clf.stats_.values())
     now = clf.state_tensors()
     assert not torch.equal(now["head.0.weight"], rec["after0"]["head.0.weight"])
@@ -290,8 +290,8 @@ def test_tii_training_masks_the_other_tasks_classes(fitted) -> None:
     for n in ("heads.0.weight", "heads.0.bias"):
         assert torch.equal(before[n].cpu(), rec["after0"][f"tii.{n}"]), n
     assert not torch.equal(before["fc1.weight"].cpu(), rec["after0"]["tii.fc1.weight"])
-    assert not torch.equal(clf.tii_.heads[0].weight.detach(), before["heads.0.weight"])
-    assert [h.out_features for h in clf.tii_.heads] == [len(c) for c in clf.task_classes_]
+    assert not torch.equal(clf.tii_.net.heads[0].weight.detach(), before["heads.0.weight"])
+    assert [h.out_features for h in clf.tii_.net.heads] == [len(c) for c in clf.task_classes_]
 
 
 def test_tii_head_is_the_releases_mlp_mapping() -> None:
@@ -315,17 +315,38 @@ def test_tii_head_is_the_releases_mlp_mapping() -> None:
         torch.testing.assert_close(m(q, slice(1, 2)), m.heads[1](e))
 
 
+def test_the_tii_starts_from_the_runs_seed() -> None:
+    """Its MLP's initialisation depends on ``seed`` only, not on the global random stream's state (it is
+    built before a task seeds that stream), nor does it move that stream."""
+    from proteus.baselines.hideprompt import TaskIdentityInference
+
+    cfg = _cfg()
+    nets = []
+    for state in (1, 2):
+        torch.manual_seed(state)
+        nets.append(TaskIdentityInference(cfg, 16, torch.device("cpu")).net.state_dict())
+    assert all(torch.equal(nets[0][n], nets[1][n]) for n in nets[0])
+    torch.manual_seed(3)
+    expect = torch.rand(3)
+    torch.manual_seed(3)
+    TaskIdentityInference(cfg, 16, torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expect)
+    cfg.seed = 1
+    other = TaskIdentityInference(cfg, 16, torch.device("cpu")).net.state_dict()
+    assert not torch.equal(other["fc1.weight"], nets[0]["fc1.weight"])
+
+
 def test_the_tii_class_picks_the_prompt(fitted, stream) -> None:
     """Forced by its head's bias, the TII's class decides the task; that task's prompt runs, and the
     final heads score every seen class."""
     clf, _ = fitted
     z = torch.cat([_z(clf, stream, 0), _z(clf, stream, 1)])
-    bias = [h.bias.detach().clone() for h in clf.tii_.heads]
+    bias = [h.bias.detach().clone() for h in clf.tii_.net.heads]
     outs = {}
     try:
         for t in range(2):
             with torch.no_grad():
-                clf.tii_.heads[t].bias[2] += 1e4
+                clf.tii_.net.heads[t].bias[2] += 1e4
             logits, task = clf.infer(z)
             assert bool((task == t).all())
             with torch.no_grad():
@@ -335,16 +356,16 @@ def test_the_tii_class_picks_the_prompt(fitted, stream) -> None:
             assert bool(torch.isfinite(logits).all()) and logits.shape[1] == len(clf.classes_)
             outs[t] = logits
             with torch.no_grad():
-                clf.tii_.heads[t].bias.copy_(bias[t])
+                clf.tii_.net.heads[t].bias.copy_(bias[t])
     finally:
         with torch.no_grad():
-            for h, b0 in zip(clf.tii_.heads, bias):
+            for h, b0 in zip(clf.tii_.net.heads, bias):
                 h.bias.copy_(b0)
     assert not torch.allclose(outs[0], outs[1])  # the prompt matters
     # unforced: the selected task is the one owning the TII's argmax class
     owner = torch.tensor([t for t, cs in enumerate(clf.task_classes_) for _ in cs])
     with torch.no_grad():
-        expect = owner[clf.tii_(clf.query(z)).argmax(1)]
+        expect = owner[clf.tii_.net(clf.query(z)).argmax(1)]
     assert torch.equal(clf.infer(z)[1], expect)
 
 
@@ -379,7 +400,7 @@ def test_a_failed_task_leaves_the_learner_as_it_was(stream, monkeypatch) -> None
     with pytest.raises(KeyboardInterrupt):
         clf.fit_task(stream.tasks[1], stream_tasks=2)
     monkeypatch.undo()
-    assert clf.num_tasks == 1 and len(clf.prompts_) == len(clf.tii_.heads) == 1
+    assert clf.num_tasks == 1 and len(clf.prompts_) == len(clf.tii_.net.heads) == 1
     after = clf.state_tensors()
     assert set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
     torch.testing.assert_close(clf.logits_prefix(z), before)

@@ -28,6 +28,7 @@ LORA = "proteus/baselines/lora_methods.py"
 PROMPTS = "proteus/baselines/prompts.py"
 LEARNER = "proteus/baselines/learner.py"
 SPROMPT = "proteus/baselines/sprompt.py"
+HIDE = "proteus/baselines/hideprompt.py"
 
 #: (name, check script, file under src, [(old text, new text), ...]); every old text must occur exactly once
 PERTURBATIONS = [
@@ -323,6 +324,78 @@ PERTURBATIONS = [
         "sprompt",
         SPROMPT,
         [("math.cos(math.pi * epoch / max(epochs, 1))", "math.cos(math.pi * (epoch + 1) / max(epochs, 1))")],
+    ),
+    # ---- HiDe-Prompt (check_hideprompt.py)
+    (
+        "HiDe-Prompt: prompt momentum 0.1 instead of 0.01",
+        "hideprompt",
+        HIDE,
+        [("baseline__prompt_momentum=0.01", "baseline__prompt_momentum=0.1")],
+    ),
+    (
+        "HiDe-Prompt: momentum mixes in the open prompt itself, not the old prompts' mean",
+        "hideprompt",
+        HIDE,
+        [("m * torch.stack([o.detach() for o in old]).mean(0).to(raw.dtype)", "m * raw.detach()")],
+    ),
+    (
+        "HiDe-Prompt: orth_loss temperature 1.0 instead of 0.8",
+        "hideprompt",
+        HIDE,
+        [("TEMPERATURE = 0.8", "TEMPERATURE = 1.0")],
+    ),
+    (
+        "HiDe-Prompt: stage 1 CE over every seen class (other tasks' classes not masked)",
+        "hideprompt",
+        HIDE,
+        [
+            (
+                "local = {c: i for i, c in enumerate(classes)}",
+                "local = {c: i + sum(h.out_features for h in self.net.heads[:-1])"
+                " for i, c in enumerate(classes)}",
+            ),
+            ("self.net(q.to(self.device).float(), slice(k, k + 1))", "self.net(q.to(self.device).float())"),
+        ],
+    ),
+    (
+        "HiDe-Prompt: head at the prompt's lr (1x instead of 0.1x)",
+        "hideprompt",
+        HIDE,
+        [("head_lr_scale = 0.1", "head_lr_scale = 1.0")],
+    ),
+    (
+        "HiDe-Prompt: pseudo-features from the centroid means only (variances not used)",
+        "hideprompt",
+        HIDE,
+        [("stds.append((var + 1e-4).sqrt().float())", "stds.append((0 * var + 1e-4).sqrt().float())")],
+    ),
+    (
+        "HiDe-Prompt: TII task from the latest task's head only (not the argmax over every seen class)",
+        "hideprompt",
+        HIDE,
+        [
+            (
+                "return owner[self.net(q.float()).argmax(1)]",
+                "return owner[self.net(q.float(), slice(-1, None)).argmax(1) + sum(sizes[:-1])]",
+            )
+        ],
+    ),
+    (
+        "HiDe-Prompt: one centroid more per class (n_centroids + 1)",
+        "hideprompt",
+        HIDE,
+        [("k = min(n_centroids, len(x))", "k = min(n_centroids + 1, len(x))")],
+    ),
+    (
+        "HiDe-Prompt: alignment SGD without momentum",
+        "hideprompt",
+        HIDE,
+        [
+            (
+                "opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.0)",
+                "opt = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=0.0)",
+            )
+        ],
     ),
 ]
 

@@ -6,10 +6,11 @@ with ``engines/hide_tii_engine.py`` for stage 1, ``trainers/hideprompt_trainer.p
 ``vits/hide_prompt_vision_transformer.py``, ``configs/{cifar100,imr}_hideprompt_5e.py`` and
 ``training_scripts/train_{cifar100,imr}_vit.sh``), rebuilt on the shared baseline learner. Per task t:
 
-* **stage 1, task-identity inference (TII)**: an MLP on the frozen ViT's prompt-free class token
-  (``MlpMapping`` with hidden ``[2]``: ``LN(x + W2 GELU(W1 x))``, W1 d -> 2d) and a linear head over every
-  seen class, trained ``baseline.tii_epochs`` with Adam at ``baseline.tii_lr`` (constant), the cross-entropy
-  over task t's classes (the other classes' logits masked), gradient norm clipped at ``clip_grad``. Then
+* **stage 1, task-identity inference (TII**, :class:`TaskIdentityInference`): an MLP on the frozen
+  ViT's prompt-free class token (``MlpMapping`` with hidden ``[2]``: ``LN(x + W2 GELU(W1 x))``, W1 d ->
+  2d) and a linear head over every seen class, trained ``baseline.tii_epochs`` with Adam at
+  ``baseline.tii_lr`` (constant), the cross-entropy over task t's classes (the other classes' logits
+  masked), gradient norm clipped at ``clip_grad``. Then
   the class statistics of task t's classes are stored -- per class, K-Means with ``baseline.n_centroids``
   centroids on the class tokens of its un-augmented training images, each centroid's mean and per-dimension
   variance (the release's ``multi-centroid`` storage) -- and, from task 2 on, the MLP and head are
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,7 @@ from torch import nn
 
 from proteus.baselines.learner import SCHEDULES
 from proteus.baselines.prompts import PromptClassifier
+from proteus.config import RunConfig
 from proteus.engine.embedder import ImageDataset
 from proteus.engine.learner import LEARNERS, TestCache, TestOutcome
 from proteus.errors import NotFittedError
@@ -64,6 +66,7 @@ __all__ = [
     "ClassStats",
     "HiDePrompt",
     "TIIHead",
+    "TaskIdentityInference",
     "align_on_pseudo_features",
     "class_statistics",
     "momentum_prompt",
@@ -226,11 +229,115 @@ def _timm_init(lin: nn.Linear) -> nn.Linear:
     return lin
 
 
+def alignment_generator(seed: int, k: int, stage: int) -> torch.Generator:
+    """The pseudo-features' generator of stage ``stage``'s (1 or 2) alignment after task k."""
+    return torch.Generator().manual_seed(seed * 1000 + k + 700 + stage)
+
+
+class TaskIdentityInference:
+    """Stage 1, task-identity inference: the :class:`TIIHead` on the frozen class token (:attr:`net`), its
+    training per task (:meth:`fit`), the multi-centroid statistics of every seen class's class tokens
+    (:attr:`stats`, :meth:`store`), the re-alignment on their pseudo-features (:meth:`align`) and the
+    task of a query (:meth:`predict_task`).
+
+    Args:
+        config: the run's configuration (``baseline.tii_epochs``, ``tii_lr``, ``clip_grad``,
+            ``n_centroids``, ``ca_epochs``, ``tii_ca_lr``; ``train.batch_size``; ``seed``).
+        d: the class token's width.
+        device: where the model lives.
+    """
+
+    #: pseudo-features drawn per centroid (and the batch) of the alignment, in ``train.batch_size``s (the
+    #: release's per-process count)
+    ca_draws: int = 1
+
+    def __init__(self, config: RunConfig, d: int, device: torch.device) -> None:
+        self.config, self.device = config, device
+        with torch.random.fork_rng(devices=[]):  # the run's seed, not the global stream's state
+            torch.manual_seed(config.seed)
+            self.net = TIIHead(d).to(device)
+        #: class -> its centroids of the prompt-free class tokens
+        self.stats: ClassStats = {}
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.net.heads)
+
+    def fit(
+        self,
+        k: int,
+        classes: list[int],
+        batches: Callable[[torch.Generator], Iterable[tuple[torch.Tensor, Any]]],
+    ) -> None:
+        """Task k: Adam on the MLP and the heads at ``tii_lr`` (constant), the cross-entropy over task k's
+        classes (the release masks the others' logits: their columns get no gradient), clipped.
+        ``batches(g)``: one epoch of (class tokens, global labels), shuffled by ``g``."""
+        b = self.config.baseline
+        self.net.add_head(len(classes))
+        local = {c: i for i, c in enumerate(classes)}
+        params = list(self.net.parameters())
+        opt = torch.optim.Adam(params, lr=b.tii_lr, betas=(0.9, 0.999), weight_decay=0.0)
+        g = torch.Generator().manual_seed(self.config.seed * 1000 + k + 500)
+        self.net.train()
+        for _ in range(b.tii_epochs):
+            for q, yb in batches(g):
+                target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=self.device)
+                loss = F.cross_entropy(self.net(q.to(self.device).float(), slice(k, k + 1)), target)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if b.clip_grad is not None:
+                    torch.nn.utils.clip_grad_norm_(params, b.clip_grad)
+                opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def store(self, k: int, q: torch.Tensor, y: torch.Tensor) -> None:
+        """Task k's classes' statistics of their class tokens ``q`` (N, d) with labels ``y``."""
+        b = self.config.baseline
+        self.stats.update(class_statistics(q, y, b.n_centroids, self.config.seed * 1000 + k))
+
+    def align(self, k: int, seen: list[int], steps: int) -> list[float]:
+        """The alignment after task k (k >= 1): MLP and heads on pseudo-features of every ``seen`` class,
+        ``steps`` per epoch (the release's ``crct_num``, the classes of the tasks before k)."""
+        b = self.config.baseline
+        return align_on_pseudo_features(
+            self.net, list(self.net.parameters()), self.stats, seen,
+            n=self.config.train.batch_size * self.ca_draws, steps=steps, epochs=b.ca_epochs,
+            lr=b.tii_ca_lr, generator=alignment_generator(self.config.seed, k, 1), device=self.device,
+        )  # fmt: skip
+
+    def predict_task(self, q: torch.Tensor) -> torch.Tensor:
+        """(B,) the task of each class token: the task owning the predicted class among the seen ones."""
+        sizes = [h.out_features for h in self.net.heads]
+        owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.as_tensor(sizes)).to(q.device)
+        with torch.autocast(q.device.type, enabled=False):
+            return owner[self.net(q.float()).argmax(1)]
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.net.state_dict().items()}
+
+    def restore(self, k: int, snapshot: dict[str, torch.Tensor] | None, seen: set[int]) -> None:
+        """Back to before task k: its head dropped, the model as ``snapshot`` (if taken), only the ``seen``
+        classes' statistics."""
+        if snapshot is not None:
+            del self.net.heads[k:]
+            self.net.load_state_dict(snapshot)
+        for c in [c for c in self.stats if c not in seen]:
+            del self.stats[c]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """``tii.<name>`` (the model) and ``tii_stats.<class>.{mean,var}``."""
+        out = {f"tii.{n}": t.detach().cpu().contiguous() for n, t in self.net.state_dict().items()}
+        for c, (mu, var) in self.stats.items():
+            out[f"tii_stats.{c}.mean"], out[f"tii_stats.{c}.var"] = mu.contiguous(), var.contiguous()
+        return out
+
+
 # ------------------------------------------------------------------ the learner
 @LEARNERS.register("hide-prompt", help="HiDe-Prompt: task-identity inference, then a prompt per task")
 class HiDePrompt(PromptClassifier):
-    """HiDe-Prompt: an MLP head on the frozen class token infers the task, whose e-prompt (prefix) and the
-    heads of every seen class classify; both heads re-aligned on pseudo-features of stored statistics."""
+    """HiDe-Prompt: an MLP head on the frozen class token infers the task (stage 1, :attr:`tii_`, a
+    :class:`TaskIdentityInference`), whose e-prompt (prefix) and the heads of every seen class classify
+    (stage 2); both heads re-aligned on pseudo-features of stored statistics."""
 
     name = "hide-prompt"
     options = (
@@ -239,10 +346,10 @@ class HiDePrompt(PromptClassifier):
     )  # fmt: skip
     #: ``larger_prompt_lr``: the head at 0.1 times the prompt's learning rate
     head_lr_scale = 0.1
-    #: pseudo-features drawn per centroid (and the batch) of the alignment, in ``train.batch_size``s: stage 1
-    #: ``batch_size``, stage 2 ``batch_size * 5`` (the release's per-process counts; at the global batch of
-    #: the configs they are the 8 processes' together)
-    ca_draws: tuple[int, int] = (1, 5)
+    #: pseudo-features drawn per centroid (and the batch) of stage 2's alignment, in ``train.batch_size``s
+    #: (the release's per-process count; at the global batch of the configs the 8 processes' together;
+    #: stage 1's: :attr:`TaskIdentityInference.ca_draws`)
+    ca_draws: int = 5
     #: the release's contrastive loss is computed per process, over its 24 features: ours over groups of
     #: this many features of a batch, averaged (the whole batch when it is smaller)
     contrast_group: int = 24
@@ -259,9 +366,9 @@ class HiDePrompt(PromptClassifier):
         #: task t's e-prompt: (blocks, 2 = key / value, L, d)
         self._shape = (len(b.prompt_layers), 2, b.prompt_length, d)
         self.prompts_: list[nn.Parameter] = []
-        self.tii_ = TIIHead(d).to(next(self.vit.parameters()).device)
-        #: stage 1's and stage 2's class statistics (prompt-free / instructed class tokens)
-        self.tii_stats_: ClassStats = {}
+        #: stage 1, with its statistics of the prompt-free class tokens
+        self.tii_ = TaskIdentityInference(self.config, d, next(self.vit.parameters()).device)
+        #: stage 2's class statistics (the instructed class tokens)
         self.stats_: ClassStats = {}
 
     def _params(self) -> dict[str, nn.Parameter]:
@@ -272,10 +379,9 @@ class HiDePrompt(PromptClassifier):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = super().state_tensors()
-        out.update({f"tii.{n}": t.detach().cpu().contiguous() for n, t in self.tii_.state_dict().items()})
-        for tag, stats in (("tii_stats", self.tii_stats_), ("stats", self.stats_)):
-            for c, (mu, var) in stats.items():
-                out[f"{tag}.{c}.mean"], out[f"{tag}.{c}.var"] = mu.contiguous(), var.contiguous()
+        out.update(self.tii_.state_tensors())
+        for c, (mu, var) in self.stats_.items():
+            out[f"stats.{c}.mean"], out[f"stats.{c}.var"] = mu.contiguous(), var.contiguous()
         return out
 
     # ------------------------------------------------------------------ one task: stage 1, then stage 2
@@ -318,67 +424,39 @@ class HiDePrompt(PromptClassifier):
         for x, y in loader:
             yield self.prefix_batch(x), y
 
+    @torch.no_grad()
+    def _plain_features(
+        self, feature: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``feature`` of the open task's un-augmented training pass (float32, CPU) and the labels: what both
+        stages' class statistics are taken of."""
+        hs, ys = [], []
+        for zb, yb in self._plain_pass():
+            with self._autocast():
+                hs.append(feature(zb).float().cpu())
+            ys.append(yb)
+        return torch.cat(hs), torch.cat(ys)
+
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         assert self._open is not None
         self._backup = {
-            "tii": {n: t.clone() for n, t in self.tii_.state_dict().items()},
+            "tii": self.tii_.snapshot(),
             "heads": [{n: t.clone() for n, t in h.state_dict().items()} for h in self.heads_],
         }
         classes = [int(c) for c in self._open.classes]
+        # stage 1: the TII on the prompt-free class tokens, their statistics, the alignment from task 2 on
         y = self._plain[1] if z is not None and self._plain is not None else None
-        self._train_tii(k, classes, z, y, loader)
-        with torch.no_grad():
-            q = [(self.query(zb), yb) for zb, yb in self._plain_pass()]
-        self.tii_stats_.update(
-            class_statistics(
-                torch.cat([a.float().cpu() for a, _ in q]), torch.cat([b for _, b in q]),
-                self.config.baseline.n_centroids, self.config.seed * 1000 + k,
-            )
-        )  # fmt: skip
+        self.tii_.fit(
+            k, classes, lambda g: ((self.query(zb), yb) for zb, yb in self._batches(z, y, loader, g))
+        )
+        self.tii_.store(k, *self._plain_features(self.query))
         if k > 0:
-            self._align_tii(k, [*self.classes_, *classes])
+            self.tii_.align(k, [*self.classes_, *classes], steps=len(self.classes_))
         # stage 2: the shared pool's copy of task t-1's prompt (task 1: U(-1, 1))
         fresh = torch.rand(*self._shape, generator=self._gen) * 2 - 1
         start = self.prompts_[-1].detach().cpu().clone() if self.prompts_ else fresh
         self.prompts_.append(self._to(start))
         self._old_means = self._centroids()
-
-    def _train_tii(
-        self, k: int, classes: list[int], z: torch.Tensor | None, y: torch.Tensor | None, loader: Any
-    ) -> None:
-        """Stage 1 on task k: Adam on the MLP and the heads at ``tii_lr`` (constant), the cross-entropy over
-        task k's classes (the release masks the others' logits: their columns get no gradient), clipped."""
-        b = self.config.baseline
-        self.tii_.add_head(len(classes))
-        local = {c: i for i, c in enumerate(classes)}
-        params = [p for p in self.tii_.parameters()]
-        opt = torch.optim.Adam(params, lr=b.tii_lr, betas=(0.9, 0.999), weight_decay=0.0)
-        g = torch.Generator().manual_seed(self.config.seed * 1000 + k + 500)
-        self.tii_.train()
-        for _ in range(b.tii_epochs):
-            for zb, yb in self._batches(z, y, loader, g):
-                target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=self.device_)
-                logits = self.tii_(self.query(zb.to(self.device_)).float(), slice(k, k + 1))
-                loss = F.cross_entropy(logits, target)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if b.clip_grad is not None:
-                    torch.nn.utils.clip_grad_norm_(params, b.clip_grad)
-                opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def _align_tii(self, k: int, seen: list[int]) -> list[float]:
-        """Stage 1's alignment after task k (k >= 1): MLP and heads on pseudo-features of every seen class,
-        as many steps per epoch as the tasks before k have classes (the release's ``crct_num``)."""
-        b = self.config.baseline
-        return align_on_pseudo_features(
-            lambda x: self.tii_(x), list(self.tii_.parameters()), self.tii_stats_, seen,
-            n=self.config.train.batch_size * self.ca_draws[0], steps=len(self.classes_),
-            epochs=b.ca_epochs, lr=b.tii_ca_lr, generator=self._ca_gen(k, 1), device=self.device_,
-        )  # fmt: skip
-
-    def _ca_gen(self, k: int, stage: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.config.seed * 1000 + k + 700 + stage)
 
     def _centroids(self) -> torch.Tensor | None:
         """Every stored stage-2 centroid (the release's ``cls_mean``), (n, d) float64, or None."""
@@ -393,15 +471,9 @@ class HiDePrompt(PromptClassifier):
         P.data.copy_(momentum_prompt(P.detach(), list(self.prompts_[:k]), m))
         P.requires_grad_(False)
         t = torch.tensor([k], device=self.device_)
-        hs, ys = [], []
-        for zb, yb in self._plain_pass():
-            with self._autocast():
-                hs.append(self.prompted(zb, t.expand(len(zb))).float().cpu())
-            ys.append(yb)
+        h, y = self._plain_features(lambda zb: self.prompted(zb, t.expand(len(zb))))
         self.stats_.update(
-            class_statistics(
-                torch.cat(hs), torch.cat(ys), self.config.baseline.n_centroids, self.config.seed * 1000 + k
-            )
+            class_statistics(h, y, self.config.baseline.n_centroids, self.config.seed * 1000 + k)
         )
         if k > 0:
             with torch.enable_grad():
@@ -417,9 +489,9 @@ class HiDePrompt(PromptClassifier):
         try:
             return align_on_pseudo_features(
                 lambda x: torch.cat([h(x) for h in self.heads_], 1), params, self.stats_, list(self.classes_),
-                n=self.config.train.batch_size * self.ca_draws[1],
-                steps=sum(len(c) for c in self.task_classes_[:k]),
-                epochs=b.ca_epochs, lr=b.ca_lr, generator=self._ca_gen(k, 2), device=self.device_,
+                n=self.config.train.batch_size * self.ca_draws,
+                steps=sum(len(c) for c in self.task_classes_[:k]), epochs=b.ca_epochs, lr=b.ca_lr,
+                generator=alignment_generator(self.config.seed, k, 2), device=self.device_,
             )  # fmt: skip
         finally:
             for p in params:
@@ -428,15 +500,13 @@ class HiDePrompt(PromptClassifier):
     def _abort_task(self, k: int) -> None:
         del self.prompts_[k:]
         backup = getattr(self, "_backup", None)
+        seen = {c for cs in self.task_classes_[:k] for c in cs}
+        self.tii_.restore(k, None if backup is None else backup["tii"], seen)
         if backup is not None:
-            del self.tii_.heads[k:]
-            self.tii_.load_state_dict(backup["tii"])
             for h, sd in zip(self.heads_, backup["heads"]):
                 h.load_state_dict(sd)
-        seen = {c for cs in self.task_classes_[:k] for c in cs}
-        for stats in (self.tii_stats_, self.stats_):
-            for c in [c for c in stats if c not in seen]:
-                del stats[c]
+        for c in [c for c in self.stats_ if c not in seen]:
+            del self.stats_[c]
 
     # ------------------------------------------------------------------ forward
     def prompt_of(self, k: int) -> torch.Tensor:
@@ -465,12 +535,9 @@ class HiDePrompt(PromptClassifier):
 
     def select(self, q: torch.Tensor) -> torch.Tensor:
         """(B,) the task of each query: the task owning the TII's predicted class among the seen ones."""
-        if not len(self.tii_.heads):
+        if not self.tii_.num_tasks:
             raise NotFittedError(f"{self.name}: not fitted; call fit_task first")
-        sizes = [h.out_features for h in self.tii_.heads]
-        owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.as_tensor(sizes)).to(q.device)
-        with torch.autocast(q.device.type, enabled=False):
-            return owner[self.tii_(q.float()).argmax(1)]
+        return self.tii_.predict_task(q)
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
         """Training: every input under the open task's prompt, and the contrastive loss. Inference: under
@@ -489,7 +556,7 @@ class HiDePrompt(PromptClassifier):
     @torch.no_grad()
     def infer(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, C_seen) logits of prefix outputs under their TII-selected prompts; (N,) the selected tasks."""
-        if not self.num_tasks or len(self.tii_.heads) != self.num_tasks:
+        if not self.num_tasks or self.tii_.num_tasks != self.num_tasks:
             raise NotFittedError(f"{self.name}: not fitted; call fit_task first")
         return self.selected_logits(z)
 
