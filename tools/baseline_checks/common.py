@@ -1,7 +1,8 @@
 """Shared helpers for the side-by-side checks of the baselines against the authors' released code.
 
 The authors' checkouts are looked up in ``$PROTEUS_THEIRS`` (a folder holding ``theirs_inflora``,
-``theirs_sdlora``, ``theirs_l2p``, ``theirs_dualprompt``, ``theirs_coda``); default: this script's folder.
+``theirs_sdlora``, ``theirs_l2p``, ``theirs_dualprompt``, ``theirs_coda``, ``theirs_adapromptcl``); default:
+this script's folder.
 See README.md.
 """
 

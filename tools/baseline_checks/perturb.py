@@ -29,6 +29,7 @@ PROMPTS = "proteus/baselines/prompts.py"
 LEARNER = "proteus/baselines/learner.py"
 SPROMPT = "proteus/baselines/sprompt.py"
 HIDE = "proteus/baselines/hideprompt.py"
+ADA = "proteus/baselines/adapromptcl.py"
 
 #: (name, check script, file under src, [(old text, new text), ...]); every old text must occur exactly once
 PERTURBATIONS = [
@@ -396,6 +397,87 @@ PERTURBATIONS = [
                 "opt = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=0.0)",
             )
         ],
+    ),
+    # ---- AdaPromptCL
+    (
+        "AdaPromptCL: converge threshold 0.4 -> 0.5",
+        "adapromptcl",
+        ADA,
+        [("    converge_thrh: float = 0.4\n", "    converge_thrh: float = 0.5\n")],
+    ),
+    (
+        "AdaPromptCL: post-merge threshold 0.6 -> 0.7",
+        "adapromptcl",
+        ADA,
+        [("    postmerge_thrh: float = 0.6\n", "    postmerge_thrh: float = 0.7\n")],
+    ),
+    (
+        "AdaPromptCL: warm-up prompts not normalised before clustering",
+        "adapromptcl",
+        ADA,
+        [("return F.normalize(v, dim=0).double().numpy()", "return v.double().numpy()")],
+    ),
+    (
+        "AdaPromptCL: K-Means top-n 2 -> 1",
+        "adapromptcl",
+        ADA,
+        [("    kmeans_top_n: int = 2\n", "    kmeans_top_n: int = 1\n")],
+    ),
+    (
+        "AdaPromptCL: K-Means counts above the worst silhouette's count, not the best",
+        "adapromptcl",
+        ADA,
+        [("base = max(silhouettes, key=", "base = min(silhouettes, key=")],
+    ),
+    (
+        "AdaPromptCL: head not restored after the warm-up",
+        "adapromptcl",
+        ADA,
+        [
+            (
+                "the head after the warm-up from the second task on\n            head.load_state_dict(head0)",
+                "the head after the warm-up from the second task on\n            pass",
+            )
+        ],
+    ),
+    (
+        "AdaPromptCL: pull-constraint coefficient 1.0 -> 0.5 (method declaration)",
+        "adapromptcl",
+        ADA,
+        [
+            (
+                "baseline__match_weight=1.0, baseline__clip_grad=1.0,",
+                "baseline__match_weight=0.5, baseline__clip_grad=1.0,",
+            )
+        ],
+    ),
+    (
+        "AdaPromptCL: test-time selection by raw dot product",
+        "adapromptcl",
+        ADA,
+        [
+            (
+                "best = (F.normalize(q, dim=-1) @ F.normalize(keys, dim=-1).T).argmax(1)",
+                "best = (q @ keys.T).argmax(1)",
+            )
+        ],
+    ),
+    (
+        "AdaPromptCL: merged prompts copied without their base's key (a fresh key)",
+        "adapromptcl",
+        ADA,
+        [
+            (
+                "self._new_prompt(self.pool_[base], self.keys_[base])",
+                "self._new_prompt(self.pool_[base], torch.rand(self.embed_dim, generator=self._gen) * 2 - 1)",
+            )
+        ],
+    ),
+    (
+        "AdaPromptCL: no reinit_clf (head_last_epochs 10 -> 100)",
+        "adapromptcl",
+        ADA,
+        [("    head_last_epochs: int = 10", "    head_last_epochs: int = 100")],
     ),
 ]
 
