@@ -337,8 +337,13 @@ class LoRAWrapper(nn.Module):
     each with its own composition (set by :class:`~proteus.adapters.model.AdaptedBackbone`): equal
     groups, or ``sizes`` rows each. With ``merged`` set to ``(tasks, kind)`` group g runs the map with
     the merged weight of composition ``tasks[g]`` (:meth:`merged_weights`, cached) instead of the base
-    map plus the factored update.
+    map plus the factored update, when that pays on the batch at hand (:meth:`merge_pays`).
     """
+
+    #: a merged forward must save at least this many rows of the map per group (rows per group x the
+    #: factored update's relative cost) to pay for reading a whole merged weight per group; measured on
+    #: a CPU (docs/performance.md, "A 100-task stream"); 0: always merged when composed so
+    merge_min_work: float = 16.0
 
     def __init__(self, base: nn.Module, slices: dict[str, tuple[int, int]], scaling: float) -> None:
         super().__init__()
@@ -463,8 +468,24 @@ class LoRAWrapper(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     # ------------------------------------------------------------------ forward
+    def merge_pays(self, x: torch.Tensor) -> bool:
+        """Whether the merged weights beat the factored update on ``x`` (:attr:`merge_min_work`): each
+        group reads a whole merged weight (p q numbers), which pays only when the group's rows times the
+        factored update's relative cost (:meth:`factored_cost` over the columns composed) exceed it."""
+        if self.merged is None:
+            return False
+        units = list(self.units.values())
+        if any(u.coef is None for u in units):  # composed merged only ("always"): nothing else to run
+            return True
+        if self.merge_min_work <= 0:
+            return True
+        rows_per_group = x.numel() / self.in_features / max(1, len(self.merged[0]))
+        cost = self.factored_cost([u.coef.shape[1] for u in units])
+        return rows_per_group * cost >= self.merge_min_work
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged is not None:
+        if self.merge_pays(x):
+            assert self.merged is not None
             return self._merged_forward(x, *self.merged)
         out = self.base(x)
         units = list(self.units.values())

@@ -193,7 +193,7 @@ class AdaptedBackbone(nn.Module):
             cols = [u.used_columns(tasks) for u in units]
             if name in plan:
                 w.merged = (tasks, kind)
-            else:
+            if name not in plan or self.merge == "auto":  # "auto": factored where merging does not pay
                 for u, c in zip(units, cols):
                     coef = u.coefficients(tasks, kind)[:, :c]
                     reps = None if sizes is None else torch.as_tensor(sizes, device=coef.device)
