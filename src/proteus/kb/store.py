@@ -105,6 +105,21 @@ from proteus.kb.tensors import Obj, check_objects, shapes_of
 Part = tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 
+#: dtypes whose tensors hash through ``Tensor.numpy()`` directly (the others as raw bytes)
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+    }
+)
+
+
 def content_key(kind: str, tensors: dict[str, torch.Tensor]) -> str:
     """sha256 of an object's content: its kind, then per tensor (in name order) its name, dtype, shape and raw
     bytes. Equal keys mean equal safetensors files, found without serialising the tensors (the costly part of
@@ -113,7 +128,7 @@ def content_key(kind: str, tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name]
         h.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+        h.update(t.numpy() if t.dtype in _NUMPY_DTYPES else t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -186,7 +201,7 @@ class KnowledgeBase:
         (root / OBJECTS).mkdir(parents=True, exist_ok=True)
         manifest = cls._fresh_manifest(header)
         manifest["checksum"] = manifest_checksum(manifest)
-        data = json.dumps(manifest, indent=1).encode()
+        data = json.dumps(manifest).encode()
         _atomic_write(root / MANIFEST, data)
         kb = cls(root, manifest)
         kb._manifest_sha = _sha(data)
@@ -317,12 +332,16 @@ class KnowledgeBase:
         except Exception as e:  # safetensors raises several types for bad headers
             raise KBError(f"{self.root / rel}: not a valid safetensors file ({e})") from None
 
-    def write_object(self, kind: str, tensors: dict[str, torch.Tensor]) -> tuple[str, str]:
+    def write_object(
+        self, kind: str, tensors: dict[str, torch.Tensor], reuse: bool = True
+    ) -> tuple[str, str]:
         """Write a content-addressed object; returns (relative path, sha256). Not yet committed (a KB from
-        :meth:`new` keeps it in memory until its first commit)."""
+        :meth:`new` keeps it in memory until its first commit). ``reuse``: look the content up among the
+        objects this KB wrote (:func:`content_key`) before serialising it; False for an object that
+        changes at every commit (the head), which would pay for the lookup's hashing for nothing."""
         tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        key = content_key(kind, tensors)
-        known = self._known.get(key)
+        key = content_key(kind, tensors) if reuse else None
+        known = None if key is None else self._known.get(key)
         if known is not None and (
             known[0] in self._pending or (self._on_disk and (self.root / known[0]).is_file())
         ):
@@ -330,7 +349,8 @@ class KnowledgeBase:
         data = st_save(tensors)
         sha = _sha(data)
         rel = f"{OBJECTS}/{kind}-{sha[:16]}.safetensors"
-        self._known[key] = (rel, sha)
+        if key is not None:
+            self._known[key] = (rel, sha)
         if not self._on_disk:
             self._pending[rel] = data
             return rel, sha
@@ -473,7 +493,7 @@ class KnowledgeBase:
                 except FileNotFoundError:
                     prev_before = b""
                 _atomic_write(self.root / PREV_MANIFEST, previous)
-            data = json.dumps(manifest, indent=1).encode()
+            data = json.dumps(manifest).encode()
             _atomic_write(self.root / MANIFEST, data, "commit:manifest-tmp")
         except BaseException:
             self._abandon(prev_before, previous)
@@ -505,7 +525,7 @@ class KnowledgeBase:
             records.append({**meta, "object": rel, "sha256": sha})
         manifest["tasks"] = records
         if head is not None:
-            rel, sha = self.write_object("head", head[1])
+            rel, sha = self.write_object("head", head[1], reuse=False)  # a learner's head changes every task
             manifest["head"] = {"meta": head[0], "object": rel, "sha256": sha}
         stored = list(self.manifest.get("evaluation", []))
         manifest["evaluation"] = stored[: len(tasks)] if evaluation is None else evaluation
@@ -580,10 +600,10 @@ class KnowledgeBase:
         prev_path = self.root / PREV_MANIFEST
         if prev_path.is_file():
             prev = self.previous_manifest(check_signature=False)
-            _atomic_write(prev_path, json.dumps(_resigned(prev, key), indent=1).encode())
+            _atomic_write(prev_path, json.dumps(_resigned(prev, key)).encode())
         self.key = key
         manifest = _resigned(self.manifest, key)
-        data = json.dumps(manifest, indent=1).encode()
+        data = json.dumps(manifest).encode()
         _atomic_write(self.root / MANIFEST, data)
         self.manifest = manifest
         self._manifest_sha = _sha(data)
