@@ -209,3 +209,85 @@ def test_learned_tasks_embed_the_same_forever(transfer: str) -> None:
     for k in range(3):
         diff = (later[k] - before[k]).abs().max().item()
         assert diff < 1e-5, f"task {k + 1}'s embedding changed by {diff:g} after later tasks"
+
+
+@pytest.mark.parametrize("kind", ["linear-fused", "conv"])
+def test_training_forward_and_gradients_equal_dense_eq9(kind: str) -> None:
+    """The training forward (old frozen directions through S apart from the new ones, each unit's update
+    added in place to its slice of the base output) equals Eq. 9 written as dense matrices: outputs and the
+    gradients of S, A_new, B_new and the input."""
+    torch.manual_seed(0)
+    base = nn.Linear(6, 9) if kind == "linear-fused" else nn.Conv2d(6, 5, 1)
+    slices = {"q": (0, 3), "v": (6, 9)} if kind == "linear-fused" else {}
+    w = LoRAWrapper(base, slices, 0.5)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):  # two frozen tasks with non-zero directions and S
+        for u in w.units.values():
+            u.begin_task(2, "learned", True, g)
+            with torch.no_grad():
+                u.B_new.normal_()
+                if u.s is not None:
+                    u.s.normal_()
+            u.end_task()
+    for u in w.units.values():
+        u.begin_task(2, "learned", True, g)
+        with torch.no_grad():
+            u.B_new.normal_()
+            u.s.normal_()
+    x = torch.randn(3, 6) if kind == "linear-fused" else torch.randn(3, 6, 2, 2)
+    x.requires_grad_()
+    out = w(x)
+    W = base.weight.detach().reshape(base.weight.shape[0], 6).clone()
+    dense = []
+    for u, (s, e) in zip(w.units.values(), w.slices.values()):
+        dW = u.scaling * ((u.B * u.s) @ u.A.T + u.B_new @ u.projected_A_new().T)  # Eq. 9
+        dense.append((s, e, dW))
+    rows = [W[i] for i in range(W.shape[0])]
+    for s, e, dW in dense:
+        for i in range(s, e):
+            rows[i] = rows[i] + dW[i - s]
+    Wfull = torch.stack(rows)
+    if kind == "conv":
+        expected = torch.nn.functional.conv2d(x, Wfull[:, :, None, None], base.bias)
+    else:
+        expected = torch.nn.functional.linear(x, Wfull, base.bias)
+    params = [p for u in w.units.values() for p in (u.s, u.A_new, u.B_new)] + [x]
+    probe = torch.randn_like(out)
+    got = torch.autograd.grad((out * probe).sum(), params)
+    want = torch.autograd.grad((expected * probe).sum(), params)
+    assert torch.allclose(out, expected, atol=1e-5)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_basis_extended_per_task_spans_the_old_directions() -> None:
+    """The orthonormal basis of the old directions is extended task by task (not a QR of all of A at every
+    task): its projector equals the one onto span(A), after a truncation too, and a column of A already in
+    the span (without orthogonal new directions) adds nothing."""
+    torch.manual_seed(0)
+    u = LoRAUnit(12, 5)
+    g = torch.Generator().manual_seed(0)
+
+    def step(orthogonal: bool = True) -> None:
+        u.begin_task(2, "learned", orthogonal, g)
+        if orthogonal and u.total_rank:
+            U, sv, _ = torch.linalg.svd(u.A.double(), full_matrices=False)
+            q = U[:, sv > 1e-5 * sv.max()]  # span(A), whatever its rank (float32 A)
+            assert torch.allclose(u.basis.double() @ u.basis.double().T, q @ q.T, atol=1e-6)
+            assert (u.A.double().T @ u.projected_A_new().double()).abs().max() < 1e-5
+        with torch.no_grad():
+            u.B_new.normal_()
+        u.end_task()
+
+    for _ in range(3):
+        step()
+    u.truncate(1)
+    for _ in range(2):
+        step()
+    u.begin_task(2, "learned", False, g)
+    with torch.no_grad():
+        u.A_new.copy_(u.A[:, :2] + u.A[:, 2:4])  # inside the span of the old directions
+    u.end_task()
+    step()
+    # the in-span pair added nothing (and the last task's pair is not covered before the next task)
+    assert u.basis.shape[1] == u.total_rank - 2 - 2

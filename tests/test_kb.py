@@ -110,3 +110,51 @@ def test_commit_serialises_only_the_objects_whose_content_changed(tmp_path, monk
         torch.equal(back.read(r["object"], r["sha256"])["a"], tensors[k]["a"])
         for k, r in enumerate(back.manifest["tasks"])
     )
+
+
+def test_commit_hashes_each_unchanged_tensor_object_once(tmp_path, monkeypatch) -> None:
+    """Re-committing the same tensor objects hashes none of them again (a long stream's commit stays flat);
+    a tensor changed in place (its version moves), a new object of equal content, and a tensor that requires
+    a gradient (an optimiser may write it through ``.data``, unseen by the version counter) are hashed."""
+    import proteus.kb.content as content
+
+    hashed: list[tuple[int, ...]] = []
+    real = content.tensor_digest
+    monkeypatch.setattr(content, "tensor_digest", lambda t: hashed.append(tuple(t.shape)) or real(t))
+    kb = _kb(tmp_path)
+    tensors = [{"a": torch.randn(4, 3), "n": torch.tensor([k])} for k in range(3)]
+    kb.commit_state([({"index": k}, t) for k, t in enumerate(tensors)], None)
+    assert len(hashed) == 6
+    hashed.clear()
+    kb.commit_state([({"index": k}, t) for k, t in enumerate(tensors)], None)
+    assert hashed == []
+    tensors[0]["a"].view(torch.int32)[0, 0] ^= 1  # in place, through a view
+    tensors[1] = {"a": tensors[1]["a"].clone(), "n": tensors[1]["n"]}  # equal content, a new object
+    p = torch.nn.Parameter(torch.randn(2, 2))
+    kb.commit_state([({"index": k}, t) for k, t in enumerate(tensors)] + [({"index": 3}, {"p": p})], None)
+    assert sorted(hashed) == [(2, 2), (4, 3), (4, 3)]
+    objects = [t["object"] for t in kb.manifest["tasks"]]
+    with torch.no_grad():
+        p.data.add_(1.0)  # not counted by the version counter
+    kb.commit_state([({"index": k}, t) for k, t in enumerate(tensors)] + [({"index": 3}, {"p": p})], None)
+    assert kb.manifest["tasks"][3]["object"] != objects[3]
+    back = KnowledgeBase.open(tmp_path / "kb")
+    got = [back.read(r["object"], r["sha256"]) for r in back.manifest["tasks"]]
+    assert all(torch.equal(got[k]["a"], tensors[k]["a"]) for k in range(3)) and torch.equal(got[3]["p"], p)
+
+
+def test_commit_refuses_a_changed_record_the_schema_rejects(tmp_path) -> None:
+    """A commit re-validates only the task records that differ from the committed ones: a changed record
+    that breaks the schema is refused, whether it is a new dict or the committed record edited in place."""
+    kb = _kb(tmp_path)
+    tensors = [{"a": torch.randn(2, 2)} for _ in range(3)]
+    kb.commit_state([({"index": k, "classes": [k]}, t) for k, t in enumerate(tensors)], None)
+    bad = [dict(r) for r in kb.manifest["tasks"]]
+    bad[1]["classes"] = "not a list"
+    with pytest.raises(KBError, match=r"tasks\[1\].*classes"):
+        kb.commit({**kb.manifest, "tasks": bad})
+    kb.manifest["tasks"][2]["classes"] = "not a list"  # the committed record itself, edited in place
+    with pytest.raises(KBError, match=r"tasks\[2\].*classes"):
+        kb.commit(dict(kb.manifest))
+    kb.manifest["tasks"][2]["classes"] = [2]
+    kb.commit(dict(kb.manifest))  # unchanged records pass

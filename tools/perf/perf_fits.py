@@ -134,6 +134,13 @@ def section_train(dev: torch.device, s: Settings, log: Callable[[str], None]) ->
     t = interleaved({"proteus": proteus_step, "lora": lora_step}, dev, s.train_reps, warmup=1)
     tp, tl = _median(t["proteus"]), _median(t["lora"])
     log(f"  proteus step {tp:.3f} s, plain LoRA step {tl:.3f} s, overhead {tp / tl:.3f}")
+    later: dict[str, dict[str, float]] = {}  # task k -> its step against plain LoRA's, timed side by side
+    for k in s.train_later_tasks:
+        _, step_k = setup(k - 1)
+        tk = interleaved({"proteus": step_k, "lora": lora_step}, dev, s.train_reps, warmup=1)
+        pk, lk = _median(tk["proteus"]), _median(tk["lora"])
+        later[str(k)] = {"overhead": pk / lk, "proteus_s": pk, "lora_s": lk}
+        log(f"  task {k}: proteus step {pk:.3f} s, plain LoRA step {lk:.3f} s, overhead {pk / lk:.3f}")
     with PeakMemory(dev) as mp:
         proteus_step()
     with PeakMemory(dev) as ml:
@@ -154,6 +161,7 @@ def section_train(dev: torch.device, s: Settings, log: Callable[[str], None]) ->
             lora_s=tl,
             proteus_times_s=t["proteus"],
             lora_times_s=t["lora"],
+            later_tasks=later,
         ),
         "memory": {
             "train": {

@@ -125,6 +125,8 @@ class Settings:
     train_case: Case = field(default_factory=lambda: Case("vit_ti16", 224))
     train_batch: int = 32
     train_task: int = 10
+    #: further tasks timed against the same plain LoRA step (the growth with k, issue 28), details only
+    train_later_tasks: tuple[int, ...] = (50, 100)
     train_classes: int = 10
     train_reps: int = 3
     # knowledge base
@@ -177,6 +179,7 @@ class Settings:
             s.dpgmm_d, s.dpgmm_n, s.dpgmm_heldout, s.dpgmm_T, s.dpgmm_true_clusters = 8, 100, 50, 3, 2
             s.dpgmm_max_iter, s.dpgmm_ours_reps = 10, 1
             s.train_case, s.train_batch, s.train_task, s.train_reps = Case("mobilenet_v2", 32), 4, 3, 1
+            s.train_later_tasks = (6,)
             s.kb_tasks, s.kb_retrieval_d, s.kb_classes, s.kb_rp_dim = 3, 32, 4, 128
             s.kb_train_per_task, s.kb_test_per_task = 240, 60
             s.ridge_rp_dim, s.ridge_n, s.ridge_d, s.ridge_fast_reps = 200, 300, 64, 1

@@ -55,7 +55,9 @@ class LoRAUnit(nn.Module):
         self.B_new: nn.Parameter | None = None
         self.s: nn.Parameter | None = None
         self.register_buffer("s_fixed", torch.zeros(0))
+        #: an orthonormal basis of the first ``_basis_cols`` columns of A (:meth:`_extend_basis`)
         self.register_buffer("basis", torch.zeros(in_features, 0))
+        self._basis_cols = 0
         self.orthogonal = True
         #: per-group composition coefficients (G, cols) for the next forward; None = the training composition
         self.coef: torch.Tensor | None = None
@@ -64,6 +66,8 @@ class LoRAUnit(nn.Module):
         #: coefficient of the open task's own directions in the training forward (None: 1; SD-LoRA's
         #: learned magnitude of the current direction)
         self.new_scale: torch.Tensor | None = None
+        #: task -> (dtype, its :meth:`task_tensors`), built once per stored task
+        self._stored: dict[int, tuple[torch.dtype, dict[str, torch.Tensor]]] = {}
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -94,11 +98,7 @@ class LoRAUnit(nn.Module):
         self.orthogonal = orthogonal
         if orthogonal:
             rank = max(0, min(rank, self.in_features - R))
-            if R:
-                q, _ = torch.linalg.qr(self.A.double())
-                self.basis = q.to(dt)
-            else:
-                self.basis = torch.zeros(self.in_features, 0, device=dev, dtype=dt)
+            self._extend_basis()
         bound = 1.0 / math.sqrt(self.in_features)  # PEFT's kaiming_uniform(a=sqrt(5)) for lora_A
         a = (torch.rand(self.in_features, rank, generator=generator, dtype=torch.float64) * 2 - 1) * bound
         self.A_new = nn.Parameter(a.to(device=dev, dtype=dt))
@@ -111,6 +111,29 @@ class LoRAUnit(nn.Module):
             self.s = None
             self.s_fixed = torch.full((R,), fill or 0.0, device=dev, dtype=dt)
         return rank
+
+    @torch.no_grad()
+    def _extend_basis(self) -> None:
+        """Make :attr:`basis` an orthonormal basis of span(A): the columns appended since it was last
+        extended are orthogonalised against it (classical Gram-Schmidt, twice, in float64) and
+        orthonormalised (QR), O(q R r) per task, instead of a QR of the whole q x R matrix, O(q R^2), at
+        every task (issue 28: the cost of opening task k grows with k otherwise). Rebuilt from the first
+        column after a truncation or a move to another device or dtype."""
+        A, Q = self.A, self.basis
+        if self._basis_cols > A.shape[1] or Q.device != A.device or Q.dtype != A.dtype:
+            Q, self._basis_cols = A.new_zeros(self.in_features, 0), 0
+        if self._basis_cols < A.shape[1]:
+            new = A[:, self._basis_cols :].double()
+            N, Qd = new, Q.double()
+            for _ in range(2):
+                N = N - Qd @ (Qd.T @ N)
+            q, r = torch.linalg.qr(N)
+            # a column already in the span (only without orthogonal new directions) adds nothing: what is
+            # left of it is A's own rounding
+            keep = r.diagonal().abs() > torch.finfo(A.dtype).eps * self.in_features * new.norm(dim=0)
+            Q = torch.cat([Q, q[:, keep].to(A.dtype)], 1)
+            self._basis_cols = A.shape[1]
+        self.basis = Q
 
     def projected_A_new(self) -> torch.Tensor:
         assert self.A_new is not None
@@ -137,7 +160,6 @@ class LoRAUnit(nn.Module):
         dev, dt = self.A.device, self.A.dtype
         self.A_new = self.B_new = self.s = None
         self.s_fixed = torch.zeros(0, device=dev, dtype=dt)
-        self.basis = torch.zeros(self.in_features, 0, device=dev, dtype=dt)
 
     @torch.no_grad()
     def truncate(self, m: int) -> None:
@@ -150,6 +172,8 @@ class LoRAUnit(nn.Module):
             self.C = self.C[:m, :start]
             self.ranks = self.ranks[:m]
             self.generation += 1
+            self._stored = {t: v for t, v in self._stored.items() if t < m}
+            # the basis covers more columns than are left: rebuilt at the next task
 
     @torch.no_grad()
     def append_task(self, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor) -> None:
@@ -178,13 +202,20 @@ class LoRAUnit(nn.Module):
         self.ranks.append(r)
 
     def task_tensors(self, task: int) -> dict[str, torch.Tensor]:
-        """What a knowledge base stores for one task: its own directions and its row of C."""
-        cols = self.columns(task)
-        return {
-            "A": self.A[:, cols].contiguous(),
-            "B": self.B[:, cols].contiguous(),
-            "s": self.C[task, : cols.start].contiguous(),
-        }
+        """What a knowledge base stores for one task: its own directions and its row of C, on the CPU. The
+        same tensor objects at every call while the task is stored (a stored task's columns of A, B and its
+        row of C over older columns never change; :meth:`truncate` forgets them), so that a knowledge base
+        re-committing a long stream copies and hashes each of them once (:mod:`proteus.kb.content`)."""
+        kept = self._stored.get(task)
+        if kept is None or kept[0] != self.A.dtype:
+            cols = self.columns(task)
+            tensors = {
+                "A": self.A[:, cols].detach().cpu().contiguous(),
+                "B": self.B[:, cols].detach().cpu().contiguous(),
+                "s": self.C[task, : cols.start].detach().cpu().contiguous(),
+            }
+            kept = self._stored[task] = (self.A.dtype, tensors)
+        return dict(kept[1])
 
     # ------------------------------------------------------------------ compositions
     def coefficients(self, tasks: list[int], kind: str = "task") -> torch.Tensor:
@@ -219,20 +250,26 @@ class LoRAUnit(nn.Module):
             return self._scale(u @ self.B[:, :cols].to(x.dtype).T)
         if not self.training_task:  # no composition set and nothing being trained: frozen backbone
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        a_new = self.projected_A_new()
-        if self.total_rank:
-            A = torch.cat([self.A, a_new], 1)
-            B = torch.cat([self.B, self.B_new], 1)
-            own = (
-                torch.ones_like(a_new[0]) if self.new_scale is None else self.new_scale.expand(a_new.shape[1])
-            )
-            c = torch.cat([self.transfer_coefficients(), own])
-            u = (x @ A.to(x.dtype)) * c.to(x.dtype)
-            return self._scale(u @ B.to(x.dtype).T)
-        u = x @ a_new.to(x.dtype)
+        return self._scale(self._new_update(x) + self._old_update(x))
+
+    def _new_update(self, x: torch.Tensor) -> torch.Tensor:
+        """The open task's own directions, ``x A_new B_new^T`` (times SD-LoRA's magnitude when set)."""
+        dt = x.dtype
+        assert self.B_new is not None
+        u = x @ self.projected_A_new().to(dt)
         if self.new_scale is not None:
-            u = u * self.new_scale.to(x.dtype)
-        return self._scale(u @ self.B_new.to(x.dtype).T)
+            u = u * self.new_scale.to(dt)
+        return u @ self.B_new.to(dt).T
+
+    def _old_update(self, x: torch.Tensor) -> torch.Tensor | float:
+        """The frozen old directions through S, ``x A diag(s) B^T`` (Eq. 9's sum over older tasks). A and
+        B are buffers, kept apart from the new directions: the backward computes no gradient for them (a
+        concatenation with the new ones would make autograd compute the whole (q + p) x R of it at every
+        step, and copy A and B twice)."""
+        if not self.total_rank:
+            return 0.0
+        dt = x.dtype
+        return ((x @ self.A.to(dt)) * self.transfer_coefficients().to(dt)) @ self.B.to(dt).T
 
     def _scale(self, d: torch.Tensor) -> torch.Tensor:
         return d if self.scaling == 1.0 else d * self.scaling
@@ -497,15 +534,9 @@ class LoRAWrapper(nn.Module):
         xl = x.movedim(1, -1) if self.is_conv else x  # channels last
         lead = xl.shape[:-1]
         xg = xl.reshape(self.groups, -1, xl.shape[-1])
-        pieces, pos = [], 0
+        # each unit's update added in place to its slice of the base map's fresh output (no reassembly of
+        # the output by concatenation; a linear map's or a convolution's backward never reads its output)
         outl = out.movedim(1, -1) if self.is_conv else out
         for unit, (s, e) in zip(units, self.slices.values()):
-            d = unit.delta(xg).reshape(*lead, e - s)
-            if s > pos:
-                pieces.append(outl[..., pos:s])
-            pieces.append(outl[..., s:e] + d)
-            pos = e
-        if pos < self.out_features:
-            pieces.append(outl[..., pos:])
-        res = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
-        return res.movedim(-1, 1) if self.is_conv else res
+            outl[..., s:e].add_(unit.delta(xg).reshape(*lead, e - s))
+        return out

@@ -93,7 +93,7 @@ class TaskExperts:
         if k >= len(self.experts):
             return {}, {}
         e = self.experts[k]
-        return {"expert": {"gamma": e.gamma}}, {"expert/W": e.W.detach().cpu().contiguous()}
+        return {"expert": {"gamma": e.gamma}}, {"expert/W": e.W}  # the same object at every commit
 
     def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor], device: torch.device) -> None:
         k = len(self.experts)

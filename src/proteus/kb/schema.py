@@ -302,20 +302,26 @@ def task_label(i: int) -> str:
     return f"task index {i}"
 
 
-def manifest_problems(manifest: dict[str, Any], learner: str | None = None) -> list[str]:
+def manifest_problems(
+    manifest: dict[str, Any], learner: str | None = None, checked: list[Any] | None = None
+) -> list[str]:
     """Every way ``manifest`` breaks the schema, as ``"<field>: <problem>"`` (task fields prefixed with
     their position). ``learner`` (a key of :data:`LEARNER_FIELDS`) requires that learner's fields whatever
-    the head says (:meth:`~proteus.kb.store.KnowledgeBase.read_state`)."""
+    the head says (:meth:`~proteus.kb.store.KnowledgeBase.read_state`). ``checked``: task records that
+    already passed this check (the committed manifest's, a commit re-validates only the records that
+    differ from them at the same position: a long stream's commit stays flat)."""
     out = fields_problems(manifest, MANIFEST, "")
     tasks = manifest.get("tasks")
     tasks = tasks if isinstance(tasks, list) else []
+    checked = checked or []
     kind = learner or head_kind(manifest)
     owner: dict[int, int] = {}
     for i, t in enumerate(tasks):
         if not isinstance(t, dict):
             continue  # reported above (list[map])
         where = f"tasks[{i}] ({task_label(i)})"
-        out += fields_problems(t, TASK, where)
+        if i >= len(checked) or t is checked[i] or t != checked[i]:  # the same object may have changed
+            out += fields_problems(t, TASK, where)
         if _is_int(t.get("index")) and t["index"] != i:
             out.append(f"{where}.index: is {t['index']}, but the record is at position {i}")
         for a, b in SAME_LENGTH:

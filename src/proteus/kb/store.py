@@ -15,9 +15,9 @@ names carry their hash), so a process killed at any moment leaves either the old
 objects, or the new one. After the rename, files referenced neither by the new manifest nor by the previous
 one (``manifest.prev.json``) are swept, with the temporary files of interrupted commits: a reader that opened
 the previous state while the commit ran still finds every file it needs. A learner commits its whole state
-every time; the objects whose content this KB already wrote (same :func:`content_key`: sha256 of the raw
-tensors, cheaper than serialising them) are not serialised again, so a commit of task k of a long stream
-writes task k's object and the head, not k objects.
+every time; the objects whose content this KB already wrote (same :func:`~proteus.kb.content.content_key`:
+sha256 of the raw tensors, cheaper than serialising them, each unchanged tensor object hashed once) are not
+serialised again, so a commit of task k of a long stream writes task k's object and the head, not k objects.
 
 Integrity: every object's sha256 is recorded in the manifest and verified when it is read (a truncated or
 edited file is detected, never loaded), and the manifest carries ``checksum``, the sha256 of its canonical
@@ -56,7 +56,6 @@ Crash points (:func:`proteus.faults.crash_point`) mark the commit's steps for th
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import stat
@@ -69,6 +68,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from proteus.faults import crash_point
+from proteus.kb.content import TensorDigests, content_key
 from proteus.kb.files import (
     _TMP_PREFIXES,
     FIRST_COMMIT,
@@ -105,33 +105,6 @@ from proteus.kb.tensors import Obj, check_objects, shapes_of
 Part = tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 
-#: dtypes whose tensors hash through ``Tensor.numpy()`` directly (the others as raw bytes)
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-    }
-)
-
-
-def content_key(kind: str, tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 of an object's content: its kind, then per tensor (in name order) its name, dtype, shape and raw
-    bytes. Equal keys mean equal safetensors files, found without serialising the tensors (the costly part of
-    re-committing a long stream's unchanged tasks); ``tensors`` are contiguous and on the CPU."""
-    h = hashlib.sha256(kind.encode())
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
-        h.update(t.numpy() if t.dtype in _NUMPY_DTYPES else t.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
 class KnowledgeBase:
     """A directory holding a PROTEUS knowledge base. Use :meth:`open`, :meth:`new` or :meth:`create`; writers
     hold :meth:`write_lock` from before they open it until after their commit."""
@@ -152,6 +125,7 @@ class KnowledgeBase:
         #: content key (:func:`content_key`) -> (rel, sha256) of the objects this KB wrote: each commit of a
         #: long stream serialises only the objects whose content changed since (issue 28)
         self._known: dict[str, tuple[str, str]] = {}
+        self._digests = TensorDigests()  # each unchanged tensor object hashed once
 
     # ------------------------------------------------------------------ open / create
     @staticmethod
@@ -339,14 +313,13 @@ class KnowledgeBase:
         :meth:`new` keeps it in memory until its first commit). ``reuse``: look the content up among the
         objects this KB wrote (:func:`content_key`) before serialising it; False for an object that
         changes at every commit (the head), which would pay for the lookup's hashing for nothing."""
-        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        key = content_key(kind, tensors) if reuse else None
+        key = content_key(kind, tensors, self._digests) if reuse else None
         known = None if key is None else self._known.get(key)
         if known is not None and (
             known[0] in self._pending or (self._on_disk and (self.root / known[0]).is_file())
         ):
             return known
-        data = st_save(tensors)
+        data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
         sha = _sha(data)
         rel = f"{OBJECTS}/{kind}-{sha[:16]}.safetensors"
         if key is not None:
@@ -469,7 +442,8 @@ class KnowledgeBase:
         manifest = self._sealed(manifest)
         previous = prev_before = None
         try:
-            problems = manifest_problems(manifest)
+            checked = self.manifest.get("tasks") if self._on_disk else None  # checked at open or commit
+            problems = manifest_problems(manifest, checked=checked)
             if problems:
                 raise KBError(
                     f"{self.root}: refusing to commit a manifest this proteus cannot read: {problems[0]}"

@@ -1,0 +1,71 @@
+"""Content keys of the objects a knowledge base writes (issue 28: commits that stay flat on a long stream).
+
+A learner commits its whole state at every commit; :meth:`~proteus.kb.store.KnowledgeBase.write_object`
+looks each object's :func:`content_key` up among the objects it already wrote before serialising it. The key
+is the sha256 of the object's kind and, per tensor in name order, its name, dtype, shape and the sha256 of its
+raw bytes. Those per-tensor digests are kept (:class:`TensorDigests`) for as long as the tensor object lives
+and is not modified in place (torch's version counter), so a tensor that a learner hands over unchanged at
+every commit -- a stored task's adapter directions (:meth:`proteus.adapters.lora.LoRAUnit.task_tensors`) --
+is hashed once, not once per commit. A tensor that requires a gradient is live training state (an optimiser
+may write it through ``.data``, which the version counter does not see): it is hashed every time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+
+import torch
+
+#: dtypes whose tensors hash through ``Tensor.numpy()`` directly (the others as raw bytes)
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+    }
+)
+
+
+def tensor_digest(t: torch.Tensor) -> bytes:
+    """sha256 of a contiguous CPU tensor's raw bytes."""
+    t = t.detach()
+    return hashlib.sha256(
+        t.numpy() if t.dtype in _NUMPY_DTYPES else t.reshape(-1).view(torch.uint8).numpy()
+    ).digest()
+
+
+class TensorDigests:
+    """``tensor_digest`` of tensor objects, remembered while each object lives and keeps its version."""
+
+    def __init__(self) -> None:
+        #: id(tensor) -> (a weak reference to it, its version when hashed, its digest)
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, bytes]] = {}
+
+    def __call__(self, t: torch.Tensor) -> bytes:
+        if t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
+            return tensor_digest(t.detach().contiguous().cpu())
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]
+        digest = tensor_digest(t)
+        key = id(t)
+        self._seen[key] = (weakref.ref(t, lambda _, key=key: self._seen.pop(key, None)), t._version, digest)
+        return digest
+
+
+def content_key(kind: str, tensors: dict[str, torch.Tensor], digest: TensorDigests | None = None) -> str:
+    """sha256 of an object's content: its kind, then per tensor (in name order) its name, dtype, shape and
+    the sha256 of its raw bytes. Equal keys mean equal safetensors files, found without serialising the
+    tensors; ``digest`` (a :class:`TensorDigests`) hashes each unchanged tensor object once."""
+    h = hashlib.sha256(kind.encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
+        h.update(tensor_digest(t) if digest is None else digest(t))
+    return h.hexdigest()
