@@ -291,3 +291,24 @@ def test_basis_extended_per_task_spans_the_old_directions() -> None:
     step()
     # the in-span pair added nothing (and the last task's pair is not covered before the next task)
     assert u.basis.shape[1] == u.total_rank - 2 - 2
+
+
+def test_basis_of_a_restored_unit_is_bit_identical() -> None:
+    """A unit rebuilt from stored tasks (a knowledge base loaded in another process) builds the same basis,
+    bit for bit, as the unit that extended it task by task: ``proteus learn`` task by task equals a run."""
+    g = torch.Generator().manual_seed(0)
+    u = LoRAUnit(10, 4)
+    for _ in range(4):
+        u.begin_task(2, "learned", True, g)
+        with torch.no_grad():
+            u.B_new.normal_()
+            if u.s is not None:
+                u.s.normal_()
+        u.end_task()
+    u.begin_task(2, "learned", True, g)
+    v = LoRAUnit(10, 4)
+    for t in range(u.num_tasks):
+        x = u.task_tensors(t)
+        v.append_task(x["A"], x["B"], x["s"])
+    v.begin_task(2, "learned", True, torch.Generator().manual_seed(1))
+    assert torch.equal(u.basis, v.basis)

@@ -55,9 +55,9 @@ class LoRAUnit(nn.Module):
         self.B_new: nn.Parameter | None = None
         self.s: nn.Parameter | None = None
         self.register_buffer("s_fixed", torch.zeros(0))
-        #: an orthonormal basis of the first ``_basis_cols`` columns of A (:meth:`_extend_basis`)
+        #: an orthonormal basis of the first ``_basis_tasks`` tasks' columns of A (:meth:`_extend_basis`)
         self.register_buffer("basis", torch.zeros(in_features, 0))
-        self._basis_cols = 0
+        self._basis_tasks = 0
         self.orthogonal = True
         #: per-group composition coefficients (G, cols) for the next forward; None = the training composition
         self.coef: torch.Tensor | None = None
@@ -114,17 +114,20 @@ class LoRAUnit(nn.Module):
 
     @torch.no_grad()
     def _extend_basis(self) -> None:
-        """Make :attr:`basis` an orthonormal basis of span(A): the columns appended since it was last
-        extended are orthogonalised against it (classical Gram-Schmidt, twice, in float64) and
-        orthonormalised (QR), O(q R r) per task, instead of a QR of the whole q x R matrix, O(q R^2), at
-        every task (issue 28: the cost of opening task k grows with k otherwise). Rebuilt from the first
-        column after a truncation or a move to another device or dtype."""
+        """Make :attr:`basis` an orthonormal basis of span(A), one task's columns at a time: each task's
+        columns are orthogonalised against the basis of the older ones (classical Gram-Schmidt, twice, in
+        float64) and orthonormalised (QR). Opening task k extends the basis by task k - 1's columns,
+        O(q R r), instead of a QR of the whole q x R matrix, O(q R^2), at every task (issue 28: the cost of
+        opening task k grew with k). Built the same way from the first task after a truncation, a load from a
+        knowledge base, or a move to another device or dtype, so that a learner restored from a knowledge
+        base trains bit for bit as the one that never stopped."""
         A, Q = self.A, self.basis
-        if self._basis_cols > A.shape[1] or Q.device != A.device or Q.dtype != A.dtype:
-            Q, self._basis_cols = A.new_zeros(self.in_features, 0), 0
-        if self._basis_cols < A.shape[1]:
-            new = A[:, self._basis_cols :].double()
-            N, Qd = new, Q.double()
+        if self._basis_tasks > self.num_tasks or Q.device != A.device or Q.dtype != A.dtype:
+            Q, self._basis_tasks = A.new_zeros(self.in_features, 0), 0
+        Qd = Q.double()
+        for t in range(self._basis_tasks, self.num_tasks):
+            new = A[:, self.columns(t)].double()
+            N = new
             for _ in range(2):
                 N = N - Qd @ (Qd.T @ N)
             q, r = torch.linalg.qr(N)
@@ -132,7 +135,8 @@ class LoRAUnit(nn.Module):
             # left of it is A's own rounding
             keep = r.diagonal().abs() > torch.finfo(A.dtype).eps * self.in_features * new.norm(dim=0)
             Q = torch.cat([Q, q[:, keep].to(A.dtype)], 1)
-            self._basis_cols = A.shape[1]
+            Qd = Q.double()
+        self._basis_tasks = self.num_tasks
         self.basis = Q
 
     def projected_A_new(self) -> torch.Tensor:
