@@ -124,18 +124,8 @@ class LoRAUnit(nn.Module):
         A, Q = self.A, self.basis
         if self._basis_tasks > self.num_tasks or Q.device != A.device or Q.dtype != A.dtype:
             Q, self._basis_tasks = A.new_zeros(self.in_features, 0), 0
-        Qd = Q.double()
         for t in range(self._basis_tasks, self.num_tasks):
-            new = A[:, self.columns(t)].double()
-            N = new
-            for _ in range(2):
-                N = N - Qd @ (Qd.T @ N)
-            q, r = torch.linalg.qr(N)
-            # a column already in the span (only without orthogonal new directions) adds nothing: what is
-            # left of it is A's own rounding
-            keep = r.diagonal().abs() > torch.finfo(A.dtype).eps * self.in_features * new.norm(dim=0)
-            Q = torch.cat([Q, q[:, keep].to(A.dtype)], 1)
-            Qd = Q.double()
+            Q = torch.cat([Q, _orthonormal_complement(Q, A[:, self.columns(t)])], 1)
         self._basis_tasks = self.num_tasks
         self.basis = Q
 
@@ -290,6 +280,19 @@ class LoRAUnit(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
+
+
+def _orthonormal_complement(Q: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning what ``new`` (q x r) adds to span(Q) (Q: q x b, orthonormal), in Q's
+    dtype: classical Gram-Schmidt against Q twice in float64, then QR. A column already in the span (only
+    without orthogonal new directions) adds nothing: what is left of it is its own rounding."""
+    n64, Q64 = new.double(), Q.double()
+    N = n64
+    for _ in range(2):
+        N = N - Q64 @ (Q64.T @ N)
+    q, r = torch.linalg.qr(N)
+    keep = r.diagonal().abs() > torch.finfo(new.dtype).eps * new.shape[0] * n64.norm(dim=0)
+    return q[:, keep].to(Q.dtype)
 
 
 def _task_rows(u: LoRAUnit, tasks: list[int]) -> torch.Tensor:
