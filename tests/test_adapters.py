@@ -20,6 +20,17 @@ def _train_units(model: AdaptedBackbone, x: torch.Tensor, steps: int = 20, lr: f
         opt.step()
 
 
+def _stored_tasks(unit: LoRAUnit, n: int, g: torch.Generator, rank: int = 2) -> None:
+    """Learn ``n`` tasks into ``unit`` without training: random B and S (non-zero directions and transfer)."""
+    for _ in range(n):
+        unit.begin_task(rank, "learned", True, g)
+        with torch.no_grad():
+            unit.B_new.normal_()
+            if unit.s is not None:
+                unit.s.normal_()
+        unit.end_task()
+
+
 @pytest.fixture(scope="module")
 def vit() -> AdaptedBackbone:
     torch.manual_seed(0)
@@ -170,14 +181,7 @@ def test_grouped_conv_forward_equals_per_task_forward() -> None:
     torch.manual_seed(0)
     w = LoRAWrapper(nn.Conv2d(6, 5, 1), {}, 0.5)
     unit = w.units["w"]
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        unit.begin_task(2, "learned", True, g)
-        with torch.no_grad():
-            unit.B_new.normal_()
-            if unit.s is not None:
-                unit.s.normal_()
-        unit.end_task()
+    _stored_tasks(unit, 3, torch.Generator().manual_seed(0))
     x = torch.randn(4, 6, 3, 3)
     unit.coef, w.groups = unit.coefficients([0, 1, 2]), 3
     grouped = w(x.repeat(3, 1, 1, 1)).unflatten(0, (3, 4))
@@ -221,14 +225,8 @@ def test_training_forward_and_gradients_equal_dense_eq9(kind: str) -> None:
     slices = {"q": (0, 3), "v": (6, 9)} if kind == "linear-fused" else {}
     w = LoRAWrapper(base, slices, 0.5)
     g = torch.Generator().manual_seed(0)
-    for _ in range(2):  # two frozen tasks with non-zero directions and S
-        for u in w.units.values():
-            u.begin_task(2, "learned", True, g)
-            with torch.no_grad():
-                u.B_new.normal_()
-                if u.s is not None:
-                    u.s.normal_()
-            u.end_task()
+    for u in w.units.values():  # two frozen tasks with non-zero directions and S
+        _stored_tasks(u, 2, g)
     for u in w.units.values():
         u.begin_task(2, "learned", True, g)
         with torch.no_grad():
@@ -298,13 +296,7 @@ def test_basis_of_a_restored_unit_is_bit_identical() -> None:
     bit for bit, as the unit that extended it task by task: ``proteus learn`` task by task equals a run."""
     g = torch.Generator().manual_seed(0)
     u = LoRAUnit(10, 4)
-    for _ in range(4):
-        u.begin_task(2, "learned", True, g)
-        with torch.no_grad():
-            u.B_new.normal_()
-            if u.s is not None:
-                u.s.normal_()
-        u.end_task()
+    _stored_tasks(u, 4, g)
     u.begin_task(2, "learned", True, g)
     v = LoRAUnit(10, 4)
     for t in range(u.num_tasks):
