@@ -167,7 +167,7 @@ class LoRAUnit(nn.Module):
             self.ranks = self.ranks[:m]
             self.generation += 1
             self._stored = {t: v for t, v in self._stored.items() if t < m}
-            # the basis covers more columns than are left: rebuilt at the next task
+            # the basis now covers more tasks than are left: _extend_basis rebuilds it at the next task
 
     @torch.no_grad()
     def append_task(self, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor) -> None:
