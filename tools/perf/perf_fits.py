@@ -129,18 +129,23 @@ def section_train(dev: torch.device, s: Settings, log: Callable[[str], None]) ->
 
         return L, step
 
-    Lp, proteus_step = setup(s.train_task - 1)
     Lr, lora_step = setup(0)
-    t = interleaved({"proteus": proteus_step, "lora": lora_step}, dev, s.train_reps, warmup=1)
+
+    def against_lora(k: int, step_k: Callable[[], None]) -> dict[str, list[float]]:
+        """Task k's step and the plain LoRA step, interleaved (side by side)."""
+        t = interleaved({"proteus": step_k, "lora": lora_step}, dev, s.train_reps, warmup=1)
+        pk, lk = _median(t["proteus"]), _median(t["lora"])
+        log(f"  task {k}: proteus step {pk:.3f} s, plain LoRA step {lk:.3f} s, overhead {pk / lk:.3f}")
+        return t
+
+    Lp, proteus_step = setup(s.train_task - 1)
+    t = against_lora(s.train_task, proteus_step)
     tp, tl = _median(t["proteus"]), _median(t["lora"])
-    log(f"  proteus step {tp:.3f} s, plain LoRA step {tl:.3f} s, overhead {tp / tl:.3f}")
-    later: dict[str, dict[str, float]] = {}  # task k -> its step against plain LoRA's, timed side by side
+    later: dict[str, dict[str, float]] = {}  # task k -> its step against plain LoRA's (the growth with k)
     for k in s.train_later_tasks:
-        _, step_k = setup(k - 1)
-        tk = interleaved({"proteus": step_k, "lora": lora_step}, dev, s.train_reps, warmup=1)
+        tk = against_lora(k, setup(k - 1)[1])
         pk, lk = _median(tk["proteus"]), _median(tk["lora"])
         later[str(k)] = {"overhead": pk / lk, "proteus_s": pk, "lora_s": lk}
-        log(f"  task {k}: proteus step {pk:.3f} s, plain LoRA step {lk:.3f} s, overhead {pk / lk:.3f}")
     with PeakMemory(dev) as mp:
         proteus_step()
     with PeakMemory(dev) as ml:

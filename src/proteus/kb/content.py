@@ -49,7 +49,7 @@ class TensorDigests:
 
     def __call__(self, t: torch.Tensor) -> bytes:
         if t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
-            return tensor_digest(t.detach().contiguous().cpu())
+            return tensor_digest(t.contiguous().cpu())
         seen = self._seen.get(id(t))
         if seen is not None and seen[0]() is t and seen[1] == t._version:
             return seen[2]
