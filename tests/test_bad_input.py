@@ -33,8 +33,8 @@ import torch
 
 from proteus import Proteus
 from proteus.cli import main
+from proteus.core.estimator import TaskError
 from proteus.engine.keys import LDAKeys
-from proteus.estimator import TaskError
 from proteus.kb import KnowledgeBase
 from proteus.streams import Task
 from tiny import TINY, folder_args, folder_cfg, folder_stream, make_tree, write_image, write_spec

@@ -163,7 +163,7 @@ def test_bad_input_is_one_line(world: dict, tmp_path: Path, capsys, case: str) -
 
 
 def test_ctrl_c_is_130_and_names_the_task_count(world: dict, tmp_path: Path, capsys, monkeypatch) -> None:
-    from proteus.estimator import Proteus
+    from proteus.core.estimator import Proteus
 
     kb = _copy_kb(world, tmp_path)
 

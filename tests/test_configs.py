@@ -3,19 +3,16 @@
 
 from __future__ import annotations
 
-from importlib import resources
-from pathlib import Path
-
 import pytest
 
 from proteus.backbones import BACKBONES
 from proteus.backbones.vit import VIT_TAGS
 from proteus.config import RunConfig
 from proteus.experiment import resolve_config
+from proteus.presets import packaged_config, packaged_configs
 from proteus.streams import BENCHMARKS
 
-CONFIGS = sorted(p.name[: -len(".yaml")] for p in resources.files("proteus").joinpath("configs").iterdir()
-                 if p.name.endswith(".yaml"))  # fmt: skip
+CONFIGS = sorted(packaged_configs())
 
 #: benchmark preset -> (benchmark, num_tasks, rank, lr, batch size), from the paper's appendix
 PAPER = {
@@ -140,7 +137,7 @@ def test_mobilenet_cpu_on_top_of_a_vit_benchmark_config() -> None:
 
 
 def test_quickstart_config_is_unchanged() -> None:
-    text = (Path(str(resources.files("proteus"))) / "configs" / "quickstart.yaml").read_text()
+    text = packaged_config("quickstart", "benchmarks").read_text()
     assert "backbone: {name: mobilenet_v2, img_size: 64, adapt_last: 6}" in text
     cfg = resolve_config("quickstart")
     assert (cfg.backbone.name, cfg.backbone.img_size, cfg.backbone.adapt_last) == ("mobilenet_v2", 64, 6)

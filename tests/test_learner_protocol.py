@@ -18,10 +18,10 @@ from proteus import Proteus
 from proteus.baselines import BASELINES
 from proteus.cli import main
 from proteus.config import ConfigError, RunConfig
-from proteus.engine.learner import LEARNERS, ContinualLearner, LearnerState
 from proteus.errors import NotFittedError
 from proteus.experiment.store import build_learner
 from proteus.kb import KnowledgeBase
+from proteus.learners import LEARNERS, ContinualLearner, LearnerState
 from proteus.methods import METHODS
 from proteus.presets import resolve_config
 from proteus.streams import build_benchmark
@@ -131,8 +131,8 @@ def test_a_key_in_a_new_space_is_a_space_and_a_registry_line() -> None:
     their own one-space route what the m-forward path predicts."""
     from dataclasses import dataclass
 
-    from proteus.engine.key_space import FIRST_ADAPTER, FROZEN, SPACES, KeySpace
     from proteus.engine.keys import KEYS, KeyKind, LDAKeys
+    from proteus.engine.keys.space import FIRST_ADAPTER, FROZEN, SPACES, KeySpace
 
     @dataclass(frozen=True)
     class Both(KeySpace):

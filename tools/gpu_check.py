@@ -170,7 +170,7 @@ def step_run(dev: str, work: Path, data: Path, spec: Path) -> dict[str, Any]:
 
 def step_precision(dev: str, work: Path, data: Path) -> dict[str, Any]:
     """The run's knowledge base predicts its test images in bf16 and in fp32 (same KB, same inputs)."""
-    from proteus.estimator import Proteus
+    from proteus.core.estimator import Proteus
 
     files = sorted(str(p) for p in (data / "test").rglob("*.jpg"))
     preds, emb = {}, {}

@@ -18,7 +18,7 @@ __all__ = ["Prediction", "Proteus", "RunConfig", "__version__"]
 
 def __getattr__(name: str) -> Any:  # lazy: `import proteus` stays cheap (no torch) for the CLI's --help
     if name in ("Proteus", "Prediction"):
-        from proteus import estimator
+        from proteus.core import estimator
 
         return getattr(estimator, name)
     if name == "RunConfig":

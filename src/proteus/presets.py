@@ -33,8 +33,8 @@ from proteus.config import (
 from proteus.devices import COMPILE_MODES, PRECISIONS
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES
 from proteus.engine.experts import COMBINATIONS, HEAD_SCOPES
-from proteus.engine.key_space import SPACES
 from proteus.engine.keys import KEYS, TASK_SCORES
+from proteus.engine.keys.space import SPACES
 from proteus.engine.novelty import NOVELTY
 from proteus.engine.trainer import S_UPDATES
 from proteus.heads import GAMMA_SELECTIONS, PROTOTYPES
@@ -267,9 +267,30 @@ def config_file_keys(name: str, benchmark: str | None) -> dict[str, Any]:
         raise ConfigError(f"{path}: {e}") from None
 
 
-def packaged_config(name: str) -> Path | None:
-    p = resources.files("proteus") / "configs" / f"{name}.yaml"
-    return Path(str(p)) if p.is_file() else None
+#: the folders of the packaged configs, by kind: a benchmark's preset (loaded by ``--benchmark NAME``), a
+#: method's released setting on a benchmark (``--config inflora-cifar100``), a machine's (``--config
+#: mobilenet_cpu``)
+CONFIG_KINDS = ("benchmarks", "methods", "hardware")
+
+
+def packaged_configs(kind: str | None = None) -> dict[str, Path]:
+    """Every packaged config (of one :data:`CONFIG_KINDS` kind), by name."""
+    out: dict[str, Path] = {}
+    for k in CONFIG_KINDS if kind is None else (kind,):
+        folder = resources.files("proteus") / "configs" / k
+        for p in sorted(folder.iterdir(), key=lambda p: p.name):
+            if p.name.endswith(".yaml"):
+                out[p.name[: -len(".yaml")]] = Path(str(p))
+    return out
+
+
+def packaged_config(name: str, kind: str | None = None) -> Path | None:
+    """The packaged config ``name`` (of one :data:`CONFIG_KINDS` kind), or None."""
+    for k in CONFIG_KINDS if kind is None else (kind,):
+        p = resources.files("proteus") / "configs" / k / f"{name}.yaml"
+        if p.is_file():
+            return Path(str(p))
+    return None
 
 
 def resolve_config(
@@ -285,7 +306,7 @@ def resolve_config(
     cfg = RunConfig()
     if benchmark:
         cfg.benchmark.name = benchmark
-        bench_file = packaged_config(benchmark)
+        bench_file = packaged_config(benchmark, "benchmarks")
         if bench_file:
             merge_config_file(cfg, load_yaml(bench_file), str(bench_file))
     apply_method(cfg, method)

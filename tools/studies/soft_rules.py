@@ -7,7 +7,7 @@ Per cache it first computes, once (kept under ``--pre-dir``): the first-adapter 
 (``signature.keys=first-adapter-lda``), each task's own ridge head under each adapter
 (``head.scope=task``), Eq. 23's head over every class under each adapter (``head.scope=global``) and
 RanPAC's predictions. It then scores the named rules below with the library's own
-:func:`~proteus.engine.lda_keys.task_scores` and :func:`~proteus.engine.experts.combine_soft`, the
+:func:`~proteus.engine.keys.lda.task_scores` and :func:`~proteus.engine.experts.combine_soft`, the
 mean over the seeds of each stream (caches named ``NAME-sN``), as points over ``ranpac`` on the same
 adapters, with the retrieval (the task of the predicted class) in brackets. ``--grid`` adds the
 temperature and top-k grid that chose the defaults.
@@ -24,7 +24,7 @@ import torch
 from domain_rules import Cache, _l2
 
 from proteus.engine.experts import combine_soft
-from proteus.engine.lda_keys import task_scores
+from proteus.engine.keys.lda import task_scores
 
 #: name -> (task score, class temperature, key temperature, head temperature, soft top (0: hard), expert)
 RULES: dict[str, tuple[str, float, float, float, int, str]] = {

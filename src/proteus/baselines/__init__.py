@@ -3,7 +3,7 @@
 InfLoRA and SD-LoRA (:mod:`proteus.baselines.lora_methods`) run on every backbone (LoRA on the adaptable
 maps); L2P, DualPrompt and CODA-Prompt (:mod:`proteus.baselines.prompts`) on the timm ViTs. Each is a
 :class:`~proteus.baselines.learner.ContinualClassifier` registered in the one learner registry
-(:data:`proteus.engine.learner.LEARNERS`) under the name its method declaration (:mod:`proteus.methods`)
+(:data:`proteus.learners.LEARNERS`) under the name its method declaration (:mod:`proteus.methods`)
 gives as ``learner``; ``proteus run`` / ``proteus compare`` run them through the shared loop
 (:func:`proteus.experiment.loop.run`), as PROTEUS.
 """
@@ -16,7 +16,7 @@ import pkgutil
 from proteus.baselines.learner import ContinualClassifier
 from proteus.baselines.lora_methods import InfLoRA, SDLoRA
 from proteus.baselines.prompts import L2P, CodaPrompt, DualPrompt
-from proteus.engine.learner import LEARNERS
+from proteus.learners import LEARNERS
 
 __all__ = ["BASELINES", "ContinualClassifier", "build_baseline"]
 

@@ -56,8 +56,8 @@ from torch import nn
 from proteus.baselines.learner import OPTIMIZERS, epoch_lr
 from proteus.baselines.prompts import PromptClassifier
 from proteus.config import ConfigError
-from proteus.engine.learner import LEARNERS, LearnerState
 from proteus.errors import NotFittedError
+from proteus.learners import LEARNERS, LearnerState
 from proteus.methods import declare
 from proteus.progress import bar as progress_bar
 from proteus.streams import Task

@@ -57,8 +57,8 @@ from proteus.baselines.learner import SCHEDULES
 from proteus.baselines.prompts import PromptClassifier
 from proteus.config import RunConfig
 from proteus.engine.embedder import ImageDataset
-from proteus.engine.learner import LEARNERS, TestCache, TestOutcome
 from proteus.errors import NotFittedError
+from proteus.learners import LEARNERS, TestCache, TestOutcome
 from proteus.methods import declare
 from proteus.streams import Task
 

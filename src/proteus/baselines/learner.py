@@ -38,8 +38,8 @@ from proteus.config import BaselineConfig, ConfigError, RunConfig
 from proteus.devices import autocast as precision_autocast
 from proteus.engine.embedder import ImageDataset
 from proteus.engine.errors import TaskError
-from proteus.engine.learner import LearnerState, TestCache, TestOutcome, learner_header
 from proteus.errors import NotFittedError
+from proteus.learners import LearnerState, TestCache, TestOutcome, learner_header
 from proteus.progress import bar as progress_bar
 from proteus.registry import Registry
 from proteus.streams import Task
@@ -89,9 +89,9 @@ class ContinualClassifier:
     label of each logit column, task after task), ``task_classes_``.
     """
 
-    #: registry name (:data:`proteus.engine.learner.LEARNERS`)
+    #: registry name (:data:`proteus.learners.LEARNERS`)
     name: str = "baseline"
-    #: capabilities beyond learning and evaluation (:data:`proteus.engine.learner.CAPABILITIES`): none yet
+    #: capabilities beyond learning and evaluation (:data:`proteus.learners.CAPABILITIES`): none yet
     #: (a baseline is not rebuilt from a knowledge base, and it does not retrieve tasks)
     supports: frozenset[str] = frozenset()
     #: the ``baseline.*`` settings this method reads (its options; each subclass declares its own)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from proteus.baselines.learner import ContinualClassifier
-from proteus.engine.learner import LEARNERS
+from proteus.learners import LEARNERS
 from proteus.methods import declare
 from proteus.streams import Task
 

@@ -37,8 +37,8 @@ from torch import nn
 
 from proteus.baselines.learner import SCHEDULES
 from proteus.baselines.prompts import PromptClassifier
-from proteus.engine.learner import LEARNERS, TestCache, TestOutcome
 from proteus.errors import NotFittedError
+from proteus.learners import LEARNERS, TestCache, TestOutcome
 from proteus.methods import declare
 
 __all__ = ["N_KEYS", "SPrompt", "nearest_key_task", "task_keys"]

@@ -59,7 +59,7 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
 
     given: dict[str, Any] = {}
     if args.benchmark:
-        preset = packaged_config(args.benchmark)
+        preset = packaged_config(args.benchmark, "benchmarks")
         name = (load_yaml(preset).get("benchmark") or {}).get("name") if preset else None
         given["benchmark.name"] = name or args.benchmark
     for f in args.config:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from proteus.engine.learner import ContinualLearner
+from proteus.learners import ContinualLearner
 from proteus.metrics import accuracy
 from proteus.streams import TaskStream
 
@@ -34,10 +34,10 @@ class Evaluation:
 
 
 class Evaluator:
-    """Accuracy rows of any learner (:class:`~proteus.engine.learner.ContinualLearner`), with the test
+    """Accuracy rows of any learner (:class:`~proteus.learners.ContinualLearner`), with the test
     sets' prefix outputs and per-adapter embeddings cached (``cache_bytes`` bounds the prefix cache): the
     learner's :meth:`predict_test` reads them through this object (a
-    :class:`~proteus.engine.learner.TestCache`)."""
+    :class:`~proteus.learners.TestCache`)."""
 
     def __init__(self, clf: ContinualLearner, stream: TaskStream, cache_bytes: int = 2 << 30) -> None:
         self.clf = clf

@@ -23,12 +23,12 @@ from typing import Any
 
 from proteus import distributed as dist
 from proteus.config import PER_TASK_KEYS, ConfigError, RunConfig, flatten, per_task
-from proteus.engine.learner import ContinualLearner, check_supports
 from proteus.experiment.evaluate import Evaluation, Evaluator
 from proteus.experiment.loop import learn_and_commit
 from proteus.experiment.results import build_results
 from proteus.experiment.store import build_learner, kb_header, load_learner
 from proteus.kb import KBError, KnowledgeBase, write_lock
+from proteus.learners import ContinualLearner, check_supports
 from proteus.presets import validate_keys
 from proteus.streams import TaskStream, build_benchmark
 

@@ -18,14 +18,14 @@ from typing import Any
 from proteus import devices
 from proteus import distributed as dist
 from proteus.config import RunConfig
-from proteus.engine.learner import ContinualLearner
-from proteus.estimator import Proteus
+from proteus.core.estimator import Proteus
 from proteus.experiment.evaluate import Evaluator
 from proteus.experiment.results import build_results
 from proteus.experiment.store import build_learner, commit, kb_header, setup_run_log
 from proteus.experiment.tracking import Tracker
 from proteus.faults import crash_point
 from proteus.kb import KBError, KnowledgeBase
+from proteus.learners import ContinualLearner
 from proteus.streams import TaskStream, build_benchmark
 
 log = logging.getLogger("proteus")

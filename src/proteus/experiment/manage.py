@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from proteus.engine.learner import check_supports
 from proteus.engine.novelty import Calibration, check_tpr
 from proteus.experiment.store import commit, load_learner
 from proteus.kb import KBError, KnowledgeBase, write_lock
+from proteus.learners import check_supports
 from proteus.streams.datasets import IMG_EXTENSIONS, list_class_dirs, list_images
 
 __all__ = ["calibrate_images", "calibration_images", "forget", "recalibrate", "undo"]

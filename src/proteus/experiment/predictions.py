@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from proteus.config import ConfigError
-from proteus.estimator import Prediction, Proteus
+from proteus.core.estimator import Prediction, Proteus
 
 __all__ = ["NOT_CHECKED", "format_row", "prediction_rows"]
 

@@ -1,6 +1,6 @@
-"""The persistence layer of every learner (:mod:`proteus.engine.learner`): a method resolved to its learner
+"""The persistence layer of every learner (:mod:`proteus.learners`): a method resolved to its learner
 (:func:`build_learner`), a learner written to a knowledge base (:func:`commit`: its
-:meth:`~proteus.engine.learner.ContinualLearner.state`) and read back (:func:`load_learner`, for learners
+:meth:`~proteus.learners.ContinualLearner.state`) and read back (:func:`load_learner`, for learners
 that support ``load``), the header a run's KB records (the learner's, plus the split), the check that a
 stream is the one a KB was built on, and the run's log file.
 """
@@ -13,10 +13,10 @@ from typing import Any
 
 import proteus.baselines  # noqa: F401 - registers the baselines' learners
 from proteus.config import RunConfig
+from proteus.core.estimator import Proteus
 from proteus.engine.errors import TaskError
-from proteus.engine.learner import LEARNERS, ContinualLearner
-from proteus.estimator import Proteus
 from proteus.kb import KBError, KnowledgeBase
+from proteus.learners import LEARNERS, ContinualLearner
 from proteus.methods import METHODS
 from proteus.streams import TaskStream
 

@@ -489,7 +489,7 @@ class KnowledgeBase:
         head: Part | None,
         evaluation: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Commit a learner's state (:class:`proteus.engine.learner.LearnerState`'s parts): one object
+        """Commit a learner's state (:class:`proteus.learners.LearnerState`'s parts): one object
         per task (its record in the manifest), one for the head (its meta in the manifest), and the
         evaluation rows to keep with it (None: the stored rows of the tasks kept)."""
         manifest = dict(self.manifest)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from proteus.config import ReportConfig
-from proteus.estimator import Proteus
+from proteus.core.estimator import Proteus
 from proteus.metrics import confusion_matrix
 from proteus.signatures.theory import theory_report
 from proteus.streams import TaskStream

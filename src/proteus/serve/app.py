@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proteus.config import ConfigError
-from proteus.estimator import Proteus
+from proteus.core.estimator import Proteus
 from proteus.images import ImageError, open_image
 from proteus.serve.batching import Job, MicroBatcher
 from proteus.serve.openapi import openapi_schema

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from proteus.estimator import Prediction, Proteus
+from proteus.core.estimator import Prediction, Proteus
 from proteus.experiment.predictions import prediction_rows
 
 log = logging.getLogger("proteus")

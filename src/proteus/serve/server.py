@@ -15,7 +15,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from proteus.estimator import Proteus
+from proteus.core.estimator import Proteus
 from proteus.serve.app import CLIENT_EOF, Limits, create_app
 from proteus.serve.state import ServedKB
 

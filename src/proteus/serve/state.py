@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from proteus.estimator import Proteus
+from proteus.core.estimator import Proteus
 from proteus.experiment.store import load_learner
 from proteus.kb import KnowledgeBase, info
 

@@ -1,26 +1,9 @@
-"""Retrieval keys: what a task leaves behind to be found again, and how an input finds it (Sec. 3.1).
-
-A key strategy (``signature.keys``, registry :data:`KEYS`) owns its fitted state, its share of the
-knowledge base (per-task and global tensors), and its rollback (:meth:`RetrievalKeys.truncate`):
-
-* ``adapter`` -- the paper (Eq. 18): a DP-GMM signature of ``h_k(x)`` under task k's own adapter;
-  ``(k*, t*) = argmin_{k, t} S_k(h_k(x); m_k^t, Lambda_k^t)``.
-* ``frozen`` / ``adapter+frozen`` -- signatures of the frozen backbone's features (one space for all
-  tasks), alone or summed with the adapter keys. The adapter signature is still fitted (the theory
-  checks of Sec. 3.2 are about it).
-* ``frozen-lda`` / ``first-adapter-lda`` -- beyond the paper (docs/retrieval.md): an LDA (ridge) head
-  over all classes accumulated like G, on the frozen features or under the first task's adapter (which
-  never changes after task 1); a task's score is minus the log of its average class probability
-  (``signature.task_score``, default) or minus its best class score. ``first-adapter-lda`` is the default.
-
-Scores are "lower is better" everywhere (:class:`~proteus.signatures.RetrievalResult`).
-
-Keys in one space (:attr:`RetrievalKeys.space`, :mod:`proteus.engine.key_space`: ``frozen``, ``frozen-lda``,
-``first-adapter-lda``) retrieve from a single embedding per input (:meth:`RetrievalKeys.retrieve_space`), so
-prediction needs one forward in that space and one under the retrieved adapter, whatever m is (each key owns
-its route: :meth:`RetrievalKeys.predict`). The paper's per-adapter keys can shortlist: with
-``retrieval.candidates = c`` a task also leaves an LDA key in one space (accumulated like G, no old data, no
-training), and only the c best tasks by it are scored with the exact Gaussian keys
+"""Gaussian retrieval keys (Sec. 3.1, Eq. 18): ``signature.keys`` = ``adapter`` (the paper: a DP-GMM
+signature of ``h_k(x)`` under task k's own adapter, ``(k*, t*) = argmin_{k, t} S_k(h_k(x); m_k^t,
+Lambda_k^t)``), ``frozen`` and ``adapter+frozen`` (signatures of the frozen backbone's features, alone or
+summed with the adapter keys; the adapter signature is still fitted, since the theory checks of Sec. 3.2
+are about it). With ``retrieval.candidates = c`` a task also leaves an LDA key in one space (accumulated
+like G, no old data, no training), and only the c best tasks by it are scored with the exact Gaussian keys
 (:meth:`GaussianKeys.shortlist`).
 """
 
@@ -28,26 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from proteus.config import RunConfig
 from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
-from proteus.engine.key_base import KeyFit, NewHead, NoKeys, RetrievalKeys, Under
-from proteus.engine.key_space import FIRST_ADAPTER, FROZEN
-from proteus.engine.lda_keys import TASK_SCORES, LDAKeys
-from proteus.registry import Registry
+from proteus.engine.keys.base import KEYS, KeyFit, KeyKind, RetrievalKeys, Under
+from proteus.engine.keys.lda import LDAKeys
+from proteus.engine.keys.space import FROZEN
 from proteus.signatures import RetrievalResult, Signature, fit_signature, retrieve
 from proteus.signatures.dpgmm import SignatureFitError
 
-__all__ = [
-    "KEYS", "ONE_SPACE_KEYS", "TASK_SCORES", "GaussianKeys", "KeyFit", "KeyKind", "LDAKeys", "NoKeys",
-    "RetrievalKeys",
-]  # fmt: skip
+__all__ = ["GaussianKeys"]
 
 
 def _scores(sigs: list[Signature | None], X: Callable[[int], Tensor]) -> list[Tensor]:
@@ -259,21 +236,6 @@ class GaussianKeys(RetrievalKeys):
             self.shortlist_keys.load_global(meta["shortlist"], tensors)
 
 
-@dataclass(frozen=True)
-class KeyKind:
-    """A registered key strategy (``signature.keys``): its class and fixed options; ``one_space`` when
-    every task's key reads one embedding of an input (the one-space prediction route, and
-    ``retrieval.combine=soft``, which needs it)."""
-
-    cls: type[RetrievalKeys]
-    one_space: bool
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def __call__(self, cfg: RunConfig, device: torch.device, new_head: NewHead) -> RetrievalKeys:
-        return self.cls.from_config(cfg, device, new_head, **self.options)
-
-
-KEYS: Registry[KeyKind] = Registry("signature.keys")
 KEYS.register("adapter", help="the paper: DP-GMM signatures under each task's own adapter (Eq. 18)")(
     KeyKind(GaussianKeys, False)
 )
@@ -283,14 +245,3 @@ KEYS.register("frozen", help="DP-GMM signatures of the frozen backbone's feature
 KEYS.register("adapter+frozen", help="both signatures, scores summed")(
     KeyKind(GaussianKeys, False, {"frozen": True})
 )
-KEYS.register("frozen-lda", help="LDA keys on frozen features (beyond the paper)")(
-    KeyKind(LDAKeys, True, {"space": FROZEN})
-)
-KEYS.register("first-adapter-lda", help="LDA keys under the first task's adapter (beyond the paper)")(
-    KeyKind(LDAKeys, True, {"space": FIRST_ADAPTER})
-)
-
-#: keys whose every task's key reads one embedding of an input (:attr:`RetrievalKeys.space`): prediction
-#: then needs one forward there and one per candidate task (1, or ``retrieval.soft_top`` with
-#: ``retrieval.combine=soft``, which only these keys allow)
-ONE_SPACE_KEYS = tuple(name for name in KEYS if KEYS.get(name).one_space)

@@ -3,7 +3,7 @@
 The paper's keys (Eq. 18) read each task's own adapter, ``h_k(x)``: retrieval needs every task's
 forward. Keys in *one* space read a single embedding of an input for every task -- the frozen backbone's
 features, or the embedding under the first task's adapter (which never changes after task 1) -- so
-prediction takes one forward there and one under the retrieved adapter (:mod:`proteus.engine.key_base`).
+prediction takes one forward there and one under the retrieved adapter (:mod:`proteus.engine.keys.base`).
 A :class:`KeySpace` knows how to embed prefix outputs there, which stored embedding it is (to reuse it
 under the retrieved adapter) and what it needs of the learner; :data:`SPACES` registers them
 (``retrieval.candidate_space`` names one for the candidate shortlist). A new fixed space is one

@@ -65,7 +65,6 @@ from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES, Compositi
 from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
 from proteus.engine.keys import KEYS, KeyFit, NoKeys, RetrievalKeys, Under
-from proteus.engine.learner import LEARNERS, LearnerState, TestCache, TestOutcome, learner_header
 from proteus.engine.novelty import Calibration, holdout_split
 from proteus.engine.records import Prediction, TaskRecord, TaskStats, without_timings
 from proteus.engine.trainer import AdapterTrainer
@@ -73,6 +72,7 @@ from proteus.errors import NotFittedError
 from proteus.faults import crash_point
 from proteus.heads import RanPACHead
 from proteus.kb import KnowledgeBase
+from proteus.learners import LEARNERS, LearnerState, TestCache, TestOutcome, learner_header
 from proteus.methods import METHODS
 from proteus.presets import resolve_config, validate
 from proteus.signatures import RetrievalResult
@@ -213,7 +213,7 @@ class Proteus:
 
     @property
     def supports(self) -> frozenset[str]:
-        """:data:`proteus.engine.learner.CAPABILITIES`: every Proteus loads; methods with task retrieval
+        """:data:`proteus.learners.CAPABILITIES`: every Proteus loads; methods with task retrieval
         also reject, forget and calibrate."""
         return frozenset({"load", "retrieval"} if self.composition.retrieves else {"load"})
 
@@ -449,7 +449,7 @@ class Proteus:
         or a candidate shortlist take 2 (c + 1) forwards per input instead of m (:attr:`predict_route`),
         with the result of :meth:`predict_embedded` on :meth:`embed` (to float round-off)."""
         self._check_fitted()
-        if self.uses_retrieval:  # the keys' own route (proteus.engine.key_base)
+        if self.uses_retrieval:  # the keys' own route (proteus.engine.keys.base)
             m = min(self._m(num_tasks), self.num_adapters)
             z, classes = self.embedder_.prefix(x), [t.classes for t in self.records_]
             return self._prediction(*self.keys_.predict(self.embedder_, z, m, classes))

@@ -4,7 +4,7 @@
 * ``all-adapters`` -- Algorithm 2: every input under every task's adapter (m forwards per input), the
   keys read each task's own embedding (the paper's Eq. 18).
 * ``one-space`` -- keys that read one embedding per input for every task (:attr:`RetrievalKeys.space`,
-  :mod:`proteus.engine.key_space`): one forward there, retrieval, then one forward under each input's
+  :mod:`proteus.engine.keys.space`): one forward there, retrieval, then one forward under each input's
   retrieved (or candidate) adapter -- two forwards per input whatever m is, one when the retrieved
   adapter is the space's own. The same tasks, scores and labels as the m-forward path, to float round-off.
 * ``candidates`` -- per-adapter keys with a shortlist (:class:`~proteus.engine.keys.GaussianKeys`).
@@ -17,7 +17,7 @@ tasks' adapters (the retrieved one for Alg. 2; the few most likely ones for ``re
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -25,11 +25,12 @@ from torch import Tensor
 
 from proteus.config import ConfigError, RunConfig, SignatureConfig
 from proteus.engine.embedder import Embedder
-from proteus.engine.key_space import FIRST_ADAPTER, SPACES, KeySpace
+from proteus.engine.keys.space import FIRST_ADAPTER, SPACES, KeySpace
 from proteus.heads import RanPACHead
+from proteus.registry import Registry
 from proteus.signatures import RetrievalResult, Signature
 
-__all__ = ["KeyFit", "NewHead", "NoKeys", "RetrievalKeys", "Under"]
+__all__ = ["KEYS", "KeyFit", "KeyKind", "NewHead", "NoKeys", "RetrievalKeys", "Under"]
 
 K = TypeVar("K", bound="RetrievalKeys")
 
@@ -62,7 +63,7 @@ class RetrievalKeys:
     """Base class: the per-task signatures or key heads, their scores, their prediction route and their
     knowledge-base share.
 
-    :attr:`space` is the one :class:`~proteus.engine.key_space.KeySpace` every task's key reads, or None
+    :attr:`space` is the one :class:`~proteus.engine.keys.space.KeySpace` every task's key reads, or None
     when each task's key reads the input under that task's own adapter (``H``)."""
 
     #: the one space of every task's key (None: each task's own adapter)
@@ -220,3 +221,21 @@ class NoKeys(RetrievalKeys):
 
     def retrieve(self, H: Tensor, F: Tensor | None, classes: list[list[int]]) -> RetrievalResult:
         raise ValueError("this method does not retrieve tasks (retrieval.mode is not 'signature')")
+
+
+@dataclass(frozen=True)
+class KeyKind:
+    """A registered key strategy (``signature.keys``): its class and fixed options; ``one_space`` when
+    every task's key reads one embedding of an input (the one-space prediction route, and
+    ``retrieval.combine=soft``, which needs it)."""
+
+    cls: type[RetrievalKeys]
+    one_space: bool
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, cfg: RunConfig, device: torch.device, new_head: NewHead) -> RetrievalKeys:
+        return self.cls.from_config(cfg, device, new_head, **self.options)
+
+
+#: ``signature.keys``: every key strategy, registered by its module (:mod:`.gaussian`, :mod:`.lda`)
+KEYS: Registry[KeyKind] = Registry("signature.keys")

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from proteus.config import ConfigError, RunConfig
 from proteus.engine.errors import TaskError
-from proteus.engine.key_base import KeyFit, RetrievalKeys
-from proteus.engine.key_space import FROZEN, KeySpace
+from proteus.engine.keys.base import KEYS, KeyFit, KeyKind, RetrievalKeys
+from proteus.engine.keys.space import FIRST_ADAPTER, FROZEN, KeySpace
 from proteus.engine.novelty import ClassNovelty
 from proteus.heads import RanPACHead
 from proteus.registry import Registry
@@ -248,3 +248,11 @@ class LDAKeys(RetrievalKeys):
         self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)
         if self.novelty is not None:
             self.novelty.invalidate()
+
+
+KEYS.register("frozen-lda", help="LDA keys on frozen features (beyond the paper)")(
+    KeyKind(LDAKeys, True, {"space": FROZEN})
+)
+KEYS.register("first-adapter-lda", help="LDA keys under the first task's adapter (beyond the paper)")(
+    KeyKind(LDAKeys, True, {"space": FIRST_ADAPTER})
+)
