@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 import proteus.baselines.adapromptcl as ada
-from proteus.baselines import build_baseline
 from proteus.baselines.adapromptcl import (
     AdaPromptCL,
     SemanticGroups,
@@ -29,6 +28,7 @@ from proteus.baselines.adapromptcl import (
     warmup_vector,
 )
 from proteus.cli import main
+from proteus.experiment.store import build_learner
 from proteus.kb import KnowledgeBase
 from tiny import folder_args, folder_cfg, folder_stream, make_tree, write_spec
 
@@ -193,7 +193,7 @@ def fitted(tree):
     """Three tasks whose warm-up vectors are 0, 20 and 90 degrees apart: first, shared, specific."""
     mp = pytest.MonkeyPatch()
     cfg = _cfg(tree)
-    clf = build_baseline(cfg, progress=False)
+    clf = build_learner(cfg, progress=False)
     assert isinstance(clf, AdaPromptCL)
     rec = Recorder(clf, [0, 20, 90], mp)
     stream = folder_stream(cfg)
@@ -278,7 +278,7 @@ def test_merged_prompts_are_copied_from_their_base_and_trained(tree, monkeypatch
     monkeypatch.setattr(AdaPromptCL, "remerge_samples", 100)
     monkeypatch.setattr(AdaPromptCL, "kmeans_run", 10)
     cfg = _cfg(tree)
-    clf = build_baseline(cfg, progress=False)
+    clf = build_learner(cfg, progress=False)
     rec = Recorder(clf, [0, 60, 30], monkeypatch)
     stream = folder_stream(cfg)
     stats = [rec.fit(stream, k) for k in range(3)]
@@ -295,7 +295,7 @@ def test_merged_prompts_are_copied_from_their_base_and_trained(tree, monkeypatch
 def test_reinit_clf_trains_the_head_in_the_last_epochs_only(tree, monkeypatch) -> None:
     monkeypatch.setattr(AdaPromptCL, "head_last_epochs", 1)
     cfg = _cfg(tree, "train.epochs=2")
-    clf = build_baseline(cfg, progress=False)
+    clf = build_learner(cfg, progress=False)
     rec = Recorder(clf, [0, 90], monkeypatch)
     stream = folder_stream(cfg)
     stats = [rec.fit(stream, k) for k in range(2)]
@@ -307,7 +307,7 @@ def test_reinit_clf_trains_the_head_in_the_last_epochs_only(tree, monkeypatch) -
 
 def test_a_failed_task_gives_back_the_shared_prompt(tree, monkeypatch) -> None:
     cfg = _cfg(tree)
-    clf = build_baseline(cfg, progress=False)
+    clf = build_learner(cfg, progress=False)
     rec = Recorder(clf, [0, 20, 20], monkeypatch)
     stream = folder_stream(cfg)
     rec.fit(stream, 0)
@@ -336,7 +336,7 @@ def test_refuses_a_backbone_without_tokens(tree) -> None:
     cfg = _cfg(tree)
     cfg.backbone.name = "mobilenet_v2"
     with pytest.raises(ValueError, match="adapromptcl is a prompt method: it needs a backbone with tokens"):
-        build_baseline(cfg, progress=False)._build()
+        build_learner(cfg, progress=False)._build()
 
 
 def test_released_settings() -> None:

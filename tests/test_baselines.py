@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from proteus.baselines import BASELINES, build_baseline
+from proteus.baselines import BASELINES
 from proteus.baselines.lora_methods import DualGPM
 from proteus.baselines.prompts import block_with_prefix, gram_schmidt
 from proteus.cli import main
 from proteus.config import RunConfig
+from proteus.experiment.store import build_learner
 from proteus.kb import KnowledgeBase
 from proteus.methods import METHODS
 from tiny import baseline_cfg, baseline_stream
@@ -80,7 +81,7 @@ def test_every_declared_baseline_has_a_learner() -> None:
 def test_backbone_frozen_and_old_tasks_unchanged(method: str, backbone: str, stream) -> None:
     """The backbone (parameters and buffers) is bit-identical after training; task 0's head and its
     predictions on task 0's inputs survive task 1 where the method promises it (old state frozen)."""
-    clf = build_baseline(_cfg(method, backbone), progress=False)
+    clf = build_learner(_cfg(method, backbone), progress=False)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     before = _frozen_state(clf)
     head0 = {k: v.clone() for k, v in clf.heads_[0].state_dict().items()}
@@ -96,7 +97,7 @@ def test_backbone_frozen_and_old_tasks_unchanged(method: str, backbone: str, str
 
 def test_masked_cross_entropy_touches_only_the_current_head(stream) -> None:
     """Training task 1 is the CE over task 1's classes: task 0's head gets no update at all."""
-    clf = build_baseline(_cfg("sd-lora"), progress=False)
+    clf = build_learner(_cfg("sd-lora"), progress=False)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     assert not any(p.requires_grad for p in clf.heads_[0].parameters())
     clf.fit_task(stream.tasks[1], stream_tasks=2)
@@ -105,7 +106,7 @@ def test_masked_cross_entropy_touches_only_the_current_head(stream) -> None:
 
 # ------------------------------------------------------------------ InfLoRA
 def test_inflora_design_and_interference(stream) -> None:
-    clf = build_baseline(_cfg("inflora"), progress=False)
+    clf = build_learner(_cfg("inflora"), progress=False)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     units = clf.model_.units
     assert units and all(n.endswith((":k", ":v")) for n in units)  # k and v rows only: q untouched
@@ -152,14 +153,14 @@ def test_dualgpm_threshold_and_mode_switch() -> None:
         if gpm.mode == "remove":
             assert M.shape[1] <= 4
     assert sizes[0][0] == "remove" and any(m == "retain" for m, _ in sizes)  # switched past d / 2
-    clf_thr = build_baseline(_cfg("inflora", baseline__gpm_start=0.98), progress=False)
+    clf_thr = build_learner(_cfg("inflora", baseline__gpm_start=0.98), progress=False)
     clf_thr._stream_tasks = 10
     assert [round(clf_thr.threshold(t), 4) for t in (0, 5)] == [0.98, 0.99]
 
 
 # ------------------------------------------------------------------ SD-LoRA
 def test_sdlora_old_directions_fixed_magnitudes_learned(stream) -> None:
-    clf = build_baseline(_cfg("sd-lora"), progress=False)
+    clf = build_learner(_cfg("sd-lora"), progress=False)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     units = clf.model_.units
     assert all(n.endswith((":q", ":v")) for n in units)
@@ -188,13 +189,13 @@ def test_sdlora_old_directions_fixed_magnitudes_learned(stream) -> None:
 
 # ------------------------------------------------------------------ prompts
 def test_prompt_methods_refuse_a_backbone_without_tokens() -> None:
-    clf = build_baseline(_cfg("l2p", "mobilenet_v2"), progress=False)
+    clf = build_learner(_cfg("l2p", "mobilenet_v2"), progress=False)
     with pytest.raises(ValueError, match="needs a backbone with tokens"):
         clf._build()
 
 
 def test_prefix_keeps_the_sequence_and_matches_plain_attention_when_empty() -> None:
-    clf = build_baseline(_cfg("dualprompt"), progress=False)
+    clf = build_learner(_cfg("dualprompt"), progress=False)
     clf._build()
     blk = clf.vit.blocks[0]
     x = torch.randn(2, 5, clf.embed_dim)
@@ -205,7 +206,7 @@ def test_prefix_keeps_the_sequence_and_matches_plain_attention_when_empty() -> N
 
 
 def test_l2p_selection(stream) -> None:
-    clf = build_baseline(_cfg("l2p", baseline__top_k=3, baseline__pool_size=6), progress=False)
+    clf = build_learner(_cfg("l2p", baseline__top_k=3, baseline__pool_size=6), progress=False)
     clf._build()
     z = _batch(clf, stream)
     q = clf.query(z)
@@ -225,7 +226,7 @@ def test_l2p_selection(stream) -> None:
 
 
 def test_dualprompt_train_uses_the_task_prompt_and_copies_it(stream) -> None:
-    clf = build_baseline(_cfg("dualprompt"), progress=False)
+    clf = build_learner(_cfg("dualprompt"), progress=False)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     z = _batch(clf, stream)
     clf._begin_task(1, None, None)
@@ -242,7 +243,7 @@ def test_coda_components_gram_schmidt_and_frozen_past(stream) -> None:
     new = gram_schmidt(old, 3, g)
     allrows = torch.cat([old, new]).double()
     torch.testing.assert_close(allrows @ allrows.T, torch.eye(6, dtype=torch.float64), atol=1e-6, rtol=0)
-    clf = build_baseline(_cfg("coda-prompt"), progress=False)
+    clf = build_learner(_cfg("coda-prompt"), progress=False)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     s0, f0 = clf.span(0)
     past = {k: v[s0:f0].clone() for k, v in clf._params().items()}
@@ -309,7 +310,7 @@ def test_cosine_schedule_as_the_released_loops_step_it() -> None:
 
 @pytest.mark.parametrize("method", ["inflora", "dualprompt"])
 def test_a_failed_task_leaves_the_learner_as_it_was(method: str, stream, monkeypatch) -> None:
-    clf = build_baseline(_cfg(method), progress=False)
+    clf = build_learner(_cfg(method), progress=False)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     z = _batch(clf, stream)
     before = clf.logits_prefix(z)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from proteus.baselines import build_baseline, hideprompt
+from proteus.baselines import hideprompt
 from proteus.baselines.hideprompt import (
     HiDePrompt,
     align_on_pseudo_features,
@@ -30,6 +30,7 @@ from proteus.baselines.learner import epoch_lr
 from proteus.cli import main
 from proteus.config import RunConfig
 from proteus.experiment import resolve_config
+from proteus.experiment.store import build_learner
 from proteus.kb import KnowledgeBase
 from tiny import TINY, baseline_cfg, baseline_stream, folder_args, make_tree, sets, write_spec
 
@@ -54,7 +55,7 @@ def fitted(stream):
     """HiDe-Prompt after two tasks, with what task 1 did recorded on the way: its prompt when opened and
     before the momentum is kept, the TII before its alignment, the optimisers' groups, the classes of the
     pseudo-features drawn."""
-    clf = build_baseline(_cfg(), progress=False)
+    clf = build_learner(_cfg(), progress=False)
     assert isinstance(clf, HiDePrompt)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     rec: dict = {
@@ -384,11 +385,11 @@ def test_per_sample_prefixes_are_each_inputs_own(fitted, stream) -> None:
 # ------------------------------------------------------------------ failures and refusals
 def test_refuses_a_backbone_without_tokens() -> None:
     with pytest.raises(ValueError, match="hide-prompt is a prompt method: it needs a backbone with tokens"):
-        build_baseline(_cfg("mobilenet_v2"), progress=False)._build()
+        build_learner(_cfg("mobilenet_v2"), progress=False)._build()
 
 
 def test_a_failed_task_leaves_the_learner_as_it_was(stream, monkeypatch) -> None:
-    clf = build_baseline(_cfg(), progress=False)
+    clf = build_learner(_cfg(), progress=False)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     z = _z(clf, stream, 0)
     before, state = clf.logits_prefix(z), {k: v.clone() for k, v in clf.state_tensors().items()}

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from proteus.baselines import build_baseline
 from proteus.baselines.learner import epoch_lr
 from proteus.baselines.sprompt import SPrompt, nearest_key_task, task_keys
 from proteus.cli import main
 from proteus.config import RunConfig
 from proteus.experiment import resolve_config
+from proteus.experiment.store import build_learner
 from proteus.kb import KnowledgeBase
 from tiny import baseline_cfg, baseline_stream
 
@@ -41,7 +41,7 @@ def stream():
 @pytest.fixture(scope="module")
 def fitted(stream):
     """S-Prompt after two tasks, with task 1's prompt as initialised and task 0's state after task 0."""
-    clf = build_baseline(_cfg(), progress=False)
+    clf = build_learner(_cfg(), progress=False)
     assert isinstance(clf, SPrompt)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     after0 = {k: v.clone() for k, v in clf.state_tensors().items()}
@@ -196,11 +196,11 @@ def test_prediction_uses_only_the_retrieved_tasks_head(fitted, stream) -> None:
 
 def test_refuses_a_backbone_without_tokens() -> None:
     with pytest.raises(ValueError, match="s-prompt is a prompt method: it needs a backbone with tokens"):
-        build_baseline(_cfg("mobilenet_v2"), progress=False)._build()
+        build_learner(_cfg("mobilenet_v2"), progress=False)._build()
 
 
 def test_a_failed_task_leaves_the_learner_as_it_was(stream, monkeypatch) -> None:
-    clf = build_baseline(_cfg(), progress=False)
+    clf = build_learner(_cfg(), progress=False)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     z = _z(clf, stream, 0)
     before = clf.logits_prefix(z)

@@ -95,7 +95,7 @@ class ContinualLearner(Protocol):
 
 #: learner name (``Method.learner``) -> the learner class; each learner registers itself where it is defined
 #: (:func:`proteus.experiment.store.build_learner` resolves a method's learner)
-LEARNERS: Registry[type[Any]] = Registry("learner")
+LEARNERS: Registry[type[Any]] = Registry("learner", plugins=("proteus.core", "proteus.baselines"))
 
 
 def check_supports(learner: Any, capability: str, command: str) -> None:

@@ -1,8 +1,17 @@
-"""A small name -> factory registry, used for backbones, benchmarks and methods (timm/Mammoth style)."""
+"""A small name -> factory registry, used for backbones, benchmarks and methods (timm/Mammoth style).
+
+A registry may name *plugins*: the modules whose import registers its entries (the learners of
+:mod:`proteus.core` and :mod:`proteus.baselines` declare their methods where they are defined). They are
+imported the first time a name is missing or the whole registry is listed, together with the modules that
+installed packages advertise under the ``proteus.plugins`` entry-point group, so that code which needs one
+learner never imports the others (``import proteus.core`` loads no baseline).
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
 from typing import Generic, TypeVar
 
 from proteus.errors import ProteusError
@@ -20,10 +29,23 @@ class UnknownNameError(ProteusError, KeyError):
 class Registry(Generic[T]):
     """Maps names to factories. ``@REG.register("name")`` adds one; ``REG.get("name")`` looks it up."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, plugins: tuple[str, ...] = ()) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
         self._help: dict[str, str] = {}
+        #: modules whose import registers entries (imported once, at the first miss or listing)
+        self.plugins = plugins
+        self._discovered = not plugins
+
+    def discover(self) -> None:
+        """Import the plugin modules (and the ``proteus.plugins`` entry points) once."""
+        if self._discovered:
+            return
+        self._discovered = True
+        for module in self.plugins:
+            importlib.import_module(module)
+        for ep in entry_points(group="proteus.plugins"):
+            ep.load()
 
     def register(self, name: str, help: str = "") -> Callable[[T], T]:
         def deco(obj: T) -> T:
@@ -37,11 +59,10 @@ class Registry(Generic[T]):
         return deco
 
     def get(self, name: str) -> T:
-        try:
-            return self._items[name]
-        except (KeyError, TypeError):  # TypeError: an unhashable value (a list in a hand-edited file)
-            known = ", ".join(sorted(self._items))
-            raise UnknownNameError(f"unknown {self.kind} {name!r}; choose one of: {known}") from None
+        if name not in self:
+            known = ", ".join(self.names())
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; choose one of: {known}")
+        return self._items[name]
 
     def unregister(self, name: str) -> T:
         """Remove an entry (a plugin's or a test's own); returns it."""
@@ -49,6 +70,7 @@ class Registry(Generic[T]):
         return self._items.pop(name)
 
     def names(self) -> list[str]:
+        self.discover()
         return sorted(self._items)
 
     def describe(self) -> dict[str, str]:
@@ -56,9 +78,14 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         try:
-            return name in self._items
-        except TypeError:  # an unhashable value is no registered name
+            if name in self._items:
+                return True
+        except TypeError:  # an unhashable value (a list in a hand-edited file) is no registered name
             return False
+        if self._discovered:
+            return False
+        self.discover()
+        return name in self._items
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())

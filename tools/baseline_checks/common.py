@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from proteus.baselines import build_baseline
 from proteus.config import RunConfig
+from proteus.experiment.store import build_learner
 from proteus.methods import apply_method
 from proteus.streams.base import Task
 
@@ -41,7 +41,7 @@ def build(method, **over):
     for k, v in over.items():
         setattr(cfg.baseline, k, v)
     torch.manual_seed(0)
-    clf = build_baseline(cfg, progress=False)
+    clf = build_learner(cfg, progress=False)
     clf._build()
     clf._stream_tasks = 10
     return clf

@@ -44,7 +44,7 @@ def methods() -> list[str]:
     return [line.split()[0] for line in out.splitlines()[1:] if line.strip()]
 
 
-#: the settings a prompt method (which needs a ViT's tokens) runs under on quickstart: a random ViT-Ti at 32 px
+#: the settings of a prompt method (it needs a ViT's tokens) on quickstart: a random ViT-Ti at 32 px
 VIT_SETS = ["backbone.name=vit_ti16", "backbone.pretrained=false", "backbone.img_size=32", "train.epochs=1"]
 
 

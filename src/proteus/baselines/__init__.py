@@ -14,16 +14,12 @@ import importlib
 import pkgutil
 
 from proteus.baselines.learner import ContinualClassifier
-from proteus.baselines.lora_methods import InfLoRA, SDLoRA
-from proteus.baselines.prompts import L2P, CodaPrompt, DualPrompt
 from proteus.learners import LEARNERS
 
-__all__ = ["BASELINES", "ContinualClassifier", "build_baseline"]
+__all__ = ["BASELINES", "ContinualClassifier"]
 
-for _cls in (InfLoRA, SDLoRA, L2P, DualPrompt, CodaPrompt):
-    LEARNERS.register(_cls.name, help=(_cls.__doc__ or "").strip().splitlines()[0])(_cls)
-# a baseline module may register its learner and declare its method itself (proteus.baselines.ncm):
-# every module of the package is imported, so a new baseline is one new file
+# each baseline module registers its learner and declares its method itself (proteus.baselines.ncm is the
+# smallest): every module of the package is imported, so a new baseline is one new file
 for _mod in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_mod.name}")
 
@@ -31,10 +27,3 @@ for _mod in pkgutil.iter_modules(__path__):
 BASELINES: dict[str, type[ContinualClassifier]] = {
     n: c for n in LEARNERS if isinstance(c := LEARNERS.get(n), type) and issubclass(c, ContinualClassifier)
 }
-
-
-def build_baseline(config, *, progress: bool = True) -> ContinualClassifier:  # noqa: ANN001
-    """The baseline learner of ``config.method`` (a method declared with ``learner=...``)."""
-    from proteus.methods import METHODS
-
-    return LEARNERS.get(METHODS.get(config.method).learner)(config, progress=progress)

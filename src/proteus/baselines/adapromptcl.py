@@ -600,6 +600,7 @@ class AdaPromptCL(PromptClassifier):
 declare(
     "adapromptcl",
     "AdaPromptCL (Kim et al., ICML 2024): e-prompts shared by semantic groups of tasks (BIRCH / K-Means)",
+    base=None,
     learner="adapromptcl",
     baseline__optimizer="adam", baseline__lr=0.025 * 128 / 256, baseline__schedule="constant",
     baseline__pool_size=300, baseline__prompt_length=8, baseline__prompt_layers=[0, 1, 2, 3, 4],

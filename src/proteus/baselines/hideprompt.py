@@ -574,6 +574,7 @@ declare(
     "hide-prompt",
     "HiDe-Prompt (Wang et al., NeurIPS 2023): task-identity inference by an MLP head, then a prompt per "
     "task; both heads aligned on pseudo-features",
+    base=None,
     learner="hide-prompt",
     baseline__optimizer="adam", baseline__lr=0.03 * 24 / 256, baseline__schedule="hide-step",
     baseline__clip_grad=1.0, baseline__prompt_length=5, baseline__prompt_layers=[0, 1, 2, 3, 4],

@@ -32,6 +32,8 @@ from proteus.adapters import AdaptedBackbone
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper
 from proteus.baselines.learner import ContinualClassifier
 from proteus.config import ConfigError
+from proteus.learners import LEARNERS
+from proteus.methods import declare
 
 __all__ = ["DualGPM", "InfLoRA", "LoRAClassifier", "SDLoRA"]
 
@@ -184,6 +186,7 @@ class DualGPM:
                 self.basis = Ui[:, : M.shape[1] - r]
 
 
+@LEARNERS.register("inflora")
 class InfLoRA(LoRAClassifier):
     """InfLoRA: designed, frozen A per task off the DualGPM space; B trained; old branches summed."""
 
@@ -225,6 +228,7 @@ class InfLoRA(LoRAClassifier):
         return out
 
 
+@LEARNERS.register("sd-lora")
 class SDLoRA(LoRAClassifier):
     """SD-LoRA: old directions normalised and frozen, scaled by learned magnitudes; new branch trained."""
 
@@ -283,3 +287,19 @@ class SDLoRA(LoRAClassifier):
             u.C[k, R[n] :] = a[-1]  # the task's own directions enter its model with alpha_k, unnormalised
         self.model_.clear_merged()
         self.magnitudes_.append(a.cpu().tolist())
+
+
+declare(
+    "inflora",
+    "InfLoRA (Liang & Li, CVPR 2024): LoRA on k, v with a designed frozen A off the DualGPM space",
+    base=None,
+    learner="inflora",
+    baseline__optimizer="adam", baseline__lr=5e-4, baseline__schedule="cosine", baseline__rank=10,
+)  # fmt: skip
+declare(
+    "sd-lora",
+    "SD-LoRA (Wu et al., ICLR 2025): frozen normalised old directions with learned magnitudes",
+    base=None,
+    learner="sd-lora",
+    baseline__optimizer="sgd", baseline__lr=8e-3, baseline__schedule="constant", baseline__rank=10,
+)  # fmt: skip

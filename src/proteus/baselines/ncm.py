@@ -50,5 +50,8 @@ class NCM(ContinualClassifier):
 
 
 declare(
-    "ncm", "NCM: nearest class mean of frozen-backbone features (no training, no retrieval)", learner="ncm"
+    "ncm",
+    "NCM: nearest class mean of frozen-backbone features (no training, no retrieval)",
+    base=None,
+    learner="ncm",
 )

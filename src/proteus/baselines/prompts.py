@@ -34,6 +34,8 @@ from torch import nn
 
 from proteus.baselines.learner import ContinualClassifier
 from proteus.config import ConfigError
+from proteus.learners import LEARNERS
+from proteus.methods import declare
 
 __all__ = ["CodaPrompt", "DualPrompt", "L2P", "PromptClassifier", "block_with_prefix", "gram_schmidt"]
 
@@ -151,6 +153,7 @@ class PromptClassifier(ContinualClassifier):
         return nn.Parameter(t.to(next(self.vit.parameters()).device))
 
 
+@LEARNERS.register("l2p")
 class L2P(PromptClassifier):
     """L2P: top-N prompts of a keyed pool by cosine with the query; prompt tuning; surrogate loss."""
 
@@ -191,6 +194,7 @@ class L2P(PromptClassifier):
         return x[:, 1 : 1 + P.shape[1]].mean(1)
 
 
+@LEARNERS.register("dualprompt")
 class DualPrompt(PromptClassifier):
     """DualPrompt: a shared g-prompt and per-task e-prompts with keys, both as prefixes."""
 
@@ -263,6 +267,7 @@ class DualPrompt(PromptClassifier):
         return x[:, 0]
 
 
+@LEARNERS.register("coda-prompt")
 class CodaPrompt(PromptClassifier):
     """CODA-Prompt: per block, a prompt as the attention-weighted sum of components (prefix tuning)."""
 
@@ -341,3 +346,32 @@ class CodaPrompt(PromptClassifier):
 def _ortho_penalty(x: torch.Tensor) -> torch.Tensor:
     """mean((X X^T - I)^2), CODA-Prompt's orthogonality penalty."""
     return ((x @ x.T - torch.eye(x.shape[0], device=x.device)) ** 2).mean()
+
+
+declare(
+    "l2p",
+    "L2P (Wang et al., CVPR 2022): a prompt pool chosen by key-query matching, prompt tuning",
+    base=None,
+    learner="l2p",
+    baseline__optimizer="adam", baseline__lr=1.875e-3, baseline__schedule="constant",
+    baseline__pool_size=10, baseline__prompt_length=5, baseline__top_k=5, baseline__match_weight=0.1,
+    baseline__prompt_layers=[0], baseline__clip_grad=1.0,
+)  # fmt: skip
+declare(
+    "dualprompt",
+    "DualPrompt (Wang et al., ECCV 2022): shared g-prompts and per-task e-prompts, prefix tuning",
+    base=None,
+    learner="dualprompt",
+    baseline__optimizer="adam", baseline__lr=2.8125e-3, baseline__schedule="constant",  # 0.03 * 24 / 256
+    baseline__prompt_length=5, baseline__g_length=5, baseline__g_layers=[0, 1],
+    baseline__prompt_layers=[2, 3, 4], baseline__match_weight=1.0, baseline__clip_grad=1.0,
+)  # fmt: skip
+declare(
+    "coda-prompt",
+    "CODA-Prompt (Smith et al., CVPR 2023): attention-weighted prompt components, prefix tuning",
+    base=None,
+    learner="coda-prompt",
+    baseline__optimizer="adam", baseline__lr=1e-3, baseline__schedule="cosine",
+    baseline__pool_size=100, baseline__prompt_length=8, baseline__prompt_layers=[0, 1, 2, 3, 4],
+    baseline__ortho_weight=0.0,
+)  # fmt: skip

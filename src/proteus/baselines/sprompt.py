@@ -169,6 +169,7 @@ def task_keys(q: torch.Tensor, n_keys: int = N_KEYS) -> torch.Tensor:
 declare(
     "s-prompt",
     "S-Prompts (Wang et al., NeurIPS 2022): a prompt and a head per task, the task by K-Means keys (L1)",
+    base=None,
     learner="s-prompt",
     baseline__optimizer="sgd", baseline__lr=0.01, baseline__momentum=0.9,
     baseline__schedule="cosine-annealing", baseline__prompt_length=10, train__weight_decay=2e-4,

@@ -11,7 +11,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import proteus.baselines  # noqa: F401 - registers the baselines' learners
 from proteus.config import RunConfig
 from proteus.core.estimator import Proteus
 from proteus.engine.errors import TaskError
