@@ -60,6 +60,24 @@ def test_a_methods_recipe_changes_only_with_its_declaration(name: str) -> None:
     )
 
 
+#: the ablations of the paper's tables (S, lambda, the signature, top-K, the LoRA position, the rank budget)
+PAPER_ABLATIONS = (
+    "proteus-s0", "proteus-si", "proteus-lambda0", "proteus-kmeans", "proteus-top3", "proteus-top5",
+    "proteus-all-units", "last-lora", "proteus-budget",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PAPER_ABLATIONS)
+def test_the_papers_ablations_ablate_the_paper(name: str) -> None:
+    """Each ablation changes the paper's recipe (it derives from ``proteus-paper``, directly or not) and
+    keeps every key of it that it does not name itself."""
+    m = METHODS.get(name)
+    assert "proteus-paper" in [b.name for b in m.chain()]
+    paper = flatten(apply_method(RunConfig(), "proteus-paper").to_dict())
+    mine = flatten(apply_method(RunConfig(), name).to_dict())
+    assert {k for k in paper if paper[k] != mine[k]} <= set(m.overrides) | {"method"}
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     RECORDING.write_text(json.dumps(recipes(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {len(recipes())} recipes to {RECORDING}")

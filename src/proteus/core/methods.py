@@ -3,7 +3,8 @@ points on the same learner, and the ablations -- each declared against an explic
 
 The paper's ablations (Sec. 5 and the Appendix: S = 0, S = I, no elastic net, K-means keys, top-K
 retrieval, the O-LoRA-like sum, the rank budget, the last adapter) derive from ``proteus-paper``: they
-change one thing of the paper's recipe. The ablations of the default (``proteus-hard``,
+change one thing of the paper's recipe. ``ranpac`` is RanPAC with its own gamma rule (the Appendix:
+"gamma follows RanPAC"); ``ranpac-accumulated`` keeps proteus's rule for a like-for-like head. The ablations of the default (``proteus-hard``,
 ``-max-key``, ``-global-head``, ``-flda``, ``-lda``) derive from ``proteus``.
 """
 
@@ -78,12 +79,19 @@ declare(
 # ---------------------------------------------------------------------------- reference points
 declare(
     "ranpac",
-    "RanPAC: adapter trained on the first task only, LDA head, no retrieval",
+    "RanPAC: adapter trained on the first task only, LDA head with RanPAC's gamma rule, no retrieval",
     base=None,
     train__tasks="first",
     adapter__transfer="zero",
     retrieval__mode="first",
+    head__gamma_selection="task",
     **_NO_RETRIEVAL,
+)
+declare(
+    "ranpac-accumulated",
+    "RanPAC with proteus's gamma rule (ridge on all statistics so far, scored on the task's held-out part)",
+    base="ranpac",
+    head__gamma_selection="accumulated",
 )
 declare(
     "frozen",
@@ -99,42 +107,42 @@ declare(
 declare(
     "last-lora",
     "PROTEUS adapters without retrieval: the most recent adapter (InfLoRA/SD-LoRA)",
-    base="proteus",
+    base="proteus-paper",
     retrieval__mode="last",
     **_NO_RETRIEVAL,
 )
 declare(
     "proteus-s0",
     "ablation: S = 0 and no orthogonality (no knowledge transfer; MELO-like)",
-    base="proteus",
+    base="proteus-paper",
     adapter__transfer="zero",
     adapter__orthogonal=False,
 )
 declare(
     "proteus-si",
     "ablation: S = I (every old direction reused in full)",
-    base="proteus",
+    base="proteus-paper",
     adapter__transfer="identity",
 )
 declare(
     "proteus-lambda0",
     "ablation: no elastic-net penalty on S (lambda = 0)",
-    base="proteus",
+    base="proteus-paper",
     adapter__lam=0.0,
 )
 declare(
     "proteus-kmeans",
     "ablation: K-means signatures (K = 20) instead of the DP-GMM",
-    base="proteus-dpgmm",
+    base="proteus-paper",
     signature__method="kmeans",
     signature__max_components=20,
 )
-declare("proteus-top3", "ablation: top-3 Gaussian retrieval", base="proteus-dpgmm", retrieval__top_k=3)
-declare("proteus-top5", "ablation: top-5 Gaussian retrieval", base="proteus-dpgmm", retrieval__top_k=5)
+declare("proteus-top3", "ablation: top-3 Gaussian retrieval", base="proteus-paper", retrieval__top_k=3)
+declare("proteus-top5", "ablation: top-5 Gaussian retrieval", base="proteus-paper", retrieval__top_k=5)
 declare(
     "proteus-all-units",
     "ablation: S = 0, all units summed, no retrieval (O-LoRA-like)",
-    base="proteus",
+    base="proteus-paper",
     adapter__transfer="zero",
     retrieval__mode="all-units",
     **_NO_RETRIEVAL,
@@ -142,6 +150,6 @@ declare(
 declare(
     "proteus-budget",
     "budget-constrained rank schedule r_m = r_0 exp(-0.05 (m-1))",
-    base="proteus",
+    base="proteus-paper",
     adapter__budget_decay=0.05,
 )
