@@ -275,9 +275,7 @@ def test_state_carries_the_groups(fitted) -> None:
 
 
 def test_merged_prompts_are_copied_from_their_base_and_trained(tree, monkeypatch) -> None:
-    monkeypatch.setattr(AdaPromptCL, "remerge_samples", 100)
-    monkeypatch.setattr(AdaPromptCL, "kmeans_run", 10)
-    cfg = _cfg(tree)
+    cfg = _cfg(tree, "baseline.remerge_samples=100", "baseline.kmeans_run=10")
     clf = build_learner(cfg, progress=False)
     rec = Recorder(clf, [0, 60, 30], monkeypatch)
     stream = folder_stream(cfg)
@@ -293,8 +291,7 @@ def test_merged_prompts_are_copied_from_their_base_and_trained(tree, monkeypatch
 
 
 def test_reinit_clf_trains_the_head_in_the_last_epochs_only(tree, monkeypatch) -> None:
-    monkeypatch.setattr(AdaPromptCL, "head_last_epochs", 1)
-    cfg = _cfg(tree, "train.epochs=2")
+    cfg = _cfg(tree, "train.epochs=2", "baseline.head_last_epochs=1")
     clf = build_learner(cfg, progress=False)
     rec = Recorder(clf, [0, 90], monkeypatch)
     stream = folder_stream(cfg)
@@ -342,7 +339,8 @@ def test_refuses_a_backbone_without_tokens(tree) -> None:
 def test_released_settings() -> None:
     from proteus.experiment import resolve_config
 
-    b = resolve_config("quickstart", method="adapromptcl").baseline
+    cfg = resolve_config("quickstart", method="adapromptcl")
+    b = AdaPromptCL(cfg, progress=False).options_
     assert (b.optimizer, b.lr, b.schedule, b.clip_grad, b.match_weight) == (
         "adam",
         0.0125,
@@ -358,14 +356,13 @@ def test_released_settings() -> None:
 
 
 # ------------------------------------------------------------------ end to end
-def test_run_through_the_cli_writes_results_and_the_groups(tree, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(AdaPromptCL, "remerge_samples", 100)
-    monkeypatch.setattr(AdaPromptCL, "kmeans_run", 10)
+def test_run_through_the_cli_writes_results_and_the_groups(tree, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = ["run", *folder_args(*tree), "--method", "adapromptcl", "--out", str(out), "-q",
             "--backbone", "vit_ti16", "--device", "cpu", "--set", "backbone.pretrained=false",
             "--set", "backbone.img_size=32", "--set", "train.epochs=1", "--set", "train.batch_size=8",
-            "--set", "baseline.pool_size=20"]  # fmt: skip
+            "--set", "baseline.pool_size=20", "--set", "baseline.remerge_samples=100",
+            "--set", "baseline.kmeans_run=10"]  # fmt: skip
     assert main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["method"] == "adapromptcl" and res["num_tasks"] == 3 and len(res["avg_acc"]) == 3
@@ -385,14 +382,13 @@ def test_run_through_the_cli_writes_results_and_the_groups(tree, tmp_path: Path,
     assert back.to_meta() == g
 
 
-def test_compare_runs_it_beside_another_baseline(tree, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(AdaPromptCL, "remerge_samples", 100)
-    monkeypatch.setattr(AdaPromptCL, "kmeans_run", 10)
+def test_compare_runs_it_beside_another_baseline(tree, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     argv = ["compare", *folder_args(*tree), "--methods", "adapromptcl,ncm", "--seeds", "0", "--out", str(out),
             "-q", "--backbone", "vit_ti16", "--device", "cpu", "--set", "backbone.pretrained=false",
             "--set", "backbone.img_size=32", "--set", "train.epochs=1", "--set", "train.batch_size=8",
             "--set", "baseline.pool_size=20", "--set", "report.figures=false",
+            "--set", "baseline.remerge_samples=100", "--set", "baseline.kmeans_run=10",
             "--set", "report.latency=false"]  # fmt: skip
     assert main(argv) == 0
     rep = json.loads((out / "compare.json").read_text())

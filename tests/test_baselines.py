@@ -18,10 +18,9 @@ from proteus.baselines import BASELINES
 from proteus.baselines.lora_methods import DualGPM
 from proteus.baselines.prompts import block_with_prefix, gram_schmidt
 from proteus.cli import main
-from proteus.config import RunConfig
+from proteus.config import METHODS, RunConfig
 from proteus.experiment.store import build_learner
 from proteus.kb import KnowledgeBase
-from proteus.methods import METHODS
 from tiny import baseline_cfg, baseline_stream
 
 BASELINE_METHODS = sorted(n for n in METHODS.names() if METHODS.get(n).learner != "proteus")
@@ -31,12 +30,15 @@ PROMPT_METHODS = {"l2p", "dualprompt", "coda-prompt", "s-prompt", "adapromptcl",
 def _cfg(method: str, backbone: str = "vit_ti16", **sets) -> RunConfig:
     cfg = baseline_cfg(method, backbone)
     cfg.backbone.adapt_last = None if method in PROMPT_METHODS else 2
-    cfg.baseline.rank = 4
+    cfg.baseline["rank"] = 4
     if method == "coda-prompt":
-        cfg.baseline.pool_size, cfg.baseline.max_tasks = 4, 2
+        cfg.baseline.update(pool_size=4, max_tasks=2)
     for k, v in sets.items():
         section, _, name = k.partition("__")
-        setattr(getattr(cfg, section), name, v)
+        if section == "baseline":
+            cfg.baseline[name] = v
+        else:
+            setattr(getattr(cfg, section), name, v)
     return cfg
 
 
@@ -326,3 +328,14 @@ def test_a_failed_task_leaves_the_learner_as_it_was(method: str, stream, monkeyp
     torch.testing.assert_close(clf.logits_prefix(z), before)
     clf.fit_task(stream.tasks[1], stream_tasks=2)  # and the task can be learned again
     assert clf.num_tasks == 2
+
+
+def test_every_perturbation_of_the_side_by_side_checks_finds_its_code() -> None:
+    """tools/baseline_checks/perturb.py edits our baselines' code by text: each text is still there once
+    (a refactor that moves it would leave a perturbation that can no longer be applied)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "baseline_checks" / "perturb.py"
+    p = subprocess.run([sys.executable, str(script), "--texts"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr

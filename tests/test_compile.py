@@ -17,8 +17,7 @@ import torch
 import yaml
 
 from proteus import Proteus, devices
-from proteus.config import ConfigError
-from proteus.presets import validate
+from proteus.config import ConfigError, validate
 from proteus.streams import build_benchmark
 from tiny import TINY_SETS
 

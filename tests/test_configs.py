@@ -7,9 +7,8 @@ import pytest
 
 from proteus.backbones import BACKBONES
 from proteus.backbones.vit import VIT_TAGS
-from proteus.config import RunConfig
+from proteus.config import RunConfig, learner_of, packaged_config, packaged_configs
 from proteus.experiment import resolve_config
-from proteus.presets import packaged_config, packaged_configs
 from proteus.streams import BENCHMARKS
 
 CONFIGS = sorted(packaged_configs())
@@ -78,7 +77,8 @@ def test_baseline_configs_carry_the_released_settings(name: str) -> None:
         epochs,
         bs,
     )
-    assert (cfg.baseline.optimizer, cfg.baseline.lr) == (opt, pytest.approx(lr))
+    options = learner_of(cfg)(cfg).options_
+    assert (options.optimizer, options.lr) == (opt, pytest.approx(lr))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -153,12 +153,14 @@ def test_report_section_defaults() -> None:
 
 def test_a_stored_config_without_a_later_key_keeps_the_old_behaviour() -> None:
     """A knowledge base or run written before a key existed reads it as what that release did."""
-    from proteus.config import LEGACY_DEFAULTS
+    from proteus.config import sections
+    from proteus.options import NO_LEGACY, options_of
 
     old = resolve_config("quickstart").to_dict()
-    for key in LEGACY_DEFAULTS:
-        section, _, name = key.partition(".")
-        del old[section][name]
+    for section, cls in sections().items():
+        for f, opt in options_of(cls):
+            if opt.legacy is not NO_LEGACY:
+                del old[section][f.name]
     cfg = RunConfig.from_stored(old)
     assert (cfg.signature.prior, cfg.signature.prior_scale) == ("ridge", "sklearn")
     assert cfg.head.prototypes == "sum" and cfg.head.forgettable is False

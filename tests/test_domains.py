@@ -14,8 +14,7 @@ from PIL import Image
 
 from proteus.backbones import build_backbone
 from proteus.backbones.transforms import build_transform
-from proteus.config import BenchmarkConfig, ConfigError
-from proteus.presets import resolve_config
+from proteus.config import BenchmarkConfig, ConfigError, resolve_config
 from proteus.streams import DataNotFoundError, TaskSpecError, build_benchmark
 from proteus.streams.domains import mixed_order
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torchvision
 
-from proteus.presets import resolve_config
+from proteus.config import resolve_config
 from proteus.streams import build_benchmark
 from proteus.streams.errors import DataNotFoundError
 

@@ -10,10 +10,9 @@ import torch
 import yaml
 
 from proteus import Proteus
-from proteus.config import ConfigError, RetrievalConfig
+from proteus.config import ConfigError, RetrievalConfig, resolve_config
 from proteus.engine.experts import TaskExperts, candidates, combine_soft, decide
 from proteus.heads import RanPACHead
-from proteus.presets import resolve_config
 from proteus.signatures import RetrievalResult
 from proteus.streams import build_benchmark
 from tiny import TINY_SETS

@@ -29,10 +29,13 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from proteus.cli import main  # noqa: E402
-from proteus.config import RunConfig, flatten  # noqa: E402
+from proteus.config import (  # noqa: E402
+    RunConfig,
+    flatten,
+    resolve_config,  # noqa: E402
+)
 from proteus.errors import ProteusError  # noqa: E402
 from proteus.kb.files import manifest_checksum  # noqa: E402
-from proteus.presets import resolve_config  # noqa: E402
 from tiny import write_image  # noqa: E402
 
 _SLOW = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]

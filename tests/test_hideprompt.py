@@ -28,7 +28,7 @@ from proteus.baselines.hideprompt import (
 )
 from proteus.baselines.learner import epoch_lr
 from proteus.cli import main
-from proteus.config import RunConfig
+from proteus.config import RunConfig, learner_of
 from proteus.experiment import resolve_config
 from proteus.experiment.store import build_learner
 from proteus.kb import KnowledgeBase
@@ -41,7 +41,7 @@ SMALL_SETS = [f"baseline.{k}={v}" for k, v in SMALL.items()]
 def _cfg(backbone: str = "vit_ti16") -> RunConfig:
     cfg = baseline_cfg("hide-prompt", backbone)
     for k, v in SMALL.items():
-        setattr(cfg.baseline, k, v)
+        cfg.baseline[k] = v
     return cfg
 
 
@@ -113,7 +113,7 @@ def test_prompt_momentum_initialisation(fitted) -> None:
     """Task 2's prompt opens as a copy of task 1's (the shared pool), trains as (1 - m) P + m mean(old)
     from the start, and that mix of its trained raw prompt is what it keeps."""
     clf, rec = fitted
-    m = clf.config.baseline.prompt_momentum
+    m = clf.options_.prompt_momentum
     assert m == 0.01
     p0 = clf.prompts_[0].detach()
     assert torch.equal(rec["opened"], rec["after0"]["prompt.0"])
@@ -136,14 +136,14 @@ def test_earlier_prompts_and_the_backbone_never_move(fitted) -> None:
     assert all(torch.equal(v, rec["backbone0"][k]) for k, v in clf.backbone_.state_dict().items())
     assert not any(p.requires_grad for p in clf.prompts_)
     assert not any(p.requires_grad for p in clf.heads_.parameters())
-    b = clf.config.baseline
+    b = clf.options_
     assert tuple(clf.prompts_[0].shape) == (len(b.prompt_layers), 2, b.prompt_length, clf.embed_dim)
     assert b.prompt_layers == [0, 1, 2, 3, 4]
 
 
 def test_head_learns_at_a_tenth_of_the_prompts_rate(fitted) -> None:
     clf, rec = fitted
-    b = clf.config.baseline
+    b = clf.options_
     stage2 = [g for g in rec["groups"] if len(g) == 2]
     assert stage2, "stage 2's optimiser has two parameter groups"
     prompt_id, head_ids = id(clf.prompts_[1]), {id(p) for p in clf.heads_[1].parameters()}
@@ -205,7 +205,7 @@ def test_training_loss_adds_reg_times_the_grouped_contrastive_loss(fitted, strea
     finally:
         clf.prompts_[1].requires_grad_(False)
         del clf.contrast_group
-    assert clf.config.baseline.ortho_weight == 0.1
+    assert clf.options_.ortho_weight == 0.1
     torch.testing.assert_close(torch.as_tensor(clf.aux_loss).double(), expect.double())
     # the stored centroids are task 1's classes' (n_centroids each), of the instructed features
     assert clf._old_means.shape == (5 * 3, clf.embed_dim)
@@ -319,21 +319,21 @@ def test_tii_head_is_the_releases_mlp_mapping() -> None:
 def test_the_tii_starts_from_the_runs_seed() -> None:
     """Its MLP's initialisation depends on ``seed`` only, not on the global random stream's state (it is
     built before a task seeds that stream), nor does it move that stream."""
-    from proteus.baselines.hideprompt import TaskIdentityInference
+    from proteus.baselines.hideprompt import HiDeOptions, TaskIdentityInference
 
     cfg = _cfg()
     nets = []
     for state in (1, 2):
         torch.manual_seed(state)
-        nets.append(TaskIdentityInference(cfg, 16, torch.device("cpu")).net.state_dict())
+        nets.append(TaskIdentityInference(cfg, HiDeOptions(), 16, torch.device("cpu")).net.state_dict())
     assert all(torch.equal(nets[0][n], nets[1][n]) for n in nets[0])
     torch.manual_seed(3)
     expect = torch.rand(3)
     torch.manual_seed(3)
-    TaskIdentityInference(cfg, 16, torch.device("cpu"))
+    TaskIdentityInference(cfg, HiDeOptions(), 16, torch.device("cpu"))
     assert torch.equal(torch.rand(3), expect)
     cfg.seed = 1
-    other = TaskIdentityInference(cfg, 16, torch.device("cpu")).net.state_dict()
+    other = TaskIdentityInference(cfg, HiDeOptions(), 16, torch.device("cpu")).net.state_dict()
     assert not torch.equal(other["fc1.weight"], nets[0]["fc1.weight"])
 
 
@@ -409,7 +409,7 @@ def test_a_failed_task_leaves_the_learner_as_it_was(stream, monkeypatch) -> None
 
 def test_released_settings() -> None:
     cfg = resolve_config("cifar100", method="hide-prompt", config_files=["hide-prompt-cifar100"])
-    b = cfg.baseline
+    b = learner_of(cfg)(cfg).options_
     assert (cfg.train.epochs, cfg.train.batch_size, b.optimizer, b.schedule) == (50, 192, "adam", "hide-step")
     assert (b.lr, b.tii_lr, b.tii_ca_lr, b.ca_lr) == pytest.approx(
         (0.03 * 24 / 256, 5e-4 * 24 / 256, 5e-3 * 24 / 256, 5e-3)
@@ -424,7 +424,7 @@ def test_released_settings() -> None:
     )
     assert (b.clip_grad, cfg.train.weight_decay) == (1.0, 0.0)
     cfg = resolve_config("imagenet-r", method="hide-prompt", config_files=["hide-prompt-imagenet-r"])
-    b = cfg.baseline
+    b = learner_of(cfg)(cfg).options_
     assert (cfg.train.epochs, b.schedule, b.prompt_length, b.ortho_weight) == (150, "hide-cosine", 20, 0.5)
 
 

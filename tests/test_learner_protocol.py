@@ -17,13 +17,11 @@ from sklearn.base import clone
 from proteus import Proteus
 from proteus.baselines import BASELINES
 from proteus.cli import main
-from proteus.config import ConfigError, RunConfig
+from proteus.config import METHODS, ConfigError, RunConfig, resolve_config
 from proteus.errors import NotFittedError
 from proteus.experiment.store import build_learner
 from proteus.kb import KnowledgeBase
 from proteus.learners import LEARNERS, ContinualLearner, LearnerState
-from proteus.methods import METHODS
-from proteus.presets import resolve_config
 from proteus.streams import build_benchmark
 from tiny import TINY_SETS, sets
 
@@ -114,14 +112,27 @@ def test_a_baseline_runs_through_the_shared_loop_into_a_kb(tmp_path: Path, capsy
         assert "ncm" in err and "proteus run" in err, err
 
 
-def test_each_baseline_declares_its_own_options() -> None:
-    """A baseline lists the ``baseline.*`` keys it reads; others set on it are reported (they do nothing)."""
-    inflora = build_learner(_tiny_cfg("inflora", **{"baseline.pool_size": 20}), progress=False)
-    assert "gpm_start" in inflora.options and "pool_size" not in inflora.options
-    assert inflora.unused_options() == ["pool_size"]
+def test_each_baseline_declares_its_own_options(caplog) -> None:
+    """A baseline declares the ``baseline.*`` keys it reads (its ``Options`` dataclass, with defaults and
+    ranges); a key of another baseline set on it is reported (it does nothing), a key of none is refused."""
+    import dataclasses
+    import logging
+
+    from proteus.config import ConfigError, validate
+
+    names = lambda clf: {f.name for f in dataclasses.fields(clf.options_)}  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="proteus"):
+        inflora = build_learner(_tiny_cfg("inflora", **{"baseline.pool_size": 20}), progress=False)
+        validate(inflora.config)
+    assert "gpm_start" in names(inflora) and "pool_size" not in names(inflora)
+    assert "baseline.pool_size set, not among its options" in caplog.text
     l2p = build_learner(_tiny_cfg("l2p", **{"baseline.pool_size": 20}), progress=False)
-    assert l2p.unused_options() == [] and "top_k" in l2p.options
-    assert build_learner(_tiny_cfg("ncm"), progress=False).options == ()
+    assert l2p.options_.pool_size == 20 and "top_k" in names(l2p)
+    assert names(build_learner(_tiny_cfg("ncm"), progress=False)) == set()
+    with pytest.raises(ConfigError, match="unknown config key 'baseline.pool'"):
+        _tiny_cfg("l2p", **{"baseline.pool": 20})
+    with pytest.raises(ConfigError, match="baseline.pool_size must be a number in"):
+        _tiny_cfg("l2p", **{"baseline.pool_size": 0})
 
 
 # ------------------------------------------------------------------ extension points

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from proteus.config import RunConfig, flatten
-from proteus.methods import METHODS, apply_method
+from proteus.config import METHODS, RunConfig, apply_method, effective, flatten
 
 RECORDING = Path(__file__).with_name("method_recipes.json")
 
@@ -22,9 +21,9 @@ def recipe(name: str) -> dict[str, Any]:
     """What method ``name`` runs: its declaration (base, own overrides) and every key of the resolved
     config that differs from the defaults."""
     m = METHODS.get(name)
-    default = flatten(RunConfig().to_dict())
-    cfg = flatten(apply_method(RunConfig(), name).to_dict())
-    resolved = {k: v for k, v in cfg.items() if default.get(k) != v and k != "method"}
+    cfg = apply_method(RunConfig(), name)
+    default = effective(RunConfig(method=name))
+    resolved = {k: v for k, v in effective(cfg).items() if default.get(k) != v and k != "method"}
     return {"base": m.base, "learner": m.learner, "overrides": m.overrides, "resolved": resolved}
 
 

@@ -20,9 +20,8 @@ import torch
 import yaml
 
 from proteus.cli import main
-from proteus.config import RunConfig
+from proteus.config import METHODS, RunConfig, apply_method
 from proteus.kb import KnowledgeBase
-from proteus.methods import METHODS, apply_method
 
 TINY = [
     "--set", "backbone.name=vit_ti16",
@@ -43,7 +42,9 @@ TINY = [
 
 #: per-method extra settings (the budget schedule needs a rank that visibly shrinks within 2 tasks)
 EXTRA: dict[str, list[str]] = {"proteus-budget": ["--set", "adapter.rank=20"]}
-NO_RETRIEVAL = {"frozen", "ranpac", "last-lora", "proteus-all-units"}
+NO_RETRIEVAL = {n for n in METHODS.names() if apply_method(RunConfig(), n).retrieval.mode != "signature"}
+#: RanPAC and its variants: only the first task trains an adapter
+RANPAC = {n for n in METHODS.names() if "ranpac" in [m.name for m in METHODS.get(n).chain()]}
 #: methods whose task keys are LDA heads (no Gaussian signature, no theory report)
 LDA_METHODS = {
     n for n in METHODS.names()
@@ -122,7 +123,7 @@ def test_every_method_runs(method: str, run_method: Callable[[str], Path]) -> No
 
     if method == "frozen":
         assert not any(has_adapter) and res["orthogonality"] is None and analysis["transfer"] is None
-    elif method == "ranpac":  # the first task trains the only adapter; the head uses it ever after
+    elif method in RANPAC:  # the first task trains the only adapter; the head uses it ever after
         assert has_adapter == [True, False] and ranks == [4, None]
         assert _learner(out).num_adapters == 1
     else:

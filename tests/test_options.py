@@ -1,6 +1,6 @@
 """Every option is validated once, with the type its key declares, before any work (issue 25, the
 newcomer review's cases C01-C14, K1-K3, K9, S8-S11): ``--set``, ``--config`` files and the API's dotted keys
-go through :func:`proteus.config.coerce` / :func:`proteus.presets.validate_keys`, and ``learn`` checks
+go through :func:`proteus.config.coercion` / :func:`proteus.presets.validate_keys`, and ``learn`` checks
 the keys it is given before comparing them with an existing knowledge base. Also: SIGTERM is handled like
 Ctrl-C (exit 143, the KB unchanged), ``--top-k`` is refused below 1 at parse time, and ``proteus serve``
 answers JSON 405 / 400 / 408 for wrong methods, bad ``top_k`` and bodies shorter than their
@@ -27,10 +27,9 @@ import yaml
 
 import proteus.cli.parser
 from proteus.cli import main
-from proteus.config import ConfigError, RunConfig, coerce, field_type, flatten, parse_set
+from proteus.config import ConfigError, RunConfig, coerce, field_type, flatten, parse_set, validate_keys
 from proteus.experiment import resolve_config
 from proteus.kb import KnowledgeBase
-from proteus.presets import validate_keys
 from proteus.serve import KBServer
 from tiny import TINY, folder_args
 

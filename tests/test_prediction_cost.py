@@ -15,8 +15,7 @@ from torch import nn
 from proteus import Proteus
 from proteus.adapters import AdaptedBackbone, LoRAWrapper
 from proteus.backbones import build_backbone
-from proteus.config import ConfigError
-from proteus.presets import resolve_config
+from proteus.config import ConfigError, resolve_config
 from proteus.streams import build_benchmark
 from tiny import TINY_SETS
 

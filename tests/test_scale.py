@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "studies"
 
 from scale_check import STORAGES, Shape, SyntheticStream, run_recipe  # noqa: E402
 
-from proteus.presets import resolve_config  # noqa: E402
+from proteus.config import resolve_config  # noqa: E402
 
 # components of ~60-100 points in d = 48: the old default budget (rank 8 here, 128 at d = 768) cuts them
 SMALL = Shape(d=48, tasks=3, classes=4, train=700, test=150, rank=12, sep=1.0, seed=1)

@@ -121,7 +121,7 @@ def test_only_the_tasks_own_prompt_and_head_are_trained(fitted) -> None:
     assert not any(p.requires_grad for p in clf.prompts_) and not any(
         p.requires_grad for p in clf.heads_.parameters()
     )
-    L, d = clf.config.baseline.prompt_length, clf.embed_dim
+    L, d = clf.options_.prompt_length, clf.embed_dim
     n1 = len(clf.task_classes_[1])
     assert L == 10 and stats1["trainable_params"] == L * d + (d + 1) * n1  # one prompt, one head
     assert [tuple(p.shape) for p in clf.prompts_] == [(L, d)] * 2
@@ -144,7 +144,7 @@ def test_prompt_after_the_class_token_without_position_embedding(fitted, stream)
     finally:
         del clf.run_blocks
     x, plain = seen["x"], clf.tokens(z)
-    L = clf.config.baseline.prompt_length
+    L = clf.options_.prompt_length
     assert x.shape[1] == plain.shape[1] + L
     assert torch.equal(x[:, :1], plain[:, :1]) and torch.equal(x[:, 1 + L :], plain[:, 1:])
     assert torch.equal(x[:, 1 : 1 + L], clf.prompts_[1].detach()[None].expand(4, -1, -1))
@@ -152,7 +152,7 @@ def test_prompt_after_the_class_token_without_position_embedding(fitted, stream)
 
 def test_released_optimiser_settings() -> None:
     clf = SPrompt(resolve_config("quickstart", method="s-prompt"), progress=False)
-    b = clf.config.baseline
+    b = clf.options_
     assert (b.optimizer, b.lr, b.momentum, b.schedule, b.prompt_length) == (
         "sgd",
         0.01,

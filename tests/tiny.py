@@ -92,8 +92,7 @@ def folder_stream(cfg: RunConfig) -> Any:
 def baseline_cfg(method: str, backbone: str = "vit_ti16") -> RunConfig:
     """A baseline's config for the tiny quickstart runs of the baseline tests: a random ``backbone`` at 32 px
     on the CPU, one epoch of batches of 16, 2 tasks of 8 training images per class (``baseline_stream``)."""
-    from proteus.config import RunConfig
-    from proteus.methods import apply_method
+    from proteus.config import RunConfig, apply_method
 
     cfg = RunConfig()
     apply_method(cfg, method)

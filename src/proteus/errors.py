@@ -9,7 +9,7 @@ exception is a bug in proteus (exit code 1).
 
 from __future__ import annotations
 
-__all__ = ["NotFittedError", "ProteusError"]
+__all__ = ["ConfigError", "NotFittedError", "ProteusError"]
 
 
 class ProteusError(Exception):
@@ -20,3 +20,7 @@ class ProteusError(Exception):
 class NotFittedError(ProteusError, ValueError, AttributeError):
     """An estimator used before it was fitted (or loaded); as scikit-learn's, also a ``ValueError`` and an
     ``AttributeError``."""
+
+
+class ConfigError(ProteusError, ValueError):
+    """A configuration key or value that does not fit the schema."""

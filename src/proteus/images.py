@@ -50,8 +50,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from proteus.config import ConfigError
-from proteus.errors import ProteusError
+from proteus.errors import ConfigError, ProteusError
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",

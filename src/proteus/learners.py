@@ -19,8 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 
 from proteus._version import __version__
-from proteus.config import RunConfig
-from proteus.registry import Registry
+from proteus.config import LEARNERS, RunConfig
 from proteus.streams import Task
 
 __all__ = [
@@ -91,11 +90,6 @@ class ContinualLearner(Protocol):
     def state(self) -> LearnerState: ...
 
     def kb_header(self) -> dict[str, Any]: ...
-
-
-#: learner name (``Method.learner``) -> the learner class; each learner registers itself where it is defined
-#: (:func:`proteus.experiment.store.build_learner` resolves a method's learner)
-LEARNERS: Registry[type[Any]] = Registry("learner", plugins=("proteus.core", "proteus.baselines"))
 
 
 def check_supports(learner: Any, capability: str, command: str) -> None:

@@ -27,15 +27,33 @@ class UnknownNameError(ProteusError, KeyError):
 
 
 class Registry(Generic[T]):
-    """Maps names to factories. ``@REG.register("name")`` adds one; ``REG.get("name")`` looks it up."""
+    """Maps names to factories. ``@REG.register("name")`` adds one; ``REG.get("name")`` looks it up.
+
+    Every registry is also known by its ``kind`` (:meth:`named`): a configuration key whose allowed values
+    are a registry's names declares it by that name when the registry lives above the key's section."""
+
+    _by_kind: dict[str, Registry[object]] = {}
 
     def __init__(self, kind: str, plugins: tuple[str, ...] = ()) -> None:
         self.kind = kind
+        Registry._by_kind.setdefault(kind, self)  # type: ignore[arg-type]
         self._items: dict[str, T] = {}
         self._help: dict[str, str] = {}
         #: modules whose import registers entries (imported once, at the first miss or listing)
         self.plugins = plugins
         self._discovered = not plugins
+
+    @classmethod
+    def named(cls, kind: str) -> Registry[object]:
+        """The registry created with ``kind``; when its module is not loaded yet, the plugins of every
+        registry are imported first (they import the learners, which import their strategies)."""
+        if kind not in cls._by_kind:
+            for reg in list(cls._by_kind.values()):
+                reg.discover()
+        try:
+            return cls._by_kind[kind]
+        except KeyError:
+            raise UnknownNameError(f"no registry of {kind!r}") from None
 
     def discover(self) -> None:
         """Import the plugin modules (and the ``proteus.plugins`` entry points) once."""
@@ -70,7 +88,12 @@ class Registry(Generic[T]):
         return self._items.pop(name)
 
     def names(self) -> list[str]:
+        """Every registered name (the plugins imported first)."""
         self.discover()
+        return sorted(self._items)
+
+    def loaded(self) -> list[str]:
+        """The names registered so far, without importing the plugins."""
         return sorted(self._items)
 
     def describe(self) -> dict[str, str]:

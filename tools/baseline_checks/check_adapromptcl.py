@@ -133,7 +133,7 @@ def our_run(c, tasks, zero_fill):
 
 # ours are built before their vision_transformer.py is imported (it re-registers timm's vit_* names)
 clf, plain = our_learner(E)
-b = clf.config.baseline
+b = clf.options_
 W = clf.evolve_epoch + 1  # warm-up epochs
 n_img = 4
 FRESH_GROUPS = copy.deepcopy(clf.groups_)  # the learner's grouping before any task: its thresholds, counts

@@ -29,7 +29,7 @@ from proteus.baselines.learner import epoch_lr
 from proteus.baselines.prompts import gram_schmidt
 
 clf, plain = common.setup_ours("coda-prompt", epochs=2, batch_size=4)
-b = clf.config.baseline
+b = clf.options_
 common.add_path("theirs_coda")
 common.cpu_cuda()
 # their code, importable only after add_path:
@@ -311,7 +311,8 @@ report(
 )
 
 # ortho penalty with weight > 0
-clf.config.baseline.ortho_weight = 0.1
+clf.config.baseline["ortho_weight"] = 0.1
+del clf.options_  # read again from the config
 clf._task = 1
 with torch.no_grad():
     clf.features(z, train=True)

@@ -24,11 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from common import info, mad, report
 
-from proteus.config import load_yaml
-from proteus.presets import packaged_config
+from proteus.config import load_yaml, packaged_config
 
 clf, plain = common.setup_ours("dualprompt", epochs=2, batch_size=4)
-b = clf.config.baseline
+b = clf.options_
 common.add_path("theirs_dualprompt")
 # their code, importable only after add_path:
 import configs.cifar100_dualprompt as port_config  # noqa: E402
@@ -106,7 +105,8 @@ z = clf.prefix(X)
 # port's loader follows the same order
 EPOCHS = 2
 clf.config.train.epochs, clf.config.train.batch_size = EPOCHS, 1
-clf.config.baseline.lr = OUR_LR
+clf.config.baseline["lr"] = OUR_LR
+del clf.options_  # read again from the config
 step_z = []
 _feat = clf.features
 

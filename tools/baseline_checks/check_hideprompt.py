@@ -54,7 +54,7 @@ SCRIPT_BATCH = 24  # training_scripts/train_cifar100_vit.sh: --batch-size 24 (th
 clf = common.build("hide-prompt", tii_epochs=EPOCHS, ca_epochs=CA_EPOCHS, n_centroids=N_CENTROIDS)
 clf.config.train.epochs, clf.config.train.batch_size, clf.config.train.augment = EPOCHS, BATCH, False
 plain = common.perturb_backbone(clf)
-b = clf.config.baseline
+b = clf.options_
 D, H = 192, 3
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from common import info, mad, report
 
 clf, plain = common.setup_ours("l2p", epochs=3, batch_size=4)  # 3 epochs x 1 batch: 3 Adam steps
-b = clf.config.baseline
+b = clf.options_
 common.add_path("theirs_l2p")
 import vision_transformer as tvt  # noqa: E402  (their code, importable only after add_path)
 

@@ -31,7 +31,7 @@ from common import info, mad, report
 
 # 2 epochs x 1 batch: 2 SGD steps per task
 clf, plain = common.setup_ours("sd-lora", epochs=2, batch_size=4)
-b = clf.config.baseline
+b = clf.options_
 common.add_path("theirs_sdlora")
 common.cpu_cuda()
 common.stub("einops", rearrange=None)

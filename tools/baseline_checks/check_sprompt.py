@@ -42,7 +42,7 @@ from proteus.streams.base import Task
 T, EPOCHS, N_TRAIN, N_TEST = 3, 3, 10, 4
 # ours is built first: importing their models/vit.py re-registers timm's vit_* names with their builders.
 clf, plain = common.setup_ours("s-prompt", epochs=EPOCHS, batch_size=N_TRAIN)
-b, D = clf.config.baseline, clf.embed_dim
+b, D = clf.options_, clf.embed_dim
 common.add_path("theirs_sprompt")
 common.cpu_cuda()
 common.stub(

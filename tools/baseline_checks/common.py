@@ -16,9 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from proteus.config import RunConfig
+from proteus.config import RunConfig, apply_method
 from proteus.experiment.store import build_learner
-from proteus.methods import apply_method
 from proteus.streams.base import Task
 
 # one thread (torch is imported above, so OMP_NUM_THREADS=1 belongs on the command line)
@@ -39,7 +38,7 @@ def build(method, **over):
     cfg.backbone.img_size = 32
     cfg.device = "cpu"
     for k, v in over.items():
-        setattr(cfg.baseline, k, v)
+        cfg.baseline[k] = v
     torch.manual_seed(0)
     clf = build_learner(cfg, progress=False)
     clf._build()

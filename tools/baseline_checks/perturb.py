@@ -10,6 +10,7 @@ line; a check that crashes is reported as "error", which does not count as caugh
     PROTEUS_THEIRS=/path/to/scratch python perturb.py            # all perturbations
     PROTEUS_THEIRS=/path/to/scratch python perturb.py sdlora l2p  # those whose script matches a name
     python perturb.py --list                                      # the perturbations, without running
+    python perturb.py --texts                                     # each edit's text found once (no run)
 
 A sanity run of every check on the unpatched copy comes first (``--no-baseline`` skips it): a check that
 already fails there would make its perturbations look caught.
@@ -63,8 +64,8 @@ PERTURBATIONS = [
         PROMPTS,
         [
             (
-                "idx = sim.topk(self.config.baseline.top_k, dim=1).indices",
-                "idx = (q @ self.key_.T).topk(self.config.baseline.top_k, dim=1).indices",
+                "idx = sim.topk(self.options_.top_k, dim=1).indices",
+                "idx = (q @ self.key_.T).topk(self.options_.top_k, dim=1).indices",
             )
         ],
     ),
@@ -166,7 +167,7 @@ PERTURBATIONS = [
     (
         "SD-LoRA: method declaration's lr 1e-2 instead of 8e-3",
         "sdlora",
-        "proteus/methods/__init__.py",
+        LORA,
         [('baseline__optimizer="sgd", baseline__lr=8e-3', 'baseline__optimizer="sgd", baseline__lr=1e-2')],
     ),
     (
@@ -220,7 +221,7 @@ PERTURBATIONS = [
     (
         "DualPrompt: gradient clipped at norm 10 instead of 1.0 (visible from the second step on)",
         "dualprompt",
-        "proteus/methods/__init__.py",
+        PROMPTS,
         [
             (
                 "baseline__prompt_layers=[2, 3, 4], baseline__match_weight=1.0, baseline__clip_grad=1.0,",
@@ -403,13 +404,18 @@ PERTURBATIONS = [
         "AdaPromptCL: converge threshold 0.4 -> 0.5",
         "adapromptcl",
         ADA,
-        [("    converge_thrh: float = 0.4\n", "    converge_thrh: float = 0.5\n")],
+        [
+            (
+                "    converge_thrh: float = option(\n        0.4,",
+                "    converge_thrh: float = option(\n        0.5,",
+            )
+        ],
     ),
     (
         "AdaPromptCL: post-merge threshold 0.6 -> 0.7",
         "adapromptcl",
         ADA,
-        [("    postmerge_thrh: float = 0.6\n", "    postmerge_thrh: float = 0.7\n")],
+        [("    postmerge_thrh: float = option(0.6,", "    postmerge_thrh: float = option(0.7,")],
     ),
     (
         "AdaPromptCL: warm-up prompts not normalised before clustering",
@@ -421,7 +427,7 @@ PERTURBATIONS = [
         "AdaPromptCL: K-Means top-n 2 -> 1",
         "adapromptcl",
         ADA,
-        [("    kmeans_top_n: int = 2\n", "    kmeans_top_n: int = 1\n")],
+        [("    kmeans_top_n: int = option(\n        2,", "    kmeans_top_n: int = option(\n        1,")],
     ),
     (
         "AdaPromptCL: K-Means counts above the worst silhouette's count, not the best",
@@ -477,7 +483,12 @@ PERTURBATIONS = [
         "AdaPromptCL: no reinit_clf (head_last_epochs 10 -> 100)",
         "adapromptcl",
         ADA,
-        [("    head_last_epochs: int = 10", "    head_last_epochs: int = 100")],
+        [
+            (
+                "    head_last_epochs: int = option(\n        10,",
+                "    head_last_epochs: int = option(\n        100,",
+            )
+        ],
     ),
 ]
 
@@ -498,6 +509,19 @@ def patched_copy(edits, rel):
     with open(path, "w") as f:
         f.write(text)
     return tmp
+
+
+def texts():
+    """every perturbation's text found exactly once in its file: the code they perturb is still there"""
+    bad = 0
+    for name, _, rel, edits in PERTURBATIONS:
+        text = open(os.path.join(SRC, rel)).read()
+        for old, _ in edits:
+            if text.count(old) != 1:
+                bad += 1
+                print(f"{name}: found {text.count(old)} times in {rel}: {old!r}")
+    print(f"{len(PERTURBATIONS)} perturbations, {bad} texts not found once")
+    return 1 if bad else 0
 
 
 def run_check(script, src):
@@ -521,6 +545,8 @@ def main():
         for name, script, rel, _ in PERTURBATIONS:
             print(f"{name} | check_{script}.py | {rel}")
         return 0
+    if "--texts" in sys.argv:
+        return texts()
     todo = [p for p in PERTURBATIONS if not args or any(a in p[1] for a in args)]
     scripts = sorted({p[1] for p in todo})
     if "--no-baseline" not in sys.argv:

@@ -13,8 +13,8 @@ from perf_settings import Settings, _figure
 from perf_timing import _median, interleaved
 
 from proteus.adapters import LoRAUnit
+from proteus.config import resolve_config
 from proteus.heads import RanPACHead
-from proteus.presets import resolve_config
 
 
 def _scale_check() -> Any:

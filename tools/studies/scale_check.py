@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from proteus.config import resolve_config
 from proteus.heads import RanPACHead
-from proteus.presets import resolve_config
 from proteus.signatures import Signature, fit_clusters, retrieve, signature_from_fit
 
 #: storage options compared with "full" (signature.* overrides); "shared" keeps every factor row (exact)

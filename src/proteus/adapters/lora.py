@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from proteus.adapters.options import TRANSFER_INIT
+
 
 class LoRAUnit(nn.Module):
     """The adapter state of one adapted map (one weight matrix, or one output slice of a fused matrix)."""
@@ -314,7 +316,6 @@ def _no_units(u: LoRAUnit, tasks: list[int]) -> torch.Tensor:
 COMPOSITION_KINDS = {"task": _task_rows, "all-units": _all_units, "none": _no_units}
 
 #: how the old directions enter a new task: S learned (Eq. 15), S = 0, or S = I
-TRANSFER_INIT = {"learned": None, "zero": 0.0, "identity": 1.0}
 
 
 class MergedCache:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from proteus.config import ConfigError
+from proteus.errors import ConfigError
 from proteus.registry import Registry
 
 

@@ -191,7 +191,7 @@ def _create(tag: str, name: str) -> torch.nn.Module:
     import timm
 
     from proteus.backbones.weights import WeightsError
-    from proteus.config import ConfigError
+    from proteus.errors import ConfigError
 
     if tag.startswith(
         "hf-hub:"

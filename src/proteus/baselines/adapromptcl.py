@@ -54,11 +54,11 @@ from sklearn.metrics import silhouette_score
 from torch import nn
 
 from proteus.baselines.learner import OPTIMIZERS, epoch_lr
-from proteus.baselines.prompts import PromptClassifier
-from proteus.config import ConfigError
+from proteus.baselines.prompts import PromptClassifier, PromptOptions
+from proteus.config import ConfigError, declare
 from proteus.errors import NotFittedError
 from proteus.learners import LEARNERS, LearnerState
-from proteus.methods import declare
+from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, option
 from proteus.progress import bar as progress_bar
 from proteus.streams import Task
 
@@ -348,6 +348,38 @@ class SemanticGroups:
         return g
 
 
+@dataclass
+class AdaPromptCLOptions(PromptOptions):
+    """AdaPromptCL's options: the release's flags and defaults (configs/*_dualprompt.py, README commands)."""
+
+    pool_size: int = option(10, help="the prompt pool's size (the release: 300)", range=AT_LEAST_1)
+    match_weight: float = option(0.1, help="the key-query pull constraint's weight", range=NON_NEGATIVE)
+    converge_thrh: float = option(
+        0.4, help="the BIRCH threshold that assigns a task to a group", range=POSITIVE
+    )
+    postmerge_thrh: float = option(0.6, help="the coarser BIRCH threshold of the refinement", range=POSITIVE)
+    mergable_prompts: bool = option(True, help="refine the groups after each task (--mergable_prompts)")
+    remerge_samples: int = option(
+        1000, help="sampling_size_for_remerge: BIRCH runs on shuffled orders", range=AT_LEAST_1
+    )
+    kmeans_run: int = option(100, help="K-Means runs per candidate count", range=AT_LEAST_1)
+    kmeans_top_n: int = option(
+        2, help="the counts above the best mean silhouette's that K-Means tries", range=NON_NEGATIVE
+    )
+    uni_epochs: int = option(5, help="epochs of a shared group's prompt", range=NON_NEGATIVE)
+    spcf_epochs: int = option(100, help="epochs of a specific prompt", range=NON_NEGATIVE)
+    mergable_epochs: int = option(
+        5, help="epochs per prompt of a merge (min(5 n, max_mergable_epochs))", range=NON_NEGATIVE
+    )
+    max_mergable_epochs: int = option(50, help="a merge's epochs at most", range=NON_NEGATIVE)
+    first_task_epochs: int = option(
+        0, help="left_1Tepochs: the first task's extra epochs", range=NON_NEGATIVE
+    )
+    head_last_epochs: int = option(
+        10, help="reinit_clf: the head trains in the last this many epochs", range=NON_NEGATIVE
+    )
+
+
 @LEARNERS.register(
     "adapromptcl", help="AdaPromptCL: prompts shared by semantic groups of tasks (BIRCH/K-Means)"
 )
@@ -355,32 +387,20 @@ class AdaPromptCL(PromptClassifier):
     """AdaPromptCL: e-prompts shared by semantic groups of tasks, grouped by their warm-up prompts."""
 
     name = "adapromptcl"
-    options = (*PromptClassifier.options, "pool_size", "match_weight")
-    #: the release's flags and defaults (configs/*_dualprompt.py, README commands)
-    converge_thrh: float = 0.4
-    postmerge_thrh: float = 0.6
-    mergable_prompts: bool = True
-    remerge_samples: int = 1000  # sampling_size_for_remerge
-    kmeans_run: int = 100
-    kmeans_top_n: int = 2
-    uni_epochs: int = 5
-    spcf_epochs: int = 100
-    mergable_epochs: int = 5
-    max_mergable_epochs: int = 50
-    first_task_epochs: int = 0  # left_1Tepochs
-    head_last_epochs: int = 10  # reinit_clf: the head is trained in the last ten epochs
+    Options = AdaPromptCLOptions
 
     def _make_state(self, d: int) -> None:
-        b = self.config.baseline
+        b = self.options_
         self._gen = torch.Generator().manual_seed(self.config.seed)
         self._shape = (len(b.prompt_layers), 2, b.prompt_length, d)
         # prompt_same_init: every prompt of the pool starts from this one draw
         self.init_prompt_ = torch.rand(*self._shape, generator=self._gen) * 2 - 1
         self.pool_: list[nn.Parameter] = []
         self.keys_: list[nn.Parameter] = []
+        o = self.options_
         self.groups_ = SemanticGroups(
-            self.converge_thrh, self.postmerge_thrh, self.mergable_prompts, self.remerge_samples,
-            self.kmeans_run, self.kmeans_top_n, self.config.seed,
+            o.converge_thrh, o.postmerge_thrh, o.mergable_prompts, o.remerge_samples, o.kmeans_run,
+            o.kmeans_top_n, self.config.seed,
         )  # fmt: skip
         self.decisions_: list[Decision] = []
         self._train_pids = torch.zeros(0, dtype=torch.long)
@@ -395,17 +415,19 @@ class AdaPromptCL(PromptClassifier):
     def left_epochs(self, d: Decision) -> int:
         """The epochs after the warm-up the release gives a decision (before the ``train.epochs`` cap)."""
         if d.kind == "first":
-            return self.first_task_epochs
+            return self.options_.first_task_epochs
         if d.kind == "merge":
             n = len(d.train_pids)
             return (
-                min(self.mergable_epochs * n, self.max_mergable_epochs) if n > 1 else self.max_mergable_epochs
+                min(self.options_.mergable_epochs * n, self.options_.max_mergable_epochs)
+                if n > 1
+                else self.options_.max_mergable_epochs
             )
-        return self.spcf_epochs if d.kind == "specific" else self.uni_epochs
+        return self.options_.spcf_epochs if d.kind == "specific" else self.options_.uni_epochs
 
     # ------------------------------------------------------------------ the pool
     def _new_prompt(self, prompt: torch.Tensor, key: torch.Tensor) -> int:
-        cap = self.config.baseline.pool_size
+        cap = self.options_.pool_size
         if len(self.pool_) >= cap:
             raise ConfigError(f"adapromptcl: the prompt pool (baseline.pool_size={cap}) is full; raise it")
         self.pool_.append(self._to(prompt.detach().cpu().clone()).requires_grad_(False))
@@ -459,9 +481,7 @@ class AdaPromptCL(PromptClassifier):
         """(B, d) the class token after the final norm with each input's prompt ``pid`` as prefixes."""
         uniq, inv = pid.unique(return_inverse=True)
         E = torch.stack([self.pool_[int(i)] for i in uniq])[inv]  # (B, n_e, 2, L, d)
-        prefixes = {
-            layer: (E[:, j, 0], E[:, j, 1]) for j, layer in enumerate(self.config.baseline.prompt_layers)
-        }
+        prefixes = {layer: (E[:, j, 0], E[:, j, 1]) for j, layer in enumerate(self.options_.prompt_layers)}
         return self.run_blocks(self.tokens(z), prefixes)[:, 0]
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
@@ -480,7 +500,7 @@ class AdaPromptCL(PromptClassifier):
         pid = choices[pick].to(q.device)
         keys = torch.stack([self.keys_[int(i)] for i in choices])[pick.to(q.device)]
         cos = F.cosine_similarity(q, keys, dim=-1)
-        self.aux_loss = -self.config.baseline.match_weight * cos.sum() / B
+        self.aux_loss = -self.options_.match_weight * cos.sum() / B
         return self.prompted(z, pid)
 
     # ------------------------------------------------------------------ training
@@ -489,7 +509,7 @@ class AdaPromptCL(PromptClassifier):
         return nn.Linear(self.embed_dim, n).to(self.device_)
 
     def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
-        cfg, b = self.config, self.config.baseline
+        cfg, b = self.config, self.options_
         classes = [int(c) for c in task.classes]
         local = {c: i for i, c in enumerate(classes)}
         seed, z, y_all, loader = self._task_inputs(task, k)
@@ -548,7 +568,7 @@ class AdaPromptCL(PromptClassifier):
             head.load_state_dict(head0)
         left = self.left_epochs(decision)
         params, opt = phase(decision.train_pids)
-        resets = {left + W - 1 - self.head_last_epochs, E + W - 1 - self.head_last_epochs}
+        resets = {left + W - 1 - self.options_.head_last_epochs, E + W - 1 - self.options_.head_last_epochs}
         trained = 0
         for e in range(W - 1, W + min(left, E)):
             if e >= W:

@@ -41,6 +41,7 @@ This module is the whole method -- its learner, its schedules and its declaratio
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -54,12 +55,12 @@ from sklearn.exceptions import ConvergenceWarning
 from torch import nn
 
 from proteus.baselines.learner import SCHEDULES
-from proteus.baselines.prompts import PromptClassifier
-from proteus.config import RunConfig
+from proteus.baselines.prompts import PromptClassifier, PromptOptions
+from proteus.config import RunConfig, declare
 from proteus.engine.embedder import ImageDataset
 from proteus.errors import NotFittedError
 from proteus.learners import LEARNERS, TestCache, TestOutcome
-from proteus.methods import declare
+from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, UNIT, option
 from proteus.streams import Task
 
 __all__ = [
@@ -234,6 +235,29 @@ def alignment_generator(seed: int, k: int, stage: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1000 + k + 700 + stage)
 
 
+@dataclasses.dataclass
+class HiDeOptions(PromptOptions):
+    """HiDe-Prompt's options: task t's e-prompt trains as (1 - m) P_t + m mean(P_0..P_t-1) and keeps it (m =
+    ``prompt_momentum``); stage 1 (task-identity inference: an MLP head on the frozen class token) trains
+    ``tii_epochs`` at ``tii_lr``; both stages re-align their heads on pseudo-features of ``n_centroids``
+    K-Means centroids per class for ``ca_epochs`` (SGD, cosine annealing) at ``tii_ca_lr`` / ``ca_lr``."""
+
+    ortho_weight: float = option(
+        0.0, help="the contrastive regulariser's weight (the release's reg: 0.1)", range=NON_NEGATIVE
+    )
+    prompt_momentum: float = option(
+        0.01, help="m: the e-prompt's momentum over the earlier tasks' prompts", range=UNIT
+    )
+    tii_epochs: int = option(20, help="stage 1's epochs per task", range=NON_NEGATIVE)
+    tii_lr: float = option(4.6875e-5, help="stage 1's learning rate", range=POSITIVE)
+    tii_ca_lr: float = option(4.6875e-4, help="stage 1's alignment learning rate", range=POSITIVE)
+    ca_lr: float = option(5e-3, help="stage 2's alignment learning rate", range=POSITIVE)
+    ca_epochs: int = option(30, help="the alignments' epochs", range=NON_NEGATIVE)
+    n_centroids: int = option(
+        10, help="K-Means centroids per class of the stored statistics", range=AT_LEAST_1
+    )
+
+
 class TaskIdentityInference:
     """Stage 1, task-identity inference: the :class:`TIIHead` on the frozen class token (:attr:`net`), its
     training per task (:meth:`fit`), the multi-centroid statistics of every seen class's class tokens
@@ -241,8 +265,9 @@ class TaskIdentityInference:
     task of a query (:meth:`predict_task`).
 
     Args:
-        config: the run's configuration (``baseline.tii_epochs``, ``tii_lr``, ``clip_grad``,
-            ``n_centroids``, ``ca_epochs``, ``tii_ca_lr``; ``train.batch_size``; ``seed``).
+        config: the run's configuration (``train.batch_size``, ``seed``).
+        options: HiDe-Prompt's options (``tii_epochs``, ``tii_lr``, ``clip_grad``, ``n_centroids``,
+            ``ca_epochs``, ``tii_ca_lr``).
         d: the class token's width.
         device: where the model lives.
     """
@@ -251,8 +276,8 @@ class TaskIdentityInference:
     #: release's per-process count)
     ca_draws: int = 1
 
-    def __init__(self, config: RunConfig, d: int, device: torch.device) -> None:
-        self.config, self.device = config, device
+    def __init__(self, config: RunConfig, options: HiDeOptions, d: int, device: torch.device) -> None:
+        self.config, self.options, self.device = config, options, device
         with torch.random.fork_rng(devices=[]):  # the run's seed, not the global stream's state
             torch.manual_seed(config.seed)
             self.net = TIIHead(d).to(device)
@@ -272,7 +297,7 @@ class TaskIdentityInference:
         """Task k: Adam on the MLP and the heads at ``tii_lr`` (constant), the cross-entropy over task k's
         classes (the release masks the others' logits: their columns get no gradient), clipped.
         ``batches(g)``: one epoch of (class tokens, global labels), shuffled by ``g``."""
-        b = self.config.baseline
+        b = self.options
         self.net.add_head(len(classes))
         local = {c: i for i, c in enumerate(classes)}
         params = list(self.net.parameters())
@@ -292,13 +317,13 @@ class TaskIdentityInference:
 
     def store(self, k: int, q: torch.Tensor, y: torch.Tensor) -> None:
         """Task k's classes' statistics of their class tokens ``q`` (N, d) with labels ``y``."""
-        b = self.config.baseline
+        b = self.options
         self.stats.update(class_statistics(q, y, b.n_centroids, self.config.seed * 1000 + k))
 
     def align(self, k: int, seen: list[int], steps: int) -> list[float]:
         """The alignment after task k (k >= 1): MLP and heads on pseudo-features of every ``seen`` class,
         ``steps`` per epoch (the release's ``crct_num``, the classes of the tasks before k)."""
-        b = self.config.baseline
+        b = self.options
         return align_on_pseudo_features(
             self.net, list(self.net.parameters()), self.stats, seen,
             n=self.config.train.batch_size * self.ca_draws, steps=steps, epochs=b.ca_epochs,
@@ -340,10 +365,7 @@ class HiDePrompt(PromptClassifier):
     (stage 2); both heads re-aligned on pseudo-features of stored statistics."""
 
     name = "hide-prompt"
-    options = (
-        "optimizer", "lr", "schedule", "clip_grad", "prompt_length", "prompt_layers", "ortho_weight",
-        "prompt_momentum", "tii_epochs", "tii_lr", "tii_ca_lr", "ca_lr", "ca_epochs", "n_centroids",
-    )  # fmt: skip
+    Options = HiDeOptions
     #: ``larger_prompt_lr``: the head at 0.1 times the prompt's learning rate
     head_lr_scale = 0.1
     #: pseudo-features drawn per centroid (and the batch) of stage 2's alignment, in ``train.batch_size``s
@@ -362,12 +384,12 @@ class HiDePrompt(PromptClassifier):
     # ------------------------------------------------------------------ state
     def _make_state(self, d: int) -> None:
         self._gen = torch.Generator().manual_seed(self.config.seed)
-        b = self.config.baseline
+        b = self.options_
         #: task t's e-prompt: (blocks, 2 = key / value, L, d)
         self._shape = (len(b.prompt_layers), 2, b.prompt_length, d)
         self.prompts_: list[nn.Parameter] = []
         #: stage 1, with its statistics of the prompt-free class tokens
-        self.tii_ = TaskIdentityInference(self.config, d, next(self.vit.parameters()).device)
+        self.tii_ = TaskIdentityInference(self.config, self.options_, d, next(self.vit.parameters()).device)
         #: stage 2's class statistics (the instructed class tokens)
         self.stats_: ClassStats = {}
 
@@ -466,15 +488,13 @@ class HiDePrompt(PromptClassifier):
 
     @torch.no_grad()
     def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
-        m = self.config.baseline.prompt_momentum
+        m = self.options_.prompt_momentum
         P = self.prompts_[k]
         P.data.copy_(momentum_prompt(P.detach(), list(self.prompts_[:k]), m))
         P.requires_grad_(False)
         t = torch.tensor([k], device=self.device_)
         h, y = self._plain_features(lambda zb: self.prompted(zb, t.expand(len(zb))))
-        self.stats_.update(
-            class_statistics(h, y, self.config.baseline.n_centroids, self.config.seed * 1000 + k)
-        )
+        self.stats_.update(class_statistics(h, y, self.options_.n_centroids, self.config.seed * 1000 + k))
         if k > 0:
             with torch.enable_grad():
                 self._align_heads(k)
@@ -482,7 +502,7 @@ class HiDePrompt(PromptClassifier):
     def _align_heads(self, k: int) -> list[float]:
         """Stage 2's alignment after task k (k >= 1): every seen task's head (not the prompts) on
         pseudo-features of every seen class, at ``ca_lr``."""
-        b = self.config.baseline
+        b = self.options_
         params = list(self.heads_.parameters())
         for p in params:
             p.requires_grad_(True)
@@ -514,7 +534,7 @@ class HiDePrompt(PromptClassifier):
         prompt and the earlier ones; once closed, the stored prompt (already that)."""
         P = self.prompts_[k]
         if P.requires_grad:
-            return momentum_prompt(P, list(self.prompts_[:k]), self.config.baseline.prompt_momentum)
+            return momentum_prompt(P, list(self.prompts_[:k]), self.options_.prompt_momentum)
         return P
 
     def prompted(
@@ -528,9 +548,7 @@ class HiDePrompt(PromptClassifier):
             P = torch.stack([self.prompts_[t] for t in range(len(self.prompts_))])[task]  # (B, n, 2, L, d)
         else:
             P = prompt[None].expand(B, *prompt.shape)
-        prefixes = {
-            layer: (P[:, j, 0], P[:, j, 1]) for j, layer in enumerate(self.config.baseline.prompt_layers)
-        }
+        prefixes = {layer: (P[:, j, 0], P[:, j, 1]) for j, layer in enumerate(self.options_.prompt_layers)}
         return self.run_blocks(self.tokens(z), prefixes)[:, 0]
 
     def select(self, q: torch.Tensor) -> torch.Tensor:
@@ -546,7 +564,7 @@ class HiDePrompt(PromptClassifier):
             return self.prompted(z, self.select(self.query(z)))
         k = len(self.prompts_) - 1
         h = self.prompted(z, None, prompt=self.prompt_of(k))
-        reg = self.config.baseline.ortho_weight
+        reg = self.options_.ortho_weight
         if reg:
             groups = h.float().split(self.contrast_group)
             self.aux_loss = reg * torch.stack([orth_loss(g, self._old_means) for g in groups]).mean().float()

@@ -20,6 +20,7 @@ MobileNetV2 never move; the ViTs have no dropout), so frozen means bit-identical
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -34,22 +35,26 @@ from torch import nn
 from proteus import distributed as dist
 from proteus.backbones import Backbone, build_backbone
 from proteus.backbones.transforms import build_transform
-from proteus.config import BaselineConfig, ConfigError, RunConfig
+from proteus.config import LEARNERS, ConfigError, RunConfig, check_sections, typed_options
 from proteus.devices import autocast as precision_autocast
 from proteus.engine.embedder import ImageDataset
 from proteus.engine.errors import TaskError
 from proteus.errors import NotFittedError
 from proteus.learners import LearnerState, TestCache, TestOutcome, learner_header
+from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, option, options_of
 from proteus.progress import bar as progress_bar
 from proteus.registry import Registry
 from proteus.streams import Task
 
 log = logging.getLogger("proteus")
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "ContinualClassifier", "epoch_lr"]
+__all__ = [
+    "OPTIMIZERS", "SCHEDULES", "BaselineOptions", "ContinualClassifier", "NoOptions", "TrainingOptions",
+    "epoch_lr",
+]  # fmt: skip
 
-#: ``baseline.optimizer``: (parameters, baseline settings, weight decay) -> the task's optimiser
-OPTIMIZERS: Registry[Callable[[list[nn.Parameter], BaselineConfig, float], torch.optim.Optimizer]] = Registry(
+#: ``baseline.optimizer``: (parameters, the method's options, weight decay) -> the task's optimiser
+OPTIMIZERS: Registry[Callable[[list[nn.Parameter], Any, float], torch.optim.Optimizer]] = Registry(
     "baseline.optimizer"
 )
 OPTIMIZERS.register("adam", help="Adam, betas (0.9, 0.999)")(
@@ -78,6 +83,40 @@ def epoch_lr(lr: float, schedule: str, epoch: int, epochs: int) -> float:
     return SCHEDULES.get(schedule)(lr, epoch, epochs)
 
 
+# ---------------------------------------------------------------------------------------------- options
+@dataclasses.dataclass
+class NoOptions:
+    """A method without ``baseline.*`` options (no training: NCM)."""
+
+
+@dataclasses.dataclass
+class TrainingOptions:
+    """How a baseline's own parameters train (``baseline.*``; ``train.epochs`` and ``train.batch_size``
+    apply too; docs/experiments.md gives each method's official setting beside ours)."""
+
+    optimizer: str = option("adam", help="adam (betas 0.9, 0.999) or sgd (with momentum)", choices=OPTIMIZERS)
+    lr: float = option(1e-3, help="the method's learning rate", range=POSITIVE)
+    momentum: float = option(0.9, help="SGD's momentum", range=NON_NEGATIVE)
+    schedule: str = option(
+        "constant",
+        help="the learning rate over a task's epochs (cosine: CODA's and InfLoRA's)",
+        choices=SCHEDULES,
+    )
+    clip_grad: float | None = option(
+        None, help="clip the gradient norm of the trained tensors before each step (L2P, DualPrompt: 1.0)",
+        range=POSITIVE,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass
+class BaselineOptions(TrainingOptions):
+    max_tasks: int | None = option(
+        None,
+        help="the number of tasks a prompt pool or a threshold schedule is divided over (null: the stream's)",
+        range=AT_LEAST_1,
+    )
+
+
 class ContinualClassifier:
     """A frozen backbone, a method's trainable state and per-task linear heads (class-incremental).
 
@@ -94,8 +133,11 @@ class ContinualClassifier:
     #: capabilities beyond learning and evaluation (:data:`proteus.learners.CAPABILITIES`): none yet
     #: (a baseline is not rebuilt from a knowledge base, and it does not retrieve tasks)
     supports: frozenset[str] = frozenset()
-    #: the ``baseline.*`` settings this method reads (its options; each subclass declares its own)
-    options: tuple[str, ...] = ("optimizer", "lr", "momentum", "schedule", "clip_grad", "max_tasks")
+    #: the ``baseline.*`` options this method reads, with their defaults, help and ranges (each subclass
+    #: declares its own dataclass)
+    Options: type = BaselineOptions
+    #: the sections of the run configuration a baseline reads besides ``baseline``
+    option_sections: tuple[str, ...] = ("backbone", "train")
     #: whether the method needs a backbone with tokens (a ViT)
     needs_tokens: bool = False
     #: the head's learning rate over the method's (HiDe-Prompt's ``larger_prompt_lr``: 0.1); at 1 the
@@ -116,6 +158,44 @@ class ContinualClassifier:
         self.train_log_: list[dict[str, Any]] = []
         self._stream_tasks: int | None = None
 
+    @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        """Check the sections a baseline reads and its options (the configuration's validation gathers
+        this): a value out of its declared range or choices is an error; a ``baseline.*`` key of another
+        method's options is ignored (with a warning when it differs from that method's default); a key of
+        no method's options is an error."""
+        check_sections(cfg, cls.option_sections)
+        typed_options(cls.Options, cfg.baseline, "baseline")
+        own = {f.name for f, _ in options_of(cls.Options)}
+        others = [LEARNERS.get(n) for n in LEARNERS.names()]
+        for key, value in cfg.baseline.items():
+            if key in own:
+                continue
+            defaults = [
+                f.default
+                for c in others
+                if isinstance(getattr(c, "Options", None), type)
+                for f, _ in options_of(c.Options)
+                if f.name == key
+            ]
+            if not defaults:
+                known = sorted(
+                    {f.name for c in others for f, _ in options_of(getattr(c, "Options", NoOptions))}
+                )
+                raise ConfigError(
+                    f"unknown config key 'baseline.{key}'; the baselines' options: {', '.join(known)}"
+                )
+            if all(value != d for d in defaults):
+                mine = ", ".join(f"baseline.{k}" for k in sorted(own)) or "none"
+                log.warning(
+                    "%s: baseline.%s set, not among its options (%s): no effect", cfg.method, key, mine
+                )
+
+    @functools.cached_property
+    def options_(self) -> Any:
+        """The method's ``baseline.*`` options, typed (:attr:`Options`; read from the config once)."""
+        return typed_options(self.Options, self.config.baseline, "baseline")
+
     # ------------------------------------------------------------------ set-up
     def _build(self) -> None:
         if hasattr(self, "backbone_"):
@@ -123,11 +203,7 @@ class ContinualClassifier:
         if dist.world_size() > 1:
             raise ConfigError(f"{self.name}: the baselines run in one process; launch without torchrun")
         cfg = self.config
-        unused = self.unused_options()
-        if unused:
-            own = ", ".join(f"baseline.{k}" for k in self.options) or "none"
-            given = ", ".join(f"baseline.{k}" for k in unused)
-            log.warning("%s: %s set, not among its options (%s): no effect", self.name, given, own)
+        self.check_config(cfg)
         self.device_ = dist.device_for_rank(cfg.device)
         b = cfg.backbone
         self.backbone_: Backbone = build_backbone(
@@ -148,11 +224,6 @@ class ContinualClassifier:
             self.backbone_.data_config, train=True, augment=cfg.train.augment
         )
 
-    def unused_options(self) -> list[str]:
-        """``baseline.*`` settings that differ from their defaults but are not among :attr:`options`."""
-        given, default = dataclasses.asdict(self.config.baseline), dataclasses.asdict(BaselineConfig())
-        return [k for k, v in given.items() if v != default[k] and k not in self.options]
-
     def _setup(self) -> None:
         """Build the method's state on ``self.backbone_`` (wrap layers, create prompts)."""
 
@@ -168,7 +239,7 @@ class ContinualClassifier:
     def task_budget(self) -> int:
         """The number of tasks a pool or threshold schedule is divided over (``baseline.max_tasks``, else
         the stream's number of tasks, given to :meth:`fit_task`; 10 when neither is known)."""
-        return int(self.config.baseline.max_tasks or self._stream_tasks or 10)
+        return int(getattr(self.options_, "max_tasks", None) or self._stream_tasks or 10)
 
     # ------------------------------------------------------------------ method hooks
     def prefix(self, x: torch.Tensor) -> torch.Tensor:
@@ -277,7 +348,7 @@ class ContinualClassifier:
         return seed, None, None, loader
 
     def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
-        cfg, b = self.config, self.config.baseline
+        cfg, b = self.config, self.options_
         classes = [int(c) for c in task.classes]
         local = {c: i for i, c in enumerate(classes)}
         seed, z, y_all, loader = self._task_inputs(task, k)

@@ -22,6 +22,7 @@ released code, the magnitudes are one scalar per task shared by every layer, all
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -30,18 +31,39 @@ from torch import nn
 
 from proteus.adapters import AdaptedBackbone
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper
-from proteus.baselines.learner import ContinualClassifier
-from proteus.config import ConfigError
+from proteus.baselines.learner import BaselineOptions, ContinualClassifier
+from proteus.config import ConfigError, declare
 from proteus.learners import LEARNERS
-from proteus.methods import declare
+from proteus.options import AT_LEAST_1, UNIT, option
 
 __all__ = ["DualGPM", "InfLoRA", "LoRAClassifier", "SDLoRA"]
+
+
+@dataclasses.dataclass
+class LoRAOptions(BaselineOptions):
+    rank: int = option(
+        10, help="the LoRA rank of each task's branch (InfLoRA's and SD-LoRA's code: 10)", range=AT_LEAST_1
+    )
+
+
+@dataclasses.dataclass
+class InfLoRAOptions(LoRAOptions):
+    gpm_start: float = option(
+        0.95,
+        help="the DualGPM threshold eps_t = gpm_start + (1 - gpm_start) t / T (CIFAR 0.95, ImageNet-R 0.98)",
+        range=UNIT,
+    )
+
+
+@dataclasses.dataclass
+class SDLoRAOptions(LoRAOptions):
+    magnitude_init: float = option(0.8, help="SD-LoRA's magnitude initialisation (every task, as released)")
 
 
 class LoRAClassifier(ContinualClassifier):
     """A baseline whose state is LoRA branches on the backbone's adaptable maps."""
 
-    options = (*ContinualClassifier.options, "rank")
+    Options: type = LoRAOptions
 
     #: rows of a ViT's fused qkv that carry branches
     attention_rows: tuple[str, ...] = ("q", "v")
@@ -191,7 +213,7 @@ class InfLoRA(LoRAClassifier):
     """InfLoRA: designed, frozen A per task off the DualGPM space; B trained; old branches summed."""
 
     name = "inflora"
-    options = (*LoRAClassifier.options, "gpm_start")
+    Options = InfLoRAOptions
     attention_rows = ("k", "v")
 
     def _setup(self) -> None:
@@ -200,11 +222,11 @@ class InfLoRA(LoRAClassifier):
 
     def threshold(self, k: int) -> float:
         """eps_t = gpm_start + (1 - gpm_start) t / T (T: the stream's number of tasks)."""
-        start = self.config.baseline.gpm_start
+        start = self.options_.gpm_start
         return start + (1.0 - start) * k / self.task_budget
 
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
-        rank = self.config.baseline.rank
+        rank = self.options_.rank
         self.model_.begin_task(rank, "identity", False, self.config.seed * 1000 + k)
         moments = self.input_moments(z, loader)  # new B = 0: the model of task k - 1
         for name, w in self.model_.wrappers.items():
@@ -233,7 +255,7 @@ class SDLoRA(LoRAClassifier):
     """SD-LoRA: old directions normalised and frozen, scaled by learned magnitudes; new branch trained."""
 
     name = "sd-lora"
-    options = (*LoRAClassifier.options, "magnitude_init")
+    Options = SDLoRAOptions
 
     def _setup(self) -> None:
         super()._setup()
@@ -241,7 +263,7 @@ class SDLoRA(LoRAClassifier):
         self.magnitudes_: list[list[float]] = []
 
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
-        b = self.config.baseline
+        b = self.options_
         self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)
         dev = next(iter(self.model_.units.values())).A.device
         #: alpha_0..alpha_{k-1} for the old directions, alpha_k for the new one (one scalar each, shared

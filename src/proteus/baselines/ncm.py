@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from proteus.baselines.learner import ContinualClassifier
+from proteus.baselines.learner import ContinualClassifier, NoOptions
+from proteus.config import declare
 from proteus.learners import LEARNERS
-from proteus.methods import declare
 from proteus.streams import Task
 
 __all__ = ["NCM"]
@@ -29,7 +29,7 @@ class NCM(ContinualClassifier):
     """Nearest class mean of the frozen backbone's features, by angle (no training, no retrieval)."""
 
     name = "ncm"
-    options = ()  # no training: none of the baseline.* settings applies
+    Options = NoOptions  # no training: none of the baseline.* settings applies
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
         return self.backbone_.forward_suffix(z)

@@ -26,16 +26,17 @@ earlier components are used but frozen. The head reads the class token.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from proteus.baselines.learner import ContinualClassifier
-from proteus.config import ConfigError
+from proteus.baselines.learner import BaselineOptions, ContinualClassifier
+from proteus.config import ConfigError, declare
 from proteus.learners import LEARNERS
-from proteus.methods import declare
+from proteus.options import AT_LEAST_1, NON_NEGATIVE, option
 
 __all__ = ["CodaPrompt", "DualPrompt", "L2P", "PromptClassifier", "block_with_prefix", "gram_schmidt"]
 
@@ -78,11 +79,47 @@ def gram_schmidt(old: torch.Tensor, n: int, generator: torch.Generator) -> torch
     return torch.stack(out).to(old.dtype)
 
 
+@dataclasses.dataclass
+class PromptOptions(BaselineOptions):
+    prompt_length: int = option(
+        5, help="prompt length L (L2P 5, DualPrompt's e-prompt 5 on CIFAR / 20 on ImageNet-R, CODA 8)",
+        range=AT_LEAST_1,
+    )  # fmt: skip
+    prompt_layers: list[int] = option(
+        help="the blocks that receive prompts (DualPrompt's e-prompt blocks, CODA's prefix blocks)",
+        factory=lambda: [0],
+    )
+
+
+@dataclasses.dataclass
+class L2POptions(PromptOptions):
+    pool_size: int = option(10, help="the prompt pool's size M", range=AT_LEAST_1)
+    top_k: int = option(5, help="prompts chosen per input (N)", range=AT_LEAST_1)
+    match_weight: float = option(
+        0.1, help="the key-query matching loss's weight (the surrogate)", range=NON_NEGATIVE
+    )
+
+
+@dataclasses.dataclass
+class DualPromptOptions(PromptOptions):
+    g_length: int = option(5, help="the g-prompt's length", range=AT_LEAST_1)
+    g_layers: list[int] = option(help="the g-prompt's blocks", factory=lambda: [0, 1])
+    match_weight: float = option(0.1, help="the pull constraint's weight", range=NON_NEGATIVE)
+
+
+@dataclasses.dataclass
+class CodaOptions(PromptOptions):
+    pool_size: int = option(10, help="the prompt components (CODA-Prompt: 100)", range=AT_LEAST_1)
+    ortho_weight: float = option(
+        0.0, help="the orthogonality penalty's weight (0 in the released scripts)", range=NON_NEGATIVE
+    )
+
+
 class PromptClassifier(ContinualClassifier):
     """A prompt baseline: the prefix is the patch embedding plus the query, the frozen class token."""
 
     needs_tokens = True
-    options = (*ContinualClassifier.options, "prompt_length", "prompt_layers")
+    Options: type = PromptOptions
 
     @property
     def vit(self) -> nn.Module:
@@ -158,10 +195,10 @@ class L2P(PromptClassifier):
     """L2P: top-N prompts of a keyed pool by cosine with the query; prompt tuning; surrogate loss."""
 
     name = "l2p"
-    options = (*PromptClassifier.options, "pool_size", "top_k", "match_weight")
+    Options = L2POptions
 
     def _make_state(self, d: int) -> None:
-        b = self.config.baseline
+        b = self.options_
         if not 1 <= b.top_k <= b.pool_size:
             raise ConfigError(f"l2p: baseline.top_k must be in 1..pool_size={b.pool_size}, got {b.top_k}")
         g = torch.Generator().manual_seed(self.config.seed)
@@ -177,7 +214,7 @@ class L2P(PromptClassifier):
     def select(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, N) indices of the chosen prompts and their (B, N) cosine similarities with the query."""
         sim = F.normalize(q, dim=-1) @ F.normalize(self.key_, dim=-1).T
-        idx = sim.topk(self.config.baseline.top_k, dim=1).indices
+        idx = sim.topk(self.options_.top_k, dim=1).indices
         return idx, sim.gather(1, idx)
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
@@ -190,7 +227,7 @@ class L2P(PromptClassifier):
         x = torch.cat([x[:, :1], P.to(x.dtype) + pos0, x[:, 1:]], 1)
         x = self.run_blocks(x, {})
         if train:
-            self.aux_loss = -self.config.baseline.match_weight * cos.sum() / B
+            self.aux_loss = -self.options_.match_weight * cos.sum() / B
         return x[:, 1 : 1 + P.shape[1]].mean(1)
 
 
@@ -199,10 +236,10 @@ class DualPrompt(PromptClassifier):
     """DualPrompt: a shared g-prompt and per-task e-prompts with keys, both as prefixes."""
 
     name = "dualprompt"
-    options = (*PromptClassifier.options, "g_length", "g_layers", "match_weight")
+    Options = DualPromptOptions
 
     def _make_state(self, d: int) -> None:
-        b = self.config.baseline
+        b = self.options_
         g = torch.Generator().manual_seed(self.config.seed)
         n_g, n_e = len(b.g_layers), len(b.prompt_layers)
         self.g_prompt_ = self._to(torch.rand(n_g, 2, b.g_length, d, generator=g) * 2 - 1)
@@ -243,7 +280,7 @@ class DualPrompt(PromptClassifier):
         return (F.normalize(q, dim=-1) @ F.normalize(keys, dim=-1).T).argmax(1)
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
-        b = self.config.baseline
+        b = self.options_
         q = self.query(z)
         B = q.shape[0]
         t = len(self.e_prompts_) - 1
@@ -272,10 +309,10 @@ class CodaPrompt(PromptClassifier):
     """CODA-Prompt: per block, a prompt as the attention-weighted sum of components (prefix tuning)."""
 
     name = "coda-prompt"
-    options = (*PromptClassifier.options, "pool_size", "ortho_weight")
+    Options = CodaOptions
 
     def _make_state(self, d: int) -> None:
-        b = self.config.baseline
+        b = self.options_
         if b.prompt_length % 2:
             raise ConfigError(
                 f"coda-prompt: baseline.prompt_length must be even (k/v halves), got {b.prompt_length}"
@@ -298,10 +335,10 @@ class CodaPrompt(PromptClassifier):
 
     def span(self, k: int) -> tuple[int, int]:
         """Task k's components [s, f) of the pool."""
-        per = self.config.baseline.pool_size // self.task_budget
-        if per < 1 or (k + 1) * per > self.config.baseline.pool_size:
+        per = self.options_.pool_size // self.task_budget
+        if per < 1 or (k + 1) * per > self.options_.pool_size:
             raise ConfigError(
-                f"coda-prompt: pool_size {self.config.baseline.pool_size} cannot give task {k + 1} its "
+                f"coda-prompt: pool_size {self.options_.pool_size} cannot give task {k + 1} its "
                 f"components; raise baseline.pool_size or set baseline.max_tasks"
             )
         return k * per, (k + 1) * per
@@ -319,7 +356,7 @@ class CodaPrompt(PromptClassifier):
         return [t for d in (self.P_, self.K_, self.A_) for t in d.values()]
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
-        b = self.config.baseline
+        b = self.options_
         q = self.query(z)
         k = self._task if train else self.num_tasks - 1
         s, f = self.span(k)

@@ -26,6 +26,7 @@ This module is the whole method -- its learner, its schedule and its declaration
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -35,11 +36,12 @@ import torch.nn.functional as F
 from sklearn.cluster import KMeans
 from torch import nn
 
-from proteus.baselines.learner import SCHEDULES
+from proteus.baselines.learner import SCHEDULES, TrainingOptions
 from proteus.baselines.prompts import PromptClassifier
+from proteus.config import declare
 from proteus.errors import NotFittedError
 from proteus.learners import LEARNERS, TestCache, TestOutcome
-from proteus.methods import declare
+from proteus.options import AT_LEAST_1, option
 
 __all__ = ["N_KEYS", "SPrompt", "nearest_key_task", "task_keys"]
 
@@ -65,13 +67,18 @@ def nearest_key_task(q: torch.Tensor, keys: list[torch.Tensor], p: float = 1.0) 
     return torch.stack(best, 1).argmin(1)
 
 
+@dataclasses.dataclass
+class SPromptOptions(TrainingOptions):
+    prompt_length: int = option(5, help="the task's prompt length (the release: 10)", range=AT_LEAST_1)
+
+
 @LEARNERS.register("s-prompt", help="S-Prompts: a prompt and a head per task, the task by K-Means keys")
 class SPrompt(PromptClassifier):
     """S-Prompts: a prompt and a head per task; the task of an input by its nearest K-Means key (L1)."""
 
     name = "s-prompt"
     #: input-level prompts only (no ``prompt_layers``) and one prompt per task (no pool to divide)
-    options = ("optimizer", "lr", "momentum", "schedule", "clip_grad", "prompt_length")
+    Options = SPromptOptions
     #: the first task's weight decay over ``train.weight_decay`` (the release: 5e-4 / 2e-4)
     first_task_decay: float = 2.5
 
@@ -89,7 +96,7 @@ class SPrompt(PromptClassifier):
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         # the release's prompt is the weight of an nn.Linear(d, L): U(-1/sqrt(d), 1/sqrt(d))
         d, bound = self.embed_dim, 1 / math.sqrt(self.embed_dim)
-        fresh = (torch.rand(self.config.baseline.prompt_length, d, generator=self._gen) * 2 - 1) * bound
+        fresh = (torch.rand(self.options_.prompt_length, d, generator=self._gen) * 2 - 1) * bound
         self.prompts_.append(self._to(fresh))
 
     def trainable(self) -> list[nn.Parameter]:

@@ -39,7 +39,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
-    from proteus.presets import resolve_config
+    from proteus.config import resolve_config
 
     return resolve_config(
         benchmark=args.benchmark,
@@ -52,10 +52,9 @@ def _config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
     """The config keys this command line sets explicitly (flat, dotted, each checked and of its declared
-    type: :func:`proteus.presets.validate_keys`): what ``learn`` checks against an existing knowledge base.
+    type: :func:`proteus.config.validate_keys`): what ``learn`` checks against an existing knowledge base.
     A packaged preset given as --benchmark only names the benchmark."""
-    from proteus.config import flatten, load_yaml, parse_set
-    from proteus.presets import config_file_keys, packaged_config, validate_keys
+    from proteus.config import config_file_keys, flatten, load_yaml, packaged_config, parse_set, validate_keys
 
     given: dict[str, Any] = {}
     if args.benchmark:
@@ -402,7 +401,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from proteus.backbones import BACKBONES
-    from proteus.presets import METHODS  # every method: PROTEUS's and the baselines' own declarations
+    from proteus.config import METHODS  # every method: PROTEUS's and the baselines' own declarations
     from proteus.streams import BENCHMARKS
 
     reg = {"backbones": BACKBONES, "benchmarks": BENCHMARKS, "methods": METHODS}

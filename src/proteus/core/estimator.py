@@ -56,7 +56,17 @@ from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
 from proteus.backbones import Backbone, build_backbone
 from proteus.backbones.transforms import build_transform
-from proteus.config import CACHE_PREFIX, ConfigError, RunConfig, flatten, per_task
+from proteus.config import (
+    CACHE_PREFIX,
+    METHODS,
+    ConfigError,
+    RunConfig,
+    check_sections,
+    flatten,
+    per_task,
+    resolve_config,
+    validate,
+)
 from proteus.devices import PRECISIONS
 from proteus.engine import experts
 from proteus.engine.batches import ImageBatch, predict_batches
@@ -73,8 +83,6 @@ from proteus.faults import crash_point
 from proteus.heads import RanPACHead
 from proteus.kb import KnowledgeBase
 from proteus.learners import LEARNERS, LearnerState, TestCache, TestOutcome, learner_header
-from proteus.methods import METHODS
-from proteus.presets import resolve_config, validate
 from proteus.signatures import RetrievalResult
 from proteus.streams import Task
 
@@ -97,15 +105,47 @@ class Proteus:
     (``head.forgettable``: each task's head inputs, for :meth:`forget_task`).
     """
 
+    #: the sections of the run configuration that hold PROTEUS's own options (the rest are the run's)
+    option_sections = ("backbone", "adapter", "train", "signature", "head", "retrieval")
+
     def __init__(self, config: RunConfig | None = None, *, progress: bool = True) -> None:
         self.config = config if config is not None else RunConfig()
         self.progress = progress
 
+    @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        """Check PROTEUS's options by their declarations and the rules between them (the configuration's
+        validation, :func:`proteus.config.validate`, gathers this)."""
+        check_sections(cfg, cls.option_sections)
+        h, r = cfg.head, cfg.retrieval
+        if r.mode != "signature" and (h.scope, r.combine) != ("global", "hard"):
+            raise ConfigError(
+                f"head.scope={h.scope} and retrieval.combine={r.combine} need task retrieval, but "
+                f"retrieval.mode={r.mode}; add --set head.scope=global --set retrieval.combine=hard"
+            )
+        if cfg.retrieval.combine == "soft" and not KEYS.get(cfg.signature.keys).one_space:
+            one_space = [n for n in KEYS if KEYS.get(n).one_space]
+            raise ConfigError(
+                f"retrieval.combine=soft needs task keys in one space ({', '.join(one_space)}); got "
+                f"signature.keys={cfg.signature.keys}; add --set retrieval.combine=hard (the paper's "
+                "Gaussian keys: --method proteus-dpgmm)"
+            )
+        if cfg.head.gamma_max_exp <= cfg.head.gamma_min_exp:
+            raise ConfigError(
+                f"head.gamma_max_exp ({cfg.head.gamma_max_exp}) must be above head.gamma_min_exp "
+                f"({cfg.head.gamma_min_exp})"
+            )
+
     # ------------------------------------------------------------------ scikit-learn parameters
     def get_params(self, deep: bool = True) -> dict[str, Any]:
-        """``config`` and ``progress``; with ``deep`` also every config key, dotted (``"train.epochs"``)."""
+        """``config`` and ``progress``; with ``deep`` also PROTEUS's own options, dotted (``"train.epochs"``;
+        :attr:`option_sections`: the run's settings such as the benchmark or the report are not the
+        estimator's parameters)."""
         out: dict[str, Any] = {"config": self.config, "progress": self.progress}
-        return {**out, **flatten(self.config.to_dict())} if deep else out
+        if not deep:
+            return out
+        own = {s: dataclasses.asdict(getattr(self.config, s)) for s in self.option_sections}
+        return {**out, **flatten(own)}
 
     def set_params(self, **params: Any) -> Proteus:
         """Set ``config``, ``progress`` or config keys, dotted (``**{"train.epochs": 5}``) or with ``__``

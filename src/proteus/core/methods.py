@@ -4,13 +4,14 @@ points on the same learner, and the ablations -- each declared against an explic
 The paper's ablations (Sec. 5 and the Appendix: S = 0, S = I, no elastic net, K-means keys, top-K
 retrieval, the O-LoRA-like sum, the rank budget, the last adapter) derive from ``proteus-paper``: they
 change one thing of the paper's recipe. ``ranpac`` is RanPAC with its own gamma rule (the Appendix:
-"gamma follows RanPAC"); ``ranpac-accumulated`` keeps proteus's rule for a like-for-like head. The ablations of the default (``proteus-hard``,
-``-max-key``, ``-global-head``, ``-flda``, ``-lda``) derive from ``proteus``.
+"gamma follows RanPAC"); ``ranpac-accumulated`` keeps proteus's rule for a like-for-like head. The
+ablations of the default (``proteus-hard``, ``-max-key``, ``-global-head``, ``-flda``, ``-lda``) derive
+from ``proteus``.
 """
 
 from __future__ import annotations
 
-from proteus.methods import declare
+from proteus.config import declare
 
 __all__: list[str] = []
 

@@ -6,11 +6,11 @@ knowledge-base glue, results.json and ``proteus compare``.
     results = run(cfg, "runs/mine")
 """
 
+from proteus.config import resolve_config, validate
 from proteus.experiment.evaluate import Evaluation, Evaluator
 from proteus.experiment.loop import learn_and_commit, run
 from proteus.experiment.results import build_results, format_table
 from proteus.experiment.store import check_split, kb_header
-from proteus.presets import resolve_config, validate
 
 __all__ = [
     "Evaluation",

@@ -6,7 +6,7 @@ The options given on the command line are checked against the knowledge base bef
 * keys that define the model (backbone, method, adapter, signature, head, retrieval settings, seed,
   benchmark) must equal what the KB was built with; a conflict is refused with every conflicting key,
   the KB's value and the given one;
-* keys that may change from task to task (:data:`PER_TASK_KEYS`: epochs, learning rate, batch sizes,
+* keys that may change from task to task (declared ``per_task``: epochs, learning rate, batch sizes,
   workers, device) are applied to this task and recorded in its record (``settings``);
 * the stream's already-learned tasks must have the same classes in the same order as the KB's.
 """
@@ -22,18 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from proteus import distributed as dist
-from proteus.config import PER_TASK_KEYS, ConfigError, RunConfig, flatten, per_task
+from proteus.config import ConfigError, RunConfig, flatten, per_task, validate_keys
 from proteus.experiment.evaluate import Evaluation, Evaluator
 from proteus.experiment.loop import learn_and_commit
 from proteus.experiment.results import build_results
 from proteus.experiment.store import build_learner, kb_header, load_learner
 from proteus.kb import KBError, KnowledgeBase, write_lock
 from proteus.learners import ContinualLearner, check_supports
-from proteus.presets import validate_keys
 from proteus.streams import TaskStream, build_benchmark
 
 __all__ = [
-    "PER_TASK_KEYS", "LearnOutcome", "check_learned_tasks", "config_conflicts", "evaluate_kb", "learn_task",
+    "LearnOutcome", "check_learned_tasks", "config_conflicts", "evaluate_kb", "learn_task",
 ]  # fmt: skip
 
 
@@ -42,7 +41,7 @@ _LEARN = "proteus learn (tasks added one process at a time)"
 
 def config_conflicts(kb_config: dict[str, Any], given: dict[str, Any]) -> list[str]:
     """``"key: knowledge base has A, given B"`` for every model-defining key of ``given`` (flat, dotted,
-    already validated and typed: :func:`proteus.presets.validate_keys`) whose value differs from the
+    already validated and typed: :func:`proteus.config.validate_keys`) whose value differs from the
     knowledge base's config."""
     have = flatten(RunConfig.from_stored(kb_config).to_dict())
     return [
@@ -99,7 +98,7 @@ def learn_task(
 
     ``new_config`` resolves the config when the KB does not exist yet; ``given`` holds the flat dotted
     keys set explicitly on the command line, validated here before anything else (unknown keys, types,
-    registries, ranges: :func:`proteus.presets.validate_keys`), then checked against an existing KB
+    registries, ranges: :func:`proteus.config.validate_keys`), then checked against an existing KB
     (:func:`config_conflicts`) and the per-task keys applied."""
     kb_dir = Path(kb_dir)
     if task < 1:

@@ -11,12 +11,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from proteus.config import RunConfig
+from proteus.config import METHODS, RunConfig
 from proteus.core.estimator import Proteus
 from proteus.engine.errors import TaskError
 from proteus.kb import KBError, KnowledgeBase
 from proteus.learners import LEARNERS, ContinualLearner
-from proteus.methods import METHODS
 from proteus.streams import TaskStream
 
 __all__ = ["build_learner", "check_split", "commit", "kb_header", "load_learner", "setup_run_log"]

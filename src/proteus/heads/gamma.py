@@ -186,7 +186,7 @@ class AccumulatedRule:
 
 
 #: ``head.gamma_selection``: how gamma is chosen after an update
-GAMMA_SELECTIONS: Registry[GammaRule] = Registry("gamma selection")
+GAMMA_SELECTIONS: Registry[GammaRule] = Registry("head.gamma_selection")
 GAMMA_SELECTIONS.register("accumulated")(AccumulatedRule())
 GAMMA_SELECTIONS.register("task")(TaskRule())
 

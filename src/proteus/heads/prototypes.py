@@ -71,6 +71,6 @@ class TaskMeans:
 
 
 #: ``head.prototypes``: the class prototypes e(c) of Eq. 23
-PROTOTYPES: Registry[Prototypes] = Registry("head prototypes")
+PROTOTYPES: Registry[Prototypes] = Registry("head.prototypes")
 PROTOTYPES.register("sum")(ClassSums())
 PROTOTYPES.register("task-mean")(TaskMeans())

@@ -36,7 +36,7 @@ _COMMON = ("weights", "means", "center", "logdet")
 _COMMON_PER_COMPONENT = ("weights", "means", "logdet")
 
 #: ``signature.covariance`` -> the :class:`GaussianComponents` subclass that stores that form
-COVARIANCES: Registry[type[GaussianComponents]] = Registry("signature covariance")
+COVARIANCES: Registry[type[GaussianComponents]] = Registry("signature.covariance")
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:

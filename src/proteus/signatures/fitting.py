@@ -30,11 +30,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from proteus.config import SignatureConfig
 from proteus.devices import index_add
 from proteus.registry import Registry
 from proteus.signatures.dpgmm import DPGMM, PosteriorFactors
 from proteus.signatures.kmeans import kmeans
+from proteus.signatures.options import SignatureConfig
 
 __all__ = [
     "METHODS",
@@ -67,12 +67,12 @@ class TaskCovariance(NamedTuple):
 #: ``signature.prior``: how a task's covariance (the DP-GMM's covariance prior) is estimated from the
 #: centred rows ``Xc`` (N, d) and their sample covariance ``C`` (``1 / (N - 1)``)
 Prior = Callable[[Tensor, Tensor, SignatureConfig], TaskCovariance]
-PRIORS: Registry[Prior] = Registry("signature prior")
+PRIORS: Registry[Prior] = Registry("signature.prior")
 #: ``signature.prior_scale``: the DP-GMM's ``W0^{-1}`` from the task's covariance and the prior's dof
-PRIOR_SCALES: Registry[Callable[[Tensor, float], Tensor]] = Registry("signature prior scale")
+PRIOR_SCALES: Registry[Callable[[Tensor, float], Tensor]] = Registry("signature.prior_scale")
 #: ``signature.method``: the clustering ``fit(X, cfg, seed, task covariance)`` behind the signature
 METHODS: Registry[Callable[[Tensor, SignatureConfig, int, TaskCovariance], ClusterFit]] = Registry(
-    "signature method"
+    "signature.method"
 )
 
 

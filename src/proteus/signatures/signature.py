@@ -54,15 +54,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from proteus.config import SignatureConfig
 from proteus.registry import Registry
 from proteus.signatures.errors import SignatureFitError, check_finite_rows
-from proteus.signatures.fitting import METHODS, PRIOR_SCALES, PRIORS, ClusterFit, task_covariance
+from proteus.signatures.fitting import METHODS, ClusterFit, task_covariance
 from proteus.signatures.gaussian import COVARIANCES, GaussianComponents
+from proteus.signatures.options import STORAGE_DTYPES, SignatureConfig
 
 __all__ = [
     "CALIBRATIONS",
-    "CHOICES",
     "NORMALIZATIONS",
     "SCORES",
     "Signature",
@@ -77,7 +76,6 @@ _MAD_TO_SIGMA = 1.4826
 _FORMAT = 1
 #: ``signature.storage_dtype``: "auto" stores kind "shared" in float16 (its low-rank rows; the eigenbasis
 #: as float32 Householder vectors: within 1e-5 of float32, half the bytes) and the other kinds in float32
-_STORAGE = ("auto", "float32", "float16")
 
 
 def _resolve_storage(name: str, kind: str) -> str:
@@ -127,29 +125,17 @@ class Standardize:
 
 
 #: ``signature.normalize``: the row normalisation before fitting and scoring
-NORMALIZATIONS: Registry[Callable[[Tensor], Tensor]] = Registry("signature normalization")
+NORMALIZATIONS: Registry[Callable[[Tensor], Tensor]] = Registry("signature.normalize")
 NORMALIZATIONS.register("none", "the embeddings as they are (the paper)")(lambda H: H)
 NORMALIZATIONS.register("l2", "each row scaled to unit L2 norm")(lambda H: F.normalize(H, dim=1))
 #: ``signature.score``: the (N, T) score of embeddings against the components (Eq. 2)
-SCORES: Registry[Callable[[GaussianComponents, Tensor], Tensor]] = Registry("signature score")
+SCORES: Registry[Callable[[GaussianComponents, Tensor], Tensor]] = Registry("signature.score")
 SCORES.register("nll", "Gaussian negative log-likelihood, log-determinant included")(lambda c, H: c.nll(H))
 SCORES.register("mahalanobis", "the Mahalanobis term of Eq. 2")(lambda c, H: c.mahalanobis(H))
 #: ``signature.calibrate``: the per-task score calibration
-CALIBRATIONS: Registry[Calibration] = Registry("signature calibration")
+CALIBRATIONS: Registry[Calibration] = Registry("signature.calibrate")
 CALIBRATIONS.register("none")(NoCalibration())
 CALIBRATIONS.register("standardize")(Standardize())
-
-#: allowed values of the ``signature.*`` config keys, declared once (the registries that resolve them)
-CHOICES: dict[str, Registry[Any] | tuple[str, ...]] = {
-    "method": METHODS,
-    "normalize": NORMALIZATIONS,
-    "score": SCORES,
-    "calibrate": CALIBRATIONS,
-    "storage_dtype": _STORAGE,
-    "covariance": COVARIANCES,
-    "prior": PRIORS,
-    "prior_scale": PRIOR_SCALES,
-}
 
 
 def _check_choice(name: str, value: str, choices: Registry[Any] | tuple[str, ...]) -> None:
@@ -198,7 +184,7 @@ class Signature:
         _check_choice("normalize", normalize, NORMALIZATIONS)
         _check_choice("score", score_kind, SCORES)
         _check_choice("calibrate", calibrate, CALIBRATIONS)
-        _check_choice("storage_dtype", storage_dtype, _STORAGE)
+        _check_choice("storage_dtype", storage_dtype, STORAGE_DTYPES)
         self.components = components
         self.method = method
         self.normalize = normalize

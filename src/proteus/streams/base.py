@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from proteus.config import BenchmarkConfig
 from proteus.registry import Registry
 from proteus.streams.datasets import LabeledImageDataset, list_class_dirs, scan_image_folder
 from proteus.streams.errors import BenchmarkError, TaskSpecError
+from proteus.streams.options import BenchmarkConfig
 
 #: manifest schema version; bump when a key changes meaning
 MANIFEST_VERSION = 1

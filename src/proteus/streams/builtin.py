@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import yaml
 
-from proteus.config import BenchmarkConfig
 from proteus.streams.base import (
     BENCHMARKS,
     TaskStream,
@@ -37,6 +36,7 @@ from proteus.streams.datasets import (
     scan_image_folder,
 )
 from proteus.streams.errors import BenchmarkError, DataNotFoundError, TaskSpecError
+from proteus.streams.options import BenchmarkConfig
 from proteus.streams.splits import CODA_TEST_SHA256, coda_imagenet_r
 
 #: default number of tasks per benchmark (the paper's setting)

@@ -44,11 +44,11 @@ import numpy as np
 import yaml
 from PIL import Image
 
-from proteus.config import BenchmarkConfig
 from proteus.streams.base import BENCHMARKS, TaskStream, assemble_stream, data_root
 from proteus.streams.builtin import digits_split, imagefolder_pair
 from proteus.streams.datasets import LabeledImageDataset
 from proteus.streams.errors import DataNotFoundError, TaskSpecError
+from proteus.streams.options import BenchmarkConfig
 from proteus.streams.vtab import sim50_partition
 
 __all__ = ["BUILTIN_DOMAINS", "ConcatImageDataset", "Domain", "find_domains", "mixed_order"]

@@ -53,11 +53,11 @@ from typing import Any
 import numpy as np
 import yaml
 
-from proteus.config import BenchmarkConfig
 from proteus.streams.base import BENCHMARKS, TaskStream, assemble_named_tasks, data_root, equal_chunks
 from proteus.streams.builtin import DEFAULT_NUM_TASKS, resolve_imagefolder
 from proteus.streams.datasets import list_class_dirs, list_images
 from proteus.streams.errors import BenchmarkError, DataNotFoundError, TaskSpecError
+from proteus.streams.options import BenchmarkConfig
 
 GROUPS_KEYS = ("groups", "keep_fraction", "min_group_classes", "description")
 

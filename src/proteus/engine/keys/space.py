@@ -69,6 +69,6 @@ FROZEN = KeySpace("frozen", None)
 #: the embedding under the first task's adapter (which never changes after task 1)
 FIRST_ADAPTER = KeySpace("first-adapter", 0)
 
-SPACES: Registry[KeySpace] = Registry("key space")
+SPACES: Registry[KeySpace] = Registry("retrieval.candidate_space")
 SPACES.register("first-adapter", help="under the first task's adapter (frozen after task 1)")(FIRST_ADAPTER)
 SPACES.register("frozen", help="the frozen backbone's features")(FROZEN)

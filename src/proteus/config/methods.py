@@ -1,4 +1,5 @@
-"""Registered methods: PROTEUS, its ablations and the baselines of Sec. 5 and the Appendix.
+"""Registered methods (PROTEUS, its ablations and the baselines of Sec. 5 and the Appendix) and the
+learners that run them.
 
 A method is a declaration next to its learner's code: which learner runs it, what it derives from (its
 ``base``: another method, or None for the configuration's defaults) and the settings it overrides, as
@@ -16,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proteus.config import RunConfig, merge
+from proteus.config.coercion import merge
+from proteus.config.schema import RunConfig
 from proteus.registry import Registry
 
-__all__ = ["METHODS", "Method", "apply_method", "declare"]
+__all__ = ["LEARNERS", "METHODS", "Method", "apply_method", "declare"]
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,13 @@ class Method:
         return out
 
 
-#: every method; a miss imports the learners' modules, which declare theirs (registry plugins)
-METHODS: Registry[Method] = Registry("method", plugins=("proteus.core", "proteus.baselines"))
+#: the modules that hold learners and declare their methods (imported at the first miss: registry plugins)
+PLUGINS = ("proteus.core", "proteus.baselines")
+#: every method; a miss imports the learners' modules, which declare theirs
+METHODS: Registry[Method] = Registry("method", plugins=PLUGINS)
+#: learner name (``Method.learner``) -> the learner class (:mod:`proteus.learners` is their protocol); each
+#: learner registers itself where it is defined
+LEARNERS: Registry[type[Any]] = Registry("learner", plugins=PLUGINS)
 
 
 def declare(

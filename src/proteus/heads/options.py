@@ -1,0 +1,54 @@
+"""``head.*``: RanPAC's ridge (LDA) head on the accumulated G and e(c) (Alg. 1 lines 8-12, Eq. 23)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proteus.options import NON_NEGATIVE, Interval, option
+
+__all__ = ["HeadConfig"]
+
+
+@dataclass
+class HeadConfig:
+    """Eq. 23 / Alg. 1 lines 8-12: RanPAC's ridge (LDA) head on accumulated G and e(c)."""
+
+    rp_dim: int = option(
+        10000,
+        help="M: the random projection's width, with ReLU, in front of the head (RanPAC uses 10000; the "
+        "paper writes Eq. 23 on h: 0 disables the projection)",
+        range=NON_NEGATIVE,
+    )
+    gamma_min_exp: int = option(-8, help="the ridge grid's smallest exponent: gamma from 10^min")
+    gamma_max_exp: int = option(14, help="the ridge grid's end exponent (excluded): gamma below 10^max")
+    holdout: float = option(
+        0.2,
+        help="the share of a task's data that scores the ridge candidates",
+        range=Interval(0, 1, "neither"),
+    )
+    gamma_selection: str = option(
+        "accumulated",
+        help="how gamma is chosen: accumulated (ridge on all statistics so far, scored on the task's "
+        "held-out part) or task (RanPAC's rule: this task's data alone)",
+        choices="head.gamma_selection",
+    )
+    prototypes: str = option(
+        "sum",
+        help="the class prototypes e(c): sum (RanPAC's code: class sums) or task-mean (Alg. 1 line 11: each "
+        "task's sums divided by |D_k|)",
+        choices="head.prototypes",
+        legacy="sum",
+    )
+    forgettable: bool = option(
+        False,
+        help="keep each task's training embeddings in the knowledge base so that `proteus kb forget` can "
+        "subtract the task from the head exactly (the knowledge base then holds per-image data)",
+        legacy=False,
+    )
+    scope: str = option(
+        "task",
+        help="the head that classifies once the task is known: global (Eq. 23, one head over every class) "
+        "or task (beyond the paper: each task's own ridge head, fitted when the task is learned)",
+        choices="head.scope",
+        legacy="global",
+    )
