@@ -189,7 +189,7 @@ def test_empty_task_and_out_of_order_task(tree: Path, tmp_path: Path) -> None:
     empty = Task(0, t0.classes, t0.class_names, t0.train.select([]), t0.test)  # type: ignore[attr-defined]
     with pytest.raises(TaskError, match="task 1: the training set is empty"):
         learner.fit_task(empty)
-    assert learner.num_tasks == 0 and learner.num_adapters == 0 and learner.head_ is None
+    assert learner.num_tasks == 0 and learner.parts_.num_adapters == 0 and learner.head_ is None
 
 
 def test_single_class_and_tiny_tasks_are_learned(tree: Path, tmp_path: Path) -> None:
@@ -334,10 +334,10 @@ def test_failure_after_the_lda_keys_update_rolls_them_back(tree: Path, tmp_path:
     def interrupted(k: int):  # runs after the key update, before the head update
         raise KeyboardInterrupt
 
-    learner.head_composition = interrupted  # type: ignore[method-assign]
+    learner.parts_.head_tasks = interrupted  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         learner.fit_task(stream.tasks[1])
-    del learner.head_composition
+    del learner.parts_.head_tasks
     _assert_same(snap, _snapshot(learner))
     learner.fit_task(stream.tasks[1])
     _assert_same(_snapshot(ref), _snapshot(learner))

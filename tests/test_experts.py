@@ -114,7 +114,7 @@ def test_a_task_that_fails_leaves_no_expert(monkeypatch: pytest.MonkeyPatch) -> 
         if name == "learn:head":
             raise RuntimeError("fails after the head step")
 
-    monkeypatch.setattr("proteus.core.estimator.crash_point", fail_after_the_head)
+    monkeypatch.setattr("proteus.core.parts.crash_point", fail_after_the_head)
     with pytest.raises(RuntimeError, match="after the head step"):
         clf.fit_task(stream.tasks[3])
     assert len(clf.heads_.experts) == clf.num_tasks == 3

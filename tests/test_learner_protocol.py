@@ -163,7 +163,7 @@ def test_a_key_in_a_new_space_is_a_space_and_a_registry_line() -> None:
         stream = build_benchmark(clf.config.benchmark)
         for task in stream.tasks[:2]:
             clf.fit_task(task)
-        assert clf.predict_route == "one-space" and clf.needs_frozen
+        assert clf.parts_.route == "one-space" and clf.parts_.needs_frozen
         x = clf.transform_images([stream.tasks[k].test[i][0] for k in (0, 1) for i in range(4)])
         a, b = clf.predict(x), clf.predict_embedded(*clf.embed(x))
         assert torch.equal(a.task, b.task) and torch.equal(a.label, b.label)

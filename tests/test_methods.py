@@ -125,7 +125,7 @@ def test_every_method_runs(method: str, run_method: Callable[[str], Path]) -> No
         assert not any(has_adapter) and res["orthogonality"] is None and analysis["transfer"] is None
     elif method in RANPAC:  # the first task trains the only adapter; the head uses it ever after
         assert has_adapter == [True, False] and ranks == [4, None]
-        assert _learner(out).num_adapters == 1
+        assert _learner(out).parts_.num_adapters == 1
     else:
         assert has_adapter == [True, True]
     if method in ("proteus-s0", "proteus-all-units"):
@@ -252,10 +252,12 @@ def test_lda_keys_live_in_the_first_adapters_space(run_method: Callable[[str], P
     """proteus-lda: one key space for every task (the first adapter's, fixed after task 1), so a task's
     score never depends on any other adapter's embedding, and no frozen forward is needed."""
     learner = _learner(run_method("proteus-lda"))  # loaded back from the KB
-    assert learner.config.signature.keys == "first-adapter-lda" and not learner.needs_frozen
+    assert learner.config.signature.keys == "first-adapter-lda" and not learner.parts_.needs_frozen
     torch.manual_seed(0)
     x = torch.randn(6, 3, 32, 32)
-    H = learner.embed_prefix(learner.embedder_.prefix(x), list(range(learner.num_adapters)), shard=False)
+    H = learner.embed_prefix(
+        learner.embedder_.prefix(x), list(range(learner.parts_.num_adapters)), shard=False
+    )
     res = learner.retrieve(H)
     logits = learner.keys_.head.decision_function(torch.nn.functional.normalize(H[0], dim=1)).float()
     expect = torch.stack([logits[:, t.classes].max(1).values for t in learner.records_], 1).argmax(1).cpu()

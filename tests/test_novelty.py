@@ -43,7 +43,7 @@ def test_known_flags_and_recalibration(tmp_path: Path, capsys, method: str) -> N
         )
     capsys.readouterr()
     clf = Proteus.load(kb)
-    thr = clf.thresholds()
+    thr = clf.records_.thresholds()
     assert thr is not None and thr.shape == (2,)
     for rec in clf.records_:
         cal = rec.calibration
@@ -59,7 +59,7 @@ def test_known_flags_and_recalibration(tmp_path: Path, capsys, method: str) -> N
     assert main(["kb", "calibrate", str(kb), "--tpr", "1.0"]) == 0
     capsys.readouterr()
     clf = Proteus.load(kb)
-    assert clf.thresholds().tolist() == [max(r.calibration["scores"]) for r in clf.records_]
+    assert clf.records_.thresholds().tolist() == [max(r.calibration["scores"]) for r in clf.records_]
     assert main(["kb", "calibrate", str(kb), "--tpr", "1.5"]) == 2
     assert "true-positive rate" in capsys.readouterr().err
 
@@ -73,7 +73,7 @@ def test_uncalibrated_kbs_say_so(tmp_path: Path, capsys) -> None:
     assert main(["kb", "calibrate", str(kb), "--tpr", "0.9"]) == 2
     err = capsys.readouterr().err
     assert "--images DIR" in err and "retrieval.reject=true" in err
-    assert Proteus.load(kb).thresholds() is None
+    assert Proteus.load(kb).records_.thresholds() is None
     assert main(["kb", "calibrate", str(kb)]) == 2
     assert "--images DIR" in capsys.readouterr().err
 

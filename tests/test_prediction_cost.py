@@ -1,6 +1,7 @@
 """Prediction whose cost does not grow with m (issue 14): merged and factored adapter forwards agree, the
 staged routes (keys in one space; a candidate shortlist) predict what the m-forward path predicts, and
-images stream through ``Proteus.predict_images``. No timing is asserted (tools/perf measures it)."""
+images stream through ``proteus.experiment.batches.predict_images``. No timing is asserted (tools/perf
+measures it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from proteus import Proteus
 from proteus.adapters import AdaptedBackbone, LoRAWrapper
 from proteus.backbones import build_backbone
 from proteus.config import ConfigError, resolve_config
+from proteus.experiment.batches import predict_images
 from proteus.streams import build_benchmark
 from tiny import TINY_SETS
 
@@ -175,7 +177,7 @@ def _same(pred, ref) -> None:  # noqa: ANN001
 )
 def test_keys_in_one_space_predict_as_the_m_forward_path(method: str, extra: dict) -> None:
     clf, x = _fit(method, **extra)
-    assert clf.predict_route == "one-space"
+    assert clf.parts_.route == "one-space"
     _same(clf.predict(x), clf.predict_embedded(*clf.embed(x)))
     _same(clf.predict(x, num_tasks=2), clf.predict_embedded(*clf.embed(x, 2)))
 
@@ -189,7 +191,7 @@ def test_candidates_predict_as_the_shortlist_rule_and_all_candidates_as_the_pape
     shortlisted: tuple[Proteus, torch.Tensor],
 ) -> None:
     clf, x = shortlisted
-    assert clf.predict_route == "candidates"
+    assert clf.parts_.route == "candidates"
     pred = clf.predict(x)
     _same(pred, clf.predict_embedded(*clf.embed(x)))  # the rule is the same on the cached H
     assert (pred.score.isfinite()).all()
@@ -197,7 +199,7 @@ def test_candidates_predict_as_the_shortlist_rule_and_all_candidates_as_the_pape
     keys.candidates = 3  # every task a candidate: exactly the paper's retrieval
     with_all = clf.predict(x)
     keys.candidates = None
-    assert clf.predict_route == "all-adapters"
+    assert clf.parts_.route == "all-adapters"
     _same(with_all, clf.predict(x))
     keys.candidates = 2
 
@@ -208,7 +210,7 @@ def test_cheap_keys_are_stored_in_the_knowledge_base(
     clf, x = shortlisted
     clf.save(tmp_path / "kb")
     back = Proteus.load(tmp_path / "kb")
-    assert back.predict_route == "candidates"
+    assert back.parts_.route == "candidates"
     _same(back.predict(x), clf.predict(x))
 
 
@@ -241,7 +243,7 @@ def test_predict_images_streams_batches(shortlisted: tuple[Proteus, torch.Tensor
         files.append(str(path))
     (tmp_path / "bad.png").write_bytes(b"not an image")
     items = files[:3] + [str(tmp_path / "bad.png")] + files[3:] + [Image.open(files[0]).convert("RGB")]
-    batches = list(clf.predict_images(items, batch_size=2, progress=False, skip_unreadable=True))
+    batches = list(predict_images(clf, items, batch_size=2, progress=False, skip_unreadable=True))
     assert [len(b.files) + len(b.skipped) for b in batches] == [2, 2, 2, 1]
     assert batches[1].skipped[0][0].endswith("bad.png") and batches[-1].files == ["image 6"]
     assert batches[-1].done == 7 and batches[-1].predicted == 6 and batches[-1].images_per_second > 0
@@ -249,4 +251,4 @@ def test_predict_images_streams_batches(shortlisted: tuple[Proteus, torch.Tensor
     ims = [Image.open(f).convert("RGB") for f in files] + [Image.open(files[0]).convert("RGB")]
     assert torch.equal(labels, clf.predict(clf.transform_images(ims)).label)
     with pytest.raises(ValueError, match="bad.png"):
-        list(clf.predict_images(items, batch_size=2, progress=False))
+        list(predict_images(clf, items, batch_size=2, progress=False))

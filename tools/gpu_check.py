@@ -171,6 +171,7 @@ def step_run(dev: str, work: Path, data: Path, spec: Path) -> dict[str, Any]:
 def step_precision(dev: str, work: Path, data: Path) -> dict[str, Any]:
     """The run's knowledge base predicts its test images in bf16 and in fp32 (same KB, same inputs)."""
     from proteus.core.estimator import Proteus
+    from proteus.experiment.batches import predict_images
 
     files = sorted(str(p) for p in (data / "test").rglob("*.jpg"))
     preds, emb = {}, {}
@@ -178,7 +179,7 @@ def step_precision(dev: str, work: Path, data: Path) -> dict[str, Any]:
         clf = Proteus.load(work / "run" / "kb", device=dev, precision=precision)
         x = clf.transform_images([Image.open(f).convert("RGB") for f in files[:64]])
         emb[precision] = clf.embed(x)[0]
-        batches = list(clf.predict_images(files, progress=False))
+        batches = list(predict_images(clf, files, progress=False))
         label = torch.cat([b.prediction.label for b in batches if b.prediction is not None])
         task = torch.cat([b.prediction.task for b in batches if b.prediction is not None])  # type: ignore[misc]
         truth = torch.tensor([int(Path(f).parent.name[1:]) for f in files])

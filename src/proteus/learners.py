@@ -13,18 +13,21 @@ What a learner supports beyond learning and evaluating is declared in :attr:`Con
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
 from proteus._version import __version__
-from proteus.config import LEARNERS, RunConfig
+from proteus.config import LEARNERS, ConfigError, RunConfig, learner_of
+from proteus.devices import PRECISIONS
+from proteus.kb import KnowledgeBase
 from proteus.streams import Task
 
 __all__ = [
     "CAPABILITIES", "LEARNERS", "ContinualLearner", "LearnerState", "TestCache", "TestOutcome",
-    "check_supports", "learner_header",
+    "check_supports", "learner_header", "load_from_kb",
 ]  # fmt: skip
 
 #: what a learner may support beyond ``fit_task`` and evaluation: ``load`` (rebuilt from a knowledge base:
@@ -89,6 +92,11 @@ class ContinualLearner(Protocol):
 
     def state(self) -> LearnerState: ...
 
+    def restore(self, state: LearnerState) -> Any:
+        """Load a :meth:`state` into this learner, which holds no task yet; returns the learner (learners
+        that support ``load``)."""
+        ...
+
     def kb_header(self) -> dict[str, Any]: ...
 
 
@@ -110,6 +118,34 @@ _HINTS = {
     "load": "run it on a whole stream with `proteus run` or `proteus compare`",
     "retrieval": "this needs a PROTEUS method with task retrieval (retrieval.mode=signature)",
 }
+
+
+def load_from_kb(
+    kb: KnowledgeBase,
+    command: str,
+    *,
+    expect: type | None = None,
+    device: str | None = None,
+    precision: str | None = None,
+    progress: bool = False,
+) -> Any:
+    """The learner a knowledge base holds, for ``command``: its method's learner on its stored config
+    (``device`` and ``precision`` replace the stored ones for this process), the backbone identity checked
+    before a tensor is read, then its state restored. Refused by name when the learner lacks ``load`` or
+    (``expect``) is another learner class."""
+    from proteus.engine.errors import TaskError
+
+    cfg = RunConfig.from_stored(kb.manifest["config"])
+    cls = learner_of(cfg)
+    if expect is not None and cls is not expect:
+        raise TaskError(f"{kb.root}: holds method {cfg.method}, not a {expect.__name__} method")
+    if precision and precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    cfg = dataclasses.replace(cfg, device=device or cfg.device, precision=precision or cfg.precision)
+    clf = cls(cfg, progress=progress)
+    check_supports(clf, "load", command)
+    kb.check_backbone(clf.kb_header()["backbone"])
+    return clf.restore(LearnerState(*kb.read_state()))
 
 
 def learner_header(config: RunConfig, backbone: dict[str, Any]) -> dict[str, Any]:

@@ -98,8 +98,8 @@ PERTURBATIONS = [
         LORA,
         [
             (
-                'self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)',
-                'self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)\n'
+                'self.model_.begin_task(b.rank, "zero", False, task_seed(self.config.seed, k))',
+                'self.model_.begin_task(b.rank, "zero", False, task_seed(self.config.seed, k))\n'
                 "        for _u in self.model_.units.values():\n"
                 "            _u.B_new.data.fill_(0.01)",
             )
@@ -118,8 +118,8 @@ PERTURBATIONS = [
         LORA,
         [
             (
-                'self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)',
-                'self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)\n'
+                'self.model_.begin_task(b.rank, "zero", False, task_seed(self.config.seed, k))',
+                'self.model_.begin_task(b.rank, "zero", False, task_seed(self.config.seed, k))\n'
                 "        for _u in self.model_.units.values():\n"
                 "            _u.A_new.data.mul_(2.0)",
             )

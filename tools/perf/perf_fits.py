@@ -14,6 +14,7 @@ from perf_state import _add_adapters, _learner
 from perf_timing import PeakMemory, _median, interleaved
 
 from proteus import Proteus
+from proteus.core.parts import task_seed
 from proteus.signatures import DPGMM
 
 
@@ -121,7 +122,7 @@ def section_train(dev: torch.device, s: Settings, log: Callable[[str], None]) ->
         L = _learner(case, dev, s)
         model = L.model_
         _add_adapters(model, k, s, gen)
-        t = L.trainer_.open_task(list(range(s.train_classes)), k, seed=L.task_seed(k))
+        t = L.trainer_.open_task(list(range(s.train_classes)), k, seed=task_seed(L.config, k))
         z = L.embedder_.prefix(x)  # the learner caches the frozen prefix
 
         def step() -> None:

@@ -37,7 +37,7 @@ def _learner(case: Case, dev: torch.device, s: Settings) -> Proteus:
     cfg.head.rp_dim, cfg.head.scope, cfg.retrieval.combine = s.rp_dim, "global", "hard"
     cfg.retrieval.candidates = s.candidates  # the cheap keys exist; the m-forward route switches them off
     clf = Proteus(cfg, progress=False)
-    clf.backbone_identity()  # builds the backbone and its adapters
+    clf.kb_header()  # builds the backbone and its adapters
     return clf
 
 
@@ -113,7 +113,7 @@ def _drawn_head(d: int, rp_dim: int, n_cls: int, s: Settings, dev: torch.device,
     return head
 
 
-#: the prediction routes the harness times (:attr:`Proteus.predict_route`)
+#: the prediction routes the harness times (:attr:`Proteus.parts_.route`)
 ROUTES = {"m_forward": "all-adapters", "two_stage": "one-space", "candidates": "candidates"}
 
 
@@ -165,7 +165,7 @@ class _State:
         if route == "two_stage":  # the same learner with LDA keys in the first adapter's space
             L.keys_ = keys.shortlist_keys
         try:
-            assert L.predict_route == ROUTES[route], (L.predict_route, route)
+            assert L.parts_.route == ROUTES[route], (L.parts_.route, route)
             return L.predict(self.x)
         finally:
             L.keys_, keys.candidates = keys, None

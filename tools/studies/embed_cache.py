@@ -79,7 +79,7 @@ def main() -> None:
     meta = {
         "config": cfg.to_dict(),
         "classes": [list(t.classes) for t in learner.records_],
-        "class_names": learner.class_names(),
+        "class_names": learner.classes_,
         "learn_seconds": seconds,
         "total_seconds": time.time() - t0,
         "manifest_tasks": stream.manifest.get("task_domains"),

@@ -69,7 +69,7 @@ class TiedLDA:
 
 def mirrored_prefix(learner, ds) -> torch.Tensor:
     """The frozen prefix's outputs for the horizontally mirrored images of ``ds``."""
-    learner.backbone_identity()  # builds the learner
+    learner.kb_header()  # builds the learner
     base = learner.embedder_.transform
     learner.embedder_.transform = lambda im: TF.hflip(base(im))
     try:

@@ -25,5 +25,7 @@ for _mod in pkgutil.iter_modules(__path__):
 
 #: the baselines' learner classes by name (each registered in :data:`LEARNERS`)
 BASELINES: dict[str, type[ContinualClassifier]] = {
-    n: c for n in LEARNERS.loaded() if isinstance(c := LEARNERS.get(n), type) and issubclass(c, ContinualClassifier)
+    n: c
+    for n in LEARNERS.loaded()
+    if isinstance(c := LEARNERS.get(n), type) and issubclass(c, ContinualClassifier)
 }

@@ -56,6 +56,8 @@ from torch import nn
 from proteus.baselines.learner import OPTIMIZERS, epoch_lr
 from proteus.baselines.prompts import PromptClassifier, PromptOptions
 from proteus.config import ConfigError, declare
+from proteus.engine.records import loss_summary
+from proteus.engine.runtime import task_seed
 from proteus.errors import NotFittedError
 from proteus.learners import LEARNERS, LearnerState
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, option
@@ -171,7 +173,7 @@ class SemanticGroups:
         prompt id and ``n_prompts`` the pool's size (merged prompts are numbered from there)."""
         if t != len(self.vectors):
             raise ValueError(f"adapromptcl: task {t} assigned after {len(self.vectors)} tasks")
-        rng = np.random.RandomState((self.seed * 1000 + t) % 2**32)
+        rng = np.random.RandomState(task_seed(self.seed, t) % 2**32)
         v = np.asarray(vector, dtype=np.float64).reshape(1, -1)
         self.vectors.append(v[0])
         self.cand_pid.append(int(cand_pid))
@@ -586,12 +588,12 @@ class AdaPromptCL(PromptClassifier):
         self.heads_.append(head)
         self.task_classes_.append(classes)
         self.classes_ += classes
-        tenth = max(1, len(losses) // 10)
         n_trained = sum(p.numel() for p in params)
+        first, last = loss_summary(losses)
         return {
             "steps": len(losses),
-            "loss_first": float(np.mean(losses[:tenth])) if losses else None,
-            "loss_last": float(np.mean(losses[-tenth:])) if losses else None,
+            "loss_first": first,
+            "loss_last": last,
             "trainable_params": int(n_trained),
             "group": decision.kind,
             "prompts": list(decision.train_pids),

@@ -58,6 +58,7 @@ from proteus.baselines.learner import SCHEDULES
 from proteus.baselines.prompts import PromptClassifier, PromptOptions
 from proteus.config import RunConfig, declare
 from proteus.engine.embedder import ImageDataset
+from proteus.engine.runtime import task_seed
 from proteus.errors import NotFittedError
 from proteus.learners import LEARNERS, TestCache, TestOutcome
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, UNIT, option
@@ -232,7 +233,7 @@ def _timm_init(lin: nn.Linear) -> nn.Linear:
 
 def alignment_generator(seed: int, k: int, stage: int) -> torch.Generator:
     """The pseudo-features' generator of stage ``stage``'s (1 or 2) alignment after task k."""
-    return torch.Generator().manual_seed(seed * 1000 + k + 700 + stage)
+    return torch.Generator().manual_seed(task_seed(seed, k, 700 + stage))
 
 
 @dataclasses.dataclass
@@ -302,7 +303,7 @@ class TaskIdentityInference:
         local = {c: i for i, c in enumerate(classes)}
         params = list(self.net.parameters())
         opt = torch.optim.Adam(params, lr=b.tii_lr, betas=(0.9, 0.999), weight_decay=0.0)
-        g = torch.Generator().manual_seed(self.config.seed * 1000 + k + 500)
+        g = torch.Generator().manual_seed(task_seed(self.config.seed, k, 500))
         self.net.train()
         for _ in range(b.tii_epochs):
             for q, yb in batches(g):
@@ -318,7 +319,7 @@ class TaskIdentityInference:
     def store(self, k: int, q: torch.Tensor, y: torch.Tensor) -> None:
         """Task k's classes' statistics of their class tokens ``q`` (N, d) with labels ``y``."""
         b = self.options
-        self.stats.update(class_statistics(q, y, b.n_centroids, self.config.seed * 1000 + k))
+        self.stats.update(class_statistics(q, y, b.n_centroids, task_seed(self.config.seed, k)))
 
     def align(self, k: int, seen: list[int], steps: int) -> list[float]:
         """The alignment after task k (k >= 1): MLP and heads on pseudo-features of every ``seen`` class,
@@ -494,7 +495,7 @@ class HiDePrompt(PromptClassifier):
         P.requires_grad_(False)
         t = torch.tensor([k], device=self.device_)
         h, y = self._plain_features(lambda zb: self.prompted(zb, t.expand(len(zb))))
-        self.stats_.update(class_statistics(h, y, self.options_.n_centroids, self.config.seed * 1000 + k))
+        self.stats_.update(class_statistics(h, y, self.options_.n_centroids, task_seed(self.config.seed, k)))
         if k > 0:
             with torch.enable_grad():
                 self._align_heads(k)

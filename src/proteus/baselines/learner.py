@@ -33,14 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from proteus import distributed as dist
-from proteus.backbones import Backbone, build_backbone
-from proteus.backbones.transforms import build_transform
 from proteus.config import LEARNERS, ConfigError, RunConfig, check_sections, typed_options
-from proteus.devices import autocast as precision_autocast
 from proteus.engine.embedder import ImageDataset
 from proteus.engine.errors import TaskError
+from proteus.engine.records import loss_summary
+from proteus.engine.runtime import Runtime, task_seed
 from proteus.errors import NotFittedError
-from proteus.learners import LearnerState, TestCache, TestOutcome, learner_header
+from proteus.learners import LearnerState, TestCache, TestOutcome, check_supports, learner_header
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, option, options_of
 from proteus.progress import bar as progress_bar
 from proteus.registry import Registry
@@ -202,27 +201,18 @@ class ContinualClassifier:
             return
         if dist.world_size() > 1:
             raise ConfigError(f"{self.name}: the baselines run in one process; launch without torchrun")
-        cfg = self.config
-        self.check_config(cfg)
-        self.device_ = dist.device_for_rank(cfg.device)
-        b = cfg.backbone
-        self.backbone_: Backbone = build_backbone(
-            b.name, pretrained=b.pretrained, weights=b.weights, img_size=b.img_size, adapt_last=b.adapt_last
-        )
-        if self.needs_tokens and not hasattr(self.backbone_, "vit"):
+        self.check_config(self.config)
+        rt = Runtime.build(self.config)
+        if self.needs_tokens and not hasattr(rt.backbone, "vit"):
             raise ConfigError(
                 f"{self.name} is a prompt method: it needs a backbone with tokens (a timm ViT such as "
-                f"vit_ti16 or vit_b16), not {b.name!r}; set backbone.name"
+                f"vit_ti16 or vit_b16), not {self.config.backbone.name!r}; set backbone.name"
             )
-        for p in self.backbone_.parameters():
-            p.requires_grad_(False)
-        self.backbone_.eval()
-        self.backbone_.to(self.device_)
+        self.device_, self.backbone_ = rt.device, rt.backbone
+        self.eval_transform_, self.train_transform_ = rt.eval_transform, rt.train_transform
         self._setup()
-        self.eval_transform_ = build_transform(self.backbone_.data_config, train=False)
-        self.train_transform_ = build_transform(
-            self.backbone_.data_config, train=True, augment=cfg.train.augment
-        )
+        #: the prefix passes (the frozen part of the forward, :meth:`prefix`) under the run's precision
+        self.embedder_ = rt.embedder(self, self.progress)
 
     def _setup(self) -> None:
         """Build the method's state on ``self.backbone_`` (wrap layers, create prompts)."""
@@ -247,12 +237,10 @@ class ContinualClassifier:
         with torch.no_grad():
             return self.backbone_.forward_prefix(x)
 
-    @torch.no_grad()
     def prefix_batch(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`prefix` of a batch on the device, under the learner's autocast, in float32: one way for the
         cached pass, augmented training batches and prediction alike."""
-        with self._autocast():
-            return self.prefix(x.to(self.device_)).float()
+        return self.embedder_.prefix(x)
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
         """(N, d) embeddings of prefix outputs ``z`` under the current state (``train``: the open task's
@@ -335,7 +323,7 @@ class ContinualClassifier:
         prefix outputs and labels ``(z, y)`` without augmentation, else a shuffling, augmenting loader
         (``z``, ``y`` None). Every baseline's training starts here."""
         cfg = self.config
-        seed = cfg.seed * 1000 + k
+        seed = task_seed(cfg.seed, k)
         torch.manual_seed(seed)
         if not cfg.train.augment:
             z, y_all = self.prefix_dataset(task.train, f"task {k + 1}: prefix")
@@ -402,16 +390,16 @@ class ContinualClassifier:
         self.task_classes_.append(classes)
         self.classes_ += classes
         self._end_task(k, z, loader)
-        tenth = max(1, len(losses) // 10)
+        first, last = loss_summary(losses)
         return {
             "steps": len(losses),
-            "loss_first": float(np.mean(losses[:tenth])) if losses else None,
-            "loss_last": float(np.mean(losses[-tenth:])) if losses else None,
+            "loss_first": first,
+            "loss_last": last,
             "trainable_params": int(sum(p.numel() for p in params)),
         }
 
     def _autocast(self) -> AbstractContextManager[None]:
-        return precision_autocast(self.device_, self.config.precision)
+        return self.embedder_.autocast()
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
@@ -420,14 +408,8 @@ class ContinualClassifier:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix outputs (float32, CPU) and labels of a dataset under the evaluation transform."""
         self._build()
-        loader = torch.utils.data.DataLoader(
-            ImageDataset(ds, transform or self.eval_transform_), batch_size=self.config.eval.batch_size
-        )
-        zs, ys = [], []
-        for x, y in progress_bar(loader, desc=desc, enabled=self.progress):
-            zs.append(self.prefix_batch(x).cpu())
-            ys.append(y)
-        return torch.cat(zs), torch.cat(ys)
+        z, y = self.embedder_.prefix_dataset(ds, desc, transform)
+        return z.cpu(), y
 
     @torch.no_grad()
     def logits_prefix(self, z: torch.Tensor) -> torch.Tensor:
@@ -464,6 +446,12 @@ class ContinualClassifier:
         return LearnerState(
             tasks, ({"method": self.name, "task_classes": self.task_classes_}, self.state_tensors())
         )
+
+    def restore(self, state: LearnerState) -> ContinualClassifier:
+        """Load a :meth:`state` into this learner, which holds no task yet (the baselines that support
+        ``load``)."""
+        check_supports(self, "load", f"{self.name}: restore")
+        raise NotImplementedError
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Global labels of a batch of transformed images."""

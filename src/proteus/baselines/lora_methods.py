@@ -33,6 +33,7 @@ from proteus.adapters import AdaptedBackbone
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper
 from proteus.baselines.learner import BaselineOptions, ContinualClassifier
 from proteus.config import ConfigError, declare
+from proteus.engine.runtime import task_seed
 from proteus.learners import LEARNERS
 from proteus.options import AT_LEAST_1, UNIT, option
 
@@ -227,7 +228,7 @@ class InfLoRA(LoRAClassifier):
 
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         rank = self.options_.rank
-        self.model_.begin_task(rank, "identity", False, self.config.seed * 1000 + k)
+        self.model_.begin_task(rank, "identity", False, task_seed(self.config.seed, k))
         moments = self.input_moments(z, loader)  # new B = 0: the model of task k - 1
         for name, w in self.model_.wrappers.items():
             A = self.gpm_[name].design(moments[name], rank).to(w.base.weight.dtype)
@@ -264,7 +265,7 @@ class SDLoRA(LoRAClassifier):
 
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         b = self.options_
-        self.model_.begin_task(b.rank, "zero", False, self.config.seed * 1000 + k)
+        self.model_.begin_task(b.rank, "zero", False, task_seed(self.config.seed, k))
         dev = next(iter(self.model_.units.values())).A.device
         #: alpha_0..alpha_{k-1} for the old directions, alpha_k for the new one (one scalar each, shared
         #: by every layer; re-initialised every task as in the released code)

@@ -164,6 +164,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    from proteus.experiment.batches import predict_images
     from proteus.experiment.predictions import NOT_CHECKED, format_row, prediction_rows
     from proteus.experiment.store import load_learner
     from proteus.images import describe_skipped
@@ -175,7 +176,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise KBError(f"{args.kb}: the knowledge base holds no task yet; learn task 1 first (proteus learn)")
     bs = clf.config.eval.batch_size
     rows, skipped_all, batch = [], [], None
-    batches = clf.predict_images(
+    batches = predict_images(
+        clf,
         args.images,
         progress=not args.quiet and len(args.images) > bs,  # the bar counts images and shows images/s
         max_pixels=args.max_pixels,

@@ -2,6 +2,6 @@
 (Algorithm 1 to learn a task, Algorithm 2 to predict), beside :mod:`proteus.baselines`, the other learners."""
 
 from proteus.core import methods  # noqa: F401 - PROTEUS's method declarations
-from proteus.core.estimator import ImageBatch, Prediction, Proteus, TaskError
+from proteus.core.estimator import Prediction, Proteus, TaskError
 
-__all__ = ["ImageBatch", "Prediction", "Proteus", "TaskError"]
+__all__ = ["Prediction", "Proteus", "TaskError"]

@@ -41,7 +41,8 @@ class Embedder:
     """Runs the adapted backbone over datasets and cached prefix outputs.
 
     Args:
-        model: the backbone with its adapters.
+        model: the backbone with its adapters (for the prefix passes alone: anything with ``prefix(x)``,
+            a baseline learner).
         device: where the forward passes run.
         precision: ``auto`` (bfloat16 autocast on CUDA, float32 elsewhere), ``bf16`` or ``fp32``
             (:mod:`proteus.devices`).
@@ -89,13 +90,16 @@ class Embedder:
             return self.model.prefix(x.to(self.device)).float()
 
     @torch.no_grad()
-    def prefix_dataset(self, ds: Dataset, desc: str = "prefix") -> tuple[torch.Tensor, torch.Tensor]:
-        """Frozen-prefix outputs (float32, CPU) and labels of a dataset under the evaluation transform."""
+    def prefix_dataset(
+        self, ds: Dataset, desc: str = "prefix", transform: Callable | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Frozen-prefix outputs (float32) and labels of a dataset under the evaluation transform (or
+        ``transform``)."""
         if len(ds) == 0:  # type: ignore[arg-type]
             raise TaskError(f"{desc}: empty dataset")
         zs, ys = [], []
         bs = self.batch_size
-        images: Dataset = ImageDataset(ds, self.transform)
+        images: Dataset = ImageDataset(ds, transform or self.transform)
         n = len(images)  # type: ignore[arg-type]
         if dist.is_distributed():  # this rank's block of whole batches (proteus.distributed)
             mine = dist.shard_range(math.ceil(n / bs))

@@ -7,12 +7,25 @@ measured; :class:`Prediction` is the answer of Algorithm 2 for a batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["Prediction", "TaskRecord", "TaskStats", "TrainStats", "without_timings"]
+__all__ = [
+    "Prediction", "TaskRecord", "TaskRecords", "TaskStats", "TrainStats", "loss_summary", "without_timings",
+]  # fmt: skip
+
+
+def loss_summary(losses: Sequence[float]) -> tuple[float | None, float | None]:
+    """The mean loss of a task's first and last tenth of steps (None without a step): every learner's
+    ``loss_first`` / ``loss_last``."""
+    if not losses:
+        return None, None
+    tenth = max(1, len(losses) // 10)
+    return float(np.mean(losses[:tenth])), float(np.mean(losses[-tenth:]))
 
 
 def without_timings(d: Any) -> Any:
@@ -158,6 +171,43 @@ class TaskRecord:
             forgotten=bool(d.get("forgotten", False)),
             source_classes=None if d.get("source_classes") is None else [int(c) for c in d["source_classes"]],
         )
+
+
+class TaskRecords(list[TaskRecord]):
+    """The learned tasks' records, in order, with what follows from them: every task's classes, the class
+    names by global label, the classes never to predict again and each task's rejection threshold."""
+
+    def classes(self) -> list[list[int]]:
+        return [t.classes for t in self]
+
+    @property
+    def num_classes(self) -> int:
+        return 1 + max((max(t.classes) for t in self), default=-1)
+
+    def class_names(self) -> list[str]:
+        """The learned classes' names, indexed by global label."""
+        names: dict[int, str] = {}
+        for t in self:
+            names.update(zip(t.classes, t.class_names))
+        return [names.get(c, str(c)) for c in range(self.num_classes)]
+
+    def task_of(self) -> torch.Tensor:
+        """(C,) the task of each global class."""
+        out = torch.zeros(self.num_classes, dtype=torch.long)
+        for t in self:
+            out[t.classes] = t.index
+        return out
+
+    def forgotten_classes(self) -> list[int]:
+        return [c for t in self if t.forgotten for c in t.classes]
+
+    def thresholds(self) -> torch.Tensor | None:
+        """Each task's rejection threshold on its key score (``retrieval.reject``), or None unless every
+        task is calibrated."""
+        cals = [t.calibration for t in self]
+        if not cals or any(c is None for c in cals):
+            return None
+        return torch.tensor([float(c["threshold"]) for c in cals if c is not None])
 
 
 @dataclass

@@ -32,7 +32,7 @@ from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
 from proteus.config import AdapterConfig, TrainConfig
 from proteus.engine.embedder import Embedder, ImageDataset
-from proteus.engine.records import TrainStats
+from proteus.engine.records import TrainStats, loss_summary
 from proteus.registry import Registry
 from proteus.streams import Task
 
@@ -275,13 +275,13 @@ class AdapterTrainer:
             dist.broadcast_(self.model.lora_parameters() + t.s_params)
         s_all = torch.cat([s.detach().flatten() for s in t.s_params]) if t.s_params else torch.zeros(0)
         self.model.end_task()
-        tenth = max(1, len(losses) // 10)
+        loss_first, loss_last = loss_summary(losses)
         return TrainStats(
             rank=t.rank,
             ranks_min=min(t.ranks.values()) if t.ranks else 0,
             lam=t.lam,
-            loss_first=float(np.mean(losses[:tenth])) if losses else None,
-            loss_last=float(np.mean(losses[-tenth:])) if losses else None,
+            loss_first=loss_first,
+            loss_last=loss_last,
             steps=steps,
             s_mean_abs=float(s_all.abs().mean()) if s_all.numel() else None,
             s_nonzero_frac=float((s_all != 0).float().mean()) if s_all.numel() else None,

@@ -72,10 +72,12 @@ class Evaluator:
         return self._y[tau]
 
     def retrieved(self, tau: int) -> torch.Tensor:
-        """The task retrieved for each input of test set tau by the current learner (retrieval learners)."""
+        """The task the current learner retrieves for each input of test set tau (retrieval learners): the
+        last evaluation's, else a new prediction from the caches."""
         task = self.last_task.get(tau)
         if task is None or task.numel() != self.labels(tau).numel():
-            return self.clf.retrieve(*self.clf.cached_embeddings(self, tau)).task.cpu()  # type: ignore[attr-defined]
+            task = self.clf.predict_test(self, tau, len(self.stream.tasks) - 1).task
+            assert task is not None, "retrieved: the learner does not retrieve tasks"
         return task.cpu()
 
     def evaluate(self, k: int) -> Evaluation:

@@ -10,16 +10,23 @@ the previous state kept in ``manifest.prev.json``):
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from PIL import Image
+
+from proteus.core import Proteus
 from proteus.engine.novelty import Calibration, check_tpr
+from proteus.experiment.batches import predict_batches
 from proteus.experiment.store import commit, load_learner
 from proteus.kb import KBError, KnowledgeBase, write_lock
 from proteus.learners import check_supports
 from proteus.streams.datasets import IMG_EXTENSIONS, list_class_dirs, list_images
 
-__all__ = ["calibrate_images", "calibration_images", "forget", "recalibrate", "undo"]
+__all__ = ["calibrate_images", "calibrate_novelty", "calibration_images", "forget", "recalibrate", "undo"]
 
 
 def recalibrate(
@@ -78,6 +85,27 @@ def calibration_images(images_dir: str | Path, class_names: list[str]) -> tuple[
     return files, labels
 
 
+def calibrate_novelty(
+    clf: Proteus, images: Sequence[str | os.PathLike[str]], labels: Sequence[int], tpr: float | None = None
+) -> list[float]:
+    """Fit the class-Gaussian thresholds of inputs from no learned task (``retrieval.novelty``) on held-out
+    image files: ``labels`` their global classes (-1: unknown, the nearest class is taken), ``tpr`` a new
+    true-positive rate (None: keep it). Returns each task's threshold."""
+    space, classes = clf.keys_.space, clf.records_.classes()
+    if space is None:  # keys under each task's own adapter: no one space, no class statistics
+        return clf.keys_.calibrate(torch.zeros(0), torch.zeros(0), [], tpr)
+
+    def embed(ims: list[Image.Image]) -> torch.Tensor:  # the key space's features of a decoded batch
+        return space.embed(clf.embedder_, clf.embedder_.prefix(clf.transform_images(ims)), shard=False)
+
+    ec = clf.config.eval
+    batches = predict_batches(
+        images, embed, ec.batch_size, progress=clf.progress, max_pixels=ec.max_image_pixels
+    )
+    X = torch.cat([b.prediction for b in batches])  # type: ignore[misc]
+    return clf.keys_.calibrate(X, torch.as_tensor(list(labels), dtype=torch.long), classes, tpr)
+
+
 def calibrate_images(
     kb_dir: str | Path,
     images_dir: str | Path,
@@ -94,7 +122,7 @@ def calibrate_images(
         clf = load_learner(kb, "proteus kb calibrate --images")
         check_supports(clf, "retrieval", "proteus kb calibrate --images")
         files, labels = calibration_images(images_dir, list(clf.classes_))
-        thresholds = clf.calibrate_novelty(files, labels, tpr)
+        thresholds = calibrate_novelty(clf, files, labels, tpr)
         commit(kb, clf)
         return thresholds
 

@@ -47,7 +47,7 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
     """The readable rows of a batch's prediction (module docstring: the schema)."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k must be an integer >= 1; got {top_k!r}")
-    names = clf.class_names()
+    names = clf.classes_
     task_classes = [t.classes for t in clf.records_]
     source = {
         g: s

@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from proteus.config import METHODS, RunConfig
-from proteus.core.estimator import Proteus
-from proteus.engine.errors import TaskError
 from proteus.kb import KBError, KnowledgeBase
-from proteus.learners import LEARNERS, ContinualLearner
+from proteus.learners import LEARNERS, ContinualLearner, load_from_kb
 from proteus.streams import TaskStream
 
 __all__ = ["build_learner", "check_split", "commit", "kb_header", "load_learner", "setup_run_log"]
@@ -40,17 +38,10 @@ def load_learner(
     device: str | None = None,
     precision: str | None = None,
     progress: bool = False,
-) -> Proteus:
-    """The learner a knowledge base holds, for ``command``; refused by name when its method's learner
-    cannot be rebuilt from a knowledge base (the ``load`` capability: a ``from_kb`` constructor)."""
-    method = RunConfig.from_stored(kb.manifest["config"]).method
-    learner = LEARNERS.get(METHODS.get(method).learner if method in METHODS else "proteus")
-    if not hasattr(learner, "from_kb"):
-        raise TaskError(
-            f"{command}: {kb.root} holds method {method}, whose learner ({learner.__name__}) cannot be "
-            "rebuilt from a knowledge base yet; run it on a whole stream with `proteus run`"
-        )
-    return learner.from_kb(kb, device=device, precision=precision, progress=progress)
+) -> Any:
+    """The learner a knowledge base holds, for ``command`` (:func:`proteus.learners.load_from_kb`: refused by
+    name when its method's learner does not support ``load``)."""
+    return load_from_kb(kb, command, device=device, precision=precision, progress=progress)
 
 
 def kb_header(clf: ContinualLearner, stream: TaskStream) -> dict[str, Any]:

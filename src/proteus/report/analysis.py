@@ -142,11 +142,11 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
     ``signature.keys`` other than "adapter", delta, kappa and sigma^2 are still those of the adapter keys
     while the error is the measured one of the rule that retrieved.
     """
-    if not clf.uses_retrieval:
+    if not clf.parts_.retrieves:
         return None
     n = clf.num_tasks
     sigs = clf.keys_.adapter_signatures[:n]
-    if n != clf.num_adapters or len(sigs) != n or any(s is None for s in sigs):
+    if n != clf.parts_.num_adapters or len(sigs) != n or any(s is None for s in sigs):
         return None
     d = int(sigs[0].d)
     maha = [
@@ -223,7 +223,7 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
 def retrieval_confusion(clf: Proteus, evaluator: Evaluator) -> list[list[int]] | None:
     """(m, m) counts of the final evaluation: row = true task, column = retrieved task; None without
     retrieval."""
-    if not clf.uses_retrieval:
+    if not clf.parts_.retrieves:
         return None
     n = clf.num_tasks
     retrieved = [evaluator.retrieved(k) for k in range(n)]
@@ -317,7 +317,7 @@ def measure_latency(clf: Proteus, stream: TaskStream, rc: ReportConfig) -> dict[
         "batch_size": int(x.shape[0]),
         "device": str(clf.device_),
         "threads": torch.get_num_threads(),
-        "retrieval": bool(clf.uses_retrieval),
+        "retrieval": bool(clf.parts_.retrieves),
         "m": ms,
         "seconds": seconds,
     }

@@ -1,5 +1,5 @@
 """Prediction over a stream of image files (or PIL images) in batches, with throughput: what ``proteus
-predict`` on a folder runs (:meth:`proteus.Proteus.predict_images`).
+predict`` on a folder runs (:func:`predict_images`).
 
 Files are decoded with :func:`proteus.images.load_images` (the same pixels as training), a batch at a time,
 so memory stays bounded for any number of files; a progress bar counts images and shows images per
@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Any
 
 from PIL import Image
 
@@ -21,7 +22,7 @@ from proteus.engine.records import Prediction
 from proteus.images import DEFAULT_MAX_PIXELS, load_images
 from proteus.progress import bar as progress_bar
 
-__all__ = ["ImageBatch", "predict_batches"]
+__all__ = ["ImageBatch", "predict_batches", "predict_images"]
 
 ImageInput = str | os.PathLike[str] | Image.Image
 
@@ -94,3 +95,26 @@ def predict_batches(
             yield ImageBatch(names, pred, skipped, done, predicted, time.perf_counter() - t0)
     finally:
         bar.close()
+
+
+def predict_images(
+    clf: Any,
+    images: Iterable[ImageInput],
+    batch_size: int | None = None,
+    *,
+    progress: bool | None = None,
+    max_pixels: int | None = None,
+    skip_unreadable: bool = False,
+) -> Iterator[ImageBatch]:
+    """A learner's ``predict`` over image files (or PIL images), decoded a batch at a time: one
+    :class:`ImageBatch` per batch; ``progress`` (default: the learner's) shows a bar of images and images/s.
+    Defaults: ``eval.batch_size``, ``eval.max_image_pixels``."""
+    ec = clf.config.eval
+    return predict_batches(
+        images,
+        lambda ims: clf.predict(clf.transform_images(ims)),
+        batch_size or ec.batch_size,
+        progress=clf.progress if progress is None else progress,
+        max_pixels=max_pixels or ec.max_image_pixels,
+        skip_unreadable=skip_unreadable,
+    )

@@ -1,0 +1,94 @@
+"""What a PROTEUS learner leaves in a knowledge base, and how it is read back: per task its record and
+tensors (the adapter's directions and its row of S (Eq. 9), its keys (Eq. 18), its own head), and one
+global object, the head's statistics G, e(c) (Alg. 1 lines 8-12) with any keys that live there.
+
+Each part writes and reads its own share (``model.task_tensors``, ``keys.task_state``,
+``heads.task_state`` ...); this module composes them. Reading is untrusted input: a failure names the task
+and its object (:class:`~proteus.engine.errors.TaskError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from proteus.core.parts import ProteusParts
+from proteus.engine.errors import TaskError
+from proteus.engine.records import TaskRecord, TaskRecords, without_timings
+from proteus.learners import LearnerState
+
+__all__ = ["learner_state", "restore"]
+
+#: the head object's tensors under this prefix are the global keys' (LDA key heads)
+KEYS_PREFIX = "task_head/"
+
+
+def learner_state(parts: ProteusParts, records: TaskRecords) -> LearnerState:
+    """Everything learned: per task its record (timings left out) and tensors, and the head's object."""
+    tasks = []
+    for k, rec in enumerate(records):
+        tensors = parts.model.task_tensors(k) if rec.has_adapter else {}
+        key_meta, key_tensors = parts.keys.task_state(k)
+        head_meta, head_tensors = parts.heads.task_state(k)
+        meta = without_timings({**rec.to_dict(), **key_meta, **head_meta})
+        tasks.append((meta, {**tensors, **key_tensors, **head_tensors}))
+    return LearnerState(tasks, _head_state(parts))
+
+
+def _head_state(parts: ProteusParts) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    state = parts.heads.state()
+    if state is None:
+        return None
+    meta, tensors = state
+    kmeta, ktensors = parts.keys.global_state()
+    if kmeta is not None:  # global keys (LDA key heads) ride in the head's object, under task_head/
+        meta = {**meta, "task_head": kmeta}
+        tensors.update({f"{KEYS_PREFIX}{n}": v for n, v in ktensors.items()})
+    return meta, tensors
+
+
+def restore(parts: ProteusParts, records: TaskRecords, state: LearnerState) -> None:
+    """Load ``state`` into parts that hold no task yet, appending each task's record to ``records``."""
+    if records:
+        raise TaskError("a learner is restored from a state only before it learns any task")
+    for meta, tensors in state.tasks:
+        with _loading(f"task {len(records) + 1} ({meta.get('object', 'no object')})"):
+            _load_task(parts, records, meta, tensors)
+    if state.head is not None:
+        with _loading(f"the head ({state.head[0].get('object', 'its object')})"):
+            meta, tensors = state.head
+            own = {k: v for k, v in tensors.items() if not k.startswith(KEYS_PREFIX)}
+            parts.heads.load({k: v for k, v in meta.items() if k != "task_head"}, own)
+            sub = {k[len(KEYS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(KEYS_PREFIX)}
+            parts.keys.load_global(meta.get("task_head"), sub)
+
+
+def _load_task(
+    parts: ProteusParts, records: TaskRecords, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> None:
+    k = len(records)
+    if meta["index"] != k:
+        raise TaskError(f"knowledge base task {meta['index'] + 1} is out of order (expected {k + 1})")
+    if meta["has_adapter"]:
+        try:
+            parts.model.append_task_tensors(tensors, f"task {k + 1}")
+        except KeyError as e:
+            raise TaskError(e.args[0]) from None
+    parts.keys.load_task(meta, tensors)
+    parts.heads.load_task(k, meta, tensors)
+    records.append(TaskRecord.from_dict(meta))
+
+
+@contextlib.contextmanager
+def _loading(what: str) -> Iterator[None]:
+    """Re-raise a failure to load a stored part (wrong shapes, types or values) as a TaskError naming it."""
+    try:
+        yield
+    except TaskError as e:  # already names the task ("task 2: ..."): add the file once
+        raise TaskError(f"{what}: {str(e).removeprefix(what.split(' (')[0] + ': ')}") from None
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        msg = e.args[0] if e.args else type(e).__name__
+        raise TaskError(f"{what}: cannot be loaded: {msg}") from None
