@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from proteus.heads import GammaSelection, RanPACHead
+from proteus.heads.ranpac import head_from_state
 
 
 def gaussian_classes(
@@ -138,7 +139,7 @@ def test_fast_gamma_selection_equals_naive_full_rank() -> None:
     H, y = gaussian_classes(800, 24, 5, seed=3, sep=2.0)
     head = RanPACHead(24, rp_dim=96)
     fast = head.select_gamma(H, y)
-    naive = head.select_gamma_naive(H, y)
+    naive = head.select_gamma(H, y, reference=True)
     assert isinstance(fast, GammaSelection)
     assert fast.method == "primal-eigh" and naive.method == "naive-solve"
     assert fast.gamma == naive.gamma
@@ -154,7 +155,7 @@ def test_fast_gamma_selection_dual_regime() -> None:
     H, y = gaussian_classes(250, 16, 4, seed=4, sep=2.0)
     head = RanPACHead(16, rp_dim=400)
     fast = head.select_gamma(H, y)
-    naive = head.select_gamma_naive(H, y)
+    naive = head.select_gamma(H, y, reference=True)
     assert fast.method == "dual-eigh"
     assert fast.gamma == naive.gamma
     torch.testing.assert_close(fast.losses, svd_reference_losses(head, H, y), rtol=1e-9, atol=0.0)
@@ -189,7 +190,7 @@ def test_save_load_bit_exact(tmp_path, rp_dim: int) -> None:
 
     meta = json.loads((tmp_path / "head.json").read_text())
     tensors = load_file(str(tmp_path / "head.safetensors"))
-    loaded = RanPACHead.from_state_tensors(tensors, meta)
+    loaded = head_from_state(tensors, meta)
     for key, t in head.state_tensors().items():
         assert torch.equal(t, loaded.state_tensors()[key]), key
         assert t.dtype == loaded.state_tensors()[key].dtype
@@ -209,7 +210,7 @@ def test_save_load_bit_exact(tmp_path, rp_dim: int) -> None:
 def test_save_load_unfitted_head() -> None:
     head = RanPACHead(8, rp_dim=16, seed=2)
     head.features(torch.randn(2, 8))  # creates W_rand only
-    loaded = RanPACHead.from_state_tensors(head.state_tensors(), json.loads(json.dumps(head.meta())))
+    loaded = head_from_state(head.state_tensors(), json.loads(json.dumps(head.meta())))
     assert not loaded.is_fitted and loaded.W_rand_ is not None
     assert torch.equal(loaded.W_rand_, head.W_rand_)
 
@@ -220,10 +221,10 @@ def test_load_rejects_mismatched_tensors() -> None:
     tensors = head.state_tensors()
     bad = dict(tensors, G=tensors["G"].float())
     with pytest.raises(ValueError, match="'G'"):
-        RanPACHead.from_state_tensors(bad, head.meta())
+        head_from_state(bad, head.meta())
     missing = {k: v for k, v in tensors.items() if k != "W_rand"}
     with pytest.raises(ValueError, match="W_rand"):
-        RanPACHead.from_state_tensors(missing, head.meta())
+        head_from_state(missing, head.meta())
 
 
 # ---------------------------------------------------------------- restricted argmax

@@ -38,7 +38,7 @@ Figures (the JSON keys; each record holds ``value``, ``target``, ``op``, ``pass`
     covariances of the same fits minus that of the default storage.
 ``ridge_sweep_speedup`` (>= 10)
     :meth:`RanPACHead.select_gamma` (one eigendecomposition for all gamma candidates) against
-    :meth:`RanPACHead.select_gamma_naive` (RanPAC's one solve per candidate).
+    ``RanPACHead.select_gamma(reference=True)`` (RanPAC's one solve per candidate).
 ``beyond_paper.compile_speedup`` (>= 1, informative)
     :meth:`Proteus.predict` eager over the same with ``compile=default`` (``torch.compile`` of the
     backbone's forwards), interleaved after warm-up; compile time, graphs built and the logits' largest

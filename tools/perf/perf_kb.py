@@ -113,7 +113,7 @@ def section_ridge(dev: torch.device, s: Settings, log: Callable[[str], None]) ->
         got["fast"] = head.select_gamma(H, y)
 
     def naive() -> None:
-        got["naive"] = head.select_gamma_naive(H, y)
+        got["naive"] = head.select_gamma(H, y, reference=True)
 
     t = interleaved(
         {"fast": fast, "naive": naive}, dev, {"fast": s.ridge_fast_reps, "naive": s.ridge_naive_reps},
@@ -128,8 +128,8 @@ def section_ridge(dev: torch.device, s: Settings, log: Callable[[str], None]) ->
         "ridge_sweep_speedup": _figure(
             "ridge_sweep_speedup",
             tn / tf,
-            measured="RanPACHead.select_gamma (one eigh for all candidates) vs select_gamma_naive (one "
-            "solve per candidate), both including the random projection",
+            measured="RanPACHead.select_gamma (one eigh for all candidates) vs select_gamma(reference=True) "
+            "(one solve per candidate), both including the random projection",
             rp_dim=s.ridge_rp_dim,
             n=s.ridge_n,
             d=s.ridge_d,

@@ -52,7 +52,6 @@ from proteus.core.codec import learner_state, restore
 from proteus.core.parts import OPTION_SECTIONS, ProteusParts, check_options
 from proteus.engine.compositions import COMPOSITIONS
 from proteus.engine.errors import TaskError
-from proteus.engine.keys import Under
 from proteus.engine.records import Prediction, TaskRecords, TaskStats
 from proteus.errors import NotFittedError
 from proteus.heads import RanPACHead
@@ -227,10 +226,8 @@ class Proteus:
     def predict_embedded(self, H: torch.Tensor, F: torch.Tensor | None = None) -> Prediction:
         """Retrieve, take each input's embedding under its retrieved (or candidate) adapters, classify."""
         rows = torch.arange(H.shape[1])
-        return self._prediction(self.retrieve(H, F), lambda cand: H[cand, rows[:, None]])
-
-    def _prediction(self, res: RetrievalResult, under: Under) -> Prediction:
-        return self.parts_.decide(res, under, self.classify, self.records_)
+        under = lambda cand: H[cand, rows[:, None]]  # noqa: E731 - each input under its candidate tasks
+        return self.parts_.decide(self.retrieve(H, F), under, self.classify, self.records_)
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, num_tasks: int | None = None) -> Prediction:
@@ -242,7 +239,8 @@ class Proteus:
         z = self.embedder_.prefix(x)
         if self.parts_.retrieves:  # the keys' own route (proteus.engine.keys.base)
             m = min(self._m(num_tasks), self.parts_.num_adapters)
-            return self._prediction(*self.keys_.predict(self.embedder_, z, m, self.records_.classes()))
+            res, under = self.keys_.predict(self.embedder_, z, m, self.records_.classes())
+            return self.parts_.decide(res, under, self.classify, self.records_)
         tasks, kind = self.parts_.head_tasks(self._m(num_tasks) - 1)
         logits = self.classify(self.embed_prefix(z, tasks, kind, shard=False)[0])
         return Prediction(logits.argmax(1), None, None, None, logits)

@@ -21,7 +21,7 @@ Two notes on fidelity:
   after each update, on that update's data only, ridge-fit on a ``1 - holdout`` split over
   ``gamma in 10 ** arange(gamma_min_exp, gamma_max_exp)`` and keep the gamma with the smallest MSE
   against one-hot targets on the held-out split. RanPAC does one linear solve per gamma
-  (:meth:`RanPACHead.select_gamma_naive`, kept as the reference); :meth:`RanPACHead.select_gamma`
+  (``RanPACHead.select_gamma(reference=True)``, kept as the reference); :meth:`RanPACHead.select_gamma`
   does a single symmetric eigendecomposition and then only rescales eigenvalues per gamma
   (:mod:`proteus.heads.gamma`); ``selection`` names the rule (:data:`~proteus.heads.gamma.GAMMA_SELECTIONS`).
   The class prototypes ``e(c)`` are a strategy too (:mod:`proteus.heads.prototypes`). Input checks are in
@@ -64,32 +64,48 @@ from proteus.heads.persist import (
 )
 from proteus.heads.prototypes import PROTOTYPES
 
-__all__ = ["GAMMA_SELECTIONS", "PROTOTYPES", "GammaSelection", "RanPACHead"]
+__all__ = ["GAMMA_SELECTIONS", "PROTOTYPES", "GammaSelection", "RanPACHead", "head_from_state"]
+
+
+def _check_hyperparameters(
+    embed_dim: int, rp_dim: int, gamma_min_exp: int, gamma_max_exp: int, holdout: float, dtype: torch.dtype,
+    gamma: float | None,
+) -> None:  # fmt: skip
+    """The numeric hyper-parameters of a :class:`RanPACHead` (a ValueError names the one out of range)."""
+    if int(embed_dim) <= 0:
+        raise ValueError(f"embed_dim must be positive, got {embed_dim}")
+    if int(rp_dim) < 0:
+        raise ValueError(f"rp_dim must be >= 0 (0 disables the random projection), got {rp_dim}")
+    if int(gamma_max_exp) <= int(gamma_min_exp):
+        raise ValueError(f"empty gamma grid: gamma_min_exp={gamma_min_exp} >= gamma_max_exp={gamma_max_exp}")
+    if not 0.0 < float(holdout) < 1.0:
+        raise ValueError(f"holdout must be in (0, 1), got {holdout}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    if gamma is not None and not (math.isfinite(gamma) and gamma > 0):
+        raise ValueError(f"a fixed gamma must be a finite positive number, got {gamma}")
 
 
 class RanPACHead:
-    """Ridge-regression / LDA head of RanPAC (Eq. 23) with incremental statistics ``G_`` and ``Q_``.
-
-    Hyper-parameters are set in ``__init__``; everything fitted ends with an underscore
-    (``W_rand_``, ``G_``, ``Q_``, ``counts_``, ``gamma_``, ``W_out_``, ``gamma_selection_``).
+    """Ridge-regression / LDA head of RanPAC (Eq. 23) with incremental statistics ``G_`` and ``Q_``;
+    hyper-parameters are set in ``__init__``, everything fitted ends with an underscore (``W_rand_``,
+    ``G_``, ``Q_``, ``counts_``, ``gamma_``, ``W_out_``, ``gamma_selection_``).
 
     Args:
         embed_dim: dimension ``d`` of the backbone embeddings ``h``.
-        rp_dim: random-projection dimension ``M`` (RanPAC and the paper: 10000). ``0`` disables the
-            projection and uses ``h`` directly. ``G_`` costs ``M^2`` numbers: 800 MB at 10000 in float64.
-        gamma_min_exp, gamma_max_exp: the gamma grid is ``10 ** arange(gamma_min_exp, gamma_max_exp)``
-            (end exclusive), i.e. ``1e-8 .. 1e13`` by default.
+        rp_dim: random-projection width ``M`` (RanPAC: 10000; the paper writes Eq. 23 on ``h``); ``0``
+            uses ``h`` directly. ``G_`` costs ``M^2`` numbers: 800 MB at 10000 in float64.
+        gamma_min_exp, gamma_max_exp: the gamma grid ``10 ** arange(gamma_min_exp, gamma_max_exp)``.
         holdout: fraction of each update's samples held out to score the gamma candidates.
         seed: seeds both the random projection and the train/held-out shuffle.
-        dtype: float64 (default, recommended) or float32.
-        device: where the statistics live; ``None`` uses the device of the first update's inputs.
+        dtype: float64 (default, recommended) or float32. device: where the statistics live (``None``:
+            the device of the first update's inputs).
         gamma: a fixed noise level; ``None`` (default) searches the grid after every update as RanPAC.
         selection: a rule of :data:`~proteus.heads.gamma.GAMMA_SELECTIONS`: ``"task"`` (RanPAC's rule:
             this update's data alone) or ``"accumulated"``.
-        prototypes: the class prototypes ``e(c)`` that Eq. 23 uses
-            (:data:`~proteus.heads.prototypes.PROTOTYPES`): ``"sum"`` (RanPAC's code: plain class sums
-            ``Q_``) or ``"task-mean"`` (Algorithm 1 line 11: each update's sums divided by its size, held
-            in ``P_``).
+        prototypes: the class prototypes ``e(c)`` (:data:`~proteus.heads.prototypes.PROTOTYPES`): ``"sum"``
+            (RanPAC's code: class sums ``Q_``) or ``"task-mean"`` (Algorithm 1 line 11: each update's sums
+            divided by its size, in ``P_``).
     """
 
     def __init__(
@@ -106,35 +122,16 @@ class RanPACHead:
         gamma: float | None = None,
         prototypes: str = "sum",
     ) -> None:
-        if int(embed_dim) <= 0:
-            raise ValueError(f"embed_dim must be positive, got {embed_dim}")
-        if int(rp_dim) < 0:
-            raise ValueError(f"rp_dim must be >= 0 (0 disables the random projection), got {rp_dim}")
-        if int(gamma_max_exp) <= int(gamma_min_exp):
-            raise ValueError(
-                f"empty gamma grid: gamma_min_exp={gamma_min_exp} >= gamma_max_exp={gamma_max_exp}"
-            )
-        if not 0.0 < float(holdout) < 1.0:
-            raise ValueError(f"holdout must be in (0, 1), got {holdout}")
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-        if gamma is not None and not (math.isfinite(gamma) and gamma > 0):
-            raise ValueError(f"a fixed gamma must be a finite positive number, got {gamma}")
-        self.embed_dim = int(embed_dim)
-        self.rp_dim = int(rp_dim)
-        self.gamma_min_exp = int(gamma_min_exp)
-        self.gamma_max_exp = int(gamma_max_exp)
-        self.holdout = float(holdout)
+        _check_hyperparameters(embed_dim, rp_dim, gamma_min_exp, gamma_max_exp, holdout, dtype, gamma)
         if selection not in GAMMA_SELECTIONS:
             raise ValueError(f"selection must be one of {tuple(GAMMA_SELECTIONS)}, got {selection!r}")
-        self.selection = selection
-        self.seed = int(seed)
-        self.dtype = dtype
-        self.device = device
-        self.gamma = None if gamma is None else float(gamma)
         if prototypes not in PROTOTYPES:
             raise ValueError(f"prototypes must be one of {tuple(PROTOTYPES)}, got {prototypes!r}")
-        self.prototypes = prototypes
+        self.embed_dim, self.rp_dim, self.seed = int(embed_dim), int(rp_dim), int(seed)
+        self.gamma_min_exp, self.gamma_max_exp = int(gamma_min_exp), int(gamma_max_exp)
+        self.holdout, self.selection, self.prototypes = float(holdout), selection, prototypes
+        self.dtype, self.device = dtype, device
+        self.gamma = None if gamma is None else float(gamma)
 
         self.W_rand_: Tensor | None = None
         self.P_: Tensor | None = None
@@ -219,16 +216,15 @@ class RanPACHead:
         return phi, self._one_hot(y, total, phi.device)
 
     # ------------------------------------------------------------------ gamma search
-    def select_gamma(self, H: Tensor, y: Tensor, num_classes: int | None = None) -> GammaSelection:
-        """RanPAC's gamma search with one eigendecomposition for all candidates
-        (:func:`~proteus.heads.gamma.select_fast`) on this update's data."""
+    def select_gamma(
+        self, H: Tensor, y: Tensor, num_classes: int | None = None, *, reference: bool = False
+    ) -> GammaSelection:
+        """RanPAC's gamma search on this update's data, with one eigendecomposition for all candidates
+        (:func:`~proteus.heads.gamma.select_fast`); ``reference``: one solve per candidate, as RanPAC's
+        ``optimise_ridge_parameter`` (:func:`~proteus.heads.gamma.select_naive`)."""
         phi, Y = self._features_and_targets(H, y, num_classes)
-        return select_fast(*self._split_for_selection(phi, Y), self.gamma_grid())
-
-    def select_gamma_naive(self, H: Tensor, y: Tensor, num_classes: int | None = None) -> GammaSelection:
-        """Reference gamma search as RanPAC's ``optimise_ridge_parameter``: one solve per candidate."""
-        phi, Y = self._features_and_targets(H, y, num_classes)
-        return select_naive(*self._split_for_selection(phi, Y), self.gamma_grid())
+        search = select_naive if reference else select_fast
+        return search(*self._split_for_selection(phi, Y), self.gamma_grid())
 
     def _choose_gamma(
         self, phi: Tensor, y: Tensor, total: int, device: torch.device, G_prev: Tensor, Q_prev: Tensor
@@ -353,20 +349,6 @@ class RanPACHead:
         load_head_state(self, tensors, meta)
         return self
 
-    @classmethod
-    def from_state_tensors(
-        cls, tensors: dict[str, Tensor], meta: dict[str, Any], device: torch.device | str | None = None
-    ) -> RanPACHead:
-        """Build a head from :meth:`state_tensors` and :meth:`meta`."""
-        head = cls(
-            embed_dim=int(meta["embed_dim"]),
-            rp_dim=int(meta["rp_dim"]),
-            seed=int(meta["seed"]),
-            dtype=meta_dtype(meta) or torch.float64,
-            device=device,
-        )
-        return head.load_state_tensors(tensors, meta)
-
     # ------------------------------------------------------------------ prediction
     def _check_fitted(self) -> Tensor:
         if self.W_out_ is None:
@@ -395,3 +377,17 @@ class RanPACHead:
             f"RanPACHead(embed_dim={self.embed_dim}, rp_dim={self.rp_dim}, gamma={self.gamma_}, "
             f"num_classes={self.num_classes_}, n_samples={self.n_samples_}, dtype={dtype_name(self.dtype)})"
         )
+
+
+def head_from_state(
+    tensors: dict[str, Tensor], meta: dict[str, Any], device: torch.device | str | None = None
+) -> RanPACHead:
+    """A head built from :meth:`RanPACHead.state_tensors` and :meth:`RanPACHead.meta` (bit-exact)."""
+    head = RanPACHead(
+        embed_dim=int(meta["embed_dim"]),
+        rp_dim=int(meta["rp_dim"]),
+        seed=int(meta["seed"]),
+        dtype=meta_dtype(meta) or torch.float64,
+        device=device,
+    )
+    return head.load_state_tensors(tensors, meta)
