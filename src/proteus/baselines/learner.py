@@ -213,6 +213,7 @@ class ContinualClassifier:
         self._setup()
         #: the prefix passes (the frozen part of the forward, :meth:`prefix`) under the run's precision
         self.embedder_ = rt.embedder(self, self.progress)
+        self.embedder_.own_generator = False
 
     def _setup(self) -> None:
         """Build the method's state on ``self.backbone_`` (wrap layers, create prompts)."""
