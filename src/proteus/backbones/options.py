@@ -11,6 +11,8 @@ __all__ = ["BackboneConfig"]
 
 @dataclass
 class BackboneConfig:
+    """The pre-trained backbone every learner adapts or prompts (Sec. 5.1: ViT-B/16 in the paper)."""
+
     name: str = option("mobilenet_v2", help="the backbone (proteus list backbones): vit_b16 is the paper's")
     weights: str | None = option(
         None,

@@ -99,6 +99,8 @@ class SignatureConfig:
 
 @dataclass
 class RetrievalConfig:
+    """How an input's task is found again (Sec. 3.1, Alg. 2) and how its answer is combined."""
+
     mode: str = option(
         "signature",
         help="which adapter embeds an input: signature (Alg. 2, task retrieval), first (RanPAC), last "

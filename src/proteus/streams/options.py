@@ -11,6 +11,8 @@ __all__ = ["BenchmarkConfig"]
 
 @dataclass
 class BenchmarkConfig:
+    """The task stream: its name, data and class order (Sec. 5.1)."""
+
     name: str = option("quickstart", help="the task stream (proteus list benchmarks)")
     data: str | None = option(None, help="the dataset's root folder", per_task=True)
     num_tasks: int | None = option(

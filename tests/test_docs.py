@@ -1,0 +1,68 @@
+"""The docs' generated references: every configuration key is declared with a line of meaning, and the
+configuration and command-line references are written from the declarations and the parser."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from proteus.config import LEARNERS, RunConfig, sections
+from proteus.options import options_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _reference():  # noqa: ANN202 - tools/docs/reference.py, outside the package
+    spec = importlib.util.spec_from_file_location("reference", ROOT / "tools" / "docs" / "reference.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _keys() -> list[tuple[str, str]]:
+    """(dotted key, its help) of every declared option: the run's, every section's, every baseline's."""
+    out = []
+    for f, opt in options_of(RunConfig):
+        hint = typing.get_type_hints(RunConfig)[f.name]
+        if not dataclasses.is_dataclass(hint) and typing.get_origin(hint) is not dict:
+            out.append((f.name, opt.help))
+    for name, section in sections().items():
+        out += [(f"{name}.{f.name}", opt.help) for f, opt in options_of(section)]
+    for n in LEARNERS.names():
+        options = getattr(LEARNERS.get(n), "Options", None)
+        if isinstance(options, type) and dataclasses.is_dataclass(options):
+            out += [(f"baseline.{f.name} ({n})", opt.help) for f, opt in options_of(options)]
+    return out
+
+
+def test_every_config_key_has_a_description() -> None:
+    missing = [k for k, h in _keys() if not h.strip()]
+    assert not missing, f"declare a help line for: {missing}"
+    assert len(_keys()) > 100
+
+
+def test_the_references_name_every_key_and_command(tmp_path: Path) -> None:
+    ref = _reference()
+    conf, cli = (p.read_text() for p in ref.write(tmp_path))
+    for key, _ in _keys():
+        assert f"`{key.split(' (')[0]}`" in conf, key
+    for command in ("proteus run", "proteus learn", "proteus predict", "proteus kb verify", "proteus serve"):
+        assert f"`{command}`" in cli, command
+
+
+@pytest.mark.slow
+def test_the_site_builds_offline_without_warnings(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs")
+    import subprocess
+
+    p = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
