@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 RUN    ?= runs/quickstart
 
-.PHONY: demo test lint bench gpu-check clean-venv
+.PHONY: demo test test-fast lint docs bench gpu-check clean-venv
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,17 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# the suite without the end-to-end runs marked slow: the loop while developing
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests tools
+	$(VENV)/bin/ruff format --check src tests tools
+
+# the docs site (MkDocs): guides, and references generated from the code; offline, warnings are errors
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 bench: $(VENV)/.installed
 	$(PY) tools/perf/run.py --out runs/bench.json

@@ -20,9 +20,10 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a function needs it: the CLI's parser reads this module's names
+    import torch
 
 __all__ = [
     "COMPILE_MODES",
@@ -44,7 +45,8 @@ class Precision:
     """How the backbone's forward passes compute: autocast to ``dtype`` (None: plain float32), on CUDA only
     (``cuda_only``), and with float32 matmuls and convolutions on TF32 tensor cores (``tf32``, CUDA)."""
 
-    dtype: torch.dtype | None
+    #: the name of a torch dtype (``bfloat16``)
+    dtype: str | None
     cuda_only: bool = False
     tf32: bool = False
 
@@ -54,8 +56,8 @@ class Precision:
 #: reproduction), ``tf32`` (float32 tensors, TF32 matmuls on CUDA: about 3 significant digits fewer in
 #: each product, several times faster on Ampere and later; the same as fp32 elsewhere)
 PRECISIONS: dict[str, Precision] = {
-    "auto": Precision(torch.bfloat16, cuda_only=True),
-    "bf16": Precision(torch.bfloat16),
+    "auto": Precision("bfloat16", cuda_only=True),
+    "bf16": Precision("bfloat16"),
     "fp32": Precision(None),
     "tf32": Precision(None, tf32=True),
 }
@@ -65,14 +67,18 @@ def autocast_dtype(device: torch.device, precision: str = "auto") -> torch.dtype
     """The dtype the backbone's forward passes autocast to on ``device`` (None: plain float32)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    import torch
+
     p = PRECISIONS[precision]
-    return None if p.cuda_only and device.type != "cuda" else p.dtype
+    return None if p.dtype is None or (p.cuda_only and device.type != "cuda") else getattr(torch, p.dtype)
 
 
 @contextlib.contextmanager
 def autocast(device: torch.device, precision: str = "auto") -> Iterator[None]:
     """The precision context of the backbone's forward passes on ``device`` (autocast, TF32 switches; the
     switches are restored on exit)."""
+    import torch
+
     dtype = autocast_dtype(device, precision)
     tf32 = PRECISIONS[precision].tf32 and device.type == "cuda"
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
@@ -125,6 +131,8 @@ class CompiledForward:
 
     def __call__(self, *args: Any) -> Any:
         global _compile_failure
+        import torch
+
         if not self.active:
             return self.fn(*args)
         try:
@@ -148,6 +156,8 @@ class CompiledForward:
 
 def clock(device: torch.device) -> float:
     """``time.perf_counter()`` once the device's queued work is done."""
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -155,12 +165,16 @@ def clock(device: torch.device) -> float:
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak for :func:`peak_memory_mb` (CUDA; nothing elsewhere)."""
+    import torch
+
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_mb(device: torch.device) -> float | None:
     """Peak GPU memory allocated since the last :func:`reset_peak_memory` (MiB); None off CUDA."""
+    import torch
+
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
@@ -172,6 +186,8 @@ def index_add(
     two processes that learn the same task stored heads that differed in the last bits (found by the first
     ``make gpu-check``'s test run on a GPU); there (``one_hot=None`` on CUDA, or ``one_hot=True``) the rows
     are summed by one product with a one-hot matrix, whose order is fixed. Elsewhere ``index_add_`` as is."""
+    import torch
+
     if not (one_hot if one_hot is not None else target.device.type == "cuda"):
         return target.index_add_(dim, index, source)
     n, k = index.shape[0], target.shape[dim]

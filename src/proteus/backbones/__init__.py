@@ -1,6 +1,16 @@
 """Backbones (registry): torchvision MobileNetV2 and timm Vision Transformers."""
 
-from proteus.backbones import mobilenet, vit  # noqa: F401  (register the families)
-from proteus.backbones.base import BACKBONES, AdaptTarget, Backbone, DataConfig, build_backbone
+from proteus.lazy import exports
 
-__all__ = ["BACKBONES", "AdaptTarget", "Backbone", "DataConfig", "build_backbone"]
+__all__ = ["AdaptTarget", "BACKBONES", "Backbone", "DataConfig", "build_backbone"]
+
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "BACKBONES": "base",
+        "AdaptTarget": "base",
+        "Backbone": "base",
+        "DataConfig": "base",
+        "build_backbone": "base",
+    },
+)

@@ -111,7 +111,8 @@ class Backbone(nn.Module):
         }
 
 
-BACKBONES: Registry = Registry("backbone")
+#: the registered presets (the family modules register theirs when the registry is first listed or missed)
+BACKBONES: Registry = Registry("backbone", plugins=("proteus.backbones.mobilenet", "proteus.backbones.vit"))
 
 #: name prefix -> the factory of any model it names (``timm:<tag>``, ``hf-hub:<repo>``): timm's names beside
 #: the registered presets, each resolved by the module that knows the family (:mod:`.vit`)
@@ -120,6 +121,7 @@ FAMILIES: dict[str, Callable[[str], Callable[..., Backbone]]] = {}
 
 def backbone_factory(name: str) -> Callable[..., Backbone]:
     """The registered preset ``name``, or the factory of a family prefix (:data:`FAMILIES`)."""
+    BACKBONES.discover()  # the family modules register their prefixes too
     for prefix, family in FAMILIES.items():
         if name.startswith(prefix) and len(name) > len(prefix):
             return family(name)

@@ -118,6 +118,8 @@ class Proteus:
         if cfg is not self.config:
             validate(cfg)
             self.config = cfg
+            if hasattr(self, "parts_"):
+                self.parts_.configure(cfg)
         return self
 
     @classmethod
@@ -246,8 +248,7 @@ class Proteus:
         return Prediction(logits.argmax(1), None, None, None, logits)
 
     def forget_task(self, k: int) -> None:
-        """Remove task k (0-based) from what can be predicted (``proteus kb forget``; needs
-        ``head.forgettable``): :meth:`ProteusParts.forget`."""
+        """Remove task k (0-based) from what can be predicted (``kb forget``): :meth:`ProteusParts.forget`."""
         self._check_fitted()
         self.parts_.forget(k, self.records_)
 

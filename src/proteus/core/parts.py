@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from proteus import devices
+from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
 from proteus.backbones import Backbone
 from proteus.config import CACHE_PREFIX, ConfigError, RunConfig, check_sections
@@ -101,6 +102,23 @@ class ProteusParts:
             AdapterTrainer(embedder, cfg.adapter, cfg.train, rt.train_transform),
             ClassHeads(new_head, cfg.head.scope, cfg.head.forgettable, rt.device), keys,
         )  # fmt: skip
+
+    def configure(self, cfg: RunConfig) -> None:
+        """Follow a new config whose model-defining keys equal this one's (:meth:`Proteus.set_params`): the
+        per-task keys (epochs, learning rate, batch sizes, workers, precision, compile, the merge budget)
+        take effect from the next task or prediction. The device is chosen when the parts are built."""
+        if dist.device_for_rank(cfg.device) != self.device:
+            raise ConfigError(
+                f"device={cfg.device}: the learner is built on {self.device}; give the device when it is "
+                "built or loaded (proteus learn --device, Proteus.load(..., device=...))"
+            )
+        self.config = cfg
+        self.trainer.adapter, self.trainer.train = cfg.adapter, cfg.train
+        e = self.embedder
+        e.batch_size, e.num_workers, e.precision = cfg.eval.batch_size, cfg.train.num_workers, cfg.precision
+        mb = cfg.eval.merge_budget_mb
+        self.model.merge_budget_bytes = None if mb is None else int(mb * 2**20)
+        self.model.compile_mode = cfg.compile
 
     # ------------------------------------------------------------------ what the recipe decides
     @property

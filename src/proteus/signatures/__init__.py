@@ -15,10 +15,7 @@
 * :mod:`~proteus.signatures.theory`: separation factor and error bounds (Section 3.2, Appendix A).
 """
 
-from proteus.signatures.dpgmm import DPGMM, SignatureFitError
-from proteus.signatures.gaussian import GaussianComponents
-from proteus.signatures.retrieval import RetrievalResult, retrieve
-from proteus.signatures.signature import Signature, fit_clusters, fit_signature, signature_from_fit
+from proteus.lazy import exports
 
 __all__ = [
     "DPGMM",
@@ -31,3 +28,18 @@ __all__ = [
     "retrieve",
     "signature_from_fit",
 ]
+
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "DPGMM": "dpgmm",
+        "GaussianComponents": "gaussian",
+        "RetrievalResult": "retrieval",
+        "Signature": "signature",
+        "SignatureFitError": "dpgmm",
+        "fit_clusters": "signature",
+        "fit_signature": "signature",
+        "retrieve": "retrieval",
+        "signature_from_fit": "signature",
+    },
+)

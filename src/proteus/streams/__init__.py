@@ -6,36 +6,14 @@ names. Items are ``(PIL.Image RGB, int global label)``; transforms are the learn
 (:class:`TransformedDataset`).
 """
 
-from proteus.streams import builtin as _builtin  # noqa: F401  (registers quickstart, cifar, imagenet, folder)
-from proteus.streams import domains as _domains  # noqa: F401  (registers domains5, domains-sim, domains-mixed)
-from proteus.streams import vtab as _vtab  # noqa: F401  (registers vtab5t, vtab-sim50)
-from proteus.streams.abrupt import build_abrupt_sequence
-from proteus.streams.base import (
-    BENCHMARKS,
-    Task,
-    TaskStream,
-    build_benchmark,
-    equal_chunks,
-    seeded_class_order,
-    split_sha256,
-)
-from proteus.streams.builtin import DEFAULT_NUM_TASKS, load_task_spec, validate_tasks
-from proteus.streams.datasets import (
-    ArrayImageDataset,
-    ImageFileDataset,
-    LabeledImageDataset,
-    SubsetByLabels,
-    TransformedDataset,
-    load_image,
-)
-from proteus.streams.errors import BenchmarkError, CorruptImageError, DataNotFoundError, TaskSpecError
+from proteus.lazy import exports
 
 __all__ = [
-    "BENCHMARKS",
-    "DEFAULT_NUM_TASKS",
     "ArrayImageDataset",
+    "BENCHMARKS",
     "BenchmarkError",
     "CorruptImageError",
+    "DEFAULT_NUM_TASKS",
     "DataNotFoundError",
     "ImageFileDataset",
     "LabeledImageDataset",
@@ -53,3 +31,30 @@ __all__ = [
     "split_sha256",
     "validate_tasks",
 ]
+
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "BENCHMARKS": "base",
+        "DEFAULT_NUM_TASKS": "builtin",
+        "ArrayImageDataset": "datasets",
+        "BenchmarkError": "errors",
+        "CorruptImageError": "errors",
+        "DataNotFoundError": "errors",
+        "ImageFileDataset": "datasets",
+        "LabeledImageDataset": "datasets",
+        "SubsetByLabels": "datasets",
+        "Task": "base",
+        "TaskSpecError": "errors",
+        "TaskStream": "base",
+        "TransformedDataset": "datasets",
+        "build_abrupt_sequence": "abrupt",
+        "build_benchmark": "base",
+        "equal_chunks": "base",
+        "load_image": "datasets",
+        "load_task_spec": "builtin",
+        "seeded_class_order": "base",
+        "split_sha256": "base",
+        "validate_tasks": "builtin",
+    },
+)

@@ -39,7 +39,9 @@ DATA_ENV = "PROTEUS_DATA"
 BenchmarkFactory = Callable[[BenchmarkConfig], "TaskStream"]
 
 #: name -> factory(cfg: BenchmarkConfig) -> TaskStream
-BENCHMARKS: Registry[BenchmarkFactory] = Registry("benchmark")
+BENCHMARKS: Registry[BenchmarkFactory] = Registry(
+    "benchmark", plugins=("proteus.streams.builtin", "proteus.streams.domains", "proteus.streams.vtab")
+)
 
 
 @dataclass
