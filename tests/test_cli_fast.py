@@ -32,3 +32,15 @@ def test_the_configuration_imports_no_torch() -> None:
     code = "import sys, proteus.config as c; c.parse_set(['train.epochs=2']); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_missing_image_is_named_before_any_model_loads(tmp_path) -> None:  # noqa: ANN001
+    """``proteus predict --kb KB nothere.jpg`` names the file at once: no torch, no knowledge base read."""
+    code = (
+        "import sys\nfrom proteus.cli import main\n"
+        f"rc = main(['predict', '--kb', {str(tmp_path / 'kb')!r}, 'nothere.jpg'])\n"
+        "print(rc, 'torch' in sys.modules)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.stdout.split() == ["2", "False"], p.stdout + p.stderr
+    assert "no such image file: nothere.jpg" in p.stderr

@@ -106,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "wait", None) is not None and args.wait < 0:
         args.wait = None  # --wait without a value: as long as it takes
-    from proteus.distributed import init_from_env, launched_by_torchrun
+    if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:  # torch only under torchrun
+        from proteus.distributed import init_from_env, launched_by_torchrun
 
-    if launched_by_torchrun():  # join the process group (also with one process: proteus.distributed)
-        init_from_env(device=getattr(args, "device", None))
+        if launched_by_torchrun():  # join the process group (also with one process: proteus.distributed)
+            init_from_env(device=getattr(args, "device", None))
     before = _manifest_digest(args)
     try:
         with _sigterm_as_interrupt():

@@ -7,20 +7,23 @@ knowledge-base glue, results.json and ``proteus compare``.
 """
 
 from proteus.config import resolve_config, validate
-from proteus.experiment.evaluate import Evaluation, Evaluator
-from proteus.experiment.loop import learn_and_commit, run
-from proteus.experiment.results import build_results, format_table
-from proteus.experiment.store import check_split, kb_header
+from proteus.lazy import exports
 
 __all__ = [
-    "Evaluation",
-    "Evaluator",
-    "build_results",
-    "check_split",
-    "format_table",
-    "kb_header",
-    "learn_and_commit",
-    "resolve_config",
-    "run",
-    "validate",
-]
+    "Evaluation", "Evaluator", "build_results", "check_split", "format_table", "kb_header",
+    "learn_and_commit", "resolve_config", "run", "validate",
+]  # fmt: skip
+
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "Evaluation": "evaluate",
+        "Evaluator": "evaluate",
+        "learn_and_commit": "loop",
+        "run": "loop",
+        "build_results": "results",
+        "format_table": "results",
+        "check_split": "store",
+        "kb_header": "store",
+    },
+)
