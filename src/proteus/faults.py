@@ -19,7 +19,8 @@ them (``proteus learn --task K``):
 =====================  ===================================================================================
 
 Every point before ``commit:manifest`` must leave the knowledge base in its old state; ``commit:manifest``
-leaves the new one (tested in ``tests/test_crash_safety.py``).
+leaves the new one (tested in ``tests/test_crash_safety.py``). ``<point>@N`` kills at the N-th time the
+process reaches the point (``learn:prefix@3``: while task 3 starts, tasks 1 and 2 committed).
 """
 
 from __future__ import annotations
@@ -43,7 +44,17 @@ POINTS = (
 )
 
 
+#: how many times each point was reached in this process (for ``<point>@N``)
+_reached: dict[str, int] = {}
+
+
 def crash_point(name: str) -> None:
-    """SIGKILL this process if ``$PROTEUS_TEST_KILL_AT == name`` (tests only; a no-op otherwise)."""
-    if os.environ.get(ENV) == name:
+    """SIGKILL this process if ``$PROTEUS_TEST_KILL_AT`` is ``name`` (or ``name@N`` and this is the N-th
+    time; tests only; a no-op otherwise)."""
+    want = os.environ.get(ENV)
+    if want is None or want.partition("@")[0] != name:
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    at = want.partition("@")[2]
+    if not at or _reached[name] == int(at):
         os.kill(os.getpid(), signal.SIGKILL)

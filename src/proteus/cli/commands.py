@@ -70,13 +70,40 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
     return validate_keys(given)
 
 
+#: the options ``run --resume`` takes beside the run directory (everything else is the run's own config)
+_RESUME_OPTIONS = ("device", "precision", "quiet", "resume", "debug", "func", "command", "set")
+
+
+def _resumed_config(args: argparse.Namespace) -> RunConfig:
+    """The interrupted run's own config (its config.yaml), with ``--device`` / ``--precision`` for this
+    process; any option that would change the run is refused by name."""
+    from proteus.config import RunConfig, load_yaml
+
+    given = [k for k, v in vars(args).items() if k not in _RESUME_OPTIONS and v not in (None, [], False)]
+    if given or args.set:
+        names = ", ".join(f"--{k.replace('_', '-')}" for k in given) or "--set"
+        raise UsageError(f"--resume continues a run with its own config.yaml; drop {names}")
+    path = Path(args.resume) / "config.yaml"
+    if not path.is_file():
+        raise UsageError(
+            f"--resume {args.resume}: no config.yaml there; give the --out of an interrupted run"
+        )
+    cfg = RunConfig.from_stored(load_yaml(path))
+    return cfg.with_values({k: v for k, v in _overrides(args).items() if k in ("device", "precision")})
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from proteus.experiment import format_table, run
 
-    cfg = _config(args)
-    out = Path(args.out or f"runs/{cfg.benchmark.name}-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
-    _check_out_dir(out, "--out", allow_existing_dir=True)
-    res = run(cfg, out, progress=not args.quiet)
+    if args.resume:
+        cfg, out = _resumed_config(args), Path(args.resume)
+    else:
+        if not args.benchmark:
+            raise UsageError("run: --benchmark is required (or --resume DIR to continue an interrupted run)")
+        cfg = _config(args)
+        out = Path(args.out or f"runs/{cfg.benchmark.name}-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+        _check_out_dir(out, "--out", allow_existing_dir=True)
+    res = run(cfg, out, progress=not args.quiet, resume=bool(args.resume))
     if _is_main():
         print(format_table(res))
         print(f"results: {out / 'results.json'}")

@@ -160,9 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run a method over a whole task stream in one process")
-    _add_run_args(r)
-    r.add_argument("--method", default="proteus", help="method name (see `proteus list methods`)")
+    _add_run_args(r, benchmark_required=False)
+    r.add_argument("--method", help="method name (default proteus; see `proteus list methods`)")
     r.add_argument("--out", help="run directory (default runs/<benchmark>-<method>-<time>)")
+    r.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the interrupted run in DIR from its knowledge base's last committed task, with its "
+        "own config.yaml (only --device, --precision and -q may be given); it ends with the results of an "
+        "uninterrupted run",
+    )
     _track_option(r)
     r.set_defaults(func=cmd_run)
 

@@ -21,7 +21,14 @@ from proteus.config import RunConfig
 from proteus.core.estimator import Proteus
 from proteus.experiment.evaluate import Evaluator
 from proteus.experiment.results import build_results
-from proteus.experiment.store import build_learner, commit, kb_header, setup_run_log
+from proteus.experiment.store import (
+    build_learner,
+    check_split,
+    commit,
+    kb_header,
+    load_learner,
+    setup_run_log,
+)
 from proteus.experiment.tracking import Tracker
 from proteus.faults import crash_point
 from proteus.kb import KBError, KnowledgeBase
@@ -71,13 +78,43 @@ def learn_and_commit(
     return stats
 
 
-def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any]:
+def _check_resumable(out: Path) -> None:
+    if (out / "results.json").exists():
+        raise KBError(f"{out}: the run finished (results.json); there is nothing to resume")
+    if not (out / "config.yaml").is_file():
+        raise KBError(f"{out}: no config.yaml: not a run directory; give the --out of an interrupted run")
+
+
+def _resumed(
+    cfg: RunConfig, kb_dir: Path, stream: TaskStream, progress: bool
+) -> tuple[ContinualLearner | None, KnowledgeBase | None, list[dict[str, Any]]]:
+    """An interrupted run's learner and knowledge base (None before its first commit) and the statistics
+    of the tasks it committed (as its manifest keeps them: without wall-clock times)."""
+    if not KnowledgeBase.exists(kb_dir):
+        return None, None, []
+    kb = KnowledgeBase.open(kb_dir)
+    check_split(kb, stream)
+    tasks = kb.manifest["tasks"]
+    if not tasks:
+        return None, kb, []
+    clf = load_learner(
+        kb, "proteus run --resume", device=cfg.device, precision=cfg.precision, progress=progress
+    )
+    log.info("resuming %s at task %d of %d", kb_dir.parent, len(tasks) + 1, len(stream.tasks))
+    return clf, kb, [dict(t.get("stats") or {}) for t in tasks]
+
+
+def run(cfg: RunConfig, out: str | Path, progress: bool = True, resume: bool = False) -> dict[str, Any]:
     """The whole continual loop in one process, for any method's learner; writes config.yaml, split.json,
     log.txt, kb/, train_log.csv (one row per optimisation step), results.json, acc_matrix.csv and, for
     PROTEUS methods, analysis.json and (``report.figures``) report.md with figures/
     (:mod:`proteus.report`). The training curves and accuracies go out as events
     (:mod:`proteus.experiment.tracking`): to the CSVs always, to TensorBoard / W&B with
-    ``report.tracking``, task by task while the run goes on."""
+    ``report.tracking``, task by task while the run goes on.
+
+    ``resume``: continue an interrupted run in ``out`` from its knowledge base's last committed task (the
+    learner read back from it, the earlier tasks' rows and statistics from its manifest); the results are
+    those of an uninterrupted run."""
     out = Path(out)
     main = dist.is_main()  # under torchrun only rank 0 writes files (proteus.distributed)
     handler = setup_run_log(out) if main else None
@@ -86,24 +123,33 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True) -> dict[str, Any
     try:
         t0 = time.perf_counter()
         kb_dir = out / "kb"
-        if KnowledgeBase.exists(kb_dir) or (out / "results.json").exists():
-            raise KBError(f"{out}: holds a run already; choose a new --out (runs never overwrite a KB)")
+        if resume:
+            _check_resumable(out)
+        elif KnowledgeBase.exists(kb_dir) or (out / "results.json").exists():
+            raise KBError(
+                f"{out}: holds a run already; choose a new --out (runs never overwrite a KB), or continue an "
+                f"interrupted run with `proteus run --resume {out}`"
+            )
         # the sinks are checked (names, packages) before any work; only rank 0 writes to them
         tracker = Tracker.for_run(out, cfg.report.tracking, enabled=main)
-        if main:
+        if main and not resume:
             (out / "config.yaml").write_text(cfg.to_yaml())
         stream = build_benchmark(cfg.benchmark)
-        if main:
+        if main and not resume:
             stream.write_manifest(out / "split.json")
         log.info("run %s on %s: %d tasks (%s)", cfg.method, stream.name, len(stream.tasks), dist.describe())
         tracker.start(out, cfg.to_dict(), cfg.method, stream.name, len(stream.tasks))
-        clf = build_learner(cfg, progress=progress)
-        # a new knowledge base, in memory until its first commit (nothing is written if task 1 fails);
-        # under torchrun only rank 0 commits, and the others read its commits back
-        kb = KnowledgeBase.new(kb_dir, kb_header(clf, stream))
+        clf, kb, per_task = _resumed(cfg, kb_dir, stream, progress) if resume else (None, None, [])
+        if clf is None:
+            clf = build_learner(cfg, progress=progress)
+        if kb is None:
+            # a new knowledge base, in memory until its first commit (nothing is written if task 1 fails);
+            # under torchrun only rank 0 commits, and the others read its commits back
+            kb = KnowledgeBase.new(kb_dir, kb_header(clf, stream))
         evaluator = Evaluator(clf, stream)
-        per_task = []
-        for k in range(len(stream.tasks)):
+        if per_task:
+            tracker.resume(kb.manifest["evaluation"][: len(per_task)])
+        for k in range(len(per_task), len(stream.tasks)):
             stats = learn_and_commit(clf, kb, stream, k, evaluator)
             st = stats if isinstance(stats, dict) else stats.to_dict()
             ev = kb.manifest["evaluation"][-1] if kb.manifest["evaluation"] else None

@@ -19,6 +19,7 @@ dropped with a warning and the run goes on; the CSV sink's errors stop the run a
 
 from __future__ import annotations
 
+import csv
 import importlib
 import logging
 import math
@@ -137,6 +138,11 @@ class Sink:
     def close(self, ok: bool = True) -> None:
         """Release files and connections (``ok``: the run finished)."""
 
+    def resume(self, tasks_done: int) -> int:
+        """An interrupted run goes on after ``tasks_done`` tasks: drop what the sink holds of later tasks;
+        returns the steps it keeps (0 when it keeps none)."""
+        return 0
+
 
 SINKS: Registry[type[Sink]] = Registry("report.tracking sink")
 
@@ -159,6 +165,17 @@ class CsvSink(Sink):
 
     def steps(self, task: int, steps: Sequence[Step]) -> None:
         append_train_log(self.run_dir / "train_log.csv", task, (s.row() for s in steps))
+
+    def resume(self, tasks_done: int) -> int:
+        path = self.run_dir / "train_log.csv"
+        if not path.is_file():
+            return 0
+        with path.open(newline="") as f:
+            rows = list(csv.reader(f))
+        keep = [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= tasks_done]
+        with path.open("w", newline="") as f:
+            csv.writer(f).writerows([rows[0], *keep])
+        return len(keep)
 
     def task_end(self, event: TaskEnd) -> None:
         if event.matrix:  # the matrix so far, so a running job's acc_matrix.csv opens in pandas
@@ -377,6 +394,13 @@ class Tracker:
 
     def run_end(self, results: dict[str, Any]) -> None:
         self._emit("run_end", RunEnd(results))
+
+    def resume(self, evaluation: Sequence[dict[str, Any]]) -> None:
+        """Go on with an interrupted run whose first ``len(evaluation)`` tasks are committed (their
+        evaluation entries): the accuracy matrix so far, and each sink without what it held of later
+        tasks."""
+        self._matrix = [list(e["row"]) for e in evaluation if e]
+        self.global_step = max((s.resume(len(evaluation)) for s in self.sinks), default=0)
 
     def close(self, ok: bool = True) -> None:
         """Close every sink, each once. After a finished run (``ok``) a CSV error is raised once all are
