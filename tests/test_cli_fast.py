@@ -44,3 +44,37 @@ def test_a_missing_image_is_named_before_any_model_loads(tmp_path) -> None:  # n
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.stdout.split() == ["2", "False"], p.stdout + p.stderr
     assert "no such image file: nothere.jpg" in p.stderr
+
+
+def test_a_failed_command_leaves_no_empty_folder(tmp_path, capsys) -> None:  # noqa: ANN001
+    """A run or a first ``learn`` that fails before its first commit leaves nothing behind."""
+    from proteus.cli import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (
+        main(["run", "--benchmark", "cifar10", "--data", str(empty), "--out", str(tmp_path / "r"), "-q"]) == 2
+    )
+    assert not (tmp_path / "r").exists()
+    kb = tmp_path / "new-kb"
+    assert main(["learn", "--kb", str(kb), "--benchmark", "cifar-10", "--task", "1", "-q"]) == 2
+    assert "unknown benchmark 'cifar-10'" in capsys.readouterr().err and not kb.exists()
+
+
+def test_every_command_has_a_description_and_examples() -> None:
+    import argparse
+
+    from proteus.cli import build_parser
+
+    missing = []
+
+    def walk(name: str, p: argparse.ArgumentParser) -> None:
+        if not p.description or "examples:" not in (p.epilog or ""):
+            missing.append(name)
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub, sp in a.choices.items():
+                    walk(f"{name} {sub}", sp)
+
+    walk("proteus", build_parser())
+    assert not missing, missing

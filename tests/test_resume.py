@@ -17,8 +17,8 @@ from proteus.cli import main
 from proteus.faults import ENV
 from tiny import sets
 
-ARGS = ["--benchmark", "quickstart", "--method", "proteus", "-q",
-        *sets("benchmark.max_train_per_class=20", "report.figures=false", "report.latency=false")]  # fmt: skip
+SETS = sets("benchmark.max_train_per_class=20", "report.figures=false", "report.latency=false")
+ARGS = ["--benchmark", "quickstart", "--method", "proteus", "-q", *SETS]
 TIMING = ("seconds", "latency", "figures", "peak_gpu_mb")
 
 

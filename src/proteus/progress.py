@@ -28,7 +28,7 @@ PLAIN_EVERY = 0.25
 #: ... when at least this many seconds have passed since the bar's start or its last line
 PLAIN_MIN_GAP = 5.0
 #: and a line at least this often (seconds) while a bar runs
-PLAIN_INTERVAL = 30.0
+PLAIN_INTERVAL = 10.0
 
 
 def is_tty(stream: IO[str] | None) -> bool:

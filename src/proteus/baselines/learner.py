@@ -327,7 +327,7 @@ class ContinualClassifier:
         seed = task_seed(cfg.seed, k)
         torch.manual_seed(seed)
         if not cfg.train.augment:
-            z, y_all = self.prefix_dataset(task.train, f"task {k + 1}: prefix")
+            z, y_all = self.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
             return seed, z, y_all, None
         gl = torch.Generator().manual_seed(seed)
         loader = torch.utils.data.DataLoader(

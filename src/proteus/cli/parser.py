@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 from collections.abc import Callable
 
 from proteus.cli.commands import (
@@ -146,6 +147,99 @@ def _add_precision(p: argparse.ArgumentParser) -> None:
         help="the backbone's forward passes: auto (default: bf16 autocast on CUDA, fp32 elsewhere), bf16, "
         "fp32 (exact reproduction) or tf32 (float32 with TF32 matmuls on CUDA)",
     )
+
+
+#: each command's description and examples, where its parser does not give its own: (description, examples)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": (
+        "Learn a task stream with one method in one process: each task learned, evaluated on every test set "
+        "so far and committed to the run's knowledge base; results.json, train_log.csv and acc_matrix.csv "
+        "in the run directory. An interrupted run goes on with --resume.",
+        "proteus run --benchmark quickstart --out runs/q\n"
+        "proteus run --benchmark cifar10 --data ~/data/cifar10 --config mobilenet_cpu --method ranpac\n"
+        "proteus run --resume runs/q                 # after Ctrl-C, a crash or a killed job",
+    ),
+    "quickstart": (
+        "The offline demo: scikit-learn's digits in 5 tasks of 2 classes on MobileNetV2 with ImageNet "
+        "weights; prints the accuracy after each task.",
+        "proteus quickstart --out runs/quickstart",
+    ),
+    "learn": (
+        "Learn task K of a stream into a knowledge base that holds tasks 1..K-1 (a new process per task: "
+        "add a task today, the next one next month). Options that define the model must equal the "
+        "knowledge base's; per-task ones (epochs, learning rate, batch sizes, device) may change and are "
+        "recorded with the task. The result equals `proteus run` on the same stream.",
+        "proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 1\n"
+        "proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 2 --set train.epochs=5\n"
+        "proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 3 --no-eval --wait",
+    ),
+    "evaluate": (
+        "Evaluate a knowledge base on the test sets of the tasks it holds (the stream it was learned on, "
+        "or --benchmark / --data): the accuracy matrix's last row, retrieval and oracle accuracy.",
+        "proteus evaluate --kb kb/ --data DATA\nproteus evaluate --kb kb/ --data DATA --out runs/eval",
+    ),
+    "compare": (
+        "Run several methods over several seeds on one stream and print a Table-1-style summary (mean and "
+        "spread); finished runs in --out are reused, so an interrupted compare resumes.",
+        "proteus compare --benchmark quickstart --methods proteus,ranpac,frozen --seeds 0,1,2\n"
+        "proteus compare --benchmark domains5 --config mobilenet_cpu --methods proteus,ranpac --out runs/d5",
+    ),
+    "bench": (
+        "The performance harness (tools/perf, from a checkout): each ratio measured side by side in one "
+        "process (docs/performance.md).",
+        "proteus bench --out runs/bench.json",
+    ),
+    "weights": (
+        "Provision pretrained weights into the torch hub cache (offline fallbacks included).",
+        "proteus weights fetch mobilenet_v2",
+    ),
+    "weights fetch": (
+        "Download (or obtain offline) a backbone's weights and verify their sha256.",
+        "proteus weights fetch mobilenet_v2",
+    ),
+    "data": (
+        "Build datasets from local material.",
+        "proteus data abrupt --cifar ../data/cifar10 --out data/abrupt",
+    ),
+    "data abrupt": (
+        "Build the CIFAR-10 / digits sequence: CIFAR-10 classes alternating with handwritten digits.",
+        "proteus data abrupt --cifar ../data/cifar10 --out data/abrupt",
+    ),
+    "kb": ("Inspect and manage a knowledge base; every change is a commit (undo reverts it).", ""),
+    "kb verify": (
+        "Check every object's checksum and the manifest; list every problem found.",
+        "proteus kb verify kb/",
+    ),
+    "kb info": (
+        "The knowledge base's backbone, method, tasks, classes, sizes and settings.",
+        "proteus kb info kb/",
+    ),
+    "kb list": ("One line per learned task: its classes and how it was learned.", "proteus kb list kb/"),
+    "kb sign": ("Sign the knowledge base's manifest with a key (HMAC-SHA256).", ""),
+    "kb gc": ("Remove files no commit refers to (left by an interrupted commit).", "proteus kb gc kb/"),
+    "kb calibrate": ("", "proteus kb calibrate kb/ --tpr 0.9\nproteus kb calibrate kb/ --images held_out/"),
+    "kb forget": ("Never predict a task again (its head statistics subtracted exactly).", ""),
+    "kb undo": (
+        "Make the previous commit the current state again (itself a commit: undo twice redoes).",
+        "proteus kb undo kb/",
+    ),
+    "list": ("List the registered backbones, benchmarks or methods.", "proteus list methods"),
+}
+
+
+def _describe(name: str, p: argparse.ArgumentParser) -> None:
+    """Give ``p`` (command ``name``) its description and examples from :data:`COMMANDS` where it has none,
+    then its sub-commands."""
+    desc, examples = COMMANDS.get(name, ("", ""))
+    if not p.description and desc:
+        p.description = textwrap.fill(desc, 100)
+    if not p.epilog and examples:
+        p.epilog = "examples:\n" + "\n".join(f"  {line}" for line in examples.splitlines())
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, sp in action.choices.items():
+                _describe(f"{name} {sub}".strip(), sp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,6 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="list backbones, benchmarks or methods")
     ls.add_argument("what", nargs="?", choices=["backbones", "benchmarks", "methods"])
     ls.set_defaults(func=cmd_list)
+    _describe("", p)
     return p
 
 

@@ -173,7 +173,7 @@ class ProteusParts:
         devices.reset_peak_memory(self.device)
         clock = partial(devices.clock, self.device)  # waits for the GPU's queued work
         t0 = clock()
-        z, y = self.embedder.prefix_dataset(task.train, f"task {k + 1}: prefix")
+        z, y = self.embedder.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
         sec["prefix"] = clock() - t0
         crash_point("learn:prefix")
         t0 = clock()

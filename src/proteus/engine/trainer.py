@@ -212,7 +212,7 @@ class AdapterTrainer:
         n = y_local.shape[0]
         bs = tc.batch_size
         steps = tc.epochs * math.ceil(n / bs)
-        bar = emb.bar(range(steps), f"task {k + 1}: train", total=steps)
+        bar = emb.bar(range(steps), f"task {k + 1}: training its adapter", total=steps)
         it: Iterator[Any] = iter(())
         img_loader = None
         if z_train is None:

@@ -16,6 +16,7 @@ import torch
 
 from proteus.learners import ContinualLearner
 from proteus.metrics import accuracy
+from proteus.progress import bar as progress_bar
 from proteus.streams import TaskStream
 
 __all__ = ["Evaluation", "Evaluator"]
@@ -39,8 +40,12 @@ class Evaluator:
     learner's :meth:`predict_test` reads them through this object (a
     :class:`~proteus.learners.TestCache`)."""
 
-    def __init__(self, clf: ContinualLearner, stream: TaskStream, cache_bytes: int = 2 << 30) -> None:
+    def __init__(
+        self, clf: ContinualLearner, stream: TaskStream, cache_bytes: int = 2 << 30, hint: str = ""
+    ) -> None:
         self.clf = clf
+        #: said beside the evaluation's progress (``proteus learn``: how to skip it)
+        self.hint = hint
         self.stream = stream
         self.cache_bytes = cache_bytes
         self._z: dict[int, torch.Tensor] = {}
@@ -52,7 +57,9 @@ class Evaluator:
     def prefix(self, tau: int) -> torch.Tensor:
         """The frozen-prefix outputs of test set tau (cached while they fit in ``cache_bytes``)."""
         if tau not in self._z:
-            z, y = self.clf.prefix_dataset(self.stream.tasks[tau].test, f"test {tau + 1}: prefix")
+            z, y = self.clf.prefix_dataset(
+                self.stream.tasks[tau].test, f"evaluating: embedding the test images of task {tau + 1}"
+            )
             self._y[tau] = y
             used = sum(v.numel() * v.element_size() for v in self._z.values())
             if used + z.numel() * z.element_size() > self.cache_bytes:
@@ -86,7 +93,8 @@ class Evaluator:
         oracle_row: list[float] = []
         n_correct_ret = n_total = 0
         retrieval = False
-        for tau in range(k + 1):
+        desc = f"task {k + 1}: evaluating tasks 1-{k + 1}{self.hint}"
+        for tau in progress_bar(range(k + 1), desc=desc, enabled=bool(getattr(self.clf, "progress", False))):
             y = self.labels(tau)
             out = self.clf.predict_test(self, tau, k)
             row.append(accuracy(out.label, y))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,11 +109,17 @@ def learn_task(
         raise KBError(f"{kb_dir}: is a file, not a knowledge-base directory; choose another --kb")
     if not KnowledgeBase.exists(kb_dir):  # refused before the lock leaves anything on disk
         check_supports(build_learner(new_config(), progress=False), "load", _LEARN)
+    created = not kb_dir.exists()
     lock = write_lock(kb_dir, wait=wait) if dist.is_main() else contextlib.nullcontext()
-    with lock:
-        if dist.is_main():
-            KnowledgeBase.check_writable(kb_dir)
-        return _learn_locked(kb_dir, task, new_config, given, evaluate, progress)
+    try:
+        with lock:
+            if dist.is_main():
+                KnowledgeBase.check_writable(kb_dir)
+            return _learn_locked(kb_dir, task, new_config, given, evaluate, progress)
+    except BaseException:  # a first task that failed (or was stopped) leaves no empty knowledge-base folder
+        if created and dist.is_main() and not KnowledgeBase.exists(kb_dir):
+            shutil.rmtree(kb_dir, ignore_errors=True)
+        raise
 
 
 def _learn_locked(
@@ -156,7 +163,7 @@ def _learn_locked(
     elif empty:  # nothing was learned into it: this first commit replaces its header
         kb.manifest.update(kb_header(clf, stream))
     check_learned_tasks(kb, stream)
-    evaluator = Evaluator(clf, stream) if evaluate else None
+    evaluator = Evaluator(clf, stream, hint=" (skip with --no-eval)") if evaluate else None
     learn_and_commit(clf, kb, stream, k, evaluator)
     ev = None
     if evaluate and kb.manifest["evaluation"]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,7 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True, resume: bool = F
     those of an uninterrupted run."""
     out = Path(out)
     main = dist.is_main()  # under torchrun only rank 0 writes files (proteus.distributed)
+    created = main and not out.exists()  # a run that fails before its first commit leaves no folder
     handler = setup_run_log(out) if main else None
     tracker: Tracker | None = None
     ok = False
@@ -197,3 +199,6 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True, resume: bool = F
             tracker.close(ok)
         if handler is not None:
             logging.getLogger("proteus").removeHandler(handler)
+            handler.close()
+        if not ok and created and not KnowledgeBase.exists(out / "kb"):
+            shutil.rmtree(out, ignore_errors=True)
