@@ -43,7 +43,7 @@ def test_a_missing_image_is_named_before_any_model_loads(tmp_path) -> None:  # n
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.stdout.split() == ["2", "False"], p.stdout + p.stderr
-    assert "no such image file: nothere.jpg" in p.stderr
+    assert "nothere.jpg: no such file" in p.stderr
 
 
 def test_a_failed_command_leaves_no_empty_folder(tmp_path, capsys) -> None:  # noqa: ANN001

@@ -193,10 +193,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from proteus.images import ImageError, describe_skipped
 
-    missing = [f for f in args.images if not Path(f).is_file()]  # said before any model is loaded
-    if missing and not args.skip_unreadable:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise ImageError(f"no such image file: {shown} (--skip-unreadable goes on without them)")
+    if not args.skip_unreadable:  # said before any model is loaded
+        for f in args.images:
+            if Path(f).is_dir():
+                raise ImageError.for_file(f, "is a directory, not an image file")
+            if not Path(f).exists():
+                raise ImageError.for_file(f, "no such file (--skip-unreadable goes on without it)")
     from proteus.experiment.batches import predict_images
     from proteus.experiment.predictions import NOT_CHECKED, format_row, prediction_rows
     from proteus.experiment.store import load_learner
