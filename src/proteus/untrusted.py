@@ -308,3 +308,25 @@ def refuse(e: BaseException) -> bool:
     """Whether ``e`` is one of this module's refusals (for callers that report them as a document's
     problem)."""
     return isinstance(e, (InputError, BudgetError, SpecialFileError))
+
+
+# ------------------------------------------------------------------------------------------- terminal
+#: characters a terminal would act on rather than show: C0 and C1 controls, DEL, the bidirectional
+#: overrides, embeddings, isolates and marks, the line and paragraph separators, and lone surrogates
+_UNPRINTABLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or (
+        f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+    )
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters (ANSI escapes, newlines), bidirectional
+    controls (a right-to-left override) and lone surrogates written as escapes (``\\x1b``, ``\\n``,
+    ``\\u202e``); everything else unchanged."""
+    return _UNPRINTABLE.sub(_escape, text)
