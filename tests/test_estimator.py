@@ -34,7 +34,7 @@ LAYERS = {
     "engine": 2, "methods": 1,
     "adapters": 0, "signatures": 0, "heads": 0, "kb": 0, "backbones": 0, "streams": 0, "config": 0,
     "registry": 0, "metrics": 0, "distributed": 0, "devices": 0, "faults": 0, "images": 0, "errors": 0,
-    "progress": 0,
+    "progress": 0, "budgets": 0, "untrusted": 0,
     "_version": -1,
 }  # fmt: skip
 
@@ -101,8 +101,6 @@ CLASS_BUDGET_EXCEPTIONS = {
     "core/estimator.py::Proteus": "the public face over eight parts (embedder, trainer, keys, class heads, "
     "records, ...): fit_task, predict, forget, state and the scikit-learn parameters, each a short "
     "delegation; the parts themselves fit the budget",
-    "kb/store.py::KnowledgeBase": "the transactional store: open, commit, undo and sweep share one lock "
-    "and one consistent snapshot",
     "heads/ranpac.py::RanPACHead": "one scikit-learn-style estimator: statistics, gamma selection, "
     "decision function and downdate over the same Gram matrices",
     "baselines/learner.py::ContinualClassifier": "the baselines' base learner: its training step, "

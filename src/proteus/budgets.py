@@ -31,6 +31,8 @@ class Budget:
     unit: str
     protects: str
     option: str = ""
+    #: whether ``$PROTEUS_LIMIT_<NAME>`` applies (False: only ``option`` does, a setting of its own)
+    from_env: bool = True
 
     @property
     def env(self) -> str:
@@ -38,7 +40,8 @@ class Budget:
 
     @property
     def how_to_raise(self) -> str:
-        return f"{self.option} or ${self.env}" if self.option else f"${self.env}"
+        ways = [self.option] if self.option else []
+        return " or ".join([*ways, f"${self.env}"] if self.from_env else ways)
 
 
 _MIB = 1 << 20
@@ -49,7 +52,7 @@ BUDGETS: dict[str, Budget] = {
     for b in (
         Budget("image_pixels", 64_000_000, "pixels",
                "memory of one decoded image: width x height read from the header, before decoding",
-               "--max-pixels / eval.max_image_pixels"),
+               "--max-pixels / eval.max_image_pixels", from_env=False),
         Budget("request_pixels", 256_000_000, "pixels",
                "memory and time of one `serve` request: the sum of its images' width x height, from their "
                "headers before any is decoded (each image is resized right after decoding)",
@@ -97,7 +100,7 @@ class BudgetError(ProteusError, ValueError):
 def limit(name: str) -> int:
     """The budget ``name`` in force: ``$PROTEUS_LIMIT_<NAME>`` when it is set, else its default."""
     b = BUDGETS[name]
-    raw = os.environ.get(b.env, "").strip()
+    raw = os.environ.get(b.env, "").strip() if b.from_env else ""
     if not raw:
         return b.default
     try:

@@ -29,6 +29,8 @@ from typing import Any
 import yaml
 
 from proteus.errors import ProteusError
+from proteus.untrusted import load_yaml as untrusted_yaml
+from proteus.untrusted import read_regular_text, yaml_has_tag
 
 
 @dataclass
@@ -628,7 +630,7 @@ def merge(obj: Any, data: dict[str, Any], where: str = "config") -> None:
 
 
 def _has_tag(raw: str) -> bool:
-    return any(isinstance(t, yaml.TagToken) for t in yaml.scan(raw, Loader=yaml.SafeLoader))
+    return yaml_has_tag(raw, "--set")
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -647,7 +649,7 @@ def parse_set(items: list[str]) -> dict[str, Any]:
                 raise ConfigError(
                     f"--set {key}: YAML tags are not allowed in a value ({raw.strip()!r}); give a plain value"
                 )
-            value = yaml.safe_load(raw) if raw.strip() != "" else None
+            value = untrusted_yaml(raw, f"--set {key}") if raw.strip() != "" else None
         except yaml.YAMLError as e:
             why = getattr(e, "problem", None) or " ".join(str(e).split())
             raise ConfigError(f"--set {key}: not a valid YAML value: {raw!r} ({why})") from None
@@ -666,7 +668,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = untrusted_yaml(read_regular_text(p), str(p)) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML ({' '.join(str(e).split())})") from None
     except RecursionError:
