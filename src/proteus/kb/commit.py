@@ -40,6 +40,7 @@ from proteus.kb.files import (
     _now,
     _refs,
     _sha,
+    kept_name,
     log,
     manifest_checksum,
     read_kb_file,
@@ -100,6 +101,9 @@ class Commit:
         self.root, self.objects, self.expected_sha = root, objects, expected_sha
         self.previous: bytes | None = None
         self.prev_before: bytes | None = None  # manifest.prev.json before this commit (b"": none)
+        self.written: bytes | None = None  # the new manifest once its rename is done (the commit point)
+        self.first = False
+        self.kept: Path | None = None  # a hard link to the manifest.prev.json this commit replaces
 
     def current(self) -> bytes | None:
         """The bytes of manifest.json now (None if there is none); refuses when another writer committed
@@ -153,6 +157,7 @@ class Commit:
     def write(self, manifest: dict[str, Any], first: bool, check_free: Any) -> bytes:
         """Write the sealed ``manifest`` (after the objects it needs, and the copy of the current state to
         manifest.prev.json); returns its bytes. Any failure: :meth:`abandon`, then the error."""
+        self.first = first
         try:
             if first:
                 self.begin_first(check_free)
@@ -163,13 +168,35 @@ class Commit:
             if self.previous is not None:
                 prev = read_kb_file(self.root, PREV_MANIFEST)
                 self.prev_before = b"" if prev is None else prev
+                if prev is not None:
+                    self._keep_previous()
                 _atomic_write(self.root / PREV_MANIFEST, self.previous)
             data = json.dumps(manifest).encode()
             _atomic_write(self.root / MANIFEST, data, "commit:manifest-tmp")
+            self.written = data
         except BaseException:
             self.abandon()
             raise
+        self._drop_kept()
         return data
+
+    def _keep_previous(self) -> None:
+        """Hard-link manifest.prev.json before it is replaced: putting it back is then one rename, which
+        works even when no file can be opened (a failing device)."""
+        kept = self.root / kept_name(os.getpid())
+        with contextlib.suppress(OSError):
+            os.unlink(kept)
+        try:
+            os.link(self.root / PREV_MANIFEST, kept, follow_symlinks=False)
+        except OSError:  # no hard links here: abandon() writes the bytes back instead
+            return
+        self.kept = kept
+
+    def _drop_kept(self) -> None:
+        if self.kept is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.kept)
+            self.kept = None
 
     def sign(self, manifest: dict[str, Any], key: bytes) -> tuple[dict[str, Any], bytes]:
         """``kb sign``: write ``manifest`` (the current state) and manifest.prev.json again in the newest
@@ -190,27 +217,22 @@ class Commit:
         return current, data
 
     def abandon(self) -> None:
-        """After a failed write or commit: remove the objects written since the last commit that neither
-        manifest on disk references; put back manifest.prev.json (``prev_before``, empty when there was
-        none) unless the new manifest landed; after a failed first commit, the marker and the empty
-        ``objects/`` too. Best effort: it never raises."""
-        root = self.root
-        try:
-            current = read_kb_file(root, MANIFEST)
-        except (OSError, ProteusError):
-            return  # cannot tell what is referenced: delete nothing
-        landed = self.previous is None or current != self.previous
+        """After a failed write or commit: remove the objects written since the last commit that no manifest
+        references (the state replaced, the previous one, the new one if it landed: known without reading a
+        file, so that this works on a device that keeps failing, and whatever is on disk now); put back
+        manifest.prev.json (``prev_before``, empty when there was none) unless the new manifest landed;
+        after a failed first commit, the marker and the empty ``objects/`` too. Best effort: it never
+        raises."""
+        root, landed = self.root, self.written is not None
         keep: set[str] = set()
-        for data in (current, None if landed else self.prev_before):
-            if data:
-                try:
-                    keep |= {Path(rel).name for _, rel, _ in _refs(load_json(data, MANIFEST))}
-                except (ProteusError, AttributeError):
-                    return
-        previous = previous_names(root)
-        if previous is None:
-            return
-        keep |= previous
+        for data in (self.previous, self.prev_before, self.written):
+            keep |= _names(data)
+        try:
+            keep |= _names(read_kb_file(root, MANIFEST))
+        except (OSError, ProteusError):
+            pass
+        on_disk = previous_names(root)
+        keep |= on_disk or set()
         for rel in self.objects.written:
             if Path(rel).name not in keep:
                 with contextlib.suppress(OSError):
@@ -218,14 +240,29 @@ class Commit:
         self.objects.written.clear()
         if not landed and self.prev_before is not None:
             with contextlib.suppress(OSError, KBError):
-                if self.prev_before:
+                if self.kept is not None:
+                    os.replace(self.kept, root / PREV_MANIFEST)
+                    self._drop_kept()  # a rename onto the same file (not replaced yet) leaves both names
+                elif self.prev_before:
                     _atomic_write(root / PREV_MANIFEST, self.prev_before)
                 else:
                     (root / PREV_MANIFEST).unlink()
-        if current is None and (root / FIRST_COMMIT).exists():  # a failed first commit
+        if landed:
+            self._drop_kept()  # else: a kept link that could not be renamed back is left to the sweep
+        if self.first and not landed:  # a failed first commit
             with contextlib.suppress(OSError):
                 (root / OBJECTS).rmdir()  # only when empty
                 (root / FIRST_COMMIT).unlink()
+
+
+def _names(data: bytes | None) -> set[str]:
+    """Names of the objects the manifest ``data`` references (none when it is None or not a manifest)."""
+    if not data:
+        return set()
+    try:
+        return {Path(rel).name for _, rel, _ in _refs(load_json(data, MANIFEST))}
+    except (ProteusError, AttributeError):
+        return set()
 
 
 def _resigned(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:

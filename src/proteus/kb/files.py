@@ -351,9 +351,16 @@ def _pid_running(pid: int) -> bool:
 
 
 def _tmp_pid(name: str) -> int | None:
-    """The pid in a temporary file's name (``.<name>.tmp-<pid>``), or None."""
+    """The pid in a temporary file's name (``.<name>.tmp-<pid>``, ``.<name>.tmp-<pid>.kept``), or None."""
     tail = name.rsplit(".tmp-", 1)
-    return int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else None
+    pid = tail[1].split(".", 1)[0] if len(tail) == 2 else ""
+    return int(pid) if pid.isdigit() else None
+
+
+def kept_name(pid: int) -> str:
+    """The hard link to manifest.prev.json that a commit keeps while it replaces it (so that putting it
+    back is one rename, which needs no file to be opened)."""
+    return f".{PREV_MANIFEST}.tmp-{pid}.kept"
 
 
 def _kb_files(root: Path) -> list[str]:
