@@ -1,6 +1,6 @@
 """The budgets (:mod:`proteus.budgets`) and the parsers that keep to them (:mod:`proteus.untrusted`): the
-table of docs/reliability.md is the declarations', each parser refuses what the adversarial review found, by name
-and with exit code 2 on the command line."""
+table of docs/reliability.md is the declarations', each parser refuses what the adversarial review found,
+by name and with exit code 2 on the command line."""
 
 from __future__ import annotations
 
