@@ -43,11 +43,26 @@ from PIL import Image
 LIMIT_S = 30.0
 MEMORY_MARGIN_MB = 500.0
 TINY = [
-    "--backbone", "vit_ti16", "--device", "cpu", "-q",
-    *[a for s in ("backbone.pretrained=false", "backbone.img_size=32", "backbone.adapt_last=2", "train.epochs=1",
-                  "head.rp_dim=256", "signature.max_components=2", "signature.max_iter=20", "signature.rank=8")
-      for a in ("--set", s)],
-]  # fmt: skip
+    "--backbone",
+    "vit_ti16",
+    "--device",
+    "cpu",
+    "-q",
+    *[
+        a
+        for s in (
+            "backbone.pretrained=false",
+            "backbone.img_size=32",
+            "backbone.adapt_last=2",
+            "train.epochs=1",
+            "head.rp_dim=256",
+            "signature.max_components=2",
+            "signature.max_iter=20",
+            "signature.rank=8",
+        )
+        for a in ("--set", s)
+    ],
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -161,8 +176,23 @@ def build(work: Path) -> dict[str, Path]:
                     write_png(data / split / c / f"{i}.png", 1000 * ci + 10 * i + (split == "test"))
         spec.write_text("tasks: [[a, b], [c, d]]\n")
         for task in (1, 2):
-            rc, s, _, out = run(["learn", "--kb", str(kb), "--task", str(task), "--benchmark", "folder", "--data",
-                                 str(data), "--tasks", str(spec), *TINY], timeout=600)  # fmt: skip
+            rc, s, _, out = run(
+                [
+                    "learn",
+                    "--kb",
+                    str(kb),
+                    "--task",
+                    str(task),
+                    "--benchmark",
+                    "folder",
+                    "--data",
+                    str(data),
+                    "--tasks",
+                    str(spec),
+                    *TINY,
+                ],
+                timeout=600,
+            )
             assert rc == 0, out
     img = data / "test" / "a" / "0.png"
     return {"data": data, "spec": spec, "kb": kb, "img": img}
@@ -220,11 +250,18 @@ def kb_case(
         if check is not None:
             note = check(command, out) or note
         bad = "internal error" in out or "Traceback" in out
-        ok = (rc in allowed and not bad and s < LIMIT_S and mb <= base + MEMORY_MARGIN_MB
-              and (intact or command in ("gc", "undo")))  # fmt: skip
+        ok = (
+            rc in allowed
+            and not bad
+            and s < LIMIT_S
+            and mb <= base + MEMORY_MARGIN_MB
+            and (intact or command in ("gc", "undo"))
+        )
         RESULTS.append(Result(name, command, rc, s, mb, base, intact, ok, note))
-        print(f"{'PASS' if ok else 'FAIL'} {name} / {command}: exit {rc}, {s:.1f} s, {mb:.0f} MB ({note})",
-              flush=True)  # fmt: skip
+        print(
+            f"{'PASS' if ok else 'FAIL'} {name} / {command}: exit {rc}, {s:.1f} s, {mb:.0f} MB ({note})",
+            flush=True,
+        )
 
 
 def _link(target: Path | str, name: str = "manifest.json") -> Callable[[Path], None]:
@@ -326,10 +363,20 @@ def kb_cases(w: dict[str, Path], work: Path) -> None:
     kb_case(w, work, "manifest.json -> a valid manifest outside", _link(outside), refuse)
     kb_case(w, work, "manifest.json -> /dev/zero", _link("/dev/zero"), refuse)
     kb_case(w, work, "manifest.json a FIFO", _fifo("manifest.json"), refuse)
-    kb_case(w, work, "manifest.prev.json a FIFO", _fifo("manifest.prev.json"),
-            {"verify": (1,), "info": (0,), "predict": (0,), "gc": (0,), "undo": (2,)})  # fmt: skip
-    kb_case(w, work, "manifest.prev.json -> /dev/zero", _link("/dev/zero", "manifest.prev.json"),
-            {"verify": (1,), "info": (0,), "predict": (0,), "gc": (0,)})  # fmt: skip
+    kb_case(
+        w,
+        work,
+        "manifest.prev.json a FIFO",
+        _fifo("manifest.prev.json"),
+        {"verify": (1,), "info": (0,), "predict": (0,), "gc": (0,), "undo": (2,)},
+    )
+    kb_case(
+        w,
+        work,
+        "manifest.prev.json -> /dev/zero",
+        _link("/dev/zero", "manifest.prev.json"),
+        {"verify": (1,), "info": (0,), "predict": (0,), "gc": (0,)},
+    )
     kb_case(w, work, "object a FIFO", lambda kb: _fifo(manifest(kb)["tasks"][0]["object"])(kb), refuse)
     kb_case(w, work, "object sparse 3 GB (size recorded)", _sparse_object(False), refuse)
     kb_case(w, work, "object sparse 3 GB (format 2: no size)", _sparse_object(True), refuse)
@@ -343,11 +390,25 @@ def kb_cases(w: dict[str, Path], work: Path) -> None:
         refuse,
     )
     kb_case(w, work, "duplicate top-level keys", _text(lambda t: '{"tasks": [], ' + t[1:]), refuse)
-    kb_case(w, work, "ANSI, RTL, newline in class names",
-            _edit(lambda m: m["tasks"][0].update(class_names=["\x1b[31mred\x1b[0m", "\u202eevil\u202c\n  task 9: fake"])),
-            {"verify": (0,), "list": (0,), "info": (0,), "predict": (0,)}, _escaped)  # fmt: skip
-    kb_case(w, work, "lone surrogate in a class name",
-            _text(lambda t: t.replace('"class_names": ["', '"class_names": ["\\ud800', 1)), refuse)  # fmt: skip
+    kb_case(
+        w,
+        work,
+        "ANSI, RTL, newline in class names",
+        _edit(
+            lambda m: m["tasks"][0].update(
+                class_names=["\x1b[31mred\x1b[0m", "\u202eevil\u202c\n  task 9: fake"]
+            )
+        ),
+        {"verify": (0,), "list": (0,), "info": (0,), "predict": (0,)},
+        _escaped,
+    )
+    kb_case(
+        w,
+        work,
+        "lone surrogate in a class name",
+        _text(lambda t: t.replace('"class_names": ["', '"class_names": ["\\ud800', 1)),
+        refuse,
+    )
     kb_case(
         w,
         work,
@@ -355,11 +416,24 @@ def kb_cases(w: dict[str, Path], work: Path) -> None:
         _edit(_downgrade, recompute=False, drop_prev=False),
         refuse,
     )
-    kb_case(w, work, "format_version 1, no checksum, v3 keys dropped", _edit(
-        lambda m: (_downgrade(m), [m.pop(k) for k in ("sequence", "kb_id", "object_bytes")]), recompute=False,
-        drop_prev=False), refuse)  # fmt: skip
-    kb_case(w, work, "50 MB manifest (unknown field)", _edit(_big_unknown(50)),
-            {"verify": (0,), "info": (0,), "predict": (0,)})  # fmt: skip
+    kb_case(
+        w,
+        work,
+        "format_version 1, no checksum, v3 keys dropped",
+        _edit(
+            lambda m: (_downgrade(m), [m.pop(k) for k in ("sequence", "kb_id", "object_bytes")]),
+            recompute=False,
+            drop_prev=False,
+        ),
+        refuse,
+    )
+    kb_case(
+        w,
+        work,
+        "50 MB manifest (unknown field)",
+        _edit(_big_unknown(50)),
+        {"verify": (0,), "info": (0,), "predict": (0,)},
+    )
     kb_case(w, work, "70 MB manifest (over kb_manifest_bytes)", _edit(_big_unknown(70)), refuse)
     kb_case(
         w,
@@ -368,11 +442,22 @@ def kb_cases(w: dict[str, Path], work: Path) -> None:
         _edit(_many_classes),
         {"verify": (1,), "info": (0, 2), "predict": (2,)},
     )
-    # values inside config and records: the other half of the issue ("what kb verify accepts, every command loads")
-    kb_case(w, work, "class ids 2^52", _edit(lambda m: m["tasks"][0].update(classes=[2**52, 2**52 + 1])),
-            {"verify": (0, 1), "predict": (2,)}, lambda c, o: "other engineer's part")  # fmt: skip
-    kb_case(w, work, "config.backbone: true", _edit(lambda m: m["config"].update(backbone=True)),
-            {"verify": (0, 1), "info": (0, 2), "list": (0, 2), "predict": (2,)})  # fmt: skip
+    # values inside config and records: the other half of the issue (what verify accepts, every command loads)
+    kb_case(
+        w,
+        work,
+        "class ids 2^52",
+        _edit(lambda m: m["tasks"][0].update(classes=[2**52, 2**52 + 1])),
+        {"verify": (0, 1), "predict": (2,)},
+        lambda c, o: "other engineer's part",
+    )
+    kb_case(
+        w,
+        work,
+        "config.backbone: true",
+        _edit(lambda m: m["config"].update(backbone=True)),
+        {"verify": (0, 1), "info": (0, 2), "list": (0, 2), "predict": (2,)},
+    )
 
 
 def signature_cases(w: dict[str, Path], work: Path) -> None:
@@ -387,8 +472,19 @@ def signature_cases(w: dict[str, Path], work: Path) -> None:
     rc, s, mb, out = run(["kb", "sign", str(signed), "--key-file", str(key)])
     assert rc == 0, out
     rc, s, mb, out = run(["kb", "verify", str(signed), "--key-file", str(key)])
-    RESULTS.append(Result("H0 signed, verified with the key", "verify", rc, s, mb, BASE["verify"], True, rc == 0,
-                          out.strip().splitlines()[-1][:150]))  # fmt: skip
+    RESULTS.append(
+        Result(
+            "H0 signed, verified with the key",
+            "verify",
+            rc,
+            s,
+            mb,
+            BASE["verify"],
+            True,
+            rc == 0,
+            out.strip().splitlines()[-1][:150],
+        )
+    )
 
     def rolled_back(kb: Path) -> None:
         shutil.copy(kb / "manifest.prev.json", kb / "manifest.json")
@@ -409,14 +505,36 @@ def signature_cases(w: dict[str, Path], work: Path) -> None:
         before = tree(kb)
         rc, s, mb, out = run(["kb", "verify", str(kb), "--key-file", str(key)])
         ok = rc == 1 and s < LIMIT_S and tree(kb) == before
-        RESULTS.append(Result(name, "verify --key-file", rc, s, mb, BASE["verify"], tree(kb) == before, ok,
-                              out.strip().splitlines()[0][:150]))  # fmt: skip
+        RESULTS.append(
+            Result(
+                name,
+                "verify --key-file",
+                rc,
+                s,
+                mb,
+                BASE["verify"],
+                tree(kb) == before,
+                ok,
+                out.strip().splitlines()[0][:150],
+            )
+        )
     fifo = work / "key.fifo"
     if not fifo.exists():
         os.mkfifo(fifo)
     rc, s, mb, out = run(["kb", "verify", str(signed), "--key-file", str(fifo)])
-    RESULTS.append(Result("H8 FIFO key file", "verify --key-file", rc, s, mb, BASE["verify"], True, rc == 2 and s < LIMIT_S,
-                          out.strip()[:150]))  # fmt: skip
+    RESULTS.append(
+        Result(
+            "H8 FIFO key file",
+            "verify --key-file",
+            rc,
+            s,
+            mb,
+            BASE["verify"],
+            True,
+            rc == 2 and s < LIMIT_S,
+            out.strip()[:150],
+        )
+    )
 
 
 def cli_cases(w: dict[str, Path], work: Path) -> None:
@@ -443,13 +561,19 @@ def cli_cases(w: dict[str, Path], work: Path) -> None:
     if not fifo.exists():
         os.mkfifo(fifo)
     for name, argv in (
-        ("--set train.epochs= 5,000 digits", [*learn, "--tasks", str(w["spec"]), "--set", "train.epochs=" + "9" * 5000]),
-        ("--set train.epochs= 50k x [", [*learn, "--tasks", str(w["spec"]), "--set", "train.epochs=" + "[" * 50_000]),
+        (
+            "--set train.epochs= 5,000 digits",
+            [*learn, "--tasks", str(w["spec"]), "--set", "train.epochs=" + "9" * 5000],
+        ),
+        (
+            "--set train.epochs= 50k x [",
+            [*learn, "--tasks", str(w["spec"]), "--set", "train.epochs=" + "[" * 50_000],
+        ),
         ("tasks.yaml billion laughs", [*learn, "--tasks", str(laughs)]),
         ("tasks.yaml with 1 M classes", [*learn, "--tasks", str(many)]),
         ("a FIFO as an image", ["predict", "--kb", str(w["kb"]), str(fifo), "-q"]),
         ("/dev/zero as an image", ["predict", "--kb", str(w["kb"]), "/dev/zero", "-q"]),
-    ):  # fmt: skip
+    ):
         rc, s, mb, out = run(argv)
         ok = rc == 2 and s < LIMIT_S and "internal error" not in out and not kb.exists()
         note = out.strip().splitlines()[-1][:150] if out.strip() else ""
@@ -458,8 +582,14 @@ def cli_cases(w: dict[str, Path], work: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ serve
-def _request(port: int, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
-             timeout: float = 60) -> tuple[int, bytes]:  # fmt: skip
+def _request(
+    port: int,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request(method, path, body=body or None, headers=headers or {})
@@ -475,8 +605,14 @@ def _multipart(files: list[tuple[str, bytes]]) -> tuple[bytes, str]:
     boundary = "proteusrepro"
     out = b""
     for name, data in files:
-        out += (f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}"\r\n'
-                "Content-Type: image/png\r\n\r\n").encode() + data + b"\r\n"  # fmt: skip
+        out += (
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}"\r\n'
+                "Content-Type: image/png\r\n\r\n"
+            ).encode()
+            + data
+            + b"\r\n"
+        )
     return out + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
 
 
@@ -496,10 +632,28 @@ def serve_cases(w: dict[str, Path], work: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proteus", "serve", "--kb", str(kb), "--port", str(port), "--device", "cpu",
-         "--read-timeout", "5", "--request-timeout", "120", "--poll", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=ENV,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "proteus",
+            "serve",
+            "--kb",
+            str(kb),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--read-timeout",
+            "5",
+            "--request-timeout",
+            "120",
+            "--poll",
+            "0.2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=ENV,
+    )
     try:
         assert proc.stdout is not None and "serving" in proc.stdout.readline().decode()
         png = w["img"].read_bytes()
@@ -526,8 +680,11 @@ def serve_cases(w: dict[str, Path], work: Path) -> None:
             RESULTS.append(
                 Result(name, "serve", status, s, peak, base, True, ok, f"{note[:100]}; then {still}")
             )
-            print(f"{'PASS' if ok else 'FAIL'} serve {name}: {status}, {s:.1f} s, peak {peak:.0f} MB ({note[:100]}; {still})",
-                  flush=True)  # fmt: skip
+            print(
+                f"{'PASS' if ok else 'FAIL'} serve {name}: {status}, {s:.1f} s, peak {peak:.0f} MB "
+                f"({note[:100]}; {still})",
+                flush=True,
+            )
 
         def post(path: str, body: bytes, ctype: str) -> tuple[int, str]:
             status, data = _request(port, "POST", path, body, {"Content-Type": ctype})
@@ -587,8 +744,10 @@ def serve_cases(w: dict[str, Path], work: Path) -> None:
             tmp.replace(manifest_path)
             time.sleep(1.5)
             again = json.loads(_request(port, "GET", "/health")[1])
-            note = (f"42 GET /tasks: {codes.count(200)} x 200; /predict {predict}; /health {health['status']}; "
-                    f"after restoring: {again['status']}")  # fmt: skip
+            note = (
+                f"42 GET /tasks: {codes.count(200)} x 200; /predict {predict}; /health {health['status']}; "
+                f"after restoring: {again['status']}"
+            )
             ok = (
                 codes.count(200) == 42
                 and predict == 200
@@ -615,8 +774,19 @@ def serve_cases(w: dict[str, Path], work: Path) -> None:
         rc, s, mb, out = run(
             ["serve", "--kb", str(w["kb"]), "--port", str(busy.getsockname()[1])], timeout=60
         )
-    RESULTS.append(Result("serve on a busy port", "serve", rc, s, mb, None, True, rc == 2 and "in use" in out,
-                          out.strip().splitlines()[-1][:150]))  # fmt: skip
+    RESULTS.append(
+        Result(
+            "serve on a busy port",
+            "serve",
+            rc,
+            s,
+            mb,
+            None,
+            True,
+            rc == 2 and "in use" in out,
+            out.strip().splitlines()[-1][:150],
+        )
+    )
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -627,9 +797,11 @@ def table() -> str:
     ]
     for r in RESULTS:
         base = f" ({r.base_mb:.0f})" if r.base_mb is not None else ""
-        rows.append(f"| {r.case} | {r.command} | {r.rc} | {r.seconds:.1f} | {r.peak_mb:.0f}{base} | "
-                    f"{'yes' if r.intact else 'NO' if r.intact is False else 'n/a'} | {'PASS' if r.ok else 'FAIL'} | "
-                    f"{r.note.replace('|', '/')} |")  # fmt: skip
+        rows.append(
+            f"| {r.case} | {r.command} | {r.rc} | {r.seconds:.1f} | {r.peak_mb:.0f}{base} | "
+            f"{'yes' if r.intact else 'NO' if r.intact is False else 'n/a'} | {'PASS' if r.ok else 'FAIL'} | "
+            f"{r.note.replace('|', '/')} |"
+        )
     return "\n".join(rows)
 
 
