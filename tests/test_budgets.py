@@ -93,6 +93,7 @@ LAUGHS = ["meta:", '  a0: &a0 ["c","c","c","c","c","c","c","c","c","c"]'] + [
         ("x: " + "[" * 50_000, BudgetError, "brackets nested too deeply"),
         ("x: " + "9" * 5000, BudgetError, "an integer of 5000 digits"),
         ("x: [" + ", ".join(["a"] * 200_001) + "]", BudgetError, "more than 200000 nodes"),
+        ("tasks: [[a]]\ntasks: [[b]]", InputError, "the key 'tasks' appears twice in one mapping"),
     ],
 )
 def test_yaml_from_someone_else(text: str, error: type, words: str) -> None:

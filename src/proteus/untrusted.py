@@ -7,9 +7,9 @@ with limits.
 * :func:`load_json`: duplicate keys refused (a reader that keeps the first key and one that keeps the last
   must not see two documents), nesting and integer size capped (``nesting_depth``, ``int_digits``), lone
   surrogates refused (they cannot be printed or encoded).
-* :func:`load_yaml`: PyYAML's safe loader without aliases (no "billion laughs"), with a node count, a
-  nesting depth (checked on the brackets before the scanner runs, which is quadratic in flow nesting) and
-  the same integer size.
+* :func:`load_yaml`: PyYAML's safe loader without aliases (no "billion laughs") or duplicate keys, with a
+  node count, a nesting depth (checked on the brackets before the scanner runs, which is quadratic in flow
+  nesting) and the same integer size.
 
 Every refusal is a :class:`~proteus.errors.ProteusError` naming the input (``where``).
 """
@@ -268,6 +268,21 @@ class _Loader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:  # type: ignore[override]
+        """A mapping, refused when a key appears twice (PyYAML would keep the last one silently)."""
+        if isinstance(node, yaml.MappingNode):
+            seen: set[tuple[str, str]] = set()
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if (key.tag, key.value) in seen:
+                        raise InputError(
+                            self.where,
+                            f"the key {_printable_key(key.value)} appears twice in one mapping (line "
+                            f"{key.start_mark.line + 1}); keep one",
+                        )
+                    seen.add((key.tag, key.value))
+        return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node: Any) -> int:  # type: ignore[override]
         value = str(self.construct_scalar(node))
