@@ -89,6 +89,7 @@ from proteus.kb.files import (
     _sha,
     _shown,
     check_writable,
+    kb_file_kind,
     log,
     read_kb_file,
 )
@@ -129,18 +130,16 @@ class KnowledgeBase:
     def exists(root: str | Path) -> bool:
         return (Path(root) / MANIFEST).is_file()
 
-    @staticmethod
-    def _fresh_manifest(header: dict[str, Any]) -> dict[str, Any]:
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, "created": _now(), **header, "tasks": [],
-                "head": None}  # fmt: skip
-
     @classmethod
     def _check_free(cls, root: Path) -> None:
         """Refuse to start a knowledge base at ``root`` unless nothing of one is there."""
         if root.exists() and not root.is_dir():
             raise _is_file_error(root)
-        if cls.exists(root) or (root / MANIFEST).is_symlink():
+        kind = kb_file_kind(root, MANIFEST)
+        if kind == "a regular file":
             raise KBError(f"{root}: a knowledge base already exists here")
+        if kind is not None:
+            raise KBError(f"{root / MANIFEST}: {kind}, not a manifest; remove it, or choose another --kb")
         files = _kb_files(root)
         if files and not _interrupted_first_commit(root, files):
             raise _damaged(root, files, "refusing to start a new knowledge base over them")
@@ -154,7 +153,7 @@ class KnowledgeBase:
         or with the key of ``$PROTEUS_KB_KEY_FILE`` when it is set)."""
         root = Path(root)
         cls._check_free(root)
-        kb = cls(root, cls._fresh_manifest(header), key if key is not None else key_from_env())
+        kb = cls(root, _fresh_manifest(header), key if key is not None else key_from_env())
         kb.objects.on_disk = False
         return kb
 
@@ -350,6 +349,11 @@ class KnowledgeBase:
             name = "head" if label == "head" else f"task{label.rsplit(' ', 1)[1]}"
             out[name] = self.objects.path(self.manifest, rel, sha).stat().st_size
         return out
+
+
+def _fresh_manifest(header: dict[str, Any]) -> dict[str, Any]:
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "created": _now(), **header, "tasks": [],
+            "head": None}  # fmt: skip
 
 
 def _summary(manifest: dict[str, Any]) -> dict[str, Any]:
