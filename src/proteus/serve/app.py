@@ -256,11 +256,10 @@ async def _read_parts(
         except MultipartError as e:
             raise Refusal(400, str(e)) from None
     body = await _read_body(request, length, limits)
-    parts = (
-        _json_images(body)
-        if batch and ctype.split(";")[0].strip() == "application/json"
-        else [("body", body)]
-    )
+    if batch and ctype.split(";")[0].strip() == "application/json":  # parsed in a thread: up to max_body
+        parts = await anyio.to_thread.run_sync(_json_images, body)
+    else:
+        parts = [("body", body)]
     if len(parts) > limits.max_images:
         raise _too_large("request_images", f"{len(parts)} images in one request", "--max-images")
     return parts
