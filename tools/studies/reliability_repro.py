@@ -8,7 +8,7 @@ the normal command's memory, with the knowledge base unchanged; server cases als
 ``/predict`` to answer after each case.
 
     python tools/studies/reliability_repro.py --work /tmp/repro            # everything (about 10 minutes)
-    python tools/studies/reliability_repro.py --work /tmp/repro --only serve
+    python tools/studies/reliability_repro.py --work /tmp/repro --only serve --only cli
 
 The knowledge base is a small 2-task one (a ViT-Ti with random weights on generated images), so the memory
 figures are about what each input adds, not about a real model's size.
@@ -575,9 +575,11 @@ def cli_cases(w: dict[str, Path], work: Path) -> None:
         ("/dev/zero as an image", ["predict", "--kb", str(w["kb"]), "/dev/zero", "-q"]),
     ):
         rc, s, mb, out = run(argv)
-        ok = rc == 2 and s < LIMIT_S and "internal error" not in out and not kb.exists()
+        ok = rc == 2 and s < LIMIT_S and "internal error" not in out and not (kb / "manifest.json").exists()
         note = out.strip().splitlines()[-1][:150] if out.strip() else ""
-        RESULTS.append(Result(name, argv[0], rc, s, mb, BASE["learn"], not kb.exists(), ok, note))
+        RESULTS.append(
+            Result(name, argv[0], rc, s, mb, BASE["learn"], not (kb / "manifest.json").exists(), ok, note)
+        )
         print(f"{'PASS' if ok else 'FAIL'} {name}: exit {rc}, {s:.1f} s, {mb:.0f} MB ({note})", flush=True)
 
 
@@ -603,17 +605,53 @@ def _request(
 
 def _multipart(files: list[tuple[str, bytes]]) -> tuple[bytes, str]:
     boundary = "proteusrepro"
-    out = b""
+    out = []
     for name, data in files:
-        out += (
-            (
-                f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}"\r\n'
-                "Content-Type: image/png\r\n\r\n"
-            ).encode()
-            + data
-            + b"\r\n"
-        )
-    return out + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+        head = f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}"\r\n'
+        out += [(head + "Content-Type: image/png\r\n\r\n").encode(), data, b"\r\n"]
+    return b"".join([*out, f"--{boundary}--\r\n".encode()]), f"multipart/form-data; boundary={boundary}"
+
+
+def _post_raw(port: int, path: str, body: bytes, ctype: str, timeout: float = 60) -> tuple[int, bytes]:
+    """POST ``body`` in 64 KB pieces and read the answer as soon as the server sends one (as curl does): a
+    server that refuses mid-body answers before the client has sent everything."""
+    import select
+
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {ctype}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        data, sent = head + body, 0
+        while sent < len(data):
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable:
+                break
+            try:
+                sent += sock.send(data[sent : sent + 65536])
+            except OSError:
+                break
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+                if b"\r\n\r\n" in answer:
+                    head_end = answer.index(b"\r\n\r\n") + 4
+                    length = next(
+                        (
+                            int(line.split(b":")[1])
+                            for line in answer[:head_end].split(b"\r\n")
+                            if line.lower().startswith(b"content-length:")
+                        ),
+                        0,
+                    )
+                    if len(answer) >= head_end + length:
+                        break
+        except OSError as e:
+            if not answer:
+                return 0, str(e).encode()
+    status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/") else 0
+    return status, answer.split(b"\r\n\r\n", 1)[-1]
 
 
 def _vm(pid: int, key: str) -> float:
@@ -687,7 +725,7 @@ def serve_cases(w: dict[str, Path], work: Path) -> None:
             )
 
         def post(path: str, body: bytes, ctype: str) -> tuple[int, str]:
-            status, data = _request(port, "POST", path, body, {"Content-Type": ctype})
+            status, data = _post_raw(port, path, body, ctype)
             try:
                 return status, json.loads(data).get("error", "") or "ok"
             except ValueError:
@@ -810,7 +848,12 @@ def main() -> None:
     ap.add_argument(
         "--work", default="runs/reliability-repro", help="folder for the KB and the hostile copies"
     )
-    ap.add_argument("--only", choices=["kb", "signature", "cli", "serve"], help="run one group of cases")
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=["kb", "signature", "cli", "serve"],
+        help="run only this group of cases (repeat for several)",
+    )
     args = ap.parse_args()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -822,7 +865,7 @@ def main() -> None:
         ("cli", cli_cases),
         ("serve", serve_cases),
     ):
-        if args.only in (None, group):
+        if not args.only or group in args.only:
             fn(w, work)
     print()
     print(table())

@@ -45,6 +45,7 @@ from proteus.kb.files import (
     manifest_checksum,
     read_kb_file,
 )
+from proteus.kb.manifests import previous_manifest
 from proteus.kb.objects import ObjectStore
 from proteus.kb.schema import manifest_problems
 from proteus.kb.signing import signature
@@ -204,8 +205,6 @@ class Commit:
         kb_id = manifest.get("kb_id") if isinstance(manifest.get("kb_id"), str) else uuid.uuid4().hex
         current = upgraded(manifest, kb_id, 1, self.sizes(manifest, manifest))
         if read_kb_file(self.root, PREV_MANIFEST) is not None:
-            from proteus.kb.manifests import previous_manifest
-
             prev = previous_manifest(self.root)
             if "sequence" not in manifest:  # the first signature of an older knowledge base: 0, then 1
                 current["sequence"] = _int(prev.get("sequence")) + 1
