@@ -214,14 +214,14 @@ def test_predict_skip_unreadable_and_size_limit(world: dict, tmp_path: Path, cap
 
 def test_previous_release_kb_loads_and_upgrades(world: dict, tmp_path: Path, capsys) -> None:
     """Format 1 (the previous release: no manifest checksum, no per-task settings) still loads, predicts
-    the same, and its next commit writes format 2. (Checked by hand against a KB written by the previous
+    the same, and its next commit writes format 3. (Checked by hand against a KB written by the previous
     release itself, too: identical predictions and scores.)"""
     kb = _copy_kb(world, tmp_path)
     img = world["tree"] / "test" / "a" / "0.png"
     assert main(["predict", "--kb", str(kb), str(img), "--json"]) == 0
     before = json.loads(capsys.readouterr().out)
     m = json.loads((kb / "manifest.json").read_text())
-    for key in ("checksum",):
+    for key in ("checksum", "sequence", "kb_id", "object_bytes"):  # what formats 2 and 3 added
         m.pop(key)
     for t in m["tasks"]:
         t.pop("settings"), t.pop("learned")
@@ -232,4 +232,4 @@ def test_previous_release_kb_loads_and_upgrades(world: dict, tmp_path: Path, cap
     assert json.loads(capsys.readouterr().out) == before
     assert _learn(world, kb, 2) == 0
     m = json.loads((kb / "manifest.json").read_text())
-    assert m["format_version"] == 2 and m["checksum"] and len(m["tasks"]) == 2
+    assert m["format_version"] == 3 and m["checksum"] and len(m["tasks"]) == 2 and m["sequence"] == 1

@@ -1,11 +1,16 @@
-"""Generated bad input (issue 25): manifests, ``--set`` options, tasks files and HTTP requests.
+"""Generated bad input (issue 25): manifests (their values, their text, the kind of each file), ``--set``
+options, tasks files and HTTP requests.
 
 Every generated input must end in success or in one of proteus's own errors (exit code 2 with one
 ``error:`` line from the CLI, a 4xx JSON answer from the server) -- never a traceback, an "internal
-error" or a 5xx -- and a command that refuses must leave the knowledge base byte-identical.
+error", a hang or a 5xx -- and a command that refuses must leave the knowledge base byte-identical.
 
-The suite runs a few examples per target (``--hypothesis-profile`` ``ci``, the default here); the fuzz
-run of the closing note is the same tests under the ``fuzz`` profile::
+The suite (``make test``) runs each target on the inputs the adversarial review found by hand
+(``@example``: ``config.backbone = true``, JSON nested 200,000 deep, a 5,000-digit integer, duplicate keys,
+a lone surrogate, class names with terminal controls, a manifest that is a FIFO, a link to ``/dev/zero``,
+a sparse 3 GB object ...) and :data:`CI_EXAMPLES` more drawn at random (the ``ci`` profile, the default).
+The fuzz run is the same tests under the ``fuzz`` profile, ``FUZZ_EXAMPLES`` inputs per target (2,000 by
+default: 10,000 inputs over the five targets with more inputs than that, and the 48 of the special files)::
 
     HYPOTHESIS_PROFILE=fuzz python -m pytest tests/test_fuzz.py --hypothesis-show-statistics
 """
@@ -18,16 +23,19 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import proteus.core  # noqa: E402, F401 - before presets (an import cycle when presets comes first)
 from proteus.cli import main  # noqa: E402
 from proteus.config import (  # noqa: E402
     RunConfig,
@@ -38,11 +46,15 @@ from proteus.errors import ProteusError  # noqa: E402
 from proteus.kb.files import manifest_checksum  # noqa: E402
 from tiny import write_image  # noqa: E402
 
+#: random inputs per target in the suite, besides the @example cases
+CI_EXAMPLES = 20
 _SLOW = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=_SLOW, derandomize=True)
+settings.register_profile(
+    "ci", max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=_SLOW, derandomize=True
+)
 settings.register_profile(
     "fuzz",
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 2500)),
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 2000)),
     deadline=None,
     suppress_health_check=_SLOW,
 )
@@ -65,11 +77,25 @@ JSONISH = st.recursive(
 
 
 def _files(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != ".lock"
-    }
+    """Regular files by sha256 (by size and time stamp above 64 MB: a sparse 3 GB file), anything else by
+    its kind; links are not followed."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.name == ".lock":
+            continue
+        if p.is_symlink() or not p.is_file():
+            out[str(p.relative_to(root))] = "link" if p.is_symlink() else "dir" if p.is_dir() else "special"
+            continue
+        st = p.stat()
+        if st.st_size > 64 << 20:
+            out[str(p.relative_to(root))] = f"{st.st_size} bytes, {st.st_mtime_ns}"
+            continue
+        h = hashlib.sha256()
+        with p.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        out[str(p.relative_to(root))] = h.hexdigest()
+    return out
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -84,6 +110,27 @@ def _no_traceback(rc: int, err: str, allowed: tuple[int, ...]) -> None:
     if rc == 2:
         lines = [ln for ln in err.strip().splitlines() if ln.strip()]
         assert lines and lines[0].startswith("error:"), err
+
+
+@pytest.fixture(autouse=True)
+def no_hang() -> Iterator[None]:
+    """A hang fails the test (120 s for a whole target's examples is not a bound; each command is)."""
+
+    def hung(signum: int, frame: Any) -> None:
+        raise TimeoutError("no answer within 60 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _bounded(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    signal.alarm(60)
+    try:
+        return _run(argv, capsys)
+    finally:
+        signal.alarm(0)
 
 
 # ------------------------------------------------------------------ manifests
@@ -124,31 +171,132 @@ def fuzz_kb(world: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return {"kb": kb, "img": img, "manifest": manifest, "paths": _paths(manifest)}
 
 
-@given(data=st.data())
-def test_generated_manifests_never_end_in_a_traceback(fuzz_kb: dict, capsys, data) -> None:
+def _commands(kb: Path, img: Path) -> list[tuple[list[str], tuple[int, ...]]]:
+    return [
+        (["kb", "verify", str(kb)], (0, 1, 2)),
+        (["kb", "info", str(kb)], (0, 2)),
+        (["kb", "list", str(kb), "--json"], (0, 2)),
+        (["predict", "--kb", str(kb), str(img), "--json", "-q"], (0, 2)),
+    ]
+
+
+def _check_commands(fuzz_kb: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    kb = fuzz_kb["kb"]
+    before = _files(kb)
+    for argv, allowed in _commands(kb, fuzz_kb["img"]):
+        rc, err = _bounded(argv, capsys)
+        _no_traceback(rc, err, allowed)
+        assert _files(kb) == before, f"{argv[:2]} changed the knowledge base"
+
+
+#: one edit of the manifest: (path into it, new value, delete instead, checksum recomputed, valid JSON)
+EDIT = st.tuples(st.integers(0, 10**6), JSONISH, st.booleans(), st.booleans(), st.booleans())
+
+
+@given(EDIT)
+@example((("config", "backbone"), True, False, True, True))  # found by the fuzz profile of the review
+@example((("config", "backbone"), {"name": None}, False, True, True))
+@example(
+    (
+        ("tasks", 0, "class_names"),
+        ["\x1b[31mred\x1b[0m", "\u202eevil\u202c\n  task 9: fake"],
+        False,
+        True,
+        True,
+    )
+)
+@example((("format_version",), 1, False, False, True))
+@example((("checksum",), None, True, False, True))
+def test_generated_manifests_never_end_in_a_traceback(fuzz_kb: dict, capsys, edit: tuple) -> None:
     kb, good = fuzz_kb["kb"], fuzz_kb["manifest"]
-    path = data.draw(st.sampled_from(fuzz_kb["paths"]), label="path")
-    value = data.draw(JSONISH, label="value")
-    delete = bool(path) and data.draw(st.booleans(), label="delete")
-    hostile = data.draw(st.booleans(), label="checksum recomputed")
+    where, value, delete, hostile, valid = edit
+    path = where if isinstance(where, tuple) else fuzz_kb["paths"][where % len(fuzz_kb["paths"])]
+    delete = delete and bool(path)
     bad = _set_path(copy.deepcopy(good), path, value, delete)
     if hostile and isinstance(bad, dict):
         bad["checksum"] = manifest_checksum(bad)
-    text = json.dumps(bad) if data.draw(st.booleans(), label="valid json") else json.dumps(bad)[:-3]
+    text = json.dumps(bad) if valid else json.dumps(bad)[:-3]
     (kb / "manifest.json").write_text(text)
     try:
-        before = _files(kb)
-        for argv, allowed in (
-            (["kb", "verify", str(kb)], (0, 1, 2)),
-            (["kb", "info", str(kb)], (0, 2)),
-            (["kb", "list", str(kb), "--json"], (0, 2)),
-            (["predict", "--kb", str(kb), str(fuzz_kb["img"]), "--json", "-q"], (0, 2)),
-        ):
-            rc, err = _run(argv, capsys)
-            _no_traceback(rc, err, allowed)
-            assert _files(kb) == before, f"{argv[:2]} changed the knowledge base"
+        _check_commands(fuzz_kb, capsys)
     finally:
         (kb / "manifest.json").write_text(json.dumps(good, indent=1))
+
+
+#: text edits of a manifest that no JSON value can express: nesting, integer size, duplicate keys, escapes
+TEXT_EDITS = {
+    "nest": lambda t, n: "[" * n + "]" * n,
+    "nest-inside": lambda t, n: t.replace('"tasks":', '"x": ' + "[" * n + "]" * n + ', "tasks":', 1),
+    "digits": lambda t, n: t.replace('"tasks":', '"n": ' + "9" * n + ', "tasks":', 1),
+    "duplicate": lambda t, n: '{"tasks": [], ' + t[1:],
+    "surrogate": lambda t, n: t.replace('"class_names": ["', '"class_names": ["\\ud800', 1),
+    "truncate": lambda t, n: t[: n % max(len(t), 1)],
+    "bom": lambda t, n: "\ufeff" + t,
+}
+
+
+@given(st.sampled_from(sorted(TEXT_EDITS)), st.integers(0, 300_000))
+@example("nest", 200_000)
+@example("digits", 5000)
+@example("duplicate", 0)
+@example("surrogate", 0)
+def test_generated_manifest_texts_never_end_in_a_traceback(fuzz_kb: dict, capsys, edit: str, n: int) -> None:
+    kb, good = fuzz_kb["kb"], fuzz_kb["manifest"]
+    (kb / "manifest.json").write_text(TEXT_EDITS[edit](json.dumps(good), n))
+    try:
+        _check_commands(fuzz_kb, capsys)
+    finally:
+        (kb / "manifest.json").write_text(json.dumps(good, indent=1))
+
+
+#: what a file of the knowledge base may be replaced by
+KINDS = ("fifo", "dev-zero", "outside-copy", "directory", "empty", "sparse-3g", "half", "etc-passwd")
+FILES = ("manifest.json", "manifest.prev.json", "object", "head", ".lock", "objects")
+
+
+@given(st.sampled_from(FILES), st.sampled_from(KINDS))
+@example("manifest.json", "fifo")
+@example("manifest.json", "dev-zero")
+@example("manifest.json", "outside-copy")
+@example("manifest.prev.json", "fifo")
+@example("manifest.prev.json", "dev-zero")
+@example("object", "sparse-3g")
+def test_special_files_never_hang_or_end_in_a_traceback(
+    fuzz_kb: dict, capsys, tmp_path_factory: pytest.TempPathFactory, name: str, kind: str
+) -> None:
+    good = fuzz_kb["kb"]
+    kb = tmp_path_factory.mktemp("special") / "kb"
+    shutil.copytree(good, kb)
+    m = fuzz_kb["manifest"]
+    rel = {"object": m["tasks"][0]["object"], "head": m["head"]["object"]}.get(name, name)
+    target = kb / rel
+    if name == "manifest.prev.json" and not target.exists():
+        target.write_bytes((kb / "manifest.json").read_bytes())
+    outside = kb.parent / "outside"
+    if target.is_dir():
+        shutil.move(target, outside)
+    else:
+        shutil.copy(target, outside)
+        target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind in ("dev-zero", "etc-passwd", "outside-copy"):
+        target.symlink_to({"dev-zero": "/dev/zero", "etc-passwd": "/etc/passwd"}.get(kind, str(outside)))
+    elif kind == "directory":
+        target.mkdir()
+    elif kind == "sparse-3g":
+        with target.open("wb") as f:
+            f.truncate(3 << 30)
+    else:
+        data = b"" if kind == "empty" or outside.is_dir() else outside.read_bytes()
+        target.write_bytes(data[: len(data) // 2])
+    before = _files(kb)
+    for argv, allowed in [*_commands(kb, fuzz_kb["img"]), (["kb", "gc", str(kb)], (0, 2))]:
+        rc, err = _bounded(argv, capsys)
+        _no_traceback(rc, err, allowed)
+        if argv[1] != "gc":
+            assert _files(kb) == before, f"{argv[:2]} changed the knowledge base"
+    shutil.rmtree(kb.parent)
 
 
 # ------------------------------------------------------------------ --set options

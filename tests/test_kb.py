@@ -32,6 +32,9 @@ def test_truncated_or_edited_object_is_detected(tmp_path) -> None:
     path = tmp_path / "kb" / rel
     data = path.read_bytes()
     path.write_bytes(data[:-10])
+    with pytest.raises(KBError, match="size mismatch .*472 bytes, the file has 462"):
+        KnowledgeBase.open(tmp_path / "kb")
+    path.write_bytes(data[:-10] + b"x" * 10)  # the same size, other bytes
     with pytest.raises(KBError, match="checksum mismatch"):
         KnowledgeBase.open(tmp_path / "kb")
     path.unlink()
@@ -80,11 +83,11 @@ def test_no_pickle_in_kb(tmp_path) -> None:
 def test_commit_serialises_only_the_objects_whose_content_changed(tmp_path, monkeypatch) -> None:
     """A long stream re-commits k tasks per task: unchanged objects are found by their content key, never
     serialised again; a change in place (same shape) or a deleted file is always written."""
-    import proteus.kb.store as store
+    import proteus.kb.objects as objects
 
     saved: list[set[str]] = []
-    real_save = store.st_save
-    monkeypatch.setattr(store, "st_save", lambda t: saved.append(set(t)) or real_save(t))
+    real_save = objects.st_save
+    monkeypatch.setattr(objects, "st_save", lambda t: saved.append(set(t)) or real_save(t))
     kb = _kb(tmp_path)
     tensors = [{"a": torch.randn(4, 3), "n": torch.tensor([k])} for k in range(3)]
     head = ({"m": 1}, {"G": torch.randn(3, 3, dtype=torch.float64)})

@@ -33,6 +33,7 @@ from proteus.kb import (
     manifest_checksum,
 )
 from proteus.kb.files import FIRST_COMMIT
+from proteus.kb.objects import ObjectStore
 
 CTX = multiprocessing.get_context("fork")
 HEADER: dict[str, Any] = {
@@ -311,17 +312,17 @@ def test_open_starts_again_after_a_concurrent_commit(tmp_path: Path, monkeypatch
     root = tmp_path / "kb"
     _seed(root)
     writer = KnowledgeBase.open(root)
-    original = KnowledgeBase._read_verified
+    original = ObjectStore.load
     calls = {"n": 0}
 
-    def commit_twice_first(self: KnowledgeBase, rel: str, sha: str) -> bytes:
+    def commit_twice_first(self: ObjectStore, manifest: dict, rel: str, sha: str) -> bytes:
         calls["n"] += 1
         if calls["n"] == 1:  # between the reader's manifest and its first object: two commits
             _append(writer, "a")
             _append(writer, "b")
-        return original(self, rel, sha)
+        return original(self, manifest, rel, sha)
 
-    monkeypatch.setattr(KnowledgeBase, "_read_verified", commit_twice_first)
+    monkeypatch.setattr(ObjectStore, "load", commit_twice_first)
     kb = KnowledgeBase.open(root, verify=True)
     monkeypatch.undo()
     assert _names(kb) == [*SEEDS, "a", "b"]
@@ -442,7 +443,7 @@ def test_edited_manifest_is_detected(tmp_path: Path) -> None:
     root = tmp_path / "kb"
     _seed(root)
     m = json.loads((root / "manifest.json").read_text())
-    assert m["format_version"] == FORMAT_VERSION == 2 and m["checksum"] == manifest_checksum(m)
+    assert m["format_version"] == FORMAT_VERSION == 3 and m["checksum"] == manifest_checksum(m)
     m["tasks"][0]["class_names"][0] = "edited"
     (root / "manifest.json").write_text(json.dumps(m, indent=1))
     with pytest.raises(KBError) as e:
@@ -457,7 +458,7 @@ def test_edited_manifest_is_detected(tmp_path: Path) -> None:
         KnowledgeBase.open(root)
     m["format_version"] = 7
     (root / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(KBError, match=r"format version 7 is not supported .*reads versions 1 and 2"):
+    with pytest.raises(KBError, match=r"format version 7 is not supported .*reads versions 1, 2, 3"):
         KnowledgeBase.open(root)
 
 
@@ -466,9 +467,9 @@ def test_version_1_manifest_opens_and_gets_a_checksum(tmp_path: Path) -> None:
     (root / "objects").mkdir(parents=True)
     scratch = KnowledgeBase.new(tmp_path / "scratch", HEADER)
     rel, sha = scratch.write_object("task-v1", {"name": _encode("v1")})
-    (root / rel).write_bytes(scratch._pending[rel])
+    (root / rel).write_bytes(scratch.objects.pending[rel])
     hrel, hsha = scratch.write_object("head", {"n": torch.tensor([1]), "names": _encode("v1")})
-    (root / hrel).write_bytes(scratch._pending[hrel])
+    (root / hrel).write_bytes(scratch.objects.pending[hrel])
     v1 = {
         "format": "proteus-kb",
         "format_version": 1,
@@ -485,7 +486,12 @@ def test_version_1_manifest_opens_and_gets_a_checksum(tmp_path: Path) -> None:
     assert _names(kb) == ["v1"] and kbmod.problems(root) == []
     _append(kb, "v2")
     m = json.loads((root / "manifest.json").read_text())
-    assert m["format_version"] == 2 and m["checksum"] == manifest_checksum(m)
+    assert m["format_version"] == 3 and m["checksum"] == manifest_checksum(m)
+    assert (
+        m["sequence"] == 1
+        and len(m["kb_id"]) == 32
+        and set(m["object_bytes"]) == {t["object"] for t in m["tasks"]} | {m["head"]["object"]}
+    )
     assert json.loads((root / "manifest.prev.json").read_text()) == v1
     assert _names(KnowledgeBase.open(root)) == ["v1", "v2"]
 
@@ -514,7 +520,7 @@ def test_problems_lists_every_problem(tmp_path: Path) -> None:
     assert len(problems) == 6, problems
     assert any(p.startswith(f"{old_head}: referenced by neither") for p in problems)
     assert any(p.startswith(f"{t0}: missing from the knowledge base (task index 0)") for p in problems)
-    assert any(p.startswith(f"{t1}: checksum mismatch") and "(task index 1)" in p for p in problems)
+    assert any(p.startswith(f"{t1}: size mismatch") and "(task index 1)" in p for p in problems)
     assert any(p.startswith(f"{bad}: not a valid safetensors file") for p in problems)
     assert any(p.startswith(f"{root / '.manifest.json.tmp-4194304999'}: temporary file") for p in problems)
     assert any(
@@ -533,7 +539,7 @@ def test_info_reports_tasks_and_sizes(tmp_path: Path) -> None:
     m["tasks"] = [{**m["tasks"][0], "settings": {"rank": 4}, "learned": {"epochs": 2}}, m["tasks"][1]]
     kb.commit(m)
     info = kbmod.info(KnowledgeBase.open(root))
-    assert info["format_version"] == 2 and info["created"] and info["updated"] and info["committed"]
+    assert info["format_version"] == 3 and info["created"] and info["updated"] and info["committed"]
     assert (info["proteus_version"], info["method"], info["backbone_name"], info["benchmark"]) == (
         "test",
         "proteus",

@@ -32,15 +32,20 @@ pixels whether it is in a training folder or passed to ``proteus predict``. The 
   A corrupt EXIF block is ignored (the pixels are still used, unrotated).
 * **Multi-frame files** (GIF, APNG, multi-page TIFF) give their first frame.
 
-Any failure (missing file, a directory, no permission, not an image, truncated or corrupt data, an
-unsupported mode) raises :class:`ImageError`, a ``ValueError`` whose message starts with the file's
-path and says what is wrong.
+Any failure (missing file, a directory, a FIFO or device (files are opened without blocking and must be
+regular files), no permission, not an image, truncated or corrupt data, an unsupported mode) raises
+:class:`ImageError`, a ``ValueError`` whose message starts with the file's path and says what is wrong.
+
+The limits (:mod:`proteus.budgets`): ``image_pixels`` per image (above); :func:`image_size` reads a
+header alone, so that a caller holding several images (``proteus serve``) can check their sum
+(``request_pixels``) before decoding any.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterable, Iterator
@@ -50,20 +55,24 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from proteus.budgets import BUDGETS
 from proteus.errors import ConfigError, ProteusError
+from proteus.untrusted import file_kind
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
     "ImageError",
     "ImageTooLargeError",
     "describe_skipped",
+    "image_size",
     "load_images",
     "open_image",
     "to_rgb",
 ]
 
-#: default limit on width x height, checked on the header before decoding (64 megapixels)
-DEFAULT_MAX_PIXELS: int = 64_000_000
+#: default limit on width x height, checked on the header before decoding (64 megapixels; the budget
+#: ``image_pixels`` of :mod:`proteus.budgets`)
+DEFAULT_MAX_PIXELS: int = BUDGETS["image_pixels"].default
 
 #: modes holding unsigned 16-bit samples
 _UINT16_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
@@ -263,9 +272,55 @@ def open_image(
     _check_max_pixels(max_pixels)
     stream = hasattr(path, "read")
     p = name if name is not None else ("<stream>" if stream else os.fspath(path))  # type: ignore[arg-type]
+    f = path if stream else _open_regular(p)
+    try:
+        return _decode(f, p, stream, max_pixels)  # type: ignore[arg-type]
+    finally:
+        if not stream:
+            f.close()  # type: ignore[union-attr]
+
+
+def _open_regular(p: str) -> BinaryIO:
+    """Image file ``p`` opened for reading without blocking (a FIFO never hangs), refused unless it is a
+    regular file."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ImageError.for_file(p, "no such file") from None
+    except PermissionError as e:
+        raise ImageError.for_file(
+            p, f"permission denied ({e.strerror or e}); make the file readable or pass another file"
+        ) from None
+    except OSError as e:
+        raise ImageError.for_file(p, f"cannot be opened ({e.strerror or e})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise ImageError.for_file(p, "is a directory, not an image file")
+        raise ImageError.for_file(p, f"not a regular file ({file_kind(mode)}); pass an image file")
+    return os.fdopen(fd, "rb")
+
+
+def image_size(data: BinaryIO, name: str) -> tuple[int, int]:
+    """(width, height) from the header of the image in ``data`` (a seekable stream, left at its start),
+    without decoding it; :class:`ImageError` when there is no readable header."""
+    try:
+        with _pil_bomb_check_lifted(), Image.open(data) as im:
+            size = im.size
+    except UnidentifiedImageError:
+        raise ImageError.for_file(name, "not an image in a format PIL can read") from None
+    except _DECODE_ERRORS as e:
+        raise ImageError.for_file(name, f"cannot read the image header ({type(e).__name__}: {e})") from None
+    finally:
+        data.seek(0)
+    return int(size[0]), int(size[1])
+
+
+def _decode(path: BinaryIO, p: str, stream: bool, max_pixels: int | None) -> Image.Image:
     try:
         with _pil_bomb_check_lifted():
-            im = Image.open(path if stream else p)  # type: ignore[arg-type]
+            im = Image.open(path)
     except FileNotFoundError:
         raise ImageError.for_file(p, "no such file") from None
     except IsADirectoryError:

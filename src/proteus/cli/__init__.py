@@ -20,6 +20,7 @@ from types import FrameType
 
 from proteus.cli.parser import build_parser
 from proteus.errors import ProteusError
+from proteus.untrusted import printable
 
 __all__ = ["Terminated", "build_parser", "main"]
 
@@ -61,14 +62,18 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _manifest_digest(args: argparse.Namespace) -> str | None:
-    """The sha256 of the command's knowledge base's manifest.json now (None: no KB, or not readable)."""
+    """The sha256 of the command's knowledge base's manifest.json now (None: no KB, or not readable; read
+    like every file of a knowledge base: never a FIFO, a link or more than its budget)."""
     kb = getattr(args, "kb", None)
     if not kb:
         return None
+    from proteus.kb.files import read_kb_file
+
     try:
-        return hashlib.sha256((Path(kb) / "manifest.json").read_bytes()).hexdigest()
-    except (OSError, TypeError):
+        data = read_kb_file(Path(kb), "manifest.json")
+    except (OSError, TypeError, ProteusError):
         return None
+    return hashlib.sha256(data).hexdigest() if data is not None else None
 
 
 def _kb_tasks(args: argparse.Namespace, before: str | None = None) -> str:
@@ -125,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     except ProteusError as e:  # the user's input, files or environment: one line, no traceback
         if args.debug:
             raise
-        print(f"error: {_message(e)}", file=sys.stderr)
+        print(f"error: {printable(_message(e))}", file=sys.stderr)
         return 2
     except Exception as e:  # anything else is a bug in proteus
         if args.debug:
             raise
-        msg = " ".join(str(e).split())  # one line
+        msg = printable(" ".join(str(e).split()))  # one line
         print(
             f"internal error: {type(e).__name__}: {msg} -- this is a bug in proteus; please report it "
             "(run with --debug for the traceback)",

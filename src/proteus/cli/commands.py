@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from proteus.config import ConfigError
 from proteus.errors import ProteusError
+from proteus.untrusted import printable
 
 if TYPE_CHECKING:
     from proteus.config import RunConfig
@@ -227,7 +228,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
     else:
         for r in rows:
-            print(format_row(r, verbose=args.verbose))
+            print(printable(format_row(r, verbose=args.verbose)))
         if rows and all(r["known"] is None for r in rows) and not args.quiet:
             print(NOT_CHECKED, file=sys.stderr)
     if batch is not None and len(rows) > bs and not args.quiet:
@@ -247,10 +248,22 @@ def cmd_kb_forget(args: argparse.Namespace) -> int:
 
 
 def _kb_key(args: argparse.Namespace) -> bytes | None:
-    """The key of ``--key-file`` (None: none given; ``KnowledgeBase.open`` reads $PROTEUS_KB_KEY_FILE)."""
+    """The key of ``--key-file`` with ``--min-sequence`` (None: none given; ``KnowledgeBase.open`` reads
+    $PROTEUS_KB_KEY_FILE)."""
     from proteus.kb import read_key_file
 
-    return read_key_file(args.key_file) if getattr(args, "key_file", None) else None
+    floor = getattr(args, "min_sequence", None)
+    if getattr(args, "key_file", None):
+        return read_key_file(args.key_file, min_sequence=floor)
+    if floor is not None:
+        from proteus.kb.signing import key_from_env
+
+        key = key_from_env()
+        if key is None:
+            raise ConfigError("--min-sequence checks a signature: give --key-file (or $PROTEUS_KB_KEY_FILE)")
+        key.min_sequence = floor
+        return key
+    return None
 
 
 def _commit_words(s: dict[str, Any]) -> str:
@@ -318,10 +331,12 @@ def cmd_kb_verify(args: argparse.Namespace) -> int:
 
     report = kbmod.check(args.kb, _kb_key(args))
     for p in report.errors:
-        print(p)
+        print(printable(p))
     for w in report.warnings:
-        print(f"warning: {w}")
+        print(printable(f"warning: {w}"))
     status = "OK" if not report.errors else f"{len(report.errors)} problem(s)"
+    if report.verified:
+        status += f", {report.verified}"
     if report.warnings:
         status += f", {len(report.warnings)} warning(s)"
         if report.leftover_bytes:
@@ -338,8 +353,9 @@ def cmd_kb_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
+    show = _printer()
     mb, disk, prev = (info[k] / 1e6 for k in ("total_bytes", "disk_bytes", "previous_bytes"))
-    print(
+    show(
         f"{info['root']}: {info['method']} on {info['benchmark']}, backbone {info['backbone_name']}, "
         f"{info['num_tasks']} task(s), {mb:.2f} MB ({disk:.2f} MB on disk, {prev:.2f} MB of it the previous "
         f"commit kept for `proteus kb undo`) (format {info['format_version']})"
@@ -351,23 +367,29 @@ def cmd_kb_show(args: argparse.Namespace) -> int:
         )
         line += f", learned {t['learned']}" if t.get("learned") else ""
         line += " [forgotten]" if t.get("forgotten") else ""
-        print(line + (f"; {settings}" if settings and args.action == "info" else ""))
+        show(line + (f"; {settings}" if settings and args.action == "info" else ""))
     if args.action == "info":
-        print(f"  created {info['created']}, updated {info['updated']}, proteus {info['proteus_version']}")
-        print(f"  backbone {json.dumps(info['backbone'])}")
+        show(f"  created {info['created']}, updated {info['updated']}, proteus {info['proteus_version']}")
+        show(f"  backbone {json.dumps(info['backbone'])}")
         sig = info["signature"]
         if sig is None:
-            print("  not signed (`proteus kb sign`)")
+            show("  not signed (`proteus kb sign`)")
         else:
             checked = "checked" if sig["checked"] else "not checked: pass --key-file"
-            print(f"  signed ({sig['alg']}, key id {sig['key_id']}; {checked})")
+            show(f"  signed ({sig['alg']}, key id {sig['key_id']}; {checked})")
     return 0
+
+
+def _printer() -> Any:
+    """``print`` of one line of someone else's text: control and bidi characters escaped."""
+    return lambda line: print(printable(str(line)))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from proteus.serve import serve
 
-    limits = ("read_timeout", "request_timeout", "max_concurrency", "max_queue", "max_batch")
+    limits = ("read_timeout", "request_timeout", "max_concurrency", "max_queue", "max_batch", "max_body",
+              "max_images", "max_request_pixels")  # fmt: skip
     given = {k: getattr(args, k) for k in limits if hasattr(args, k)}  # the rest: Limits' defaults
     serve(args.kb, host=args.host, port=args.port, device=args.device, precision=args.precision,
           poll_seconds=args.poll, **given)  # fmt: skip

@@ -513,6 +513,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="the most images per forward of the model (default: 32)",
     )
+    for flag, what in (
+        ("--max-body", "bytes in one request body: 413 above it (default: 67108864, budget request_bytes)"),
+        ("--max-images", "images (multipart parts, JSON items) in one request: 413 above it (default: 1024)"),
+        ("--max-request-pixels", "width x height summed over one request's images, read from their headers "
+         "before decoding: 413 above it (default: 256000000)"),
+    ):  # fmt: skip
+        sv.add_argument(flag, type=_at_least(1), default=argparse.SUPPRESS, metavar="N", help=what)
     sv.set_defaults(func=cmd_serve)
 
     ls = sub.add_parser("list", help="list backbones, benchmarks or methods")
@@ -531,6 +538,14 @@ def _key_option(p: argparse.ArgumentParser, required: bool = False) -> None:
         help="secret key (the file's bytes, at least 16) of the knowledge base's HMAC-SHA256 signature"
         + ("" if required else "; the KB must be signed with it (default: $PROTEUS_KB_KEY_FILE, if set)"),
     )
+    if not required:
+        p.add_argument(
+            "--min-sequence",
+            type=_at_least(0),
+            metavar="N",
+            help="refuse a signed manifest whose commit sequence number is below N (a rollback); the highest "
+            "sequence a key accepted is also recorded beside it (KEYFILE.sequences) and enforced",
+        )
 
 
 def _wait_option(p: argparse.ArgumentParser) -> None:

@@ -24,6 +24,8 @@ from typing import Any
 import yaml
 
 from proteus.errors import ConfigError
+from proteus.untrusted import load_yaml as untrusted_yaml
+from proteus.untrusted import read_regular_text, yaml_has_tag
 
 __all__ = [
     "coerce", "coerce_dotted", "field_of", "flatten", "load_yaml", "merge", "nest", "parse_set",
@@ -279,8 +281,8 @@ def merge(obj: Any, data: dict[str, Any], where: str = "config") -> None:
             setattr(obj, key, coerce(value, hint, path))
 
 
-def _has_tag(raw: str) -> bool:
-    return any(isinstance(t, yaml.TagToken) for t in yaml.scan(raw, Loader=yaml.SafeLoader))
+def _has_tag(raw: str, key: str) -> bool:
+    return yaml_has_tag(raw, f"--set {key}")
 
 
 def parse_set(root: type, items: list[str]) -> dict[str, Any]:
@@ -295,11 +297,11 @@ def parse_set(root: type, items: list[str]) -> dict[str, Any]:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         hint = field_of(root, key)[0]
         try:
-            if _has_tag(raw):
+            if _has_tag(raw, key):
                 raise ConfigError(
                     f"--set {key}: YAML tags are not allowed in a value ({raw.strip()!r}); give a plain value"
                 )
-            value = yaml.safe_load(raw) if raw.strip() != "" else None
+            value = untrusted_yaml(raw, f"--set {key}") if raw.strip() != "" else None
         except yaml.YAMLError as e:
             why = getattr(e, "problem", None) or " ".join(str(e).split())
             raise ConfigError(f"--set {key}: not a valid YAML value: {raw!r} ({why})") from None
@@ -318,7 +320,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = untrusted_yaml(read_regular_text(p), str(p)) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML ({' '.join(str(e).split())})") from None
     except RecursionError:

@@ -8,27 +8,16 @@ object paths), :mod:`.tensors` (dtypes, shapes, finite values) and :mod:`.signin
 signature).
 """
 
-from proteus.kb.files import (
-    FORMAT,
-    FORMAT_VERSION,
-    READABLE_VERSIONS,
-    KBError,
-    KBLockedError,
-    manifest_checksum,
-)
-from proteus.kb.inspect import Report, check, info, problems
-from proteus.kb.lock import lock_holder, write_lock
-from proteus.kb.signing import KEY_ENV, read_key_file
-from proteus.kb.store import KnowledgeBase
+from proteus.lazy import exports
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
-    "KEY_ENV",
-    "READABLE_VERSIONS",
     "KBError",
     "KBLockedError",
+    "KEY_ENV",
     "KnowledgeBase",
+    "READABLE_VERSIONS",
     "Report",
     "check",
     "info",
@@ -38,3 +27,24 @@ __all__ = [
     "read_key_file",
     "write_lock",
 ]
+
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "FORMAT": "files",
+        "FORMAT_VERSION": "files",
+        "KEY_ENV": "signing",
+        "READABLE_VERSIONS": "files",
+        "KBError": "files",
+        "KBLockedError": "files",
+        "KnowledgeBase": "store",
+        "Report": "inspect",
+        "check": "inspect",
+        "info": "inspect",
+        "lock_holder": "lock",
+        "manifest_checksum": "files",
+        "problems": "inspect",
+        "read_key_file": "signing",
+        "write_lock": "lock",
+    },
+)

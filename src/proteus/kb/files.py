@@ -1,5 +1,13 @@
 """Knowledge-base files: layout constants, errors, atomic writes, checksums, and the checks shared by
-the store, the lock and the inspection (:mod:`proteus.kb`)."""
+the store, the lock and the inspection (:mod:`proteus.kb`).
+
+Every file of a knowledge base is opened like an object: relative to the directory's own descriptor (so it
+is inside the knowledge base), with ``O_NOFOLLOW`` (a symbolic link is refused, never followed), without
+blocking (a FIFO never hangs a command), and used only when ``fstat`` on the open file says it is a regular
+file no larger than its budget (:mod:`proteus.budgets`): :func:`read_kb_file` for both manifests and the
+lock's record, :func:`read_object` for objects (compared with the size the manifest records before they
+are read), :func:`_atomic_write` and :func:`open_kb_file` for every file written (temporaries created with
+``O_EXCL``)."""
 
 from __future__ import annotations
 
@@ -10,28 +18,37 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
+from proteus.budgets import limit, over
 from proteus.errors import ProteusError
 from proteus.faults import crash_point
+from proteus.untrusted import SpecialFileError, file_kind, read_fd
 
 log = logging.getLogger("proteus")
 
 FORMAT = "proteus-kb"
-#: the format this proteus writes
-FORMAT_VERSION = 2
-#: the formats this proteus reads (1: no manifest checksum)
-READABLE_VERSIONS = (1, 2)
+#: the format this proteus writes (3: a commit sequence number, the knowledge base's identity, each object's
+#: size, and a checksum that leaves out every time stamp)
+FORMAT_VERSION = 3
+#: the formats this proteus reads (1: no manifest checksum; 2: the checksum covers each task's ``learned``)
+READABLE_VERSIONS = (1, 2, 3)
+#: the keys only format 3 writes: a manifest of an older version holding one was downgraded by hand
+V3_KEYS = ("sequence", "kb_id", "object_bytes")
 
 MANIFEST = "manifest.json"
 PREV_MANIFEST = "manifest.prev.json"
 OBJECTS = "objects"
 LOCK = ".lock"
 FIRST_COMMIT = ".first-commit"
-#: keys the manifest checksum leaves out (besides itself): timestamps, which change no prediction
+#: keys the manifest checksum leaves out (besides itself): time stamps, which change no prediction, and
+#: (format 3) the knowledge base's random identity; format 3 also leaves out each task's ``learned``
 UNCHECKED_KEYS = ("checksum", "created", "updated")
+UNCHECKED_KEYS_V3 = (*UNCHECKED_KEYS, "kb_id")
+UNCHECKED_TASK_KEYS_V3 = ("learned",)
 #: how many times ``open`` starts again when a concurrent commit swept an object while it read
 OPEN_ATTEMPTS = 10
 _TMP_PREFIXES = (f".{MANIFEST}.tmp-", f".{PREV_MANIFEST}.tmp-")
@@ -104,13 +121,32 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def open_kb_file(path: Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode: int = 0o666) -> int:
+    """Open a file of a knowledge base for writing: never through a symbolic link, never blocking, and
+    only a regular file (``fstat`` on the open file); with ``O_EXCL`` a leftover of the same name (a
+    temporary of a killed process with this pid) is removed first."""
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, mode)
+    except FileExistsError:
+        if not flags & os.O_EXCL:
+            raise
+        os.unlink(path)
+        fd = os.open(path, flags, mode)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SpecialFileError(errno.EINVAL, f"not a regular file ({file_kind(st.st_mode)})", str(path))
+    return fd
+
+
 def _atomic_write(path: Path, data: bytes, point: str | None = None) -> None:
-    """Write ``data`` to ``path`` atomically (a temporary name, fsync, rename, fsync of the directory). On
-    any failure the temporary file is removed; an ``OSError`` becomes a :class:`KBError` naming ``path``
-    (:func:`_write_error`)."""
+    """Write ``data`` to ``path`` atomically (a temporary name created with ``O_EXCL | O_NOFOLLOW``, fsync,
+    rename, fsync of the directory). On any failure the temporary file is removed; an ``OSError`` becomes a
+    :class:`KBError` naming ``path`` (:func:`_write_error`)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = open_kb_file(tmp)
         try:
             _write_all(fd, data)
             os.fsync(fd)
@@ -129,11 +165,169 @@ def _atomic_write(path: Path, data: bytes, point: str | None = None) -> None:
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
-    """sha256 of the canonical JSON (sorted keys, no whitespace) of ``manifest`` without the keys
-    :data:`UNCHECKED_KEYS`. The manifest is round-tripped through JSON first, so that what is checked is what
-    a reader parses (integer dict keys become strings, tuples lists)."""
-    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k not in UNCHECKED_KEYS}))
+    """sha256 of the canonical JSON (sorted keys, no whitespace) of ``manifest`` without its time stamps.
+    Format 3 (and later) leaves out :data:`UNCHECKED_KEYS_V3` and each task's ``learned``: the checksum
+    covers content only, so two identical runs have the same checksum. Formats 1 and 2 leave out
+    :data:`UNCHECKED_KEYS` only (each task's ``learned`` is inside). The manifest is round-tripped through
+    JSON first, so that what is checked is what a reader parses (integer dict keys become strings, tuples
+    lists)."""
+    version = manifest.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version >= 3:
+        body = {k: v for k, v in manifest.items() if k not in UNCHECKED_KEYS_V3}
+        tasks = body.get("tasks")
+        if isinstance(tasks, list):
+            body["tasks"] = [
+                {k: v for k, v in t.items() if k not in UNCHECKED_TASK_KEYS_V3} if isinstance(t, dict) else t
+                for t in tasks
+            ]
+    else:
+        body = {k: v for k, v in manifest.items() if k not in UNCHECKED_KEYS}
+    body = json.loads(json.dumps(body))
     return _sha(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+# ====================================================================== confined reads
+def _dir_fd(path: Path, follow: bool = True) -> int:
+    """A descriptor of directory ``path`` (``follow=False``: refused when it is a symbolic link)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    return os.open(path, flags)
+
+
+def _refused_file(path: Path, e: OSError) -> KBError:
+    what = e.strerror or str(e)
+    return KBError(
+        f"{path}: {what}; every file of a knowledge base must be a regular file inside it: restore it "
+        "(or remove it) and run the command again"
+    )
+
+
+def read_kb_file(root: Path, name: str, budget: str = "kb_manifest_bytes") -> bytes | None:
+    """The bytes of file ``name`` (no ``/``) of the knowledge base at ``root``, or None when it is missing:
+    opened relative to the directory, without following a symbolic link, without blocking, and refused
+    (:class:`KBError`) unless it is a regular file; over ``budget`` bytes: a
+    :class:`~proteus.budgets.BudgetError` before anything is read."""
+    path = root / name
+    try:
+        dfd = _dir_fd(root)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        raise _is_file_error(root) from None
+    except OSError as e:
+        raise KBError(f"{root}: cannot be read ({e.strerror or e})") from None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _refused_file(path, SpecialFileError(errno.ELOOP, "a symbolic link")) from None
+        raise KBError(f"{path}: cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(dfd)
+    try:
+        return read_fd(fd, budget, str(path))
+    except SpecialFileError as e:
+        raise _refused_file(path, e) from None
+    except OSError as e:
+        raise KBError(f"{path}: cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+
+
+def kb_file_kind(root: Path, name: str) -> str | None:
+    """What ``root/name`` is ("a regular file", "a FIFO (named pipe)", "a symbolic link" ...) without
+    following a link; None when it does not exist."""
+    try:
+        return file_kind(os.lstat(root / name).st_mode)
+    except OSError:
+        return None
+
+
+_CHUNK = 1 << 20
+
+
+def read_object(root: Path, rel: str, sha: str, size: int | None) -> bytes:
+    """The bytes of object ``rel`` (``objects/<name>``, a name :func:`~proteus.kb.schema.object_path`
+    accepted) checked against ``sha``: ``objects/`` and the file opened without following a symbolic link
+    and without blocking; refused unless it is a regular file whose size is the one its manifest records
+    (``size``; None for a manifest of format 2 or older) and at most ``kb_object_bytes``, all before any
+    byte is read. An object of unknown size is hashed as a stream first, and read only when its sha256
+    matches. :class:`KBError` naming the file (:class:`_MissingObject` when it does not exist)."""
+    shown = root / rel
+    objects, name = rel.split("/", 1)
+    try:
+        dfd = _dir_fd(root / objects, follow=False)
+    except FileNotFoundError:
+        raise _MissingObject(f"{shown}: missing from the knowledge base") from None
+    except OSError as e:
+        raise KBError(f"{root / objects}: cannot be read ({e.strerror or e})") from None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        raise _MissingObject(f"{shown}: missing from the knowledge base") from None
+    except OSError as e:
+        what = "a symbolic link, which is not followed" if e.errno == errno.ELOOP else e.strerror or str(e)
+        raise KBError(f"{shown}: cannot be read ({what})") from None
+    finally:
+        os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KBError(f"{shown}: not a regular file ({file_kind(st.st_mode)})")
+        if size is not None and st.st_size != size:
+            raise KBError(
+                f"{shown}: size mismatch (the manifest records {size} bytes, the file has {st.st_size}): the "
+                "file was truncated or replaced"
+            )
+        cap = limit("kb_object_bytes")
+        if st.st_size > cap:
+            raise over("kb_object_bytes", str(shown), st.st_size, cap)
+        if size is None:
+            _check_sha(shown, sha, _stream_sha(fd))
+            os.lseek(fd, 0, os.SEEK_SET)
+        data = _read_exactly(fd, st.st_size, shown)
+    except OSError as e:
+        raise KBError(f"{shown}: cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    _check_sha(shown, sha, _sha(data))
+    return data
+
+
+def _stream_sha(fd: int) -> str:
+    h = hashlib.sha256()
+    while chunk := os.read(fd, _CHUNK):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_exactly(fd: int, n: int, shown: Path) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, min(n - got, 1 << 30))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    if got != n or os.read(fd, 1):
+        raise KBError(f"{shown}: changed size while it was read; run the command again")
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def recorded_size(manifest: dict[str, Any], rel: str) -> int | None:
+    """The size ``manifest`` records for object ``rel`` (``object_bytes``, format 3), or None."""
+    sizes = manifest.get("object_bytes")
+    n = sizes.get(rel) if isinstance(sizes, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
+def _check_sha(shown: Path, expected: str, actual: str) -> None:
+    if actual != expected:
+        raise KBError(
+            f"{shown}: checksum mismatch (expected {expected[:16]}…, found {actual[:16]}…): "
+            "the file was truncated or edited"
+        )
 
 
 def _pid_running(pid: int) -> bool:
@@ -157,9 +351,16 @@ def _pid_running(pid: int) -> bool:
 
 
 def _tmp_pid(name: str) -> int | None:
-    """The pid in a temporary file's name (``.<name>.tmp-<pid>``), or None."""
+    """The pid in a temporary file's name (``.<name>.tmp-<pid>``, ``.<name>.tmp-<pid>.kept``), or None."""
     tail = name.rsplit(".tmp-", 1)
-    return int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else None
+    pid = tail[1].split(".", 1)[0] if len(tail) == 2 else ""
+    return int(pid) if pid.isdigit() else None
+
+
+def kept_name(pid: int) -> str:
+    """The hard link to manifest.prev.json that a commit keeps while it replaces it (so that putting it
+    back is one rename, which needs no file to be opened)."""
+    return f".{PREV_MANIFEST}.tmp-{pid}.kept"
 
 
 def _kb_files(root: Path) -> list[str]:
@@ -239,7 +440,7 @@ def check_writable(root: str | Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
         for where in [root, root / OBJECTS] if (root / OBJECTS).is_dir() else [root]:
             probe = where / f"{_WRITE_PROBE}{os.getpid()}"
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = open_kb_file(probe, mode=0o600)
             try:
                 os.write(fd, b"\0" * 4096)
                 os.fsync(fd)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from dataclasses import dataclass, field
@@ -11,9 +10,11 @@ from typing import Any
 
 from safetensors.torch import load as st_load
 
+from proteus.errors import ProteusError
 from proteus.kb.files import (
     _TMP_PREFIXES,
     FIRST_COMMIT,
+    FORMAT_VERSION,
     MANIFEST,
     OBJECTS,
     PREV_MANIFEST,
@@ -21,13 +22,18 @@ from proteus.kb.files import (
     _is_file_error,
     _pid_running,
     _refs,
-    _sha,
     _tmp_pid,
+    kb_file_kind,
+    read_kb_file,
+    read_object,
+    recorded_size,
 )
-from proteus.kb.schema import manifest_issues, object_path
-from proteus.kb.signing import key_from_env, signature_problem
-from proteus.kb.store import KnowledgeBase, read_object_file
+from proteus.kb.manifests import read_manifest
+from proteus.kb.schema import downgrade_problem, manifest_issues, object_path
+from proteus.kb.signing import accept, describe, key_from_env, sequence_problem, signature_problem
+from proteus.kb.store import KnowledgeBase
 from proteus.kb.tensors import Obj, check_objects, int_totals, nonfinite, parse_header
+from proteus.untrusted import load_json
 
 
 @dataclass
@@ -41,6 +47,9 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     #: the files the warnings name that ``proteus kb gc`` removes, and their bytes
     leftover_bytes: int = 0
+    #: what a valid signature vouched for ("signed commit 7 of knowledge base 1a2b3c4d (key id …)"), when
+    #: a key was given and the knowledge base is valid
+    verified: str | None = None
 
 
 def problems(root: str | Path, key: bytes | None = None) -> list[str]:
@@ -67,33 +76,15 @@ def check(root: str | Path, key: bytes | None = None) -> Report:
             key = key_from_env()
         except KBError as e:
             out.append(str(e))
-    try:
-        data = (root / MANIFEST).read_bytes()
-    except OSError:
-        data = None
-    manifest = None
-    if data is None:
-        try:
-            KnowledgeBase._read_manifest(root)
-        except KBError as e:
-            out.append(str(e))
-    else:
-        manifest, issues = manifest_issues(root / MANIFEST, data, "restore it or manifest.prev.json")
-        out += issues
-        if manifest is not None and key is not None and not issues:
-            problem = signature_problem(root, manifest, key)
-            if problem:
-                out.append(problem)
+    manifest = _current(root, key, out)
     seen: dict[str, Obj | None] = {}
     names: set[str] = set()
     if manifest is not None:
         names = _check_commit(root, manifest, MANIFEST, "", seen, out)
-    prev_path = root / PREV_MANIFEST
     prev_names: set[str] | None = set()
-    if prev_path.is_file():
-        prev, issues = manifest_issues(
-            prev_path, prev_path.read_bytes(), "the previous commit cannot be restored from it"
-        )
+    kind = kb_file_kind(root, PREV_MANIFEST)
+    if kind is not None:
+        prev, issues = _parsed(root, PREV_MANIFEST, "the previous commit cannot be restored from it")
         out += issues
         prev_names = None
         if prev is not None:
@@ -102,8 +93,43 @@ def check(root: str | Path, key: bytes | None = None) -> Report:
                 problem = signature_problem(root, prev, key, PREV_MANIFEST)
                 if problem:
                     report.warnings.append(f"{problem}; `proteus kb undo` with this key refuses it")
+            if manifest is not None and manifest.get("format_version") != FORMAT_VERSION:
+                problem = downgrade_problem(manifest, prev, root / MANIFEST)
+                out += [problem] if problem else []
     _leftovers(root, manifest, names, prev_names, report)
+    if key is not None and manifest is not None and not out:
+        accept(manifest, key)
+        report.verified = describe(manifest, key)
     return report
+
+
+def _parsed(root: Path, name: str, hint: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """Manifest file ``name`` read like every file of the knowledge base and parsed: (it or None, its
+    problems; a missing file is one)."""
+    try:
+        data = read_kb_file(root, name)
+    except ProteusError as e:
+        return None, [str(e)]
+    if data is None:
+        return None, [f"{root / name}: missing"]
+    return manifest_issues(root / name, data, hint)
+
+
+def _current(root: Path, key: bytes | None, out: list[str]) -> dict[str, Any] | None:
+    """manifest.json, parsed and checked into ``out`` (with its signature and sequence under ``key``)."""
+    if kb_file_kind(root, MANIFEST) is None:
+        try:
+            read_manifest(root)
+        except ProteusError as e:
+            out.append(str(e))
+        return None
+    manifest, issues = _parsed(root, MANIFEST, "restore it or manifest.prev.json")
+    out += issues
+    if manifest is not None and key is not None and not issues:
+        problem = signature_problem(root, manifest, key) or sequence_problem(root, manifest, key)
+        if problem:
+            out.append(problem)
+    return manifest
 
 
 def _check_commit(
@@ -123,7 +149,7 @@ def _check_commit(
             continue
         names.add(Path(rel).name)
         if rel not in seen:
-            problems, obj = _object_problems(root, rel, sha, f"{prefix}{label}")
+            problems, obj = _object_problems(root, rel, sha, recorded_size(manifest, rel), f"{prefix}{label}")
             out += problems
             seen[rel] = obj
         obj = seen[rel]
@@ -140,20 +166,16 @@ def _check_commit(
     return names
 
 
-def _object_problems(root: Path, rel: str, sha: str, label: str) -> tuple[list[str], Obj | None]:
-    """The problems of one object (missing, checksum, header, dtypes, non-finite values) and, when its
-    tensors could be read, their shapes for the rules of :mod:`proteus.kb.tensors`."""
+def _object_problems(
+    root: Path, rel: str, sha: str, size: int | None, label: str
+) -> tuple[list[str], Obj | None]:
+    """The problems of one object (missing, size, checksum, header, dtypes, non-finite values) and, when
+    its tensors could be read, their shapes for the rules of :mod:`proteus.kb.tensors`."""
     path = root / rel
     try:
-        data = read_object_file(object_path(root, rel, sha), path)
-    except KBError as e:
+        data = read_object(root, rel, sha, size)
+    except ProteusError as e:
         return [f"{e} ({label})"], None
-    actual = _sha(data)
-    if actual != sha:
-        return [
-            f"{path}: checksum mismatch (expected {sha[:16]}…, found {actual[:16]}…): the file was "
-            f"truncated or edited ({label})"
-        ], None
     try:
         shapes = parse_header(data)
         tensors = st_load(data)
@@ -188,8 +210,8 @@ def _leftovers(
             warn(p, f"temporary file {leftover}")
         elif p.name == FIRST_COMMIT and manifest is not None:
             warn(p, f"marker of a first commit, {leftover}")
-    objects = root / OBJECTS
-    for p in sorted(objects.iterdir()) if objects.is_dir() else []:
+    objects = root / OBJECTS  # a symlinked objects/ is refused by the checks above; its files are not ours
+    for p in sorted(objects.iterdir()) if objects.is_dir() and not objects.is_symlink() else []:
         pid = _tmp_pid(p.name)
         if p.name.startswith(".") and ".tmp-" in p.name:
             if not (pid is not None and _pid_running(pid)):
@@ -200,17 +222,12 @@ def _leftovers(
             warn(p, f"referenced by neither manifest.json nor manifest.prev.json, {leftover}")
 
 
-def _size(kb: KnowledgeBase, rel: str | None) -> int | None:
-    if rel is None:
+def _size(kb: KnowledgeBase, rel: Any) -> int | None:
+    if not isinstance(rel, str):
         return None
-    if rel in kb._pending:
-        return len(kb._pending[rel])
-    if rel in kb._cache:
-        return len(kb._cache[rel][1])
-    try:
-        return object_path(kb.root, rel).stat().st_size
-    except (OSError, KBError):
-        return None
+    if rel in kb.objects.cache:
+        return len(kb.objects.cache[rel][1])
+    return kb.objects.size(kb.manifest, rel)
 
 
 def _disk_bytes(root: Path) -> int:
@@ -229,11 +246,12 @@ def _disk_bytes(root: Path) -> int:
 
 def _previous_bytes(kb: KnowledgeBase, current: set[str]) -> int:
     """The bytes kept for ``undo`` only: manifest.prev.json and the objects only it references."""
-    path = kb.root / PREV_MANIFEST
     try:
-        data = path.read_bytes()
-        prev = json.loads(data)
-    except (OSError, ValueError):
+        data = read_kb_file(kb.root, PREV_MANIFEST)
+        prev = load_json(data, str(kb.root / PREV_MANIFEST)) if data is not None else None
+    except ProteusError:
+        return 0
+    if data is None:
         return 0
     refs = {rel for _, rel, _ in _refs(prev)} if isinstance(prev, dict) else set()
     return len(data) + sum(_size(kb, rel) or 0 for rel in refs - current)
@@ -247,13 +265,14 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
     every file under the directory (leftovers of failed commits included: ``proteus kb gc``);
     ``signature`` its algorithm and key id (``checked``: verified with a key when opened), or None."""
     m = kb.manifest
-    cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
+    cfg = _map(m.get("config"))
     tasks = []
     for i, t in enumerate(m.get("tasks") or []):
+        t = _map(t)
         rec: dict[str, Any] = {
-            "index": t.get("index", i),
-            "classes": t.get("classes", []),
-            "class_names": t.get("class_names", []),
+            "index": t.get("index", i) if isinstance(t.get("index", i), int) else i,
+            "classes": _list(t.get("classes")),
+            "class_names": _list(t.get("class_names")),
             "n_train": t.get("n_train"),
         }
         for key in ("settings", "learned", "forgotten"):
@@ -279,8 +298,8 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
         "proteus_version": m.get("proteus_version"),
         "backbone": m.get("backbone"),
         "method": cfg.get("method"),
-        "backbone_name": (cfg.get("backbone") or {}).get("name"),
-        "benchmark": (m.get("split") or {}).get("benchmark"),
+        "backbone_name": _map(cfg.get("backbone")).get("name"),
+        "benchmark": _map(m.get("split")).get("benchmark"),
         "num_tasks": len(tasks),
         "tasks": tasks,
         "head_bytes": head_bytes,
@@ -294,3 +313,12 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
             else None
         ),
     }
+
+
+def _map(v: Any) -> dict[str, Any]:
+    """``v`` when it is a mapping, else ``{}`` (what ``info`` shows of a malformed field)."""
+    return v if isinstance(v, dict) else {}
+
+
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from proteus.errors import ProteusError
 from proteus.kb.files import (
     LOCK,
     KBError,
@@ -24,17 +25,19 @@ from proteus.kb.files import (
     _now,
     _pid_running,
     log,
+    open_kb_file,
+    read_kb_file,
 )
+from proteus.untrusted import load_json
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
+    """The holder record in the lock file ``path`` (None when there is none or it cannot be used: the lock
+    file is read like every file of a knowledge base, :func:`~proteus.kb.files.read_kb_file`)."""
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError):
-        return None
-    try:
-        record = json.loads(text) if text.strip() else None
-    except json.JSONDecodeError:
+        data = read_kb_file(path.parent, path.name, "side_file_bytes")
+        record = load_json(data, str(path)) if data and data.strip() else None
+    except ProteusError:
         return None
     return record if isinstance(record, dict) else None
 
@@ -155,9 +158,12 @@ def write_lock(root: str | Path, wait: float | None = 0.0) -> Iterator[dict[str,
         yield _HELD[key]
         return
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_kb_file(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise KBError(f"{path}: cannot open the write lock ({e.strerror}); choose another --kb") from None
+        raise KBError(
+            f"{path}: cannot open the write lock ({e.strerror}); it must be a regular file inside the "
+            "knowledge base (remove it if it is something else), or choose another --kb"
+        ) from None
     try:
         _acquire(fd, root, wait)
         previous = _read_record(path)

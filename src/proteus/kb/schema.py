@@ -15,7 +15,6 @@ a ``T``) or alternatives ``"A|B"``; a :class:`F` with ``fields`` checks a mappin
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -24,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proteus.kb.files import FORMAT, OBJECTS, READABLE_VERSIONS, KBError, manifest_checksum
+from proteus.budgets import BudgetError
+from proteus.kb.files import FORMAT, OBJECTS, READABLE_VERSIONS, V3_KEYS, KBError, manifest_checksum
+from proteus.untrusted import InputError, load_json
 
 log = logging.getLogger("proteus")
 
@@ -197,6 +198,9 @@ MANIFEST: Schema = {
     "tasks": F("list[map]", True),
     "head": F("map|null", fields=HEAD),
     "signature": F("map", fields=SIGNATURE),
+    "sequence": F("count"),
+    "kb_id": F("str"),
+    "object_bytes": F("map"),
 }
 
 #: which learner wrote a head, from its meta: (kind, the key that says so, the meta's schema)
@@ -395,24 +399,33 @@ def object_path(root: Path, rel: Any, sha: Any = None) -> Path:
 
 
 def manifest_issues(path: Path, data: bytes, hint: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """Parse a manifest's bytes: (the manifest or None when it is no JSON object, every problem found).
-    ``hint`` says what to do about an edited or corrupt file."""
+    """Parse a manifest's bytes (:func:`proteus.untrusted.load_json`: duplicate keys, nesting, integer
+    size): (the manifest or None when it is no JSON object, every problem found). ``hint`` says what to do
+    about an edited or corrupt file."""
     try:
-        manifest = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, [f"{path}: corrupt manifest ({e}); {hint}"]
+        manifest = load_json(data, str(path))
+    except InputError as e:
+        return None, [f"{path}: corrupt manifest ({e.reason}); {hint}"]
+    except BudgetError as e:
+        return None, [f"{e}; {hint}"]
     if not isinstance(manifest, dict):
         return None, [f"{path}: corrupt manifest (a JSON {type(manifest).__name__}, not an object); {hint}"]
     if manifest.get("format") != FORMAT:
-        return manifest, [f"{path}: not a proteus knowledge base (format={manifest.get('format')!r})"]
+        return manifest, [f"{path}: not a proteus knowledge base (format={_shown(manifest.get('format'))})"]
     version = manifest.get("format_version")
-    if version not in READABLE_VERSIONS:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         return manifest, [
-            f"{path}: knowledge base format version {version!r} is not supported by this proteus (it reads "
-            f"versions {' and '.join(map(str, READABLE_VERSIONS))}); use the proteus release that wrote it"
+            f"{path}: knowledge base format version {_shown(version)} is not supported by this proteus (it "
+            f"reads versions {', '.join(map(str, READABLE_VERSIONS))}); use the proteus release that wrote it"
         ]
     issues = []
     recorded = manifest.get("checksum")
+    newer = sorted(k for k in V3_KEYS if k in manifest)
+    if version < 3 and newer:
+        issues.append(
+            f"{path}: format version {version}, but it holds {', '.join(newer)}, which only version 3 "
+            f"writes: the version was lowered by hand (a downgrade); {hint}"
+        )
     if version == 1 and recorded is None:
         log.debug("%s: format version 1 (no checksum); it gets one at its next commit", path)
     elif not isinstance(recorded, str):
@@ -427,5 +440,29 @@ def manifest_issues(path: Path, data: bytes, hint: str) -> tuple[dict[str, Any] 
                 f"{path}: checksum mismatch: {path.name} was edited (recorded {recorded[:16]}…, computed "
                 f"{actual[:16]}…); {hint}"
             )
-    issues += [f"{path}: {p}; {hint}" for p in manifest_problems(manifest)]
+    issues += [f"{path}: {p}; {hint}" for p in manifest_problems(manifest) + _size_problems(manifest)]
     return manifest, issues
+
+
+def _size_problems(manifest: dict[str, Any]) -> list[str]:
+    """``object_bytes`` (format 3): each size an integer >= 0 (an object without one is read as one of
+    unknown size: within ``kb_object_bytes``, hashed as a stream before it is read)."""
+    sizes = manifest.get("object_bytes")
+    if not isinstance(sizes, dict):
+        return []
+    bad = [(k, v) for k, v in sizes.items() if type_problem(v, "count") is not None]
+    return [f"object_bytes.{_shown(k)}: expected an integer >= 0, got {_shown(v)}" for k, v in bad[:20]]
+
+
+def downgrade_problem(manifest: dict[str, Any], previous: dict[str, Any] | None, path: Path) -> str | None:
+    """A manifest at an older format version than the previous commit's (``previous``): every commit writes
+    the newest version, so the older one was lowered by hand."""
+    if not isinstance(previous, dict):
+        return None
+    mine, theirs = manifest.get("format_version"), previous.get("format_version")
+    if _is_int(mine) and _is_int(theirs) and mine < theirs:
+        return (
+            f"{path}: format version {mine}, but the previous commit has version {theirs}: the version was "
+            "lowered by hand (a downgrade); restore it or manifest.prev.json"
+        )
+    return None

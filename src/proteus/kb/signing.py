@@ -10,10 +10,19 @@ signature. Objects are covered through their sha256, which the manifest records.
 A key is the bytes of a key file, trailing whitespace removed (a hex string and its newline work), at
 least 16 bytes. ``KnowledgeBase.open(root, key=...)`` checks the signature, and so does every ``open``
 when ``$PROTEUS_KB_KEY_FILE`` names a key file; a commit made with a key signs the new manifest.
+
+Rollback: a manifest of format 3 carries ``sequence`` (one more at every commit, ``undo`` included) and
+``kb_id`` (the knowledge base's random identity), both signed. A reader with a key read from a file
+(:class:`SigningKey`) records, beside the key (``<key file>.sequences``), the highest sequence it accepted
+for each knowledge base, and refuses a lower one: a signed manifest copied back over a newer one (``cp
+manifest.prev.json manifest.json``), or an old signed copy, is refused by name. ``--min-sequence N``
+(:attr:`SigningKey.min_sequence`) sets the floor by hand. A manifest signed without a sequence (format 2)
+is accepted with a warning: sign it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -21,7 +30,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from proteus.kb.files import MANIFEST, KBError
+from proteus.errors import ProteusError
+from proteus.kb.files import MANIFEST, KBError, log
+from proteus.untrusted import load_json, read_regular
 
 ALG = "hmac-sha256"
 #: environment variable naming the key file that every ``KnowledgeBase.open`` checks signatures with
@@ -31,12 +42,28 @@ MIN_KEY_BYTES = 16
 UNSIGNED_KEYS = ("signature", "checksum")
 
 
-def read_key_file(path: str | Path, source: str = "--key-file") -> bytes:
-    """The key in file ``path`` (trailing whitespace removed); :class:`KBError` naming the file when it
-    cannot be read or is too short. ``source`` says where the name came from."""
+class SigningKey(bytes):
+    """A key (its bytes) with where it came from: ``path``, the key file (the sequences it accepted are
+    recorded beside it), and ``min_sequence``, the lowest sequence a signed manifest may have (None: only
+    the recorded one)."""
+
+    path: Path | None
+    min_sequence: int | None
+
+    def __new__(cls, key: bytes, path: Path | None = None, min_sequence: int | None = None) -> SigningKey:
+        out = super().__new__(cls, key)
+        out.path, out.min_sequence = path, min_sequence
+        return out
+
+
+def read_key_file(
+    path: str | Path, source: str = "--key-file", min_sequence: int | None = None
+) -> SigningKey:
+    """The key in file ``path`` (trailing whitespace removed; a regular file, never a FIFO); :class:`KBError`
+    naming the file when it cannot be read or is too short. ``source`` says where the name came from."""
     path = Path(path)
     try:
-        key = path.read_bytes().rstrip()
+        key = read_regular(path, "side_file_bytes").rstrip()
     except OSError as e:
         raise KBError(f"{path} ({source}): cannot read the key file ({e.strerror or e})") from None
     if len(key) < MIN_KEY_BYTES:
@@ -44,7 +71,7 @@ def read_key_file(path: str | Path, source: str = "--key-file") -> bytes:
             f"{path} ({source}): a key of {len(key)} bytes is too short (at least {MIN_KEY_BYTES}); "
             'make one with: python -c "import secrets; print(secrets.token_hex(32))" > KEYFILE'
         )
-    return key
+    return SigningKey(key, path, min_sequence)
 
 
 def key_from_env() -> bytes | None:
@@ -96,3 +123,99 @@ def signature_problem(root: Path, manifest: dict[str, Any], key: bytes, name: st
 
 def _alg(sig: Any) -> str:
     return repr(sig.get("alg")) if isinstance(sig, dict) else "unknown"
+
+
+# ------------------------------------------------------------------------------------------ sequences
+def _sequence(manifest: dict[str, Any]) -> int | None:
+    n = manifest.get("sequence")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _record_path(key: bytes) -> Path | None:
+    path = getattr(key, "path", None)
+    return path.with_name(path.name + ".sequences") if isinstance(path, Path) else None
+
+
+def _accepted(key: bytes) -> dict[str, int]:
+    """The highest sequence accepted per knowledge base identity, as recorded beside the key ({} when none
+    is, or the record cannot be read: a warning)."""
+    record = _record_path(key)
+    if record is None:
+        return {}
+    try:
+        doc = load_json(read_regular(record, "side_file_bytes"), str(record))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ProteusError) as e:
+        log.warning("%s: cannot read the accepted sequences (%s); only --min-sequence applies", record, e)
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def sequence_problem(root: Path, manifest: dict[str, Any], key: bytes) -> str | None:
+    """None when the (validly signed) ``manifest`` is not older than what ``key`` accepted before: its
+    ``sequence`` at least ``key.min_sequence`` and the sequence recorded beside the key for its ``kb_id``."""
+    seq, kb_id = _sequence(manifest), manifest.get("kb_id")
+    floor = getattr(key, "min_sequence", None)
+    if seq is None:
+        if floor is not None:
+            return (
+                f"{root}: {MANIFEST} has no sequence number (signed by an older proteus) but --min-sequence "
+                f"{floor} was given: sign it again with `proteus kb sign`"
+            )
+        return None
+    if floor is not None and seq < floor:
+        return (
+            f"{root}: rollback refused: {MANIFEST} is commit {seq}, below --min-sequence {floor}; it is an "
+            "older signed state of the knowledge base"
+        )
+    last = _accepted(key).get(kb_id) if isinstance(kb_id, str) else None
+    if last is not None and seq < last:
+        return (
+            f"{root}: rollback refused: {MANIFEST} is commit {seq} of knowledge base {kb_id[:8]}, but this "
+            f"key already accepted commit {last} (recorded in {_record_path(key)}): an older signed state "
+            "was put back; restore the newer one, or if the rollback is intended remove its entry from that "
+            "record"
+        )
+    return None
+
+
+def accept(manifest: dict[str, Any], key: bytes) -> None:
+    """Record beside the key that ``manifest`` (validly signed, or written with the key) was accepted:
+    later readers with this key refuse a lower sequence for its knowledge base. Best effort: a record that
+    cannot be written is a warning."""
+    record, seq, kb_id = _record_path(key), _sequence(manifest), manifest.get("kb_id")
+    if record is None or seq is None or not isinstance(kb_id, str):
+        return
+    seen = _accepted(key)
+    if seen.get(kb_id, -1) >= seq:
+        return
+    seen[kb_id] = seq
+    tmp = record.with_name(f".{record.name}.tmp-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps(seen, sort_keys=True).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, record)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        log.warning("%s: cannot record the accepted sequence (%s); rollbacks are caught with --min-sequence "
+                    "only", record, e.strerror or e)  # fmt: skip
+
+
+def describe(manifest: dict[str, Any], key: bytes) -> str:
+    """What a valid signature vouches for, in words: "signed commit 7 of knowledge base 1a2b3c4d (key id
+    …)"."""
+    seq, kb_id = _sequence(manifest), manifest.get("kb_id")
+    if seq is None:
+        return (
+            f"signed with key id {key_id(key)}, without a sequence number: sign it again to detect rollbacks"
+        )
+    ident = f" of knowledge base {kb_id[:8]}" if isinstance(kb_id, str) else ""
+    return f"signed commit {seq}{ident} (key id {key_id(key)})"

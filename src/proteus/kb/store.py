@@ -8,8 +8,10 @@ On disk::
     kb/objects/<kind>-<sha256[:16]>.safetensors   content-addressed tensor files
     kb/.lock                             the writers' lock (not part of the knowledge base)
 
-A commit writes the new objects first (temporary name, fsync, rename), copies the current manifest to
-``manifest.prev.json`` (atomically), then writes the new manifest to a temporary name, fsyncs it, and renames
+The parts: :mod:`.objects` (the snapshot and the writes of objects), :mod:`.commit` (the commit protocol),
+:mod:`.sweep` (garbage collection), :mod:`.manifests` (reading both manifests). A commit writes the new
+objects first (temporary name, fsync, rename), copies the current manifest to ``manifest.prev.json``
+(atomically), then writes the new manifest to a temporary name, fsyncs it, and renames
 it over ``manifest.json`` (atomic on POSIX), then fsyncs the directory. Objects are never overwritten (their
 names carry their hash), so a process killed at any moment leaves either the old manifest with all its
 objects, or the new one. After the rename, files referenced neither by the new manifest nor by the previous
@@ -19,11 +21,18 @@ every time; the objects whose content this KB already wrote (same :func:`~proteu
 sha256 of the raw tensors, cheaper than serialising them, each unchanged tensor object hashed once) are not
 serialised again, so a commit of task k of a long stream writes task k's object and the head, not k objects.
 
-Integrity: every object's sha256 is recorded in the manifest and verified when it is read (a truncated or
-edited file is detected, never loaded), and the manifest carries ``checksum``, the sha256 of its canonical
-JSON (sorted keys, no whitespace) without the keys ``checksum``, ``created`` and ``updated`` (timestamps
-change no prediction, and leaving them out gives two identical runs the same checksum). Format version 2 has
-the checksum; version 1 manifests (no checksum) are still read and get one at their next commit.
+Integrity: every object's sha256 and size are recorded in the manifest; a file is compared with the size
+before it is read and with the sha256 after (a truncated, replaced or edited file is detected, never
+loaded). The manifest carries ``checksum``, the sha256 of its canonical JSON (sorted keys, no whitespace)
+without its time stamps (``created``, ``updated``, each task's ``learned``) and its random identity
+``kb_id``: it covers content only, so two identical runs have the same checksum. Format version 3 has
+``sequence`` (one more at every commit) and ``kb_id``, which a signature binds (:mod:`.signing`); version 2
+manifests (whose checksum covers ``learned``) and version 1 manifests (no checksum) are still read and are
+written in version 3 at their next commit; a manifest whose version was lowered by hand is refused.
+
+Files: every file of a knowledge base is opened like an object (:mod:`.files`): inside the directory,
+without following a symbolic link, without blocking, only as a regular file within its budget
+(:mod:`proteus.budgets`).
 
 Concurrency: one writer at a time, by :func:`write_lock` (``fcntl.flock`` on ``.lock``; a lock of a killed
 process is released by the kernel and taken over, with a log line). Readers never take the lock:
@@ -46,7 +55,8 @@ must be valid, and commits sign.
 
 Failures: a write that fails (a full disk, any ``OSError``) removes its temporary file and the objects this
 commit wrote that no commit references, restores ``manifest.prev.json`` if it had been replaced, and raises
-a :class:`KBError` naming the file (for a full disk, the bytes it tried to write and the space left).
+a :class:`KBError` naming the file (for a full disk, the bytes it tried to write and the space left);
+``tests/test_kb_faults.py`` fails each ``open``, ``write``, ``fsync`` and rename of a commit in turn.
 :meth:`KnowledgeBase.gc` removes what neither commit references, reporting what it freed.
 
 Crash points (:func:`proteus.faults.crash_point`) mark the commit's steps for the crash-safety tests
@@ -55,101 +65,81 @@ Crash points (:func:`proteus.faults.crash_point`) mark the commit's steps for th
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import stat
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from proteus.faults import crash_point
-from proteus.kb.content import TensorDigests, content_key
+from proteus.kb.commit import Commit, refuse_unreadable, seal
 from proteus.kb.files import (
-    _TMP_PREFIXES,
-    FIRST_COMMIT,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
-    OBJECTS,
     OPEN_ATTEMPTS,
-    PREV_MANIFEST,
     KBError,
-    _atomic_write,
     _damaged,
-    _fsync_dir,
     _interrupted_first_commit,
     _is_file_error,
     _kb_files,
     _MissingObject,
-    _not_writable,
     _now,
     _refs,
     _sha,
     _shown,
-    _write_error,
     check_writable,
+    kb_file_kind,
     log,
-    manifest_checksum,
+    read_kb_file,
 )
 from proteus.kb.lock import lock_holder, write_lock
-from proteus.kb.schema import head_kind, manifest_issues, manifest_problems, object_path, task_label
-from proteus.kb.signing import key_from_env, signature, signature_problem
-from proteus.kb.tensors import Obj, check_objects, shapes_of
-
-#: one part of a learner's state: its JSON record (in the manifest) and its tensors (one object)
-Part = tuple[dict[str, Any], dict[str, torch.Tensor]]
+from proteus.kb.manifests import check_paths, previous_manifest, read_manifest
+from proteus.kb.objects import ObjectStore, Part
+from proteus.kb.schema import head_kind, manifest_problems
+from proteus.kb.signing import accept, key_from_env, sequence_problem, signature_problem
+from proteus.kb.sweep import sweep
 
 
 class KnowledgeBase:
     """A directory holding a PROTEUS knowledge base. Use :meth:`open`, :meth:`new` or :meth:`create`; writers
-    hold :meth:`write_lock` from before they open it until after their commit."""
+    hold :meth:`write_lock` from before they open it until after their commit. Its objects are
+    :attr:`objects` (:class:`~proteus.kb.objects.ObjectStore`); a commit is a
+    :class:`~proteus.kb.commit.Commit`."""
 
     write_lock = staticmethod(write_lock)
     lock_holder = staticmethod(lock_holder)
+    #: raise :class:`KBError` unless ``root`` is writable (:func:`proteus.kb.files.check_writable`)
+    check_writable = staticmethod(check_writable)
 
     def __init__(self, root: str | Path, manifest: dict[str, Any], key: bytes | None = None) -> None:
         self.root = Path(root)
         self.manifest = manifest
         #: the signing key: checked by open, used by every commit to sign (None: unsigned commits)
         self.key = key
-        self._written: list[str] = []  # objects this KB wrote since its last commit (removed if it fails)
-        self._on_disk = True  # False for a KB from new() until its first commit
+        self.objects = ObjectStore(self.root)
         self._manifest_sha: str | None = None  # sha256 of manifest.json's bytes as read or written
-        self._cache: dict[str, tuple[str, bytes]] = {}  # rel -> (sha256, verified bytes) of the snapshot
-        self._pending: dict[str, bytes] = {}  # objects of a KB not yet on disk, written at its first commit
-        #: content key (:func:`content_key`) -> (rel, sha256) of the objects this KB wrote: each commit of a
-        #: long stream serialises only the objects whose content changed since (issue 28)
-        self._known: dict[str, tuple[str, str]] = {}
-        self._digests = TensorDigests()  # each unchanged tensor object hashed once
+
+    @property
+    def _on_disk(self) -> bool:
+        """False for a KB from :meth:`new` until its first commit."""
+        return self.objects.on_disk
 
     # ------------------------------------------------------------------ open / create
     @staticmethod
     def exists(root: str | Path) -> bool:
         return (Path(root) / MANIFEST).is_file()
 
-    @staticmethod
-    def _fresh_manifest(header: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "created": _now(),
-            **header,
-            "tasks": [],
-            "head": None,
-        }
-
     @classmethod
     def _check_free(cls, root: Path) -> None:
         """Refuse to start a knowledge base at ``root`` unless nothing of one is there."""
         if root.exists() and not root.is_dir():
             raise _is_file_error(root)
-        if cls.exists(root):
+        kind = kb_file_kind(root, MANIFEST)
+        if kind == "a regular file":
             raise KBError(f"{root}: a knowledge base already exists here")
+        if kind is not None:
+            raise KBError(f"{root / MANIFEST}: {kind}, not a manifest; remove it, or choose another --kb")
         files = _kb_files(root)
         if files and not _interrupted_first_commit(root, files):
             raise _damaged(root, files, "refusing to start a new knowledge base over them")
@@ -163,56 +153,19 @@ class KnowledgeBase:
         or with the key of ``$PROTEUS_KB_KEY_FILE`` when it is set)."""
         root = Path(root)
         cls._check_free(root)
-        kb = cls(root, cls._fresh_manifest(header), key if key is not None else key_from_env())
-        kb._on_disk = False
+        kb = cls(root, _fresh_manifest(header), key if key is not None else key_from_env())
+        kb.objects.on_disk = False
         return kb
 
     @classmethod
     def create(cls, root: str | Path, header: dict[str, Any]) -> KnowledgeBase:
         """A new knowledge base at ``root``, written at once (an empty manifest). Prefer :meth:`new`."""
-        root = Path(root)
-        cls._check_free(root)
-        (root / OBJECTS).mkdir(parents=True, exist_ok=True)
-        manifest = cls._fresh_manifest(header)
-        manifest["checksum"] = manifest_checksum(manifest)
-        data = json.dumps(manifest).encode()
-        _atomic_write(root / MANIFEST, data)
-        kb = cls(root, manifest)
-        kb._manifest_sha = _sha(data)
+        kb = cls.new(root, header, key=None)
+        kb.commit(kb.manifest)
         return kb
 
-    @classmethod
-    def _read_manifest(cls, root: Path) -> tuple[bytes, dict[str, Any]]:
-        path = root / MANIFEST
-        if root.exists() and not root.is_dir():
-            raise _is_file_error(root)
-        try:
-            data = path.read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            files = _kb_files(root)
-            if files and _interrupted_first_commit(root, files):
-                raise KBError(
-                    f"{root}: no knowledge base here: its first commit was interrupted (files "
-                    f"{_shown(files)}); learn its first task again, or choose another --kb"
-                ) from None
-            if files:
-                raise _damaged(root, files, "the knowledge base cannot be opened") from None
-            raise KBError(f"{root}: no knowledge base here (missing {MANIFEST})") from None
-        manifest, issues = manifest_issues(path, data, "restore it or manifest.prev.json")
-        if issues:
-            raise KBError(issues[0])
-        assert manifest is not None
-        cls._check_paths(root, manifest, path)
-        return data, manifest
-
-    @staticmethod
-    def _check_paths(root: Path, manifest: dict[str, Any], path: Path) -> None:
-        """Refuse a manifest (file ``path``) naming an object outside ``root``'s ``objects/``."""
-        for label, rel, sha in _refs(manifest):
-            try:
-                object_path(root, rel, sha)
-            except KBError as e:
-                raise KBError(f"{path}: {label}: {e}") from None
+    _read_manifest = staticmethod(read_manifest)
+    _check_paths = staticmethod(check_paths)
 
     @classmethod
     def open(
@@ -224,270 +177,86 @@ class KnowledgeBase:
         require_signature: bool = True,
     ) -> KnowledgeBase:
         """Open the knowledge base at ``root`` (never waits for a writer). With ``verify``, a consistent
-        snapshot: every object is read and checked against its sha256, and :meth:`read` serves these bytes.
-        The manifest is checked first (:mod:`proteus.kb.schema`: fields and object paths). With ``key``
-        (or, when it is None, the key of ``$PROTEUS_KB_KEY_FILE`` if set), the manifest's signature must be
-        valid (``require_signature=False``: not checked, for re-signing), and commits sign."""
+        snapshot: every object is read and checked against its size and sha256, and :meth:`read` serves
+        these bytes. The manifest is checked first (:mod:`proteus.kb.schema`: fields and object paths). With
+        ``key`` (or, when it is None, the key of ``$PROTEUS_KB_KEY_FILE`` if set), the manifest's signature
+        must be valid and its sequence not below what the key accepted before (``require_signature=False``:
+        not checked, for re-signing), and commits sign."""
         root = Path(root)
-        if key is None:
-            key = key_from_env()
+        key = key_from_env() if key is None else key
         for attempt in range(OPEN_ATTEMPTS):
             data, manifest = cls._read_manifest(root)
             if key is not None and require_signature:
-                problem = signature_problem(root, manifest, key)
+                problem = signature_problem(root, manifest, key) or sequence_problem(root, manifest, key)
                 if problem:
                     raise KBError(problem)
             kb = cls(root, manifest, key)
             kb._manifest_sha = _sha(data)
-            if not verify:
-                return kb
             try:
-                kb.verify()
-                return kb
+                if verify:
+                    kb.verify()
             except _MissingObject:
                 # a commit that ran while we read swept an object of the state we had read: start again
-                try:
-                    changed = (root / MANIFEST).read_bytes() != data
-                except OSError:
-                    changed = True
-                if not changed or attempt + 1 == OPEN_ATTEMPTS:
+                if read_kb_file(root, MANIFEST) == data or attempt + 1 == OPEN_ATTEMPTS:
                     raise
                 log.debug("%s: a concurrent commit swept an object while it was read; reading again", root)
                 time.sleep(min(0.002 * 2**attempt, 0.1))
+                continue
+            if key is not None and require_signature:
+                accept(manifest, key)
+            return kb
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ objects
-    def _objects(self) -> list[tuple[str, str]]:
-        refs = [(t["object"], t["sha256"]) for t in self.manifest["tasks"]]
-        if self.manifest.get("head"):
-            refs.append((self.manifest["head"]["object"], self.manifest["head"]["sha256"]))
-        return refs
-
     def verify(self) -> None:
-        """Check that every referenced object exists and has the recorded sha256 (read from disk); the
-        verified bytes serve later :meth:`read` calls."""
-        cache = {}
-        for rel, sha in self._objects():
-            cache[rel] = (sha, self._read_verified(rel, sha))
-        self._cache = cache
-
-    def _label(self, rel: str) -> str:
-        return next((label for label, r, _ in _refs(self.manifest) if r == rel), "not in the manifest")
-
-    def _path(self, rel: str, sha: str | None = None) -> Path:
-        """The resolved path of object ``rel`` (:func:`~proteus.kb.schema.object_path`: refused unless it is
-        inside ``objects/``)."""
-        try:
-            return object_path(self.root, rel, sha)
-        except KBError as e:
-            raise KBError(f"{self.root / MANIFEST}: {self._label(rel)}: {e}") from None
-
-    def _read_verified(self, rel: str, sha: str) -> bytes:
-        path = self.root / rel
-        if rel in self._pending:
-            data = self._pending[rel]
-        else:
-            data = read_object_file(self._path(rel, sha), path)
-        actual = _sha(data)
-        if actual != sha:
-            raise KBError(
-                f"{path}: checksum mismatch (expected {sha[:16]}…, found {actual[:16]}…): "
-                "the file was truncated or edited"
-            )
-        return data
+        """Check that every referenced object exists and has the recorded size and sha256 (read from disk);
+        the verified bytes serve later :meth:`read` calls."""
+        self.objects.verify(self.manifest)
 
     def read(self, rel: str, sha: str) -> dict[str, torch.Tensor]:
         """The tensors of object ``rel`` (checked against ``sha``): from the snapshot ``open`` verified, or
         from disk."""
-        cached = self._cache.get(rel)
-        data = cached[1] if cached is not None and cached[0] == sha else self._read_verified(rel, sha)
-        try:
-            return st_load(data)
-        except Exception as e:  # safetensors raises several types for bad headers
-            raise KBError(f"{self.root / rel}: not a valid safetensors file ({e})") from None
+        return self.objects.read(self.manifest, rel, sha)
 
     def write_object(
         self, kind: str, tensors: dict[str, torch.Tensor], reuse: bool = True
     ) -> tuple[str, str]:
         """Write a content-addressed object; returns (relative path, sha256). Not yet committed (a KB from
         :meth:`new` keeps it in memory until its first commit). ``reuse``: look the content up among the
-        objects this KB wrote (:func:`content_key`) before serialising it; False for an object that
-        changes at every commit (the head), which would pay for the lookup's hashing for nothing."""
-        key = content_key(kind, tensors, self._digests) if reuse else None
-        known = None if key is None else self._known.get(key)
-        if known is not None and (
-            known[0] in self._pending or (self._on_disk and (self.root / known[0]).is_file())
-        ):
-            return known
-        data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-        sha = _sha(data)
-        rel = f"{OBJECTS}/{kind}-{sha[:16]}.safetensors"
-        if key is not None:
-            self._known[key] = (rel, sha)
-        if not self._on_disk:
-            self._pending[rel] = data
-            return rel, sha
-        path = self.root / rel
-        if not path.exists():
-            try:
-                self._write_new_object(rel, data)
-            except BaseException:
-                self._abandon()
-                raise
-        return rel, sha
-
-    def _write_new_object(self, rel: str, data: bytes) -> None:
-        path = self.root / rel
+        objects this KB wrote (:func:`~proteus.kb.content.content_key`) before serialising it; False for an
+        object that changes at every commit (the head), which would pay for the lookup's hashing for
+        nothing."""
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise _write_error(path, len(data), e) from None
-        _atomic_write(path, data, "commit:tmp")
-        self._written.append(rel)
-
-    def _abandon(self, prev_before: bytes | None = None, copied: bytes | None = None) -> None:
-        """After a failed write or commit: remove the objects this KB wrote since its last commit that
-        neither manifest on disk references; put back ``prev_before`` (the ``manifest.prev.json`` this commit
-        replaced by ``copied``, empty when there was none) unless the new manifest landed; after a failed
-        first commit, the marker and the empty ``objects/`` too. Best effort: it never raises."""
-        root = self.root
-        try:
-            current = (root / MANIFEST).read_bytes()
-        except FileNotFoundError:
-            current = None
-        except OSError:
-            return  # cannot tell what is referenced: delete nothing
-        landed = copied is None or current != copied
-        keep: set[str] = set()
-        for data in (current, None if landed else prev_before):
-            if data:
-                try:
-                    keep |= {Path(rel).name for _, rel, _ in _refs(json.loads(data))}
-                except (ValueError, AttributeError):
-                    return
-        previous = self._previous_names()
-        if previous is None:
-            return
-        keep |= previous
-        for rel in self._written:
-            if Path(rel).name not in keep:
-                with contextlib.suppress(OSError):
-                    (root / rel).unlink()
-        self._written.clear()
-        if not landed and prev_before is not None:
-            with contextlib.suppress(OSError, KBError):
-                if prev_before:
-                    _atomic_write(root / PREV_MANIFEST, prev_before)
-                else:
-                    (root / PREV_MANIFEST).unlink()
-        if current is None and (root / FIRST_COMMIT).exists():  # a failed first commit
-            with contextlib.suppress(OSError):
-                (root / OBJECTS).rmdir()  # only when empty
-                (root / FIRST_COMMIT).unlink()
+            return self.objects.write(kind, tensors, reuse)
+        except BaseException:
+            Commit(self.root, self.objects, None).abandon()
+            raise
 
     # ------------------------------------------------------------------ commit
-    def _begin_first_commit(self, manifest: dict[str, Any]) -> None:
-        """Create the directory and write the objects of a KB from :meth:`new` (marked as a first commit)."""
-        root = self.root
-        self._check_free(root)  # nobody created a knowledge base here since new()
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise _not_writable(root, e) from None
-        marker = root / FIRST_COMMIT
-        _atomic_write(marker, json.dumps({"pid": os.getpid(), "since": _now()}).encode())
-        (root / OBJECTS).mkdir(exist_ok=True)
-        _fsync_dir(root)
-        for _, rel, _ in _refs(manifest):
-            data = self._pending.get(rel)
-            if data is not None and not (root / rel).exists():
-                self._write_new_object(rel, data)
-
-    def _current_manifest(self) -> bytes | None:
-        """The bytes of manifest.json now (None if there is none); refuses when another writer committed
-        since this KB was opened (its state would be lost)."""
-        try:
-            data = (self.root / MANIFEST).read_bytes()
-        except FileNotFoundError:
-            return None
-        if self._manifest_sha is not None and _sha(data) != self._manifest_sha:
-            raise KBError(
-                f"{self.root / MANIFEST}: changed since this knowledge base was opened (another process "
-                "committed); open it again under KnowledgeBase.write_lock and redo the change"
-            )
-        return data
-
-    def _sealed(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """``manifest`` as the next commit writes it: this format version, the time, signed with
-        :attr:`key` (or unsigned), its checksum."""
-        signed = "signature" in manifest
-        manifest = {k: v for k, v in manifest.items() if k not in ("checksum", "signature")}
-        manifest["format_version"] = FORMAT_VERSION
-        manifest["updated"] = _now()
-        if self.key is not None:
-            manifest["signature"] = signature(manifest, self.key)
-        elif signed:
-            log.warning(
-                "%s: the knowledge base was signed; this commit, made without a key, is not (sign it again "
-                "with `proteus kb sign`, or set $PROTEUS_KB_KEY_FILE)",
-                self.root,
-            )
-        manifest["checksum"] = manifest_checksum(manifest)
-        return manifest
-
     def commit(self, manifest: dict[str, Any]) -> None:
-        """Make ``manifest`` the KB's state (atomic), then sweep the objects neither it nor the previous
-        state references. Writers hold :meth:`write_lock` around open ... commit. A manifest this proteus
-        could not read back is refused; a failed commit leaves the KB as it was (:meth:`_abandon`)."""
-        manifest = self._sealed(manifest)
-        previous = prev_before = None
+        """Make ``manifest`` the KB's state (atomic: :class:`~proteus.kb.commit.Commit`), then sweep the
+        objects neither it nor the previous state references. Writers hold :meth:`write_lock` around open
+        ... commit. A manifest this proteus could not read back is refused; a failed commit leaves the KB as
+        it was."""
+        commit = Commit(self.root, self.objects, self._manifest_sha)
         try:
-            checked = self.manifest.get("tasks") if self._on_disk else None  # checked at open or commit
-            problems = manifest_problems(manifest, checked=checked)
-            if problems:
-                raise KBError(
-                    f"{self.root}: refusing to commit a manifest this proteus cannot read: {problems[0]}"
-                )
-            if not self._on_disk:
-                self._begin_first_commit(manifest)
-            else:
-                previous = self._current_manifest()
-            checked = {(rel, sha) for _, rel, sha in _refs(self.manifest)}  # their paths were checked already
-            for label, rel, sha in _refs(manifest):
-                path = self.root / rel if (rel, sha) in checked else self._path(rel, sha)
-                if not path.is_file():
-                    raise KBError(
-                        f"{self.root / rel}: missing ({label}); write it with write_object before committing "
-                        "a manifest that references it"
-                    )
-            crash_point("commit:objects")
-            if previous is not None:
-                try:
-                    prev_before = (self.root / PREV_MANIFEST).read_bytes()
-                except FileNotFoundError:
-                    prev_before = b""
-                _atomic_write(self.root / PREV_MANIFEST, previous)
-            data = json.dumps(manifest).encode()
-            _atomic_write(self.root / MANIFEST, data, "commit:manifest-tmp")
+            sizes = commit.sizes(manifest, self.manifest)
+            manifest = seal(manifest, self.manifest, sizes, self.key, self.root)
+            refuse_unreadable(self.root, manifest, self.manifest.get("tasks") if self._on_disk else None)
         except BaseException:
-            self._abandon(prev_before, previous)
+            commit.abandon()
             raise
-        self._written.clear()
+        data = commit.write(manifest, not self._on_disk, self._check_free)
         self.manifest = manifest
         self._manifest_sha = _sha(data)
-        self._on_disk = True
-        self._pending.clear()
-        keep = dict(self._objects())
-        self._cache = {rel: v for rel, v in self._cache.items() if keep.get(rel) == v[0]}
-        self._known = {key: v for key, v in self._known.items() if keep.get(v[0]) == v[1]}
+        self.objects.settle(manifest)
+        if self.key is not None:
+            accept(manifest, self.key)
         crash_point("commit:manifest")
         self.sweep()
 
     def commit_state(
-        self,
-        tasks: list[Part],
-        head: Part | None,
-        evaluation: list[dict[str, Any]] | None = None,
+        self, tasks: list[Part], head: Part | None, evaluation: list[dict[str, Any]] | None = None
     ) -> None:
         """Commit a learner's state (:class:`proteus.learners.LearnerState`'s parts): one object
         per task (its record in the manifest), one for the head (its meta in the manifest), and the
@@ -514,49 +283,21 @@ class KnowledgeBase:
         problems = manifest_problems(self.manifest, learner)
         if problems:
             raise KBError(f"{self.root / MANIFEST}: {problems[0]}; no learner can be loaded from it")
-        tasks, state = self._checked_state("no learner can be loaded from it")
-        return tasks, state
+        return self._checked_state("no learner can be loaded from it")
 
     def _checked_state(self, consequence: str) -> tuple[list[Part], Part | None]:
-        """Every object's tensors, checked by :func:`~proteus.kb.tensors.check_objects` (dtypes, shapes,
-        finite values): a :class:`KBError` with the first problem and ``consequence``."""
-        tasks = [(t, self.read(t["object"], t["sha256"])) for t in self.manifest["tasks"]]
-        head = self.manifest.get("head")
-        state = (head["meta"], self.read(head["object"], head["sha256"])) if head else None
-        objects = [
-            Obj(task_label(i), str(self.root / t["object"]), t, i, shapes_of(x), x)
-            for i, (t, x) in enumerate(tasks)
-        ]
-        if head and state:
-            path = str(self.root / head["object"])
-            objects.append(Obj("head", path, head["meta"], None, shapes_of(state[1]), state[1]))
-        bad = check_objects(self.manifest["tasks"], objects)
-        if bad:
-            raise KBError(f"{bad[0]}; {consequence} (`proteus kb verify {self.root}` lists every problem)")
-        return tasks, state
+        """Every object's tensors, checked (:meth:`~proteus.kb.objects.ObjectStore.checked_state`)."""
+        return self.objects.checked_state(self.manifest, consequence)
 
     def previous_manifest(self, check_signature: bool = True) -> dict[str, Any]:
         """The previous commit's manifest (``manifest.prev.json``), checked like the current one (its
         signature too, when this KB has a key: an undo must not sign what nobody signed)."""
-        path = self.root / PREV_MANIFEST
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise KBError(f"{self.root}: no previous commit to go back to (no {PREV_MANIFEST})") from None
-        manifest, issues = manifest_issues(path, data, "the previous commit cannot be restored from it")
-        if issues or manifest is None:
-            raise KBError(issues[0] if issues else f"{path}: not a manifest")
-        self._check_paths(self.root, manifest, path)
-        if self.key is not None and check_signature:
-            problem = signature_problem(self.root, manifest, self.key, PREV_MANIFEST)
-            if problem:
-                raise KBError(f"{problem}; the previous commit is not restored")
-        return manifest
+        return previous_manifest(self.root, self.key if check_signature else None)
 
     def undo(self) -> dict[str, Any]:
-        """Make the previous commit the current state again (a commit itself: ``undo`` twice redoes);
-        returns what it restored and what it replaced (``restored``, ``replaced``: each its ``updated`` time
-        stamp, ``tasks``, and ``forgotten`` task numbers, 1-based)."""
+        """Make the previous commit the current state again (a commit itself, with a new sequence number:
+        ``undo`` twice redoes); returns what it restored and what it replaced (``restored``, ``replaced``:
+        each its ``updated`` time stamp, ``tasks``, and ``forgotten`` task numbers, 1-based)."""
         prev = self.previous_manifest()
         replaced = self.manifest
         self.commit(prev)
@@ -564,77 +305,33 @@ class KnowledgeBase:
 
     def sign(self, key: bytes) -> None:
         """Sign the current commit, and the previous one kept for ``undo``, with ``key`` (in place: the
-        state and the previous state stay what they are; the caller holds :meth:`write_lock`). Every
-        object is verified first (checksum, dtypes, shapes, finite values): a signature vouches for what the
-        manifest references."""
-        if self._current_manifest() is None:
+        state and the previous state stay what they are, written in the newest format with the knowledge
+        base's identity and a sequence number; the caller holds :meth:`write_lock`). Every object is
+        verified first (checksum, dtypes, shapes, finite values): a signature vouches for what the manifest
+        references."""
+        commit = Commit(self.root, self.objects, self._manifest_sha)
+        if commit.current() is None:
             raise KBError(f"{self.root}: no knowledge base here (missing {MANIFEST})")
         self.verify()
         self._checked_state("not signed")
-        prev_path = self.root / PREV_MANIFEST
-        if prev_path.is_file():
-            prev = self.previous_manifest(check_signature=False)
-            _atomic_write(prev_path, json.dumps(_resigned(prev, key)).encode())
+        self.manifest, data = commit.sign(self.manifest, key)
         self.key = key
-        manifest = _resigned(self.manifest, key)
-        data = json.dumps(manifest).encode()
-        _atomic_write(self.root / MANIFEST, data)
-        self.manifest = manifest
         self._manifest_sha = _sha(data)
-
-    def _previous_names(self) -> set[str] | None:
-        """Names of the objects manifest.prev.json references (None when it cannot be read)."""
-        path = self.root / PREV_MANIFEST
-        try:
-            prev = json.loads(path.read_bytes())
-        except FileNotFoundError:
-            return set()
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            return None
-        return {Path(rel).name for _, rel, _ in _refs(prev)} if isinstance(prev, dict) else None
+        accept(self.manifest, key)
 
     def sweep(self) -> list[tuple[Path, int]]:
         """Delete the objects referenced neither by the manifest nor by manifest.prev.json, and the temporary
-        files of interrupted commits; returns each file removed with its size. Only a writer (holding the
-        lock) sweeps. Directories and symlinks' targets are never touched (a symlink itself is removed)."""
-        keep = {Path(rel).name for rel, _ in self._objects()}
-        previous = self._previous_names()
-        if previous is None:
-            log.warning("%s: unreadable; no object is swept until the next commit", self.root / PREV_MANIFEST)
-        else:
-            keep |= previous
-        removed: list[tuple[Path, int]] = []
-
-        def remove(p: Path) -> None:
-            try:
-                st = p.lstat()
-                if stat.S_ISDIR(st.st_mode):
-                    return
-                p.unlink()
-            except OSError:
-                return
-            removed.append((p, st.st_size))
-
-        objects = self.root / OBJECTS
-        for p in sorted(objects.iterdir()) if objects.is_dir() and not objects.is_symlink() else []:
-            temporary = p.name.startswith(".") and ".tmp-" in p.name
-            if temporary or (previous is not None and p.name not in keep):
-                remove(p)
-        for p in sorted(self.root.iterdir()):
-            if p.name.startswith(_TMP_PREFIXES) or p.name == FIRST_COMMIT:
-                remove(p)
-        return removed
+        files of interrupted commits (:func:`~proteus.kb.sweep.sweep`); returns each file removed with its
+        size. Only a writer (holding the lock) sweeps."""
+        return sweep(self.root, {Path(rel).name for _, rel, _ in _refs(self.manifest)})
 
     def gc(self) -> list[tuple[Path, int]]:
         """``proteus kb gc``: :meth:`sweep` outside a commit (after a failed one, on a full disk); the caller
         holds :meth:`write_lock`. Returns each file removed with its size."""
-        self._current_manifest()  # refuses if another writer committed since this KB was opened
+        Commit(self.root, self.objects, self._manifest_sha).current()  # refuses if another writer committed
         return self.sweep()
 
     # ------------------------------------------------------------------ checks
-    #: raise :class:`KBError` unless ``root`` is writable (:func:`proteus.kb.files.check_writable`)
-    check_writable = staticmethod(check_writable)
-
     def check_backbone(self, identity: dict[str, Any]) -> None:
         """Refuse a KB written under another backbone, other weights or another adapted split."""
         mine = self.manifest.get("backbone", {})
@@ -646,36 +343,17 @@ class KnowledgeBase:
                 )
 
     def nbytes(self) -> dict[str, int]:
+        """Bytes of the manifest and of each object (``task<index>``, ``head``)."""
         out = {"manifest": (self.root / MANIFEST).stat().st_size}
-        for t in self.manifest["tasks"]:
-            out[f"task{t['index']}"] = self._path(t["object"], t["sha256"]).stat().st_size
-        if self.manifest.get("head"):
-            head = self.manifest["head"]
-            out["head"] = self._path(head["object"], head["sha256"]).stat().st_size
+        for label, rel, sha in _refs(self.manifest):
+            name = "head" if label == "head" else f"task{label.rsplit(' ', 1)[1]}"
+            out[name] = self.objects.path(self.manifest, rel, sha).stat().st_size
         return out
 
 
-def read_object_file(resolved: Path, shown: Path) -> bytes:
-    """The bytes of the object file at ``resolved`` (from :func:`~proteus.kb.schema.object_path`), opened
-    without following a symlink and only if it is a regular file; ``shown`` names it in errors."""
-    try:
-        fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise _MissingObject(f"{shown}: missing from the knowledge base") from None
-    except OSError as e:
-        raise KBError(f"{shown}: cannot be read ({e.strerror or e})") from None
-    with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise KBError(f"{shown}: not a regular file")
-        return f.read()
-
-
-def _resigned(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
-    """``manifest`` signed with ``key`` (time stamps kept), with its new checksum."""
-    out = {k: v for k, v in manifest.items() if k not in ("checksum", "signature")}
-    out["signature"] = signature(out, key)
-    out["checksum"] = manifest_checksum(out)
-    return out
+def _fresh_manifest(header: dict[str, Any]) -> dict[str, Any]:
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "created": _now(), **header, "tasks": [],
+            "head": None}  # fmt: skip
 
 
 def _summary(manifest: dict[str, Any]) -> dict[str, Any]:

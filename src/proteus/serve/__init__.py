@@ -15,10 +15,13 @@ Endpoints (JSON answers; docs/predict.md has the row schema, the same as ``prote
 
 Every answer is JSON, errors included (``{"error": "..."}``, saying what to do): an unknown path 404, a
 known path with another method 405 with an ``Allow`` header, a method no endpoint knows 501, a bad
-``?top_k`` or an unreadable image 400, a body over 64 MiB or over 1024 images 413, a body that stays silent
+``?top_k`` or an unreadable image 400, a body over 64 MiB, over 1024 images or over 256 megapixels in all
+(read from the images' headers before any is decoded; ``--max-body``, ``--max-images``,
+``--max-request-pixels``: the budgets of :mod:`proteus.budgets`) 413, a body that stays silent
 for ``--read-timeout`` seconds 408 (then the connection is closed), a prediction request not answered within
 ``--request-timeout`` 504 (408 while its body was still arriving), a request beyond ``--max-concurrency``
-served plus ``--max-queue`` waiting 503 with ``Retry-After``, and anything unexpected 500 with a generic
+served plus ``--max-queue`` waiting 503 with ``Retry-After``, a knowledge base that cannot be used 503 with
+``Retry-After``, and anything unexpected 500 with a generic
 message (the traceback goes to the log). No answer holds a path of the server: the knowledge base is named
 by its directory's name. The access log is one line per answer on stderr (client, method, path, status,
 bytes, milliseconds).
@@ -32,10 +35,19 @@ per request: N clients at once are answered in little more than the time of one 
 faster than N requests in turn (tested). A row depends on its own image only, so sharing a batch changes
 nothing beyond float round-off.
 
-Reloading: a watcher thread polls ``manifest.json`` (its bytes' sha256) and, when another process
-commits, loads the new state with the same verified loader as ``proteus predict`` and only then swaps it
-in. A request uses the learner it started with, so none is dropped and none sees a half-committed state;
-a failed reload keeps serving the old state and logs why.
+Memory: a multipart body is parsed as it arrives (:mod:`proteus.serve.multipart`) and refused at the first
+part over the image budget; each image is decoded alone, within the server-wide ``decoding_pixels``
+budget, and resized by the backbone's transform right after it is decoded (the full-size image is not
+kept). A decoding thread stops between two images once its request has timed out or its client left.
+
+Reloading: a watcher thread polls ``manifest.json`` (its bytes' sha256; read without blocking, never
+through a link) and, when another process commits, loads the new state with the same verified loader as
+``proteus predict`` and only then swaps it in. A request uses the learner it started with, so none is
+dropped and none sees a half-committed state; a failed reload keeps serving the old state, logs why once,
+and is tried again; ``/health`` says ``"status": "stale"`` meanwhile (:mod:`proteus.serve.state`).
+``GET /tasks`` answers from the loaded state, without a disk access or a worker thread. SIGTERM stops the
+server (running requests get 10 s) and the process ends within 10 s more, whatever its threads do; a port
+in use is an error naming it (exit code 2).
 """
 
 from __future__ import annotations

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import email.parser
-import email.policy
 import io
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -28,12 +27,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from proteus.budgets import BUDGETS, BudgetError, limit
 from proteus.config import ConfigError
 from proteus.core.estimator import Proteus
-from proteus.images import ImageError, open_image
+from proteus.errors import ProteusError
+from proteus.images import ImageError, ImageTooLargeError, image_size, open_image
 from proteus.serve.batching import Job, MicroBatcher
+from proteus.serve.multipart import MultipartError, MultipartParser, TooManyParts, boundary_of
 from proteus.serve.openapi import openapi_schema
 from proteus.serve.state import ServedKB
+from proteus.untrusted import load_json
 
 log = logging.getLogger("proteus")
 
@@ -44,10 +47,11 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-#: the largest request body accepted (bytes): 413 above it
-MAX_BODY = 64 << 20
-#: the most images one request may carry: 413 above it (split the batch)
-MAX_IMAGES = 1024
+#: the largest request body accepted by default (bytes; budget ``request_bytes``, ``--max-body``): 413
+#: above it
+MAX_BODY = BUDGETS["request_bytes"].default
+#: the most images one request may carry by default (budget ``request_images``, ``--max-images``): 413 above
+MAX_IMAGES = BUDGETS["request_images"].default
 #: endpoint -> the methods it answers (405 with ``Allow`` for the others)
 ENDPOINTS = {
     "/predict": ("POST",),
@@ -71,7 +75,10 @@ class Limits:
     ``request_timeout``: seconds for a whole prediction request, from its headers to its answer (408 while
     its body is still arriving, 504 after); ``max_concurrency``: prediction requests served at once (their
     images batched together); ``max_queue``: requests waiting for one of those slots, beyond which a
-    request is refused at once with 503; ``max_batch``: the most images per forward.
+    request is refused at once with 503; ``max_batch``: the most images per forward. The budgets of
+    :mod:`proteus.budgets` (``$PROTEUS_LIMIT_<NAME>`` or these flags): ``max_body`` bytes per body
+    (``request_bytes``), ``max_images`` images per request (``request_images``) and ``max_request_pixels``
+    (``request_pixels``), all 413 above them.
     """
 
     read_timeout: float = 30.0
@@ -79,12 +86,23 @@ class Limits:
     max_concurrency: int = 32
     max_queue: int = 128
     max_batch: int = 32
+    max_body: int = 0  # 0: the budget in force
+    max_images: int = 0
+    max_request_pixels: int = 0
 
     def __post_init__(self) -> None:
         for key in ("read_timeout", "request_timeout"):
             if not getattr(self, key) > 0:  # NaN too
                 raise ConfigError(f"{key} must be a number of seconds > 0; got {getattr(self, key)!r}")
-        for key, low in (("max_concurrency", 1), ("max_batch", 1), ("max_queue", 0)):
+        for key, budget in (
+            ("max_body", "request_bytes"),
+            ("max_images", "request_images"),
+            ("max_request_pixels", "request_pixels"),
+        ):
+            if not getattr(self, key):
+                object.__setattr__(self, key, limit(budget))
+        for key, low in (("max_concurrency", 1), ("max_batch", 1), ("max_queue", 0), ("max_images", 1),
+                         ("max_body", 1), ("max_request_pixels", 1)):  # fmt: skip
             if getattr(self, key) < low:
                 raise ConfigError(f"{key} must be an integer >= {low}; got {getattr(self, key)!r}")
 
@@ -140,6 +158,32 @@ class Runtime:
     admission: Admission
     limits: Limits
     watch: bool
+    decoding: PixelBudget
+
+
+class PixelBudget:
+    """Pixels being decoded at once by all requests (budget ``decoding_pixels``): a decode waits until its
+    image fits (one image alone always fits), so the server's memory for decoding is bounded whatever the
+    number of requests."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used = total, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, cancelled: threading.Event) -> bool:
+        """Wait for room for ``n`` pixels; False if ``cancelled`` is set meanwhile."""
+        with self._cond:
+            while self.used and self.used + n > self.total:
+                if cancelled.is_set():
+                    return False
+                self._cond.wait(0.1)
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
 
 
 def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
@@ -151,18 +195,21 @@ def _runtime(request: Request) -> Runtime:
 
 
 # ------------------------------------------------------------------------------------------ reading
-async def _read_body(request: Request, length: int | None, read_timeout: float) -> bytes:
-    """The request's body: 408 when it stays silent for ``read_timeout`` s, 400 when the client closes its
-    side early, 413 past :data:`MAX_BODY`."""
+async def _read_body(
+    request: Request, length: int | None, limits: Limits, sink: Callable[[bytes], None] | None = None
+) -> bytes:
+    """The request's body (or, with ``sink``, each chunk handed to it as it arrives: a streaming parser that
+    may refuse the request before the rest is read): 408 when it stays silent for ``read_timeout`` s, 400
+    when the client closes its side early, 413 past ``max_body``."""
     chunks: list[bytes] = []
     got = 0
     promised = f" of the {length} B its Content-Length promised" if length is not None else " (chunked)"
     while True:
-        with anyio.move_on_after(read_timeout) as silent:
+        with anyio.move_on_after(limits.read_timeout) as silent:
             message = await request.receive()
         if silent.cancelled_caught:
             raise Refusal(
-                408, f"the body ended after {got}{promised} (nothing more came in {read_timeout:g} s)"
+                408, f"the body ended after {got}{promised} (nothing more came in {limits.read_timeout:g} s)"
             )
         if message["type"] == "http.disconnect":
             raise _ClientGone
@@ -171,34 +218,50 @@ async def _read_body(request: Request, length: int | None, read_timeout: float) 
         if not chunk and more and request.scope.get(CLIENT_EOF):
             raise Refusal(400, f"the body ended after {got}{promised}")
         got += len(chunk)
-        if got > MAX_BODY:
-            raise Refusal(413, f"the body is over {MAX_BODY} B; send fewer or smaller images per request")
-        chunks.append(chunk)
+        if got > limits.max_body:
+            raise _too_large("request_bytes", f"the body is over {limits.max_body} B", "--max-body")
+        if sink is None:
+            chunks.append(chunk)
+        else:
+            try:
+                sink(chunk)
+            except TooManyParts as e:
+                raise _too_large(e.budget, str(e), "--max-images") from None
+            except MultipartError as e:
+                raise Refusal(400, str(e)) from None
         if not more:
             return b"".join(chunks)
 
 
-def _parts(body: bytes, ctype: str, batch: bool) -> list[tuple[str, bytes]]:
-    """The (name, bytes) images of a body: a multipart body's files, a batch's JSON list, else the body."""
+def _too_large(budget: str, what: str, flag: str | None) -> Refusal:
+    """413 naming the budget and how to raise it."""
+    how = f"proteus serve {flag} or ${BUDGETS[budget].env}" if flag else f"${BUDGETS[budget].env}"
+    return Refusal(413, f"{what} (budget {budget}); send fewer or smaller images per request, or raise {how}")
+
+
+async def _read_parts(
+    request: Request, length: int | None, limits: Limits, batch: bool
+) -> list[tuple[str, bytes]]:
+    """The (name, bytes) images of a request: a multipart body's files (parsed as they arrive, stopped at
+    the first part over ``max_images``), a batch's JSON list, else the body."""
+    ctype = request.headers.get("content-type", "")
     if ctype.startswith("multipart/form-data"):
-        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-            f"Content-Type: {ctype}\r\n\r\n".encode() + body
-        )
-        parts = [
-            (
-                p.get_filename() or p.get_param("name", header="content-disposition") or f"part{i}",
-                p.get_payload(decode=True) or b"",
-            )
-            for i, p in enumerate(msg.iter_parts())
-        ]
-        if not parts:
-            raise ValueError("multipart body without parts; send one or more image files")
-    elif batch and ctype.split(";")[0].strip() == "application/json":
-        parts = _json_images(body)
+        try:
+            parser = MultipartParser(boundary_of(ctype), limits.max_images, limit("part_header_bytes"))
+        except MultipartError as e:
+            raise Refusal(400, str(e)) from None
+        await _read_body(request, length, limits, parser.feed)
+        try:
+            return parser.finish()
+        except MultipartError as e:
+            raise Refusal(400, str(e)) from None
+    body = await _read_body(request, length, limits)
+    if batch and ctype.split(";")[0].strip() == "application/json":  # parsed in a thread: up to max_body
+        parts = await anyio.to_thread.run_sync(_json_images, body)
     else:
         parts = [("body", body)]
-    if len(parts) > MAX_IMAGES:
-        raise Refusal(413, f"{len(parts)} images in one request; send at most {MAX_IMAGES} per request")
+    if len(parts) > limits.max_images:
+        raise _too_large("request_images", f"{len(parts)} images in one request", "--max-images")
     return parts
 
 
@@ -206,40 +269,91 @@ def _json_images(body: bytes) -> list[tuple[str, bytes]]:
     """``{"images": [{"name": "a.png", "data": "<base64>"}, ...]}`` (``name`` optional) as (name, bytes)."""
     use = 'send {"images": [{"name": "a.png", "data": "<base64 of the file>"}, ...]}'
     try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"the body is not JSON ({e}); {use}") from None
+        doc = load_json(body, "the JSON body")
+    except BudgetError as e:
+        raise Refusal(413, str(e)) from None
+    except ProteusError as e:
+        raise Refusal(400, f"{e}; {use}") from None
     items = doc.get("images") if isinstance(doc, dict) else None
     if not isinstance(items, list) or not items:
-        raise ValueError(f"no images in the JSON body; {use}")
+        raise Refusal(400, f"no images in the JSON body; {use}")
     out = []
     for i, item in enumerate(items):
         name = item.get("name", f"image{i}") if isinstance(item, dict) else None
         data = item.get("data") if isinstance(item, dict) else None
         if not isinstance(name, str) or not isinstance(data, str):
-            raise ValueError(f"images[{i}] is not {{'name': str, 'data': base64 str}}; {use}")
+            raise Refusal(400, f"images[{i}] is not {{'name': str, 'data': base64 str}}; {use}")
         try:
             out.append((name, base64.b64decode(data, validate=True)))
         except (binascii.Error, ValueError):
-            raise ValueError(f"images[{i}] ({name}): data is not base64; {use}") from None
+            raise Refusal(400, f"images[{i}] ({name}): data is not base64; {use}") from None
+    return out
+
+
+def _sizes(parts: list[tuple[str, bytes]], max_pixels: int | None, limits: Limits, strict: bool) -> list[Any]:
+    """Each part's pixels from its header (an :class:`ImageError` instead for an unreadable or too large
+    one; raised when ``strict``), refused with 413 when their sum is over ``max_request_pixels``, all
+    before any image is decoded."""
+    out: list[Any] = []
+    for name, data in parts:
+        try:
+            w, h = image_size(io.BytesIO(data), name)
+            if max_pixels is not None and w * h > max_pixels:
+                raise ImageTooLargeError.for_file(
+                    name,
+                    f"{w} x {h} = {w * h / 1e6:.1f} megapixels is above the limit of {max_pixels / 1e6:.1f} "
+                    "megapixels per image (budget image_pixels: the knowledge base's eval.max_image_pixels)",
+                )
+            out.append(w * h)
+        except ImageError as e:
+            if strict:
+                raise
+            out.append(e)
+    total = sum(n for n in out if isinstance(n, int))
+    if total > limits.max_request_pixels:
+        raise _too_large(
+            "request_pixels",
+            f"the request's {len(parts)} images hold {total} pixels (width x height from their headers), "
+            f"over {limits.max_request_pixels}",
+            "--max-request-pixels",
+        )
     return out
 
 
 def _decode(
-    clf: Proteus, parts: list[tuple[str, bytes]], strict: bool
+    clf: Proteus,
+    parts: list[tuple[str, bytes]],
+    strict: bool,
+    limits: Limits,
+    budget: PixelBudget,
+    cancelled: threading.Event,
 ) -> tuple[torch.Tensor | None, list[str], dict[int, str]]:
-    """Decode and transform the parts (in a worker thread): the batch tensor of the readable ones, their
-    names and ``{position: message}`` for the others. ``strict``: the first unreadable part raises."""
-    images, names, errors = [], [], {}
-    for i, (name, data) in enumerate(parts):
+    """Check the parts' headers (:func:`_sizes`), then decode and transform them one at a time (in a worker
+    thread), each resized by the backbone's transform right after it is decoded (the full-size image is not
+    kept) and within the server's :class:`PixelBudget`: the batch tensor of the readable ones, their names
+    and ``{position: message}`` for the others. ``strict``: the first unreadable part raises. Stops early
+    (returns nothing) when ``cancelled`` is set: the request timed out or its client left."""
+    max_pixels = clf.config.eval.max_image_pixels
+    sizes = _sizes(parts, max_pixels, limits, strict)
+    rows, names, errors = [], [], {}
+    for i, ((name, data), n) in enumerate(zip(parts, sizes)):
+        if isinstance(n, ImageError):
+            errors[i] = str(n)
+            continue
+        if not budget.acquire(n, cancelled):
+            return None, [], {}
         try:
-            images.append(open_image(io.BytesIO(data), clf.config.eval.max_image_pixels, name=name))
+            image = open_image(io.BytesIO(data), max_pixels, name=name)
+            rows.append(clf.transform_images([image]))
+            del image
             names.append(name)
         except ImageError as e:
             if strict:
                 raise
             errors[i] = str(e)
-    return (clf.transform_images(images) if images else None), names, errors
+        finally:
+            budget.release(n)
+    return (torch.cat(rows) if rows else None), names, errors
 
 
 def _top_k(request: Request) -> int:
@@ -253,19 +367,21 @@ def _top_k(request: Request) -> int:
     return top_k
 
 
-def _content_length(request: Request) -> int | None:
-    """The declared body size (None: chunked); 400 without a body, 413 above :data:`MAX_BODY`."""
+def _content_length(request: Request, limits: Limits) -> int | None:
+    """The declared body size (None: chunked); 400 without a body, 413 above ``max_body``."""
     raw = request.headers.get("content-length")
     if raw is None and "transfer-encoding" in request.headers:
         return None
     try:
-        n = int(raw or "0")
+        n = int(raw or "0") if len(raw or "") <= 20 else -1
     except ValueError:
-        raise Refusal(400, f"bad Content-Length {raw!r}") from None
-    if n <= 0 or n > MAX_BODY:
-        raise Refusal(
-            413 if n > MAX_BODY else 400, f"send one image or a multipart body of 1 B .. {MAX_BODY} B"
-        )
+        n = -1
+    if n < 0:
+        raise Refusal(400, f"bad Content-Length {raw[:30] if raw else raw!r}")
+    if n > limits.max_body:
+        raise _too_large("request_bytes", f"a body of {n} B is over {limits.max_body} B", "--max-body")
+    if n == 0:
+        raise Refusal(400, f"send one image or a multipart body of 1 B .. {limits.max_body} B")
     return n
 
 
@@ -273,23 +389,28 @@ def _content_length(request: Request) -> int | None:
 async def _predict(request: Request, batch: bool) -> Response:
     rt = _runtime(request)
     top_k = _top_k(request)
-    length = _content_length(request)
+    length = _content_length(request, rt.limits)
     stage = "waiting for a slot"
-    with anyio.move_on_after(rt.limits.request_timeout) as deadline:
-        async with rt.admission.slot():
-            stage = "reading"
-            body = await _read_body(request, length, rt.limits.read_timeout)
-            stage = "decoding"
-            clf = rt.kb.clf  # this request's learner, even if a reload swaps in another meanwhile
-            try:
-                parts = await anyio.to_thread.run_sync(
-                    _parts, body, request.headers.get("content-type", ""), batch
-                )
-                x, names, errors = await anyio.to_thread.run_sync(_decode, clf, parts, not batch)
-            except (ImageError, ValueError) as e:
-                raise Refusal(400, str(e)) from None
-            stage = "predicting"
-            rows = await _rows(rt.batcher, clf, x, names, top_k) if x is not None else []
+    cancelled = threading.Event()  # tells a decoding thread to stop: the request has given up
+    try:
+        with anyio.move_on_after(rt.limits.request_timeout) as deadline:
+            async with rt.admission.slot():
+                stage = "reading"
+                parts = await _read_parts(request, length, rt.limits, batch)
+                stage = "decoding"
+                clf = rt.kb.clf  # this request's learner, even if a reload swaps in another meanwhile
+                try:
+                    x, names, errors = await anyio.to_thread.run_sync(
+                        _decode, clf, parts, not batch, rt.limits, rt.decoding, cancelled
+                    )
+                except ImageTooLargeError as e:
+                    raise Refusal(413, f"{e}; send a smaller image") from None
+                except ImageError as e:
+                    raise Refusal(400, str(e)) from None
+                stage = "predicting"
+                rows = await _rows(rt.batcher, clf, x, names, top_k) if x is not None else []
+    finally:
+        cancelled.set()
     if deadline.cancelled_caught:
         timeout = rt.limits.request_timeout
         if stage == "reading":
@@ -335,18 +456,24 @@ async def predict_batch(request: Request) -> Response:
 
 
 async def tasks(request: Request) -> Response:
-    return _json(200, await anyio.to_thread.run_sync(_runtime(request).kb.info))
+    """``GET /tasks``: what the served state holds (computed when it was loaded: no disk access, no worker
+    thread, so no request can pin one)."""
+    return _json(200, _runtime(request).kb.info())
 
 
 async def health(request: Request) -> Response:
+    """``GET /health``: ``status`` "ok", or "stale" when manifest.json changed on disk and the new state
+    could not be loaded (``stale`` says since when and why; the last good state is served meanwhile)."""
     rt = _runtime(request)
     b = rt.batcher
+    stale = rt.kb.stale
     return _json(
         200,
         {
-            "status": "ok",
+            "status": "stale" if stale else "ok",
             "kb": rt.kb.name,
             "kb_tasks": rt.kb.clf.num_tasks,
+            "stale": stale,
             "reloads": rt.kb.reloads,
             "active": rt.admission.active,
             "waiting": rt.admission.waiting,
@@ -419,6 +546,11 @@ class Frontend:
                 await self.app(scope, receive_, send_)
         except _ClientGone:
             log.debug("serve: the client of %s %s went away", scope["method"], scope["path"])
+        except ProteusError as e:  # the knowledge base (or another input of the server) is not usable now
+            log.warning("serve: %s %s: %s", scope["method"], scope["path"], e)
+            if not state["status"]:
+                error = "the knowledge base cannot be used right now; retry later (the server's log says why)"
+                await _json(503, {"error": error}, {"Retry-After": "5"})(scope, receive_, send_)
         except Exception:  # noqa: BLE001 - one failed request must not stop the server
             log.exception("serve: %s %s failed", scope["method"], scope["path"])
             if not state["status"]:
@@ -460,6 +592,7 @@ def create_app(
         Admission(limits.max_concurrency, limits.max_queue),
         limits,
         watch,
+        PixelBudget(limit("decoding_pixels")),
     )
 
     @asynccontextmanager
@@ -489,5 +622,5 @@ def create_app(
     )
     app.router.redirect_slashes = False  # /predict/ is 404, not a redirect without a JSON body
     app.state.proteus = rt
-    app.state.openapi = openapi_schema(ENDPOINTS, MAX_BODY, MAX_IMAGES)
+    app.state.openapi = openapi_schema(ENDPOINTS, limits.max_body, limits.max_images)
     return app

@@ -37,9 +37,15 @@ _PREDICT_ERRORS = {
         "the body stayed silent for --read-timeout seconds, or did not arrive within "
         "--request-timeout; the connection is closed"
     ),
-    "413": _answer("a body over the size limit, or too many images in one request"),
+    "413": _answer(
+        "a body over --max-body, more images than --max-images, more pixels (from the headers) than "
+        "--max-request-pixels, an image over the per-image limit, or JSON nested too deeply; the message "
+        "names the budget"
+    ),
     "503": _answer(
-        "too many requests at once (--max-concurrency served, --max-queue waiting): retry", headers=_RETRY
+        "too many requests at once (--max-concurrency served, --max-queue waiting), or the knowledge base "
+        "cannot be used right now: retry",
+        headers=_RETRY,
     ),
     "504": _answer("no answer within --request-timeout seconds (the server is busy)"),
 }
@@ -144,9 +150,20 @@ def _schemas(max_images: int) -> dict[str, Any]:
             "type": "object",
             "required": ["status", "kb_tasks"],
             "properties": {
-                "status": {"type": "string", "enum": ["ok"]},
+                "status": {"type": "string", "enum": ["ok", "stale"]},
                 "kb": {"type": "string"},
                 "kb_tasks": {"type": "integer"},
+                "stale": {
+                    "description": "null, or since when and why manifest.json on disk could not be loaded "
+                    "(the last good state is served)",
+                    "oneOf": [
+                        {"type": "null"},
+                        {
+                            "type": "object",
+                            "properties": {"since": {"type": "string"}, "reason": {"type": "string"}},
+                        },
+                    ],
+                },
                 "reloads": {"type": "integer"},
                 "active": {"type": "integer"},
                 "waiting": {"type": "integer"},
@@ -207,7 +224,11 @@ def openapi_schema(endpoints: dict[str, tuple[str, ...]], max_body: int, max_ima
             "get": {
                 "summary": "the knowledge base's tasks, classes and settings",
                 "operationId": "tasks",
-                "responses": {"200": _answer("`proteus kb info --json`", ref("Tasks")), **_COMMON},
+                "responses": {
+                    "200": _answer("`proteus kb info --json` of the served state", ref("Tasks")),
+                    "503": _answer("the knowledge base cannot be used right now: retry", headers=_RETRY),
+                    **_COMMON,
+                },
             }
         },
         "/health": {

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import os
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -16,15 +19,23 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from proteus.core.estimator import Proteus
+from proteus.errors import ProteusError
 from proteus.serve.app import CLIENT_EOF, Limits, create_app
 from proteus.serve.state import ServedKB
 
 log = logging.getLogger("proteus")
 
-__all__ = ["KBServer", "serve"]
+__all__ = ["KBServer", "ServeError", "serve"]
 
 #: seconds that running requests get to finish once the server is told to stop
 GRACEFUL_SHUTDOWN = 10.0
+#: seconds after the server stopped within which the process must have ended (else it ends at once: a
+#: worker thread still decoding or predicting cannot be cancelled)
+EXIT_GRACE = 10.0
+
+
+class ServeError(ProteusError, RuntimeError):
+    """The server cannot start (its address is in use, not available, not allowed): exit code 2."""
 
 
 def _raw_json(status: int, reason: str, message: str) -> bytes:
@@ -123,7 +134,18 @@ def _config(app: Any, host: str, port: int, limits: Limits) -> uvicorn.Config:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=2048)
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = "the port is in use (another server?); stop it or choose another --port"
+        elif e.errno == errno.EACCES:
+            why = "not allowed (a port below 1024 needs privileges); choose another --port"
+        else:
+            why = f"{e.strerror or e}; check --host and --port"
+        raise ServeError(f"cannot listen on {host}:{port}: {why}") from None
+    except (socket.gaierror, OverflowError, UnicodeError) as e:
+        raise ServeError(f"cannot listen on {host}:{port}: {e}; check --host") from None
     sock.setblocking(False)
     return sock
 
@@ -227,3 +249,17 @@ def serve(
         server.serve_forever()
     finally:
         server.server_close()
+        _exit_within(EXIT_GRACE)
+
+
+def _exit_within(seconds: float) -> None:
+    """After the server stopped: make sure the process ends within ``seconds`` even if a worker thread
+    (decoding or predicting a request, which cannot be cancelled) would keep the interpreter waiting."""
+
+    def force() -> None:
+        log.warning("serve: worker threads still busy %g s after the server stopped; exiting now", seconds)
+        os._exit(128 + signal.SIGTERM)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()

@@ -38,6 +38,7 @@ from proteus.streams.datasets import (
 from proteus.streams.errors import BenchmarkError, DataNotFoundError, TaskSpecError
 from proteus.streams.options import BenchmarkConfig
 from proteus.streams.splits import CODA_TEST_SHA256, coda_imagenet_r
+from proteus.untrusted import load_yaml, read_regular_text
 
 #: default number of tasks per benchmark (the paper's setting)
 DEFAULT_NUM_TASKS: dict[str, int] = {
@@ -325,7 +326,7 @@ def load_task_spec(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise TaskSpecError(f"task spec file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(read_regular_text(p), str(p))
     except yaml.YAMLError as e:
         raise TaskSpecError(f"{p}: not valid YAML ({e})") from None
     except (OSError, UnicodeDecodeError) as e:

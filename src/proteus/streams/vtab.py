@@ -58,6 +58,7 @@ from proteus.streams.builtin import DEFAULT_NUM_TASKS, resolve_imagefolder
 from proteus.streams.datasets import list_class_dirs, list_images
 from proteus.streams.errors import BenchmarkError, DataNotFoundError, TaskSpecError
 from proteus.streams.options import BenchmarkConfig
+from proteus.untrusted import load_yaml, read_regular_text
 
 GROUPS_KEYS = ("groups", "keep_fraction", "min_group_classes", "description")
 
@@ -89,7 +90,7 @@ def load_groups(path: str | Path, existing: list[str]) -> tuple[dict[str, list[s
     if not p.is_file():
         raise TaskSpecError(f"groups file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(read_regular_text(p), str(p))
     except yaml.YAMLError as e:
         raise TaskSpecError(f"{p}: not valid YAML ({e})") from None
     except (OSError, UnicodeDecodeError) as e:

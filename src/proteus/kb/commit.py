@@ -1,0 +1,279 @@
+"""The commit protocol of a knowledge base (:class:`Commit`): seal the new manifest, write it atomically after
+the previous one is kept, and on any failure leave the knowledge base as it was.
+
+Sealing (:func:`seal`) writes the newest format (:data:`~proteus.kb.files.FORMAT_VERSION`), the time, one
+more ``sequence`` than the state it replaces (``undo`` included: a sequence never goes back), the knowledge
+base's identity ``kb_id`` (kept from its first commit), the size of every object it references
+(``object_bytes``: readers compare a file with it before reading), the signature when there is a key, and
+the checksum.
+
+Writing: the current manifest is copied to ``manifest.prev.json`` (atomically), then the new one is
+written to a temporary name, fsynced and renamed over ``manifest.json`` (the commit point), then the
+directory is fsynced. A failure at any step (:meth:`Commit.abandon`) removes the objects this commit wrote
+that no manifest on disk references and puts ``manifest.prev.json`` back, so the knowledge base is its old
+state byte for byte (``tests/test_kb_faults.py`` fails every ``open``, ``write``, ``fsync`` and rename of a
+commit in turn).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import uuid
+from pathlib import Path
+from typing import Any
+
+from proteus.errors import ProteusError
+from proteus.faults import crash_point
+from proteus.kb.files import (
+    FIRST_COMMIT,
+    FORMAT_VERSION,
+    MANIFEST,
+    OBJECTS,
+    PREV_MANIFEST,
+    KBError,
+    _atomic_write,
+    _fsync_dir,
+    _not_writable,
+    _now,
+    _refs,
+    _sha,
+    kept_name,
+    log,
+    manifest_checksum,
+    read_kb_file,
+)
+from proteus.kb.manifests import previous_manifest
+from proteus.kb.objects import ObjectStore
+from proteus.kb.schema import manifest_problems
+from proteus.kb.signing import signature
+from proteus.kb.sweep import previous_names
+from proteus.untrusted import file_kind, load_json
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+def seal(
+    manifest: dict[str, Any], current: dict[str, Any], sizes: dict[str, int], key: bytes | None, root: Path
+) -> dict[str, Any]:
+    """``manifest`` as a commit replacing ``current`` writes it (the module docstring): signed with
+    ``key`` (unsigned without one, with a warning when the knowledge base was signed)."""
+    signed = "signature" in manifest
+    out = {k: v for k, v in manifest.items() if k not in ("checksum", "signature")}
+    out["format_version"] = FORMAT_VERSION
+    kb_id = current.get("kb_id") if isinstance(current.get("kb_id"), str) else manifest.get("kb_id")
+    out["kb_id"] = kb_id if isinstance(kb_id, str) else uuid.uuid4().hex
+    out["sequence"] = max(_int(current.get("sequence")), _int(manifest.get("sequence"))) + 1
+    out["object_bytes"] = sizes
+    out["updated"] = _now()
+    if key is not None:
+        out["signature"] = signature(out, key)
+    elif signed:
+        log.warning(
+            "%s: the knowledge base was signed; this commit, made without a key, is not (sign it again "
+            "with `proteus kb sign`, or set $PROTEUS_KB_KEY_FILE)",
+            root,
+        )
+    out["checksum"] = manifest_checksum(out)
+    return out
+
+
+def upgraded(manifest: dict[str, Any], kb_id: str, sequence: int, sizes: dict[str, int]) -> dict[str, Any]:
+    """``manifest`` (content and time stamps unchanged) in the newest format, for ``kb sign``: its identity,
+    a sequence number (kept when it has one) and its objects' sizes (kept when recorded)."""
+    out = {k: v for k, v in manifest.items() if k not in ("checksum", "signature")}
+    out["format_version"] = FORMAT_VERSION
+    out.setdefault("kb_id", kb_id)
+    out.setdefault("sequence", sequence)
+    out.setdefault("object_bytes", sizes)
+    return out
+
+
+class Commit:
+    """One commit of the knowledge base at ``root`` whose objects are ``objects``: :meth:`run` makes a sealed
+    manifest the state; ``previous`` is the manifest.json it replaces (its bytes; None for a first
+    commit)."""
+
+    def __init__(self, root: Path, objects: ObjectStore, expected_sha: str | None) -> None:
+        self.root, self.objects, self.expected_sha = root, objects, expected_sha
+        self.previous: bytes | None = None
+        self.prev_before: bytes | None = None  # manifest.prev.json before this commit (b"": none)
+        self.written: bytes | None = None  # the new manifest once its rename is done (the commit point)
+        self.first = False
+        self.kept: Path | None = None  # a hard link to the manifest.prev.json this commit replaces
+
+    def current(self) -> bytes | None:
+        """The bytes of manifest.json now (None if there is none); refuses when another writer committed
+        since ``expected_sha`` was read (its state would be lost)."""
+        data = read_kb_file(self.root, MANIFEST)
+        if data is not None and self.expected_sha is not None and _sha(data) != self.expected_sha:
+            raise KBError(
+                f"{self.root / MANIFEST}: changed since this knowledge base was opened (another process "
+                "committed); open it again under KnowledgeBase.write_lock and redo the change"
+            )
+        return data
+
+    def sizes(self, manifest: dict[str, Any], known: dict[str, Any]) -> dict[str, int]:
+        """The size of every object ``manifest`` references; refuses one that is neither written nor
+        pending (``known``: a manifest whose records were checked, to find sizes in)."""
+        out = {}
+        for label, rel, sha in _refs(manifest):
+            self.objects.path(manifest, rel, sha)  # confined, or refused by name
+            n = self.objects.size(known, rel)
+            if rel not in self.objects.pending:
+                try:
+                    st = os.lstat(self.root / rel)
+                    kind = None if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
+                except FileNotFoundError:
+                    kind = "missing"
+                if kind is not None:
+                    raise KBError(
+                        f"{self.root / rel}: {kind} ({label}); write it with write_object before committing "
+                        "a manifest that references it"
+                    )
+                n = st.st_size if n is None else n
+            out[rel] = n if n is not None else 0
+        return out
+
+    def begin_first(self, check_free: Any) -> None:
+        """Create the directory and write the pending objects of a knowledge base (marked as a first
+        commit)."""
+        root = self.root
+        check_free(root)  # nobody created a knowledge base here since new()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _not_writable(root, e) from None
+        _atomic_write(root / FIRST_COMMIT, json.dumps({"pid": os.getpid(), "since": _now()}).encode())
+        try:
+            (root / OBJECTS).mkdir(exist_ok=True)
+        except OSError as e:
+            raise _not_writable(root / OBJECTS, e) from None
+        _fsync_dir(root)
+
+    def write(self, manifest: dict[str, Any], first: bool, check_free: Any) -> bytes:
+        """Write the sealed ``manifest`` (after the objects it needs, and the copy of the current state to
+        manifest.prev.json); returns its bytes. Any failure: :meth:`abandon`, then the error."""
+        self.first = first
+        try:
+            if first:
+                self.begin_first(check_free)
+                self.objects.flush_pending(manifest)
+            else:
+                self.previous = self.current()
+            crash_point("commit:objects")
+            if self.previous is not None:
+                prev = read_kb_file(self.root, PREV_MANIFEST)
+                self.prev_before = b"" if prev is None else prev
+                if prev is not None:
+                    self._keep_previous()
+                _atomic_write(self.root / PREV_MANIFEST, self.previous)
+            data = json.dumps(manifest).encode()
+            _atomic_write(self.root / MANIFEST, data, "commit:manifest-tmp")
+            self.written = data
+        except BaseException:
+            self.abandon()
+            raise
+        self._drop_kept()
+        return data
+
+    def _keep_previous(self) -> None:
+        """Hard-link manifest.prev.json before it is replaced: putting it back is then one rename, which
+        works even when no file can be opened (a failing device)."""
+        kept = self.root / kept_name(os.getpid())
+        with contextlib.suppress(OSError):
+            os.unlink(kept)
+        try:
+            os.link(self.root / PREV_MANIFEST, kept, follow_symlinks=False)
+        except OSError:  # no hard links here: abandon() writes the bytes back instead
+            return
+        self.kept = kept
+
+    def _drop_kept(self) -> None:
+        if self.kept is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.kept)
+            self.kept = None
+
+    def sign(self, manifest: dict[str, Any], key: bytes) -> tuple[dict[str, Any], bytes]:
+        """``kb sign``: write ``manifest`` (the current state) and manifest.prev.json again in the newest
+        format, signed with ``key``; returns the new manifest and its bytes."""
+        kb_id = manifest.get("kb_id") if isinstance(manifest.get("kb_id"), str) else uuid.uuid4().hex
+        current = upgraded(manifest, kb_id, 1, self.sizes(manifest, manifest))
+        if read_kb_file(self.root, PREV_MANIFEST) is not None:
+            prev = previous_manifest(self.root)
+            if "sequence" not in manifest:  # the first signature of an older knowledge base: 0, then 1
+                current["sequence"] = _int(prev.get("sequence")) + 1
+            prev = upgraded(prev, kb_id, max(current["sequence"] - 1, 0), self.sizes(prev, prev))
+            _atomic_write(self.root / PREV_MANIFEST, json.dumps(_resigned(prev, key)).encode())
+        current = _resigned(current, key)
+        data = json.dumps(current).encode()
+        _atomic_write(self.root / MANIFEST, data)
+        return current, data
+
+    def abandon(self) -> None:
+        """After a failed write or commit: remove the objects written since the last commit that no manifest
+        references (the state replaced, the previous one, the new one if it landed: known without reading a
+        file, so that this works on a device that keeps failing, and whatever is on disk now); put back
+        manifest.prev.json (``prev_before``, empty when there was none) unless the new manifest landed;
+        after a failed first commit, the marker and the empty ``objects/`` too. Best effort: it never
+        raises."""
+        root, landed = self.root, self.written is not None
+        keep: set[str] = set()
+        for data in (self.previous, self.prev_before, self.written):
+            keep |= _names(data)
+        try:
+            keep |= _names(read_kb_file(root, MANIFEST))
+        except (OSError, ProteusError):
+            pass
+        on_disk = previous_names(root)
+        keep |= on_disk or set()
+        for rel in self.objects.written:
+            if Path(rel).name not in keep:
+                with contextlib.suppress(OSError):
+                    (root / rel).unlink()
+        self.objects.written.clear()
+        if not landed and self.prev_before is not None:
+            with contextlib.suppress(OSError, KBError):
+                if self.kept is not None:
+                    os.replace(self.kept, root / PREV_MANIFEST)
+                    self._drop_kept()  # a rename onto the same file (not replaced yet) leaves both names
+                elif self.prev_before:
+                    _atomic_write(root / PREV_MANIFEST, self.prev_before)
+                else:
+                    (root / PREV_MANIFEST).unlink()
+        if landed:
+            self._drop_kept()  # else: a kept link that could not be renamed back is left to the sweep
+        if self.first and not landed:  # a failed first commit
+            with contextlib.suppress(OSError):
+                (root / OBJECTS).rmdir()  # only when empty
+                (root / FIRST_COMMIT).unlink()
+
+
+def _names(data: bytes | None) -> set[str]:
+    """Names of the objects the manifest ``data`` references (none when it is None or not a manifest)."""
+    if not data:
+        return set()
+    try:
+        return {Path(rel).name for _, rel, _ in _refs(load_json(data, MANIFEST))}
+    except (ProteusError, AttributeError):
+        return set()
+
+
+def _resigned(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
+    """``manifest`` signed with ``key`` (time stamps kept), with its new checksum."""
+    out = {k: v for k, v in manifest.items() if k not in ("checksum", "signature")}
+    out["signature"] = signature(out, key)
+    out["checksum"] = manifest_checksum(out)
+    return out
+
+
+def refuse_unreadable(root: Path, manifest: dict[str, Any], checked: list[Any] | None) -> None:
+    """Refuse to commit a manifest this proteus could not read back."""
+    problems = manifest_problems(manifest, checked=checked)
+    if problems:
+        raise KBError(f"{root}: refusing to commit a manifest this proteus cannot read: {problems[0]}")

@@ -1,0 +1,178 @@
+"""The objects of one knowledge base as one process sees them (:class:`ObjectStore`): the verified snapshot
+that :meth:`~proteus.kb.store.KnowledgeBase.read` serves, the objects of a knowledge base not yet on disk,
+the content keys of the objects written (:mod:`.content`), and the files written since the last commit
+(removed if it fails).
+
+Reading goes through :func:`~proteus.kb.files.read_object`: the path is checked first
+(:func:`~proteus.kb.schema.object_path`: a name the store writes, inside ``objects/``), then the file is
+opened without following a link or blocking, compared with the size its manifest records, and its sha256
+checked.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from proteus.kb.content import TensorDigests, content_key
+from proteus.kb.files import (
+    MANIFEST,
+    OBJECTS,
+    KBError,
+    _atomic_write,
+    _refs,
+    _sha,
+    _write_error,
+    read_object,
+    recorded_size,
+)
+from proteus.kb.schema import object_path, task_label
+from proteus.kb.tensors import Obj, check_objects, shapes_of
+
+#: one part of a learner's state: its JSON record (in the manifest) and its tensors (one object)
+Part = tuple[dict[str, Any], dict[str, torch.Tensor]]
+
+
+class ObjectStore:
+    """The objects of the knowledge base at ``root`` (see the module docstring). ``on_disk`` is False for
+    a knowledge base from :meth:`~proteus.kb.store.KnowledgeBase.new` until its first commit: its objects
+    wait in :attr:`pending`."""
+
+    def __init__(self, root: Path, on_disk: bool = True) -> None:
+        self.root = root
+        self.on_disk = on_disk
+        #: rel -> (sha256, verified bytes) of the snapshot ``open`` read
+        self.cache: dict[str, tuple[str, bytes]] = {}
+        #: objects of a knowledge base not yet on disk, written at its first commit
+        self.pending: dict[str, bytes] = {}
+        #: content key -> (rel, sha256) of the objects written: a commit of a long stream serialises only
+        #: the objects whose content changed
+        self.known: dict[str, tuple[str, str]] = {}
+        #: objects written since the last commit (removed if it fails)
+        self.written: list[str] = []
+        #: rel -> bytes of every object this process wrote or read
+        self.sizes: dict[str, int] = {}
+        self.digests = TensorDigests()  # each unchanged tensor object hashed once
+
+    # ------------------------------------------------------------------ reading
+    def path(self, manifest: dict[str, Any], rel: str, sha: str | None = None) -> Path:
+        """The resolved path of object ``rel`` (refused unless inside ``objects/``, naming its record)."""
+        try:
+            return object_path(self.root, rel, sha)
+        except KBError as e:
+            label = next((label for label, r, _ in _refs(manifest) if r == rel), "not in the manifest")
+            raise KBError(f"{self.root / MANIFEST}: {label}: {e}") from None
+
+    def load(self, manifest: dict[str, Any], rel: str, sha: str) -> bytes:
+        """The bytes of object ``rel``, verified against ``sha`` (and the size ``manifest`` records)."""
+        if rel in self.pending:
+            data = self.pending[rel]
+            if _sha(data) != sha:
+                raise KBError(f"{self.root / rel}: checksum mismatch (expected {sha[:16]}…)")
+            return data
+        self.path(manifest, rel, sha)
+        data = read_object(self.root, rel, sha, recorded_size(manifest, rel))
+        self.sizes[rel] = len(data)
+        return data
+
+    def verify(self, manifest: dict[str, Any]) -> None:
+        """Read every object ``manifest`` references and check it; keep the bytes as the snapshot."""
+        self.cache = {rel: (sha, self.load(manifest, rel, sha)) for _, rel, sha in _refs(manifest)}
+
+    def read(self, manifest: dict[str, Any], rel: str, sha: str) -> dict[str, torch.Tensor]:
+        """The tensors of object ``rel``: from the snapshot, or from disk."""
+        cached = self.cache.get(rel)
+        data = cached[1] if cached is not None and cached[0] == sha else self.load(manifest, rel, sha)
+        try:
+            return st_load(data)
+        except Exception as e:  # safetensors raises several types for bad headers
+            raise KBError(f"{self.root / rel}: not a valid safetensors file ({e})") from None
+
+    def checked_state(self, manifest: dict[str, Any], consequence: str) -> tuple[list[Part], Part | None]:
+        """Every object's tensors, checked by :func:`~proteus.kb.tensors.check_objects` (dtypes, shapes,
+        finite values): a :class:`KBError` with the first problem and ``consequence``."""
+        tasks = [(t, self.read(manifest, t["object"], t["sha256"])) for t in manifest["tasks"]]
+        head = manifest.get("head")
+        state = (head["meta"], self.read(manifest, head["object"], head["sha256"])) if head else None
+        objects = [
+            Obj(task_label(i), str(self.root / t["object"]), t, i, shapes_of(x), x)
+            for i, (t, x) in enumerate(tasks)
+        ]
+        if head and state:
+            path = str(self.root / head["object"])
+            objects.append(Obj("head", path, head["meta"], None, shapes_of(state[1]), state[1]))
+        bad = check_objects(manifest["tasks"], objects)
+        if bad:
+            raise KBError(f"{bad[0]}; {consequence} (`proteus kb verify {self.root}` lists every problem)")
+        return tasks, state
+
+    def size(self, manifest: dict[str, Any], rel: str) -> int | None:
+        """The bytes of object ``rel`` as known here, recorded in ``manifest``, or on disk (None: missing
+        or not a regular file)."""
+        if rel in self.pending:
+            return len(self.pending[rel])
+        if rel in self.sizes:
+            return self.sizes[rel]
+        n = recorded_size(manifest, rel)
+        if n is not None:
+            return n
+        try:
+            st = os.lstat(object_path(self.root, rel))
+        except (OSError, KBError):
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    # ------------------------------------------------------------------ writing
+    def write(self, kind: str, tensors: dict[str, torch.Tensor], reuse: bool = True) -> tuple[str, str]:
+        """Write a content-addressed object (in memory while the knowledge base is not on disk); returns
+        (rel, sha256). ``reuse``: look its content up among the objects written before serialising it."""
+        key = content_key(kind, tensors, self.digests) if reuse else None
+        known = None if key is None else self.known.get(key)
+        if known is not None and (
+            known[0] in self.pending or (self.on_disk and (self.root / known[0]).is_file())
+        ):
+            return known
+        data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+        sha = _sha(data)
+        rel = f"{OBJECTS}/{kind}-{sha[:16]}.safetensors"
+        self.sizes[rel] = len(data)
+        if key is not None:
+            self.known[key] = (rel, sha)
+        if not self.on_disk:
+            self.pending[rel] = data
+        elif not (self.root / rel).exists():
+            self.write_new(rel, data)
+        return rel, sha
+
+    def write_new(self, rel: str, data: bytes) -> None:
+        """Write object ``rel`` to disk (atomically) and remember it as written since the last commit."""
+        path = self.root / rel
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _write_error(path, len(data), e) from None
+        _atomic_write(path, data, "commit:tmp")
+        self.written.append(rel)
+
+    def flush_pending(self, manifest: dict[str, Any]) -> None:
+        """At a first commit: write the pending objects ``manifest`` references."""
+        for _, rel, _ in _refs(manifest):
+            data = self.pending.get(rel)
+            if data is not None and not (self.root / rel).exists():
+                self.write_new(rel, data)
+
+    def settle(self, manifest: dict[str, Any]) -> None:
+        """After a commit of ``manifest``: nothing is pending or written any more; the snapshot and the
+        content keys keep only what it references."""
+        self.written.clear()
+        self.pending.clear()
+        self.on_disk = True
+        keep = {rel: sha for _, rel, sha in _refs(manifest)}
+        self.cache = {rel: v for rel, v in self.cache.items() if keep.get(rel) == v[0]}
+        self.known = {key: v for key, v in self.known.items() if keep.get(v[0]) == v[1]}

@@ -1,0 +1,94 @@
+"""Garbage collection of a knowledge base: the files neither the current nor the previous commit needs (orphan
+objects, temporary files of interrupted commits, the marker of a first commit) are removed by a writer
+holding the lock, at the end of every commit and by ``proteus kb gc``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+from proteus.errors import ProteusError
+from proteus.kb.files import (
+    _TMP_PREFIXES,
+    FIRST_COMMIT,
+    MANIFEST,
+    OBJECTS,
+    PREV_MANIFEST,
+    _pid_running,
+    _refs,
+    _tmp_pid,
+    log,
+    read_kb_file,
+)
+from proteus.untrusted import load_json
+
+
+def restore_kept(root: Path) -> None:
+    """Put back a manifest.prev.json that a failed commit could not restore: its hard link
+    (:func:`~proteus.kb.files.kept_name`, left only when the rename back failed) replaces manifest.prev.json
+    when that is now a copy of manifest.json (the failed commit's first step); otherwise it is stale and
+    removed."""
+    for p in sorted(root.glob(f".{PREV_MANIFEST}.tmp-*.kept")):
+        pid = _tmp_pid(p.name)
+        if pid is not None and pid != os.getpid() and _pid_running(pid):
+            continue  # another process's commit in progress (it holds the lock: not while we sweep)
+        try:
+            copy = read_kb_file(root, PREV_MANIFEST) == read_kb_file(root, MANIFEST)
+        except (OSError, ProteusError):
+            continue
+        with contextlib.suppress(OSError):
+            if copy:
+                os.replace(p, root / PREV_MANIFEST)
+                log.warning(
+                    "%s: put back the previous commit a failed commit had replaced", root / PREV_MANIFEST
+                )
+            os.unlink(p)  # stale, or left by a rename onto the same file
+
+
+def previous_names(root: Path) -> set[str] | None:
+    """Names of the objects manifest.prev.json references (an empty set when there is none; None when it
+    cannot be read: a FIFO, a link, too large, not JSON ...)."""
+    try:
+        data = read_kb_file(root, PREV_MANIFEST)
+        if data is None:
+            return set()
+        prev = load_json(data, str(root / PREV_MANIFEST))
+    except (OSError, ProteusError):
+        return None
+    return {Path(rel).name for _, rel, _ in _refs(prev)} if isinstance(prev, dict) else None
+
+
+def sweep(root: Path, keep: set[str]) -> list[tuple[Path, int]]:
+    """Delete the objects whose names are neither in ``keep`` (the current commit's) nor referenced by
+    manifest.prev.json, and the temporary files of interrupted commits; returns each file removed with its
+    size. Directories and symlinks' targets are never touched (a symlink itself is removed); an unreadable
+    manifest.prev.json keeps every object."""
+    restore_kept(root)
+    previous = previous_names(root)
+    if previous is None:
+        log.warning("%s: unreadable; no object is swept until the next commit", root / PREV_MANIFEST)
+    else:
+        keep = keep | previous
+    removed: list[tuple[Path, int]] = []
+
+    def remove(p: Path) -> None:
+        try:
+            st = p.lstat()
+            if stat.S_ISDIR(st.st_mode):
+                return
+            p.unlink()
+        except OSError:
+            return
+        removed.append((p, st.st_size))
+
+    objects = root / OBJECTS
+    for p in sorted(objects.iterdir()) if objects.is_dir() and not objects.is_symlink() else []:
+        temporary = p.name.startswith(".") and ".tmp-" in p.name
+        if temporary or (previous is not None and p.name not in keep):
+            remove(p)
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(_TMP_PREFIXES) or p.name == FIRST_COMMIT:
+            remove(p)
+    return removed

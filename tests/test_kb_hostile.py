@@ -1,0 +1,302 @@
+"""Hostile knowledge bases from the adversarial review (docs/reliability.md, "A knowledge base from someone
+else" and "Budgets"): manifests that are links, FIFOs or devices, a sparse object of 3 GB, JSON nested
+deep or with huge integers or duplicate keys, a lowered format version, a signed KB rolled back, class names
+that would drive a terminal, a FIFO key file or image. Each command ends quickly with exit code 1 (``kb
+verify``) or 2, never an internal error, and leaves the knowledge base as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import proteus.kb as kbmod
+from proteus.cli import main
+from proteus.kb import KBError, KnowledgeBase, manifest_checksum
+from tiny import TINY, folder_args
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def no_hang() -> Iterator[None]:
+    """A hang is a failure (30 s), not a stuck test run."""
+
+    def hung(signum: int, frame: Any) -> None:
+        raise TimeoutError("hung for 30 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="module")
+def kb2(world: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    kb = tmp_path_factory.mktemp("hostile") / "kb"
+    shutil.copytree(world["kb1"], kb)
+    assert (
+        main(["learn", "--kb", str(kb), "--task", "2", *folder_args(world["tree"], world["spec"]), *TINY])
+        == 0
+    )
+    assert kbmod.problems(kb) == []
+    return kb
+
+
+def _files(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.name != ".lock" and not p.is_symlink() and p.is_file():
+            h = hashlib.sha256()
+            with p.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+            out[str(p.relative_to(root))] = h.hexdigest()
+    return out
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    rc = main(argv)
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "internal error" not in text and "Traceback" not in text, text
+    return rc, text
+
+
+def _commands(kb: Path, img: Path) -> list[tuple[list[str], int]]:
+    return [
+        (["kb", "verify", str(kb)], 1),
+        (["kb", "info", str(kb)], 2),
+        (["predict", "--kb", str(kb), str(img), "-q"], 2),
+    ]
+
+
+def _img(world: dict) -> Path:
+    return world["tree"] / "test" / "a" / "0.png"
+
+
+def _manifest(kb: Path, name: str = "manifest.json") -> dict[str, Any]:
+    return json.loads((kb / name).read_text())
+
+
+def _write(kb: Path, m: dict[str, Any], name: str = "manifest.json") -> None:
+    m["checksum"] = manifest_checksum(m)
+    (kb / name).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("attack", ["outside", "etc-passwd", "dev-zero", "fifo", "directory"])
+def test_a_manifest_that_is_not_a_regular_file_inside_the_kb_is_refused(
+    kb2: Path, world: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str], attack: str
+) -> None:
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+    outside = tmp_path / "outside.json"
+    outside.write_bytes((kb / "manifest.json").read_bytes())  # a valid manifest, outside the KB
+    (kb / "manifest.json").unlink()
+    if attack == "fifo":
+        os.mkfifo(kb / "manifest.json")
+    elif attack == "directory":
+        (kb / "manifest.json").mkdir()
+    else:
+        target = {"outside": outside, "etc-passwd": Path("/etc/passwd"), "dev-zero": Path("/dev/zero")}[
+            attack
+        ]
+        (kb / "manifest.json").symlink_to(target)
+    before = _files(kb)
+    for argv, expected in _commands(kb, _img(world)):
+        rc, text = _run(argv, capsys)
+        assert rc == expected, (argv, text)
+        assert "manifest.json" in text and ("symbolic link" in text or "not a regular file" in text), text
+    assert _files(kb) == before
+
+
+@pytest.mark.parametrize("attack", ["fifo", "dev-zero", "outside"])
+def test_a_previous_manifest_that_is_not_a_regular_file_is_reported_and_nothing_hangs(
+    kb2: Path, world: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str], attack: str
+) -> None:
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+    outside = tmp_path / "outside.json"
+    outside.write_bytes((kb / "manifest.prev.json").read_bytes())
+    (kb / "manifest.prev.json").unlink()
+    if attack == "fifo":
+        os.mkfifo(kb / "manifest.prev.json")
+    else:
+        (kb / "manifest.prev.json").symlink_to(outside if attack == "outside" else Path("/dev/zero"))
+    before = _files(kb)
+    rc, text = _run(["kb", "verify", str(kb)], capsys)
+    assert rc == 1 and "manifest.prev.json" in text, text
+    assert _run(["kb", "info", str(kb)], capsys)[0] == 0
+    assert _run(["predict", "--kb", str(kb), str(_img(world)), "-q"], capsys)[0] == 0
+    rc, text = _run(["kb", "gc", str(kb)], capsys)  # unreadable: nothing swept, the lock released
+    assert rc == 0 and "removed 0 file(s)" in text, text
+    assert _run(["kb", "undo", str(kb)], capsys)[0] == 2
+    assert _files(kb) == before and kbmod.lock_holder(kb) is None
+
+
+def test_a_sparse_object_is_refused_by_its_size_before_it_is_read(
+    kb2: Path, world: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+    obj = kb / _manifest(kb)["tasks"][0]["object"]
+    obj.unlink()
+    with obj.open("wb") as f:
+        f.truncate(3 << 30)  # 3 GB, no disk space
+    for argv, expected in _commands(kb, _img(world)):
+        rc, text = _run(argv, capsys)
+        assert rc == expected and "size mismatch" in text and "3221225472" in text, (argv, text)
+    m = _manifest(kb)  # a manifest of format 2 records no size: the budget refuses it
+    del m["object_bytes"], m["kb_id"], m["sequence"]
+    m["format_version"] = 2
+    (kb / "manifest.prev.json").unlink()
+    _write(kb, m)
+    rc, text = _run(["kb", "verify", str(kb)], capsys)
+    assert rc == 1 and "over the limit of 2147483648 bytes (kb_object_bytes)" in text, text
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda text: "[" * 200_000 + "]" * 200_000, "nested too deeply"),
+        (lambda text: text.replace('"tasks":', '"n": ' + "9" * 5000 + ', "tasks":', 1), "5000 digits"),
+        (lambda text: '{"tasks": [], ' + text[1:], "appears twice"),
+        (lambda text: text.replace('"class_names": ["', '"class_names": ["\\ud800', 1), "lone surrogate"),
+    ],
+)
+def test_json_the_parser_refuses(
+    kb2: Path, world: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Any, words: str
+) -> None:
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+    text = edit((kb / "manifest.json").read_text())
+    (kb / "manifest.json").write_text(text)
+    before = _files(kb)
+    for argv, expected in _commands(kb, _img(world)):
+        rc, out = _run(argv, capsys)
+        assert rc == expected and words in out, (argv, out)
+    assert _files(kb) == before
+
+
+def test_a_lowered_format_version_is_refused(
+    kb2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+    m = _manifest(kb)
+    m["tasks"][0]["class_names"][0] = "edited"
+    m["format_version"] = 1
+    del m["checksum"]
+    (kb / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(KBError, match="which only version 3 writes: the version was lowered by hand"):
+        KnowledgeBase.open(kb)
+    for key in ("sequence", "kb_id", "object_bytes"):
+        del m[key]
+    (kb / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(KBError, match="the previous commit has version 3: the version was lowered by hand"):
+        KnowledgeBase.open(kb)
+    rc, text = _run(["kb", "verify", str(kb)], capsys)
+    assert rc == 1 and "downgrade" in text
+
+
+def test_a_signed_kb_cannot_be_rolled_back(
+    kb2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+    key = tmp_path / "kb.key"
+    key.write_text("0123456789abcdef" * 4)
+    assert _run(["kb", "sign", str(kb), "--key-file", str(key)], capsys)[0] == 0
+    m = _manifest(kb)
+    rc, text = _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)
+    assert rc == 0 and f"OK, signed commit {m['sequence']} of knowledge base {m['kb_id'][:8]}" in text, text
+    assert json.loads((tmp_path / "kb.key.sequences").read_text()) == {m["kb_id"]: m["sequence"]}
+    shutil.copy(kb / "manifest.prev.json", kb / "manifest.json")  # one task lost, validly signed
+    rc, text = _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)
+    assert rc == 1 and f"rollback refused: manifest.json is commit {m['sequence'] - 1}" in text, text
+    assert _run(["kb", "info", str(kb), "--key-file", str(key)], capsys)[0] == 2
+    other = tmp_path / "copy.key"  # the same key elsewhere, nothing recorded beside it: --min-sequence
+    other.write_text("0123456789abcdef" * 4)
+    assert _run(["kb", "verify", str(kb), "--key-file", str(other)], capsys)[0] == 0
+    rc, text = _run(
+        ["kb", "verify", str(kb), "--key-file", str(other), "--min-sequence", str(m["sequence"])], capsys
+    )
+    assert rc == 1 and "below --min-sequence" in text
+    # duplicate keys in front of a validly signed manifest
+    (kb / "manifest.json").write_text('{"tasks": [], "backbone": {"name": "NOT"}, ' + json.dumps(m)[1:])
+    rc, text = _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)
+    assert rc == 1 and "appears twice" in text
+    # an undo with the key is a new commit: its sequence goes up
+    (kb / "manifest.json").write_text(json.dumps(m))
+    assert _run(["kb", "undo", str(kb), "--key-file", str(key)], capsys)[0] == 0
+    assert _manifest(kb)["sequence"] == m["sequence"] + 1
+    assert _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)[0] == 0
+
+
+def test_special_key_files_and_images(kb2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    rc, text = _run(["kb", "verify", str(kb2), "--key-file", str(fifo)], capsys)
+    assert rc == 2 and "not a regular file (a FIFO" in text
+    rc, text = _run(["predict", "--kb", str(kb2), str(fifo), "-q"], capsys)
+    assert rc == 2 and "not a regular file (a FIFO" in text
+    rc, text = _run(["predict", "--kb", str(kb2), "/dev/zero", "-q"], capsys)
+    assert rc == 2 and "character device" in text
+
+
+def test_class_names_cannot_drive_the_terminal(
+    kb2: Path, world: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+    m = _manifest(kb)
+    m["tasks"][0]["class_names"] = ["\x1b[31mred\x1b[0m", "\u202eevil\u202c\n  task 9: fake line"]
+    (kb / "manifest.prev.json").unlink()
+    _write(kb, m)
+    for argv in (
+        ["kb", "list", str(kb)],
+        ["kb", "info", str(kb)],
+        ["predict", "--kb", str(kb), str(_img(world))],
+    ):
+        rc, text = _run(argv, capsys)
+        assert (
+            rc == 0
+            and "\x1b" not in text
+            and "\u202e" not in text
+            and "task 9: fake" not in text.split("\n")[0]
+        )
+        assert "task 9: fake line" not in [line.strip() for line in text.splitlines()], text
+    rc, text = _run(["kb", "list", str(kb)], capsys)
+    assert "\\x1b[31mred" in text and "\\u202eevil" in text
+
+
+def test_two_identical_states_have_the_same_checksum(
+    kb2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checksum covers content: time stamps and the KB's random identity are outside it."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(kb2, a)
+    shutil.copytree(kb2, b)
+    import proteus.kb.commit
+
+    for root, stamp in ((a, "2026-01-01T00:00:00Z"), (b, "2027-06-01T12:00:00Z")):
+        monkeypatch.setattr(proteus.kb.commit, "_now", lambda stamp=stamp: stamp)
+        kb = KnowledgeBase.open(root)
+        m = dict(kb.manifest)
+        m["tasks"] = [{**t, "learned": stamp} for t in m["tasks"]]
+        kb.commit(m)
+    ma, mb = _manifest(a), _manifest(b)
+    assert ma["updated"] != mb["updated"] and ma["tasks"][0]["learned"] != mb["tasks"][0]["learned"]
+    assert ma["checksum"] == mb["checksum"]
+    assert manifest_checksum({**ma, "kb_id": "another"}) == ma["checksum"]

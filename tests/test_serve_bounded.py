@@ -1,0 +1,193 @@
+"""``proteus serve`` within its budgets (docs/reliability.md, "Budgets"): pixels summed from the headers
+before anything is decoded, a streaming multipart parser that stops at the image budget, the reload watcher
+surviving a manifest it cannot read (``/health`` says stale, ``/tasks`` keeps answering from memory), KB
+errors as JSON 503, nested JSON refused, a busy port named, SIGTERM ending the process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proteus.serve import KBServer
+from proteus.serve.multipart import MultipartParser, TooManyParts
+
+pytestmark = pytest.mark.slow
+
+
+def _big_png(side: int) -> bytes:
+    """A ``side`` x ``side`` 8-bit grayscale PNG of zeros: a few KB that decode to side^2 bytes (and three
+    times that as RGB)."""
+
+    def chunk(t: bytes, d: bytes) -> bytes:
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+
+    c = zlib.compressobj(9)
+    row = b"\0" * (side + 1)
+    idat = b"".join(c.compress(row) for _ in range(side)) + c.flush()
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _small_png() -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.RandomState(0).randint(0, 256, (12, 12, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+PNG = _small_png()
+
+
+@pytest.fixture
+def served(world: dict, tmp_path: Path) -> Iterator[tuple[KBServer, str, Path]]:
+    import shutil
+
+    kb = tmp_path / "kb"
+    shutil.copytree(world["kb1"], kb)
+    srv = KBServer(("127.0.0.1", 0), kb, device="cpu", poll_seconds=0.1, read_timeout=5)
+    srv.start_watching()
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    _wait(lambda: httpx.get(url + "/health").status_code == 200)
+    yield srv, url, kb
+    srv.shutdown()
+    srv.server_close()
+    t.join(timeout=30)
+
+
+def _wait(ok: Callable[[], Any], seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if ok():
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.05)
+
+
+def _still_serving(url: str) -> None:
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    r = httpx.post(url + "/predict", content=PNG, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_the_parser_stops_at_the_image_budget() -> None:
+    body = b"--b\r\n\r\nx\r\n" * 100_000 + b"--b--\r\n"
+    parser = MultipartParser(b"b", 1024, 16384)
+    with pytest.raises(TooManyParts, match="more than 1024 images"):
+        for i in range(0, len(body), 65536):
+            parser.feed(body[i : i + 65536])
+    assert len(parser.parts) == 1024  # it stopped there, the rest never parsed
+
+
+def test_many_parts_and_many_pixels_are_refused_before_decoding(served: tuple[KBServer, str, Path]) -> None:
+    srv, url, _ = served
+    t0 = time.monotonic()
+    body = b"--b\r\n\r\nx\r\n" * 100_000 + b"--b--\r\n"
+    r = httpx.post(
+        url + "/predict/batch", content=body, headers={"Content-Type": "multipart/form-data; boundary=b"}
+    )
+    assert (
+        r.status_code == 413
+        and "more than 1024 images" in r.json()["error"]
+        and "--max-images" in r.json()["error"]
+    )
+    big = _big_png(7999)
+    files = [(f"i{i}", (f"{i}.png", big, "image/png")) for i in range(12)]
+    r = httpx.post(url + "/predict/batch", files=files, timeout=60)
+    assert r.status_code == 413, r.text
+    assert "request_pixels" in r.json()["error"] and "--max-request-pixels" in r.json()["error"]
+    assert time.monotonic() - t0 < 30  # a bound on a hang, not a timing claim
+    r = httpx.post(url + "/predict/batch", content=b"[" * 100_000 + b"]" * 100_000,
+                   headers={"Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 413 and "nesting_depth" in r.json()["error"], r.text
+    r = httpx.post(url + "/predict/batch", content=b'{"images": ' + b"9" * 5000 + b"}",
+                   headers={"Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 413 and "int_digits" in r.json()["error"], r.text
+    _still_serving(url)
+
+
+def test_an_unreadable_manifest_leaves_the_server_up_and_stale(served: tuple[KBServer, str, Path]) -> None:
+    srv, url, kb = served
+    manifest = kb / "manifest.json"
+    good = manifest.read_bytes()
+    manifest.unlink()
+    os.mkfifo(manifest)
+    _wait(lambda: httpx.get(url + "/health").json()["status"] == "stale")
+    health = httpx.get(url + "/health").json()
+    assert "not a regular file" in health["stale"]["reason"] and str(kb) not in json.dumps(health)
+    with ThreadPoolExecutor(48) as pool:  # more than anyio's 40 worker threads
+        answers = list(pool.map(lambda _: httpx.get(url + "/tasks", timeout=10).status_code, range(48)))
+    assert answers == [200] * 48
+    _still_serving(url)
+    manifest.unlink()
+    manifest.write_bytes(b"{not json")
+    _wait(lambda: "corrupt manifest" in (httpx.get(url + "/health").json()["stale"] or {}).get("reason", ""))
+    _still_serving(url)
+    tmp = kb / "m.tmp"
+    tmp.write_bytes(good)
+    tmp.replace(manifest)
+    _wait(lambda: httpx.get(url + "/health").json()["status"] == "ok")
+    assert httpx.get(url + "/health").json()["stale"] is None
+
+
+def test_a_kb_error_is_a_json_503(
+    served: tuple[KBServer, str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv, url, _ = served
+    from proteus.kb import KBError
+
+    def broken() -> dict[str, Any]:
+        raise KBError("/somewhere/kb/manifest.json: cannot be read")
+
+    monkeypatch.setattr(srv.kb, "info", broken)
+    r = httpx.get(url + "/tasks")
+    assert r.status_code == 503 and "knowledge base cannot be used" in r.json()["error"]
+    assert "/somewhere" not in r.text and r.headers["retry-after"]
+
+
+def test_a_busy_port_is_named_and_sigterm_ends_the_process(world: dict, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "proteus", "serve", "--kb", str(world["kb1"]), "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port}: the port is in use" in out.stderr
+    argv = ["serve", "--kb", str(world["kb1"]), "--port", "0", "--device", "cpu"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proteus", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert "serving" in line, line
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 143, (rc, proc.stderr.read() if proc.stderr else "")
