@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -56,12 +57,28 @@ def train_log(clf: ContinualLearner) -> list[dict[str, Any]]:
     return list(getattr(holder, "train_log_", None) or [])
 
 
+def _orthogonal_room(k: int, stats: Any) -> str | None:
+    """A line for the user when task k's new directions did not fit some adapted maps (Eq. 15: each map's
+    new directions are orthogonal to all old ones, and its input dimension bounds their number)."""
+    train = getattr(stats, "train", None)
+    if train is None or train.ranks_min >= train.rank:
+        return None
+    return (
+        f"task {k + 1}: no orthogonal room left on some adapted maps: {train.ranks_min} of {train.rank} new "
+        "directions on the fullest (Eq. 15); later tasks add none there. For long streams see "
+        "docs/performance.md, 'Long streams' (adapter.budget_decay, a smaller adapter.rank)"
+    )
+
+
 def learn_and_commit(
     clf: ContinualLearner, kb: KnowledgeBase, stream: TaskStream, k: int, evaluator: Evaluator | None
 ) -> Any:
     """Learn task k, evaluate (if asked), commit the KB. The KB is never left half-written."""
     t0 = time.perf_counter()
     stats = clf.fit_task(stream.tasks[k])
+    room = _orthogonal_room(k, stats)
+    if room and dist.is_main():
+        print(room, file=sys.stderr, flush=True)
     evaluation = list(kb.manifest.get("evaluation", []))
     if evaluator is not None:
         t1 = devices.clock(clf.device_)
