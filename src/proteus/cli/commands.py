@@ -132,7 +132,17 @@ def _is_main() -> bool:
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
     args.benchmark = "quickstart"
-    for k in ("data", "tasks_file", "num_tasks", "backbone", "weights", "seed", "device", "precision"):
+    for k in (
+        "data",
+        "tasks_file",
+        "num_tasks",
+        "backbone",
+        "weights",
+        "seed",
+        "device",
+        "precision",
+        "resume",
+    ):
         setattr(args, k, getattr(args, k, None))
     args.config, args.set = getattr(args, "config", []), getattr(args, "set", [])
     if args.out and Path(args.out, "kb", "manifest.json").exists():

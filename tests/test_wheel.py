@@ -1,0 +1,73 @@
+"""The package from its wheel: ``pip wheel .`` then that wheel installed into a new environment outside the
+checkout gives a working ``proteus`` (the packaged configs, the splits, the quickstart, ``serve``'s app).
+The new environment borrows the test environment's third-party packages (torch, timm, ...) through a path
+file, so nothing is downloaded; proteus itself comes from the wheel only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WEIGHTS = ROOT.parent / "shared" / "weights" / "mobilenet_v2-b0353104.pth"
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A new virtual environment holding proteus from its wheel; returns its bin/ directory."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp / "dist"), str(ROOT)], check=True)  # fmt: skip
+    (wheel,) = (tmp / "dist").glob("proteus_cl-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("proteus/configs/benchmarks/") for n in names)
+    assert any(n.startswith("proteus/streams/splits/") for n in names)
+    env = tmp / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    py = env / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)]
+    subprocess.run(pip, check=True)
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    # the third-party packages of this environment (a plain path line: its editable proteus is not loaded)
+    Path(site, "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return env / "bin"
+
+
+def _run(bin_: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    return subprocess.run([str(bin_ / "proteus"), *args], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_the_wheel_gives_a_working_proteus(installed: Path, tmp_path: Path) -> None:
+    where = subprocess.run([str(installed / "python"), "-c", "import proteus; print(proteus.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert str(ROOT) not in where and "site-packages" in where, where
+    p = _run(installed, "list", "methods", cwd=tmp_path)
+    assert p.returncode == 0 and "proteus-paper" in p.stdout and "inflora" in p.stdout, p.stderr
+    p = _run(installed, "run", "--benchmark", "cifar100", "--method", "ranpac", "--help", cwd=tmp_path)
+    assert p.returncode == 0
+    code = "from proteus.config import resolve_config; print(resolve_config('cifar100').backbone.name)"
+    out = subprocess.run(
+        [str(installed / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == "vit_b16", out.stderr  # a packaged preset, read from the installed package
+    code = "from proteus.serve.app import create_app; print(create_app.__name__)"
+    out = subprocess.run(
+        [str(installed / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    if not WEIGHTS.is_file():
+        pytest.skip(f"the quickstart needs MobileNetV2's weights ({WEIGHTS} not present)")
+    sets = [f"backbone.weights={WEIGHTS}", "train.epochs=1", "benchmark.max_train_per_class=20"]
+    p = _run(installed, "quickstart", "--out", str(tmp_path / "q"), *(a for s in sets for a in ("--set", s)),
+             "-q", cwd=tmp_path)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "q" / "results.json").is_file() and (tmp_path / "q" / "kb" / "manifest.json").is_file()
