@@ -98,8 +98,6 @@ CLASS_BUDGET_EXCEPTIONS = {
     "and one consistent snapshot",
     "heads/ranpac.py::RanPACHead": "one scikit-learn-style estimator: statistics, gamma selection, "
     "decision function and downdate over the same Gram matrices",
-    "baselines/learner.py::ContinualClassifier": "the baselines' base learner: its training step, "
-    "per-task heads, options and the learner protocol's hooks (the run loop is the shared one)",
 }
 
 
