@@ -150,6 +150,12 @@ def test_learn_task_by_task_equals_run_and_the_kb_serves(
         )
         assert r["task"] is None or 1 <= r["task"] <= TASKS
 
+    assert main(["predict", "--kb", str(kb), files[0]]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        out.startswith(f"{files[0]}: {rows[0]['class']}") and "kb calibrate" not in err
+    )  # it retrieves no task
+
     # proteus serve (the ASGI app in this process): the same rows, its tasks and health
     from starlette.testclient import TestClient
 

@@ -144,7 +144,7 @@ def check_baseline_config(cls: type[ContinualClassifier], cfg: RunConfig) -> Non
         if key in own:
             continue
         defaults = [
-            f.default
+            f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
             for c in others
             if isinstance(getattr(c, "Options", None), type)
             for f, _ in options_of(c.Options)
