@@ -229,6 +229,10 @@ def task_inputs(
     torch.manual_seed(seed)
     if not cfg.train.augment:
         z, y_all = clf.prefix_dataset(task.train, f"task {k + 1}: prefix")
+        # results as before the shared embedder: the baselines' own prefix pass drew its DataLoader's base
+        # seed from torch's global stream twice (tqdm.auto's bar opens the iterator twice), and every later
+        # draw of the task (its head's initial weights ...) follows; the embedder's loader has a generator
+        torch.empty(2, dtype=torch.int64).random_()
         return seed, z, y_all, None
     gl = torch.Generator().manual_seed(seed)
     loader = torch.utils.data.DataLoader(
