@@ -255,7 +255,7 @@ def test_alignment_moves_the_head_towards_the_statistics() -> None:
 def test_alignment_after_task_2_covers_every_seen_class(fitted) -> None:
     """Both stages' alignments draw all seen classes; stage 2's moves task 1's head (not its prompt)."""
     clf, rec = fitted
-    seen = sorted(clf.classes_)
+    seen = sorted(clf.labels_)
     # 2 TII + 2 head alignment epochs, each one draw of every seen class; the release's batches (batch size
     # x 1, x 5) and steps (task 1's classes) of them
     assert len(rec["drawn"]) == 4 and all(sorted(d) == seen for d, _, _ in rec["drawn"])
@@ -354,7 +354,7 @@ def test_the_tii_class_picks_the_prompt(fitted, stream) -> None:
                 h = clf.prompted(z, torch.full((len(z),), t))
                 own = torch.cat([head(h) for head in clf.heads_], 1)
             torch.testing.assert_close(logits, own, rtol=1e-5, atol=1e-5)
-            assert bool(torch.isfinite(logits).all()) and logits.shape[1] == len(clf.classes_)
+            assert bool(torch.isfinite(logits).all()) and logits.shape[1] == len(clf.labels_)
             outs[t] = logits
             with torch.no_grad():
                 clf.tii_.net.heads[t].bias.copy_(bias[t])

@@ -53,7 +53,8 @@ from sklearn.cluster import Birch, KMeans
 from sklearn.metrics import silhouette_score
 from torch import nn
 
-from proteus.baselines.learner import OPTIMIZERS, epoch_lr
+from proteus.baselines.learner import OPTIMIZERS, epoch_lr, task_inputs, weight_decay
+from proteus.baselines.persist import need
 from proteus.baselines.prompts import PromptClassifier, PromptOptions
 from proteus.config import ConfigError, declare
 from proteus.engine.records import loss_summary
@@ -121,6 +122,17 @@ class Decision:
     new_prompts: list[tuple[int, int]] = field(default_factory=list)
     #: the first task of t's fine BIRCH cluster (t itself when it opens a group)
     group_task: int = 0
+
+    def to_record(self) -> dict[str, Any]:
+        """What a task's record in a knowledge base keeps of it (``prompt_group``)."""
+        return {"kind": self.kind, "prompts": list(self.train_pids), "group_task": self.group_task}
+
+    @classmethod
+    def from_record(cls, task: int, record: dict[str, Any]) -> Decision:
+        """Task ``task``'s decision from its record's ``prompt_group`` (:meth:`to_record`)."""
+        g = record.get("prompt_group") or {}
+        pids = [int(p) for p in g.get("prompts", [])]
+        return cls(task, str(g.get("kind", "")), pids, group_task=int(g.get("group_task", task)))
 
 
 class SemanticGroups:
@@ -514,7 +526,7 @@ class AdaPromptCL(PromptClassifier):
         cfg, b = self.config, self.options_
         classes = [int(c) for c in task.classes]
         local = {c: i for i, c in enumerate(classes)}
-        seed, z, y_all, loader = self._task_inputs(task, k)
+        seed, z, y_all, loader = task_inputs(self, task, k)
         self._begin_task(k, z, loader)
         head = self._new_head(len(classes))
         head0 = {n: t.detach().clone() for n, t in head.state_dict().items()}
@@ -531,7 +543,7 @@ class AdaPromptCL(PromptClassifier):
                 p.requires_grad_(False)
             self._train_pids = torch.as_tensor(pids, dtype=torch.long)
             params = [p.requires_grad_(True) for p in self.trainable()] + list(head.parameters())
-            return params, OPTIMIZERS.get(b.optimizer)(params, b, self.weight_decay(k))
+            return params, OPTIMIZERS.get(b.optimizer)(params, b, weight_decay(self, k))
 
         def epoch(e: int, params: list[nn.Parameter], opt: torch.optim.Optimizer) -> None:
             for group in opt.param_groups:
@@ -539,7 +551,7 @@ class AdaPromptCL(PromptClassifier):
             for zb, yb in self._batches(z, y_all, loader, g):
                 target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=self.device_)
                 self.aux_loss: torch.Tensor | float = 0.0
-                with self._autocast():
+                with self.embedder_.autocast():
                     h = self.features(zb.to(self.device_), train=True)
                     loss = F.cross_entropy(head(h.float()), target)
                 opt.zero_grad(set_to_none=True)
@@ -587,7 +599,7 @@ class AdaPromptCL(PromptClassifier):
         self.decisions_.append(decision)
         self.heads_.append(head)
         self.task_classes_.append(classes)
-        self.classes_ += classes
+        self.labels_ += classes
         n_trained = sum(p.numel() for p in params)
         first, last = loss_summary(losses)
         return {
@@ -613,10 +625,25 @@ class AdaPromptCL(PromptClassifier):
         in the global meta, its warm-up vectors as ``warmup.<t>`` tensors."""
         st = super().state()
         for (rec, _), d in zip(st.tasks, self.decisions_):
-            rec["prompt_group"] = {"kind": d.kind, "prompts": list(d.train_pids), "group_task": d.group_task}
+            rec["prompt_group"] = d.to_record()
         assert st.head is not None
         st.head[0]["groups"] = self.groups_.to_meta()
         return st
+
+    def restore(self, state: LearnerState) -> AdaPromptCL:
+        """As every baseline (:meth:`load_state`), then each task's group decision from its record."""
+        super().restore(state)
+        self.decisions_ = [Decision.from_record(k, rec) for k, (rec, _) in enumerate(state.tasks)]
+        return self
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """The pool (frozen prompts ``prompt.e.<i>`` and keys), the grouping from the meta's ``groups`` and
+        the warm-up vectors, then as every prompt method."""
+        for _ in range(sum(n.startswith("prompt.e.") for n in tensors)):
+            self._new_prompt(self.init_prompt_, torch.zeros(self.embed_dim))
+        vectors = [need(tensors, f"warmup.{t}").double().numpy() for t in range(self.num_tasks)]
+        self.groups_ = SemanticGroups.from_meta(meta["groups"], vectors)
+        super().load_state(meta, tensors)
 
 
 declare(

@@ -55,12 +55,14 @@ from sklearn.exceptions import ConvergenceWarning
 from torch import nn
 
 from proteus.baselines.learner import SCHEDULES
+from proteus.baselines.persist import need
 from proteus.baselines.prompts import PromptClassifier, PromptOptions
 from proteus.config import RunConfig, declare
 from proteus.engine.embedder import ImageDataset
+from proteus.engine.errors import TaskError
 from proteus.engine.runtime import task_seed
 from proteus.errors import NotFittedError
-from proteus.learners import LEARNERS, TestCache, TestOutcome
+from proteus.learners import LEARNERS
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, UNIT, option
 from proteus.streams import Task
 
@@ -71,6 +73,7 @@ __all__ = [
     "TaskIdentityInference",
     "align_on_pseudo_features",
     "class_statistics",
+    "load_class_stats",
     "momentum_prompt",
     "orth_loss",
     "pseudo_features",
@@ -231,6 +234,21 @@ def _timm_init(lin: nn.Linear) -> nn.Linear:
     return lin
 
 
+def load_class_stats(
+    tensors: dict[str, torch.Tensor], prefix: str, task_classes: list[list[int]]
+) -> ClassStats:
+    """The class statistics stored as ``<prefix>.<class>.{mean,var}``, in the order they were learned (task
+    after task, each task's classes in increasing order: :func:`class_statistics`)."""
+    out: ClassStats = {}
+    for c in (c for cs in task_classes for c in sorted(cs)):
+        if f"{prefix}.{c}.mean" in tensors:
+            mu, var = need(tensors, f"{prefix}.{c}.mean"), need(tensors, f"{prefix}.{c}.var")
+            if mu.ndim != 2 or mu.shape != var.shape:
+                raise TaskError(f"{prefix}.{c}: means {tuple(mu.shape)} and variances {tuple(var.shape)}")
+            out[c] = (mu.double(), var.double())
+    return out
+
+
 def alignment_generator(seed: int, k: int, stage: int) -> torch.Generator:
     """The pseudo-features' generator of stage ``stage``'s (1 or 2) alignment after task k."""
     return torch.Generator().manual_seed(task_seed(seed, k, 700 + stage))
@@ -357,6 +375,15 @@ class TaskIdentityInference:
             out[f"tii_stats.{c}.mean"], out[f"tii_stats.{c}.var"] = mu.contiguous(), var.contiguous()
         return out
 
+    def load_state(self, task_classes: list[list[int]], tensors: dict[str, torch.Tensor]) -> None:
+        """:meth:`state_tensors` back, for the tasks of ``task_classes``: one head per task, the model, the
+        statistics of their classes."""
+        for cs in task_classes:
+            self.net.add_head(len(cs))
+        own = {n[len("tii.") :]: t for n, t in tensors.items() if n.startswith("tii.")}
+        self.net.load_state_dict(own)
+        self.stats = load_class_stats(tensors, "tii_stats", task_classes)
+
 
 # ------------------------------------------------------------------ the learner
 @LEARNERS.register("hide-prompt", help="HiDe-Prompt: task-identity inference, then a prompt per task")
@@ -407,6 +434,14 @@ class HiDePrompt(PromptClassifier):
             out[f"stats.{c}.mean"], out[f"stats.{c}.var"] = mu.contiguous(), var.contiguous()
         return out
 
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Each learned task's e-prompt (frozen), stage 1 and both stages' class statistics."""
+        for _ in range(self.num_tasks):
+            self.prompts_.append(self._to(torch.zeros(self._shape)).requires_grad_(False))
+        super().load_state(meta, tensors)
+        self.tii_.load_state(self.task_classes_, tensors)
+        self.stats_ = load_class_stats(tensors, "stats", self.task_classes_)
+
     # ------------------------------------------------------------------ one task: stage 1, then stage 2
     def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
         self._open, self._plain, self._backup = task, None, None
@@ -445,7 +480,7 @@ class HiDePrompt(PromptClassifier):
             ImageDataset(self._open.train, self.eval_transform_), batch_size=bs
         )
         for x, y in loader:
-            yield self.prefix_batch(x), y
+            yield self.embedder_.prefix(x), y
 
     @torch.no_grad()
     def _plain_features(
@@ -455,7 +490,7 @@ class HiDePrompt(PromptClassifier):
         stages' class statistics are taken of."""
         hs, ys = [], []
         for zb, yb in self._plain_pass():
-            with self._autocast():
+            with self.embedder_.autocast():
                 hs.append(feature(zb).float().cpu())
             ys.append(yb)
         return torch.cat(hs), torch.cat(ys)
@@ -474,7 +509,7 @@ class HiDePrompt(PromptClassifier):
         )
         self.tii_.store(k, *self._plain_features(self.query))
         if k > 0:
-            self.tii_.align(k, [*self.classes_, *classes], steps=len(self.classes_))
+            self.tii_.align(k, [*self.labels_, *classes], steps=len(self.labels_))
         # stage 2: the shared pool's copy of task t-1's prompt (task 1: U(-1, 1))
         fresh = torch.rand(*self._shape, generator=self._gen) * 2 - 1
         start = self.prompts_[-1].detach().cpu().clone() if self.prompts_ else fresh
@@ -509,7 +544,7 @@ class HiDePrompt(PromptClassifier):
             p.requires_grad_(True)
         try:
             return align_on_pseudo_features(
-                lambda x: torch.cat([h(x) for h in self.heads_], 1), params, self.stats_, list(self.classes_),
+                lambda x: torch.cat([h(x) for h in self.heads_], 1), params, self.stats_, list(self.labels_),
                 n=self.config.train.batch_size * self.ca_draws,
                 steps=sum(len(c) for c in self.task_classes_[:k]), epochs=b.ca_epochs, lr=b.ca_lr,
                 generator=alignment_generator(self.config.seed, k, 2), device=self.device_,
@@ -581,12 +616,6 @@ class HiDePrompt(PromptClassifier):
 
     def logits_prefix(self, z: torch.Tensor) -> torch.Tensor:
         return self.infer(z)[0]
-
-    def predict_test(self, cache: TestCache, tau: int, k: int) -> TestOutcome:
-        """Test set tau after task k: the argmax over every seen class under the TII-selected prompt, and the
-        TII's task (its accuracy goes to results.json's ``retrieval_acc``)."""
-        logits, task = self.infer(cache.prefix(tau))
-        return TestOutcome(torch.as_tensor(self.classes_)[logits.argmax(1)], task=task)
 
 
 declare(

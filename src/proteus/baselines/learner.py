@@ -11,7 +11,10 @@ classes (docs/experiments.md, "Baselines").
 
 A method implements four hooks: :meth:`_setup` (build its state on the backbone), :meth:`features`
 (the embedding of a batch of prefix outputs, under training or inference), :meth:`_begin_task` /
-:meth:`_end_task` (open and freeze a task's state) and :meth:`trainable` (what the optimiser sees). The
+:meth:`_end_task` (open and freeze a task's state) and :meth:`trainable` (what the optimiser sees); and two
+for its knowledge base: :meth:`state_tensors` (everything it learned that a prediction or a later task
+reads, generator states included) and :meth:`load_state` (the same back; :mod:`proteus.baselines.persist`
+composes them with the heads and records, so that ``proteus learn`` task by task equals ``proteus run``). The
 backbone's frozen prefix (``backbone.adapt_last``) is computed once per image when there is no
 augmentation, as for PROTEUS. The backbone stays in eval mode throughout (BatchNorm statistics of
 MobileNetV2 never move; the ViTs have no dropout), so frozen means bit-identical.
@@ -19,12 +22,13 @@ MobileNetV2 never move; the ViTs have no dropout), so frozen means bit-identical
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,13 +37,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from proteus import distributed as dist
-from proteus.config import LEARNERS, ConfigError, RunConfig, check_sections, typed_options
+from proteus.baselines import persist
+from proteus.config import LEARNERS, ConfigError, RunConfig, check_sections, per_task, typed_options, validate
 from proteus.engine.embedder import ImageDataset
 from proteus.engine.errors import TaskError
-from proteus.engine.records import loss_summary
+from proteus.engine.records import (
+    Prediction,
+    TaskRecord,
+    TaskRecords,
+    TaskStats,
+    loss_summary,
+    without_timings,
+)
 from proteus.engine.runtime import Runtime, task_seed
 from proteus.errors import NotFittedError
-from proteus.learners import LearnerState, TestCache, TestOutcome, check_supports, learner_header
+from proteus.learners import LearnerState, TestCache, TestOutcome, learner_header
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, option, options_of
 from proteus.progress import bar as progress_bar
 from proteus.registry import Registry
@@ -49,7 +61,8 @@ log = logging.getLogger("proteus")
 
 __all__ = [
     "OPTIMIZERS", "SCHEDULES", "BaselineOptions", "ContinualClassifier", "NoOptions", "TrainingOptions",
-    "epoch_lr",
+    "check_baseline_config", "column_prediction", "epoch_lr", "input_pass", "rolled_back", "task_inputs",
+    "task_record", "train_task", "weight_decay",
 ]  # fmt: skip
 
 #: ``baseline.optimizer``: (parameters, the method's options, weight decay) -> the task's optimiser
@@ -116,6 +129,186 @@ class BaselineOptions(TrainingOptions):
     )
 
 
+# ---------------------------------------------------------------------------------------------- its parts
+# (functions of the learner that its class names: the class stays a readable list of hooks)
+def check_baseline_config(cls: type[ContinualClassifier], cfg: RunConfig) -> None:
+    """Check the sections a baseline reads and its options (the configuration's validation gathers this): a
+    value out of its declared range or choices is an error; a ``baseline.*`` key of another method's
+    options is ignored (with a warning when it differs from that method's default); a key of no method's
+    options is an error."""
+    check_sections(cfg, cls.option_sections)
+    typed_options(cls.Options, cfg.baseline, "baseline")
+    own = {f.name for f, _ in options_of(cls.Options)}
+    others = [LEARNERS.get(n) for n in LEARNERS.names()]
+    for key, value in cfg.baseline.items():
+        if key in own:
+            continue
+        defaults = [
+            f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            for c in others
+            if isinstance(getattr(c, "Options", None), type)
+            for f, _ in options_of(c.Options)
+            if f.name == key
+        ]
+        if not defaults:
+            known = sorted({f.name for c in others for f, _ in options_of(getattr(c, "Options", NoOptions))})
+            raise ConfigError(
+                f"unknown config key 'baseline.{key}'; the baselines' options: {', '.join(known)}"
+            )
+        if all(value != d for d in defaults):
+            mine = ", ".join(f"baseline.{k}" for k in sorted(own)) or "none"
+            log.warning("%s: baseline.%s set, not among its options (%s): no effect", cfg.method, key, mine)
+
+
+@contextlib.contextmanager
+def rolled_back(clf: ContinualClassifier, k: int) -> Iterator[None]:
+    """Task k's training, transactional: on an exception (Ctrl-C included) its head, classes and the method's
+    state of the task are dropped (:meth:`ContinualClassifier._abort_task`) and the method's generator
+    (``_gen``) is set back, so the learner is as before, and learning the task again is as the first try."""
+    gen = getattr(clf, "_gen", None)
+    saved = None if gen is None else gen.get_state()
+    try:
+        yield
+    except BaseException:
+        del clf.heads_[k:]
+        del clf.task_classes_[k:]
+        clf.labels_ = [c for cs in clf.task_classes_ for c in cs]
+        clf._abort_task(k)
+        if gen is not None and saved is not None:
+            gen.set_state(saved)
+        raise
+
+
+def task_record(clf: ContinualClassifier, task: Task, k: int, stats: dict[str, Any]) -> TaskRecord:
+    """Task k's record, as PROTEUS's: its classes and names, images, the statistics ``fit_task`` returned
+    (without the timings the loop adds later), the per-task settings it was learned with and when."""
+    return TaskRecord(
+        k, [int(c) for c in task.classes], [str(n) for n in task.class_names], len(task.train),  # type: ignore[arg-type]
+        False, TaskStats(k, extra=without_timings(dict(stats))),
+        {**clf.config.task_settings(), "device": str(clf.device_)},
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), source_classes=task.source_classes,
+    )  # fmt: skip
+
+
+def weight_decay(clf: ContinualClassifier, k: int) -> float:
+    """Task k's weight decay: ``train.weight_decay``, times :attr:`~ContinualClassifier.first_task_decay`
+    on the first task (S-Prompt decays it more)."""
+    wd = clf.config.train.weight_decay
+    return wd * clf.first_task_decay if k == 0 else wd
+
+
+def column_prediction(logits: torch.Tensor, task: torch.Tensor | None, labels: list[int]) -> Prediction:
+    """A :class:`~proteus.engine.records.Prediction` from logits whose columns are the global ``labels``
+    (task after task): the label of each row's best column, and the logits re-indexed by global label
+    (a label no task holds scores -inf)."""
+    cols = torch.as_tensor(labels, dtype=torch.long)
+    out = logits.new_full((logits.shape[0], int(cols.max()) + 1), float("-inf"))
+    out[:, cols] = logits
+    return Prediction(cols[logits.argmax(1)], task, None, None, out)
+
+
+def input_pass(clf: ContinualClassifier, z: torch.Tensor | None, loader: Any) -> Iterator[torch.Tensor]:
+    """The task's training inputs once, in order, as prefix outputs on the device (no grad)."""
+    bs = clf.config.eval.batch_size
+    if z is not None:
+        for chunk in z.split(bs):
+            yield chunk.to(clf.device_)
+    else:
+        for xb, _ in loader:
+            yield clf.embedder_.prefix(xb)
+
+
+def task_inputs(
+    clf: ContinualClassifier, task: Task, k: int
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None, Any]:
+    """Task k's seed (torch's global stream seeded with it) and its training inputs: the cached prefix
+    outputs and labels ``(z, y)`` without augmentation, else a shuffling, augmenting loader (``z``, ``y``
+    None). Every baseline's training starts here."""
+    cfg = clf.config
+    seed = task_seed(cfg.seed, k)
+    torch.manual_seed(seed)
+    if not cfg.train.augment:
+        z, y_all = clf.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
+        # results as before the shared embedder: the baselines' own prefix pass drew its DataLoader's base
+        # seed from torch's global stream twice (tqdm.auto's bar opens the iterator twice), and every later
+        # draw of the task (its head's initial weights ...) follows; the embedder's loader has a generator
+        torch.empty(2, dtype=torch.int64).random_()
+        return seed, z, y_all, None
+    gl = torch.Generator().manual_seed(seed)
+    loader = torch.utils.data.DataLoader(
+        ImageDataset(task.train, clf.train_transform_), batch_size=cfg.train.batch_size,
+        shuffle=True, generator=gl, num_workers=cfg.train.num_workers,
+    )  # fmt: skip
+    return seed, None, None, loader
+
+
+def train_task(clf: ContinualClassifier, task: Task, k: int) -> dict[str, Any]:
+    """The shared training of task k: open the method's state, train it with a new head over the task's
+    classes (the cross-entropy over them, targets local to the task, plus the method's auxiliary loss),
+    freeze both. Returns the task's statistics."""
+    cfg, b = clf.config, clf.options_
+    classes = [int(c) for c in task.classes]
+    local = {c: i for i, c in enumerate(classes)}
+    seed, z, y_all, loader = task_inputs(clf, task, k)
+    clf._begin_task(k, z, loader)
+    head = nn.Linear(clf.embed_dim, len(classes)).to(clf.device_)
+    own = [p for p in clf.trainable() if p.requires_grad]
+    params = own + list(head.parameters())
+    groups: list[Any] = params
+    if clf.head_lr_scale != 1.0:
+        groups = [{"params": own}, {"params": list(head.parameters()), "lr_scale": clf.head_lr_scale}]
+    opt = OPTIMIZERS.get(b.optimizer)(groups, b, weight_decay(clf, k))
+    g = torch.Generator().manual_seed(seed)
+    n = len(task.train)  # type: ignore[arg-type]
+    steps_per_epoch = math.ceil(n / cfg.train.batch_size)
+    losses: list[float] = []
+    total = cfg.train.epochs * steps_per_epoch
+    bar = progress_bar(total=total, desc=f"task {k + 1}: train {clf.name}", enabled=clf.progress)
+    clf.train_log_ = []
+    for epoch in range(cfg.train.epochs):
+        for group in opt.param_groups:
+            group["lr"] = epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)
+        for zb, yb in clf._batches(z, y_all, loader, g):
+            target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=clf.device_)
+            clf.aux_loss: torch.Tensor | float = 0.0
+            with clf.embedder_.autocast():
+                h = clf.features(zb.to(clf.device_), train=True)
+                loss = F.cross_entropy(head(h.float()), target)
+            total_loss = loss + clf.aux_loss
+            opt.zero_grad(set_to_none=True)
+            total_loss.backward()
+            if b.clip_grad is not None:
+                torch.nn.utils.clip_grad_norm_(params, b.clip_grad)
+            opt.step()
+            losses.append(float(loss.detach()))
+            clf.train_log_.append(
+                {
+                    "epoch": epoch + 1,
+                    "step": len(losses),
+                    "loss": losses[-1],
+                    "lr": opt.param_groups[0]["lr"],
+                    "penalty": float(torch.as_tensor(clf.aux_loss).detach()),
+                }
+            )
+            bar.update(1)
+            if len(losses) % 10 == 0:
+                bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+    bar.close()
+    opt.zero_grad(set_to_none=True)
+    head.requires_grad_(False)
+    clf.heads_.append(head)
+    clf.task_classes_.append(classes)
+    clf.labels_ += classes
+    clf._end_task(k, z, loader)
+    first, last = loss_summary(losses)
+    return {
+        "steps": len(losses),
+        "loss_first": first,
+        "loss_last": last,
+        "trainable_params": int(sum(p.numel() for p in params)),
+    }
+
+
 class ContinualClassifier:
     """A frozen backbone, a method's trainable state and per-task linear heads (class-incremental).
 
@@ -123,15 +316,17 @@ class ContinualClassifier:
         config: the run's configuration (``backbone``, ``train``, ``baseline``, ``eval``, ``seed``).
         progress: show progress bars.
 
-    Fitted attributes: ``backbone_``, ``heads_`` (one ``nn.Linear`` per task), ``classes_`` (the global
-    label of each logit column, task after task), ``task_classes_``.
+    Fitted attributes: ``backbone_``, ``embed_dim``, ``heads_`` (one ``nn.Linear`` per task), ``labels_``
+    (the global label of each logit column, task after task), ``task_classes_``, ``records_`` (one
+    :class:`~proteus.engine.records.TaskRecord` per learned task, as PROTEUS's) and ``classes_`` (the
+    learned classes' names, indexed by global label, as PROTEUS's).
     """
 
     #: registry name (:data:`proteus.learners.LEARNERS`)
     name: str = "baseline"
-    #: capabilities beyond learning and evaluation (:data:`proteus.learners.CAPABILITIES`): none yet
-    #: (a baseline is not rebuilt from a knowledge base, and it does not retrieve tasks)
-    supports: frozenset[str] = frozenset()
+    #: capabilities beyond learning and evaluation (:data:`proteus.learners.CAPABILITIES`): every baseline
+    #: is rebuilt from its knowledge base (:mod:`proteus.baselines.persist`); none retrieves tasks by keys
+    supports: frozenset[str] = frozenset({"load"})
     #: the ``baseline.*`` options this method reads, with their defaults, help and ranges (each subclass
     #: declares its own dataclass)
     Options: type = BaselineOptions
@@ -142,58 +337,50 @@ class ContinualClassifier:
     #: the head's learning rate over the method's (HiDe-Prompt's ``larger_prompt_lr``: 0.1); at 1 the
     #: optimiser has one parameter group
     head_lr_scale: float = 1.0
+    #: the first task's weight decay over ``train.weight_decay`` (:func:`weight_decay`; S-Prompt's 2.5)
+    first_task_decay: float = 1.0
+    #: whether an earlier release's knowledge base (no ``state_version``) holds all it needs to learn on
+    resumes_legacy: bool = False
 
     def __init__(self, config: RunConfig, *, progress: bool = True) -> None:
         self.config = config
         self.progress = progress
         self.heads_ = nn.ModuleList()
-        self.classes_: list[int] = []
+        self.labels_: list[int] = []
         self.task_classes_: list[list[int]] = []
         #: one record per learned task (what its knowledge base lists: classes, names, images, stats)
-        self.records_: list[dict[str, Any]] = []
-        #: the last task's training curve, one row per optimisation step: ``epoch`` and ``step`` (1-based),
-        #: ``loss`` (the cross-entropy), ``lr`` and ``penalty`` (the method's auxiliary loss); the experiment
-        #: loop writes it to the run's train_log.csv
+        self.records_ = TaskRecords()
+        #: the last task's training curve, one row per step (``epoch``, ``step``, ``loss``, ``lr``,
+        #: ``penalty``: the auxiliary loss); the experiment loop writes it to the run's train_log.csv
         self.train_log_: list[dict[str, Any]] = []
         self._stream_tasks: int | None = None
+        self._frozen_reason: str | None = None  # why it cannot learn on (restored from an old state)
 
-    @classmethod
-    def check_config(cls, cfg: RunConfig) -> None:
-        """Check the sections a baseline reads and its options (the configuration's validation gathers
-        this): a value out of its declared range or choices is an error; a ``baseline.*`` key of another
-        method's options is ignored (with a warning when it differs from that method's default); a key of
-        no method's options is an error."""
-        check_sections(cfg, cls.option_sections)
-        typed_options(cls.Options, cfg.baseline, "baseline")
-        own = {f.name for f, _ in options_of(cls.Options)}
-        others = [LEARNERS.get(n) for n in LEARNERS.names()]
-        for key, value in cfg.baseline.items():
-            if key in own:
-                continue
-            defaults = [
-                f.default
-                for c in others
-                if isinstance(getattr(c, "Options", None), type)
-                for f, _ in options_of(c.Options)
-                if f.name == key
-            ]
-            if not defaults:
-                known = sorted(
-                    {f.name for c in others for f, _ in options_of(getattr(c, "Options", NoOptions))}
-                )
-                raise ConfigError(
-                    f"unknown config key 'baseline.{key}'; the baselines' options: {', '.join(known)}"
-                )
-            if all(value != d for d in defaults):
-                mine = ", ".join(f"baseline.{k}" for k in sorted(own)) or "none"
-                log.warning(
-                    "%s: baseline.%s set, not among its options (%s): no effect", cfg.method, key, mine
-                )
+    #: check the sections a baseline reads and its options (:func:`check_baseline_config`)
+    check_config = classmethod(check_baseline_config)
 
     @functools.cached_property
     def options_(self) -> Any:
         """The method's ``baseline.*`` options, typed (:attr:`Options`; read from the config once)."""
         return typed_options(self.Options, self.config.baseline, "baseline")
+
+    def set_params(self, **params: Any) -> ContinualClassifier:
+        """Set ``progress`` or config keys, dotted (``**{"train.epochs": 5}``) or with ``__``; once a task
+        is learned only per-task keys may change (``proteus learn`` applies them task by task)."""
+        self.progress = params.pop("progress", self.progress)
+        keys = {k.replace("__", "."): v for k, v in params.items()}
+        fixed = sorted(k for k in keys if not per_task(k))
+        if fixed and self.num_tasks:
+            raise ConfigError(
+                f"{', '.join(fixed)}: define the learned model and cannot change after task 1 (only per-task "
+                f"keys such as train.epochs may); build a new {self.name} learner"
+            )
+        if keys:
+            cfg = self.config.with_values(keys)
+            validate(cfg)
+            self.config = cfg
+            self.__dict__.pop("options_", None)
+        return self
 
     # ------------------------------------------------------------------ set-up
     def _build(self) -> None:
@@ -209,22 +396,23 @@ class ContinualClassifier:
                 f"vit_ti16 or vit_b16), not {self.config.backbone.name!r}; set backbone.name"
             )
         self.device_, self.backbone_ = rt.device, rt.backbone
+        self.embed_dim = int(rt.backbone.embed_dim)
         self.eval_transform_, self.train_transform_ = rt.eval_transform, rt.train_transform
         self._setup()
         #: the prefix passes (the frozen part of the forward, :meth:`prefix`) under the run's precision
         self.embedder_ = rt.embedder(self, self.progress)
-        self.embedder_.own_generator = False
 
     def _setup(self) -> None:
         """Build the method's state on ``self.backbone_`` (wrap layers, create prompts)."""
 
     @property
-    def embed_dim(self) -> int:
-        return int(self.backbone_.embed_dim)
-
-    @property
     def num_tasks(self) -> int:
         return len(self.heads_)
+
+    @property
+    def classes_(self) -> list[str]:
+        """The learned classes' names, indexed by global label (``pred.label``), as PROTEUS's."""
+        return self.records_.class_names()
 
     @property
     def task_budget(self) -> int:
@@ -238,11 +426,6 @@ class ContinualClassifier:
         with torch.no_grad():
             return self.backbone_.forward_prefix(x)
 
-    def prefix_batch(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`prefix` of a batch on the device, under the learner's autocast, in float32: one way for the
-        cached pass, augmented training batches and prediction alike."""
-        return self.embedder_.prefix(x)
-
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
         """(N, d) embeddings of prefix outputs ``z`` under the current state (``train``: the open task's
         training forward; may set :attr:`aux_loss`)."""
@@ -252,16 +435,15 @@ class ContinualClassifier:
         """The method's parameters trained in the open task (besides its head)."""
         return []
 
-    def weight_decay(self, k: int) -> float:
-        """Task k's weight decay: ``train.weight_decay`` (S-Prompt decays its first task more)."""
-        return self.config.train.weight_decay
-
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         """Open task k's state; ``z`` (cached prefix outputs) or ``loader`` (augmented batches) give its
         training inputs for methods that look at them first (InfLoRA)."""
 
     def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         """Freeze task k's state."""
+
+    def _abort_task(self, k: int) -> None:
+        """Drop whatever task k (not finished) added to the method's state."""
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Everything learned, as named tensors (written to ``model.safetensors``)."""
@@ -270,6 +452,11 @@ class ContinualClassifier:
             for k, h in enumerate(self.heads_)
             for n, t in h.state_dict().items()
         }
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Load the method's own learned state from its knowledge base's head object (``meta``: the head's
+        meta; ``tensors``: :meth:`state_tensors`' form), after the heads, task classes and records
+        (:func:`proteus.baselines.persist.restore`). Each method loads what it stores."""
 
     # ------------------------------------------------------------------ training
     def _batches(
@@ -281,126 +468,26 @@ class ContinualClassifier:
                 yield z[idx], y[idx]
         else:
             for xb, yb in loader:
-                yield self.prefix_batch(xb), yb
-
-    def input_pass(self, z: torch.Tensor | None, loader: Any) -> Iterator[torch.Tensor]:
-        """The task's training inputs once, in order, as prefix outputs on the device (no grad)."""
-        bs = self.config.eval.batch_size
-        if z is not None:
-            for chunk in z.split(bs):
-                yield chunk.to(self.device_)
-        else:
-            for xb, _ in loader:
-                yield self.prefix_batch(xb)
+                yield self.embedder_.prefix(xb), yb
 
     def fit_task(self, task: Task, stream_tasks: int | None = None) -> dict[str, Any]:
         """Learn one task: open its state, train it with its head, freeze it. Returns training stats. On an
         exception (Ctrl-C included) the task's state is dropped: the learner is as before the call."""
         self._build()
+        if self._frozen_reason is not None:
+            raise TaskError(f"{self.name}: cannot learn task {task.index + 1}: {self._frozen_reason}")
         if len(task.train) == 0:  # type: ignore[arg-type]
             raise TaskError(f"{self.name}: task {task.index + 1} has no training images")
         self._stream_tasks = stream_tasks or task.stream_tasks
         k = self.num_tasks
-        try:
+        with rolled_back(self, k):
             stats = self._fit_task(task, k)
-        except BaseException:
-            del self.heads_[k:]
-            del self.task_classes_[k:]
-            self.classes_ = [c for cs in self.task_classes_ for c in cs]
-            self._abort_task(k)
-            raise
-        names = [str(n) for n in task.class_names]
-        n_train = len(task.train)  # type: ignore[arg-type]
-        self.records_.append(
-            {"index": k, "classes": self.task_classes_[k], "class_names": names, "n_train": n_train}
-        )
+        self.records_.append(task_record(self, task, k, stats))
         return stats
 
-    def _abort_task(self, k: int) -> None:
-        """Drop whatever task k (not finished) added to the method's state."""
-
-    def _task_inputs(self, task: Task, k: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None, Any]:
-        """Task k's seed (torch's global stream seeded with it) and its training inputs: the cached
-        prefix outputs and labels ``(z, y)`` without augmentation, else a shuffling, augmenting loader
-        (``z``, ``y`` None). Every baseline's training starts here."""
-        cfg = self.config
-        seed = task_seed(cfg.seed, k)
-        torch.manual_seed(seed)
-        if not cfg.train.augment:
-            z, y_all = self.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
-            return seed, z, y_all, None
-        gl = torch.Generator().manual_seed(seed)
-        loader = torch.utils.data.DataLoader(
-            ImageDataset(task.train, self.train_transform_), batch_size=cfg.train.batch_size,
-            shuffle=True, generator=gl, num_workers=cfg.train.num_workers,
-        )  # fmt: skip
-        return seed, None, None, loader
-
-    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
-        cfg, b = self.config, self.options_
-        classes = [int(c) for c in task.classes]
-        local = {c: i for i, c in enumerate(classes)}
-        seed, z, y_all, loader = self._task_inputs(task, k)
-        self._begin_task(k, z, loader)
-        head = nn.Linear(self.embed_dim, len(classes)).to(self.device_)
-        own = [p for p in self.trainable() if p.requires_grad]
-        params = own + list(head.parameters())
-        groups: list[Any] = params
-        if self.head_lr_scale != 1.0:
-            groups = [{"params": own}, {"params": list(head.parameters()), "lr_scale": self.head_lr_scale}]
-        opt = OPTIMIZERS.get(b.optimizer)(groups, b, self.weight_decay(k))
-        g = torch.Generator().manual_seed(seed)
-        n = len(task.train)  # type: ignore[arg-type]
-        steps_per_epoch = math.ceil(n / cfg.train.batch_size)
-        losses: list[float] = []
-        total = cfg.train.epochs * steps_per_epoch
-        bar = progress_bar(total=total, desc=f"task {k + 1}: train {self.name}", enabled=self.progress)
-        self.train_log_ = []
-        for epoch in range(cfg.train.epochs):
-            for group in opt.param_groups:
-                group["lr"] = epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)
-            for zb, yb in self._batches(z, y_all, loader, g):
-                target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=self.device_)
-                self.aux_loss: torch.Tensor | float = 0.0
-                with self._autocast():
-                    h = self.features(zb.to(self.device_), train=True)
-                    loss = F.cross_entropy(head(h.float()), target)
-                total_loss = loss + self.aux_loss
-                opt.zero_grad(set_to_none=True)
-                total_loss.backward()
-                if b.clip_grad is not None:
-                    torch.nn.utils.clip_grad_norm_(params, b.clip_grad)
-                opt.step()
-                losses.append(float(loss.detach()))
-                self.train_log_.append(
-                    {
-                        "epoch": epoch + 1,
-                        "step": len(losses),
-                        "loss": losses[-1],
-                        "lr": opt.param_groups[0]["lr"],
-                        "penalty": float(torch.as_tensor(self.aux_loss).detach()),
-                    }
-                )
-                bar.update(1)
-                if len(losses) % 10 == 0:
-                    bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
-        bar.close()
-        opt.zero_grad(set_to_none=True)
-        head.requires_grad_(False)
-        self.heads_.append(head)
-        self.task_classes_.append(classes)
-        self.classes_ += classes
-        self._end_task(k, z, loader)
-        first, last = loss_summary(losses)
-        return {
-            "steps": len(losses),
-            "loss_first": first,
-            "loss_last": last,
-            "trainable_params": int(sum(p.numel() for p in params)),
-        }
-
-    def _autocast(self) -> AbstractContextManager[None]:
-        return self.embedder_.autocast()
+    #: train task k and return its statistics (the shared loop, :func:`train_task`; NCM and AdaPromptCL
+    #: have their own)
+    _fit_task = train_task
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
@@ -414,50 +501,54 @@ class ContinualClassifier:
 
     @torch.no_grad()
     def logits_prefix(self, z: torch.Tensor) -> torch.Tensor:
-        """(N, C_seen) logits of prefix outputs over every class seen so far (columns: :attr:`classes_`)."""
+        """(N, C_seen) logits of prefix outputs over every class seen so far (columns: :attr:`labels_`)."""
         if not self.num_tasks:
             raise NotFittedError(f"{self.name}: not fitted; call fit_task first")
         outs = []
         for chunk in z.split(self.config.eval.batch_size):
-            with self._autocast():
+            with self.embedder_.autocast():
                 h = self.features(chunk.to(self.device_), train=False).float()
             outs.append(torch.cat([head(h) for head in self.heads_], 1).cpu())
         return torch.cat(outs)
 
-    def predict_prefix(self, z: torch.Tensor) -> torch.Tensor:
-        """Global labels: the argmax over the seen classes (class-incremental)."""
-        idx = self.logits_prefix(z).argmax(1)
-        return torch.as_tensor(self.classes_)[idx]
-
-    def backbone_identity(self) -> dict[str, Any]:
-        """Backbone name, weights and adapted split: what a knowledge base must match."""
-        self._build()
-        return self.backbone_.identity()
-
-    def kb_header(self) -> dict[str, Any]:
-        return learner_header(self.config, self.backbone_identity())
+    def infer(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(N, C_seen) logits of prefix outputs (columns: :attr:`labels_`) and (N,) the task each input was
+        retrieved under, or None for a method without task retrieval."""
+        return self.logits_prefix(z), None
 
     def predict_test(self, cache: TestCache, tau: int, k: int) -> TestOutcome:
-        """Test set tau after task k: the argmax over every seen class (no task retrieval)."""
-        return TestOutcome(self.predict_prefix(cache.prefix(tau)))
+        """Test set tau after task k: the argmax over every seen class, and the retrieved task (S-Prompt's,
+        HiDe-Prompt's; its accuracy goes to results.json's ``retrieval_acc``)."""
+        logits, task = self.infer(cache.prefix(tau))
+        return TestOutcome(torch.as_tensor(self.labels_)[logits.argmax(1)], task=task)
+
+    def transform_images(self, images: Sequence[Any]) -> torch.Tensor:
+        """PIL images -> a batch under the backbone's evaluation transform."""
+        self._build()
+        return torch.stack([self.eval_transform_(im) for im in images])
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> Prediction:
+        """A batch of transformed images (:meth:`transform_images`): the labels (the argmax over every seen
+        class), the retrieved tasks (or None) and the logits over the global labels (what
+        ``proteus predict`` and ``proteus serve`` show, as for PROTEUS)."""
+        self._build()
+        logits, task = self.infer(self.embedder_.prefix(x))
+        return column_prediction(logits, task, self.labels_)
+
+    # ------------------------------------------------------------------ persistence
+    def kb_header(self) -> dict[str, Any]:
+        self._build()
+        return learner_header(self.config, self.backbone_.identity())
 
     def state(self) -> LearnerState:
-        """One record per task (its classes) and, as the global object, every learned tensor."""
-        tasks: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = [(dict(r), {}) for r in self.records_]
-        return LearnerState(
-            tasks, ({"method": self.name, "task_classes": self.task_classes_}, self.state_tensors())
-        )
+        """One record per task, every learned tensor as the global object (:func:`persist.learner_state`)."""
+        return persist.learner_state(self)
 
     def restore(self, state: LearnerState) -> ContinualClassifier:
-        """Load a :meth:`state` into this learner, which holds no task yet (the baselines that support
-        ``load``)."""
-        check_supports(self, "load", f"{self.name}: restore")
-        raise NotImplementedError
-
-    def predict(self, x: torch.Tensor) -> torch.Tensor:
-        """Global labels of a batch of transformed images."""
-        self._build()
-        return self.predict_prefix(self.prefix_batch(x))
+        """Load a :meth:`state` into this learner, which holds no task yet (:func:`persist.restore`)."""
+        persist.restore(self, state)
+        return self
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(method={self.name!r}, tasks={self.num_tasks})"

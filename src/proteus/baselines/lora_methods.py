@@ -31,13 +31,15 @@ from torch import nn
 
 from proteus.adapters import AdaptedBackbone
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper
-from proteus.baselines.learner import BaselineOptions, ContinualClassifier
+from proteus.baselines.learner import BaselineOptions, ContinualClassifier, input_pass
+from proteus.baselines.persist import need
 from proteus.config import ConfigError, declare
+from proteus.engine.errors import TaskError
 from proteus.engine.runtime import task_seed
-from proteus.learners import LEARNERS
+from proteus.learners import LEARNERS, LearnerState
 from proteus.options import AT_LEAST_1, UNIT, option
 
-__all__ = ["DualGPM", "InfLoRA", "LoRAClassifier", "SDLoRA"]
+__all__ = ["DualGPM", "InfLoRA", "LoRAClassifier", "SDLoRA", "ranks_of"]
 
 
 @dataclasses.dataclass
@@ -91,11 +93,33 @@ class LoRAClassifier(ContinualClassifier):
         return self.model_.lora_parameters()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The heads, and per LoRA unit its directions ``A``, ``B``, compositions ``C`` and the rank of each
+        task (``lora.<unit>.{A,B,C,ranks}``)."""
         out = super().state_tensors()
         for n, u in self.model_.units.items():
             for key in ("A", "B", "C"):
                 out[f"lora.{n}.{key}"] = getattr(u, key).detach().cpu().contiguous()
+            out[f"lora.{n}.ranks"] = torch.as_tensor(u.ranks, dtype=torch.int64)
         return out
+
+    @torch.no_grad()
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Every unit's ``A``, ``B``, ``C`` and ranks (an earlier release's ranks read off ``C``)."""
+        m = self.num_tasks
+        for n, u in self.model_.units.items():
+            A, B, C = (need(tensors, f"lora.{n}.{key}") for key in ("A", "B", "C"))
+            stored = tensors.get(f"lora.{n}.ranks")
+            ranks = [int(r) for r in stored.tolist()] if stored is not None else ranks_of(C)
+            R = sum(ranks)
+            want = (m, (u.in_features, R), (u.out_features, R), (m, R))
+            if (len(ranks), A.shape, B.shape, C.shape) != want:
+                raise TaskError(
+                    f"lora.{n}: A {tuple(A.shape)}, B {tuple(B.shape)}, C {tuple(C.shape)} and ranks {ranks} "
+                    f"do not fit {m} tasks of a {u.in_features} -> {u.out_features} map"
+                )
+            dev, dt = u.A.device, u.A.dtype
+            u.A, u.B, u.C, u.ranks = A.to(dev, dt), B.to(dev, dt), C.to(dev, dt), ranks
+        self.model_.clear_merged()
 
     @torch.no_grad()
     def input_moments(
@@ -120,12 +144,24 @@ class LoRAClassifier(ContinualClassifier):
         for name, w in self.model_.wrappers.items():
             hooks.append(w.register_forward_pre_hook(hook(name, w)))
         try:
-            for zb in self.input_pass(z, loader):
+            for zb in input_pass(self, z, loader):
                 self.model_.suffix(zb, tasks)
         finally:
             for h in hooks:
                 h.remove()
         return {n: sums[n] / counts[n] for n in sums}
+
+
+def ranks_of(C: torch.Tensor) -> list[int]:
+    """Each task's rank from the compositions ``C`` (m, R) of an earlier release's knowledge base: row k
+    composes its own columns, so they end at its last non-zero entry (the last task ends at R)."""
+    ranks, end = [], 0
+    for k, row in enumerate(C):
+        nz = torch.nonzero(row).flatten()
+        stop = C.shape[1] if k == len(C) - 1 else max(end, int(nz[-1]) + 1 if len(nz) else 0)
+        ranks.append(stop - end)
+        end = stop
+    return ranks
 
 
 class DualGPM:
@@ -245,10 +281,31 @@ class InfLoRA(LoRAClassifier):
             self.gpm_[name].update(C, eps)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The LoRA state and each layer's DualGPM basis ``gpm.<layer>`` (float64, as it is kept)."""
         out = super().state_tensors()
         for n, g in self.gpm_.items():
-            out[f"gpm.{n}"] = g.basis.float().contiguous()
+            out[f"gpm.{n}"] = g.basis.contiguous()
         return out
+
+    def state(self) -> LearnerState:
+        """The baseline's state, with each layer's DualGPM mode in the head's meta (``gpm``)."""
+        st = super().state()
+        assert st.head is not None
+        st.head[0]["gpm"] = {n: {"mode": g.mode, "started": g.started} for n, g in self.gpm_.items()}
+        return st
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """The LoRA state and the DualGPM memories (an earlier release's: float32 bases, modes guessed)."""
+        super().load_state(meta, tensors)
+        modes = meta.get("gpm") or {}
+        for n, g in self.gpm_.items():
+            basis = need(tensors, f"gpm.{n}").double()
+            if basis.ndim != 2 or basis.shape[0] != g.width or basis.shape[1] > g.width:
+                raise TaskError(f"gpm.{n}: shape {tuple(basis.shape)}, expected ({g.width}, <= {g.width})")
+            mode = modes.get(n, {"mode": "remove", "started": basis.shape[1] > 0})
+            if mode["mode"] not in ("remove", "retain"):
+                raise TaskError(f"gpm.{n}: mode {mode['mode']!r} is neither 'remove' nor 'retain'")
+            g.basis, g.mode, g.started = basis, str(mode["mode"]), bool(mode["started"])
 
 
 @LEARNERS.register("sd-lora")
@@ -310,6 +367,17 @@ class SDLoRA(LoRAClassifier):
             u.C[k, R[n] :] = a[-1]  # the task's own directions enter its model with alpha_k, unnormalised
         self.model_.clear_merged()
         self.magnitudes_.append(a.cpu().tolist())
+
+    def state(self) -> LearnerState:
+        """The baseline's state, with the magnitudes each task ended with in the head's meta."""
+        st = super().state()
+        assert st.head is not None
+        st.head[0]["magnitudes"] = [list(a) for a in self.magnitudes_]
+        return st
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        super().load_state(meta, tensors)
+        self.magnitudes_ = [[float(x) for x in a] for a in meta.get("magnitudes") or []]
 
 
 declare(

@@ -30,6 +30,7 @@ class NCM(ContinualClassifier):
 
     name = "ncm"
     Options = NoOptions  # no training: none of the baseline.* settings applies
+    resumes_legacy = True  # its heads are all a task reads
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
         return self.backbone_.forward_suffix(z)
@@ -45,7 +46,7 @@ class NCM(ContinualClassifier):
         head.bias.zero_()
         self.heads_.append(head)
         self.task_classes_.append(classes)
-        self.classes_ += classes
+        self.labels_ += classes
         return {"steps": 0, "loss_first": None, "loss_last": None, "trainable_params": 0}
 
 

@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from proteus.baselines.learner import BaselineOptions, ContinualClassifier
+from proteus.baselines.persist import generator_state, load_generator, need
 from proteus.config import ConfigError, declare
+from proteus.engine.errors import TaskError
 from proteus.learners import LEARNERS
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, option
 
@@ -172,7 +174,7 @@ class PromptClassifier(ContinualClassifier):
         for chunk in z.split(self.config.eval.batch_size):
             chunk = chunk.to(self.device_)
             t = self.select(self.query(chunk))  # type: ignore[attr-defined]
-            with self._autocast():
+            with self.embedder_.autocast():
                 h = self.prompted(chunk, t).float()  # type: ignore[attr-defined]
             outs.append(torch.cat([head(h) for head in self.heads_], 1).cpu())
             picks.append(t.cpu())
@@ -182,9 +184,25 @@ class PromptClassifier(ContinualClassifier):
         raise NotImplementedError
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The heads, every prompt and key (``prompt.<name>``) and the state of the generator a method draws
+        each task's new prompts from (``rng.prompts``)."""
         out = super().state_tensors()
         out.update({f"prompt.{n}": p.detach().cpu().contiguous() for n, p in self._params().items()})
+        if hasattr(self, "_gen"):
+            out["rng.prompts"] = generator_state(self._gen)
         return out
+
+    @torch.no_grad()
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Every prompt and key of :meth:`_params` from ``prompt.<name>`` (a method whose pool grows with the
+        tasks creates its entries first) and the generator's state."""
+        for n, p in self._params().items():
+            t = need(tensors, f"prompt.{n}")
+            if t.shape != p.shape:
+                raise TaskError(f"prompt.{n}: shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            p.copy_(t)
+        if hasattr(self, "_gen"):
+            load_generator(self._gen, tensors, "rng.prompts")
 
     def _to(self, t: torch.Tensor) -> nn.Parameter:
         return nn.Parameter(t.to(next(self.vit.parameters()).device))
@@ -196,6 +214,7 @@ class L2P(PromptClassifier):
 
     name = "l2p"
     Options = L2POptions
+    resumes_legacy = True  # no generator after the set-up: its prompts and keys are all a task reads
 
     def _make_state(self, d: int) -> None:
         b = self.options_
@@ -271,6 +290,13 @@ class DualPrompt(PromptClassifier):
         self.e_prompts_[-1].requires_grad_(False)
         self.e_keys_[-1].requires_grad_(False)
 
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Each learned task's e-prompt and key (frozen), then as every prompt method."""
+        for _ in range(self.num_tasks):
+            self.e_prompts_.append(self._to(torch.zeros(self._shape)).requires_grad_(False))
+            self.e_keys_.append(self._to(torch.zeros(self.embed_dim)).requires_grad_(False))
+        super().load_state(meta, tensors)
+
     def trainable(self) -> list[nn.Parameter]:
         return [self.g_prompt_, self.e_prompts_[-1], self.e_keys_[-1]]
 
@@ -332,6 +358,16 @@ class CodaPrompt(PromptClassifier):
                 self.A_[layer],
             )
         return out
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """As every prompt method; an earlier release's knowledge base does not give the stream's number of
+        tasks, which :meth:`span` divides the pool by: it is read off the components the tasks opened."""
+        super().load_state(meta, tensors)
+        if self._stream_tasks is None and self.num_tasks and self.P_:
+            P = next(iter(self.P_.values())).detach()
+            opened = int((P.reshape(P.shape[0], -1).norm(dim=1) > 0).sum())
+            per = max(1, opened // self.num_tasks)
+            self._stream_tasks = self.options_.pool_size // per
 
     def span(self, k: int) -> tuple[int, int]:
         """Task k's components [s, f) of the pool."""

@@ -36,11 +36,13 @@ import torch.nn.functional as F
 from sklearn.cluster import KMeans
 from torch import nn
 
-from proteus.baselines.learner import SCHEDULES, TrainingOptions
+from proteus.baselines.learner import SCHEDULES, TrainingOptions, input_pass
+from proteus.baselines.persist import need
 from proteus.baselines.prompts import PromptClassifier
 from proteus.config import declare
+from proteus.engine.errors import TaskError
 from proteus.errors import NotFittedError
-from proteus.learners import LEARNERS, TestCache, TestOutcome
+from proteus.learners import LEARNERS
 from proteus.options import AT_LEAST_1, option
 
 __all__ = ["N_KEYS", "SPrompt", "nearest_key_task", "task_keys"]
@@ -88,10 +90,6 @@ class SPrompt(PromptClassifier):
         #: task t's (k_t, d) K-Means centroids of normalised prompt-free class tokens
         self.keys_: list[torch.Tensor] = []
 
-    def weight_decay(self, k: int) -> float:
-        wd = self.config.train.weight_decay
-        return wd * self.first_task_decay if k == 0 else wd
-
     # ------------------------------------------------------------------ per-task state
     def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         # the release's prompt is the weight of an nn.Linear(d, L): U(-1/sqrt(d), 1/sqrt(d))
@@ -105,7 +103,7 @@ class SPrompt(PromptClassifier):
     @torch.no_grad()
     def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         self.prompts_[-1].requires_grad_(False)
-        q = torch.cat([F.normalize(self.query(c).float(), dim=-1).cpu() for c in self.input_pass(z, loader)])
+        q = torch.cat([F.normalize(self.query(c).float(), dim=-1).cpu() for c in input_pass(self, z, loader)])
         self.keys_.append(task_keys(q).to(self.device_))
 
     def _abort_task(self, k: int) -> None:
@@ -119,6 +117,17 @@ class SPrompt(PromptClassifier):
         out = super().state_tensors()
         out.update({f"key.{t}": c.detach().cpu().contiguous() for t, c in enumerate(self.keys_)})
         return out
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Each learned task's prompt (frozen) and K-Means keys ``key.<t>``, then as every prompt method."""
+        L, d = self.options_.prompt_length, self.embed_dim
+        for t in range(self.num_tasks):
+            self.prompts_.append(self._to(torch.zeros(L, d)).requires_grad_(False))
+            keys = need(tensors, f"key.{t}")
+            if keys.ndim != 2 or keys.shape[1] != d or not len(keys):
+                raise TaskError(f"key.{t}: shape {tuple(keys.shape)}, expected (centroids, {d})")
+            self.keys_.append(keys.float().to(self.device_))
+        super().load_state(meta, tensors)
 
     # ------------------------------------------------------------------ forward
     def select(self, q: torch.Tensor) -> torch.Tensor:
@@ -156,12 +165,6 @@ class SPrompt(PromptClassifier):
     def logits_prefix(self, z: torch.Tensor) -> torch.Tensor:
         """(N, C_seen) logits: the retrieved task's head, -inf on every other task's classes."""
         return self.infer(z)[0]
-
-    def predict_test(self, cache: TestCache, tau: int, k: int) -> TestOutcome:
-        """Test set tau after task k: the retrieved task's head's argmax, and the retrieved task (its
-        retrieval accuracy goes to results.json's ``retrieval_acc``)."""
-        logits, task = self.infer(cache.prefix(tau))
-        return TestOutcome(torch.as_tensor(self.classes_)[logits.argmax(1)], task=task)
 
 
 def task_keys(q: torch.Tensor, n_keys: int = N_KEYS) -> torch.Tensor:

@@ -239,7 +239,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     else:
         for r in rows:
             print(printable(format_row(r, verbose=args.verbose)))
-        if rows and all(r["known"] is None for r in rows) and not args.quiet:
+        calibratable = "retrieval" in clf.supports  # `kb calibrate` fits thresholds on task retrieval
+        if rows and all(r["known"] is None for r in rows) and not args.quiet and calibratable:
             print(NOT_CHECKED, file=sys.stderr)
     if batch is not None and len(rows) > bs and not args.quiet:
         print(

@@ -70,12 +70,8 @@ class Embedder:
         self.progress = progress and dist.is_main()
         self.precision = precision
 
-    #: the data loaders' own generator (seeded per pass); None: they draw their base seed from torch's
-    #: global stream, one number per pass, as the baselines' loaders always did (their results reproduce)
-    own_generator: bool = True
-
     def loader(self, ds: Dataset, shuffle: bool, seed: int, batch_size: int) -> DataLoader:
-        g = torch.Generator().manual_seed(seed) if self.own_generator or shuffle else None
+        g = torch.Generator().manual_seed(seed)
         return DataLoader(
             ds, batch_size=batch_size, shuffle=shuffle, generator=g, num_workers=self.num_workers
         )

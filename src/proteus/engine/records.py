@@ -80,10 +80,13 @@ class TaskStats:
     #: peak GPU memory (MiB, ``torch.cuda.max_memory_allocated``) while learning and evaluating the task;
     #: None on other devices
     peak_gpu_mb: float | None = None
+    #: a learner's own numbers besides these (a baseline's ``steps``, ``loss_first``, ``loss_last``,
+    #: ``trainable_params``, ...), written after ``task``
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Each step's numbers, then its time (``seconds_<step>``), in the order the steps run."""
-        out: dict[str, Any] = {"task": self.task}
+        out: dict[str, Any] = {"task": self.task, **self.extra}
 
         def timed(step: str) -> None:
             if step in self.seconds:
@@ -109,7 +112,14 @@ class TaskStats:
     def from_dict(cls, d: dict[str, Any]) -> TaskStats:
         seconds = {k[len("seconds_") :]: v for k, v in d.items() if k.startswith("seconds_")}
         train = TrainStats.from_dict(d["train"]) if d.get("train") else None
-        return cls(int(d["task"]), train, d.get("signature"), d.get("gamma"), seconds, d.get("peak_gpu_mb"))
+        extra = {k: v for k, v in d.items() if k not in _STATS_KEYS and not k.startswith("seconds_")}
+        return cls(
+            int(d["task"]), train, d.get("signature"), d.get("gamma"), seconds, d.get("peak_gpu_mb"), extra
+        )
+
+
+#: the keys of :meth:`TaskStats.to_dict` that are its own fields (the others are ``extra``)
+_STATS_KEYS = frozenset({"task", "train", "signature", "gamma", "peak_gpu_mb"})
 
 
 @dataclass
