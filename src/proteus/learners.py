@@ -73,6 +73,9 @@ class ContinualLearner(Protocol):
 
     #: the capabilities of :data:`CAPABILITIES` the learner has
     supports: frozenset[str]
+    #: the role of :data:`proteus.tensor_rules.TENSOR_RULES` whose rules its knowledge base follows (its
+    #: parts declare what they store under it)
+    kb_layout: str
     config: RunConfig
 
     @property
@@ -131,8 +134,8 @@ def load_from_kb(
 ) -> Any:
     """The learner a knowledge base holds, for ``command``: its method's learner on its stored config
     (``device`` and ``precision`` replace the stored ones for this process), the backbone identity checked
-    before a tensor is read, then its state restored. Refused by name when the learner lacks ``load`` or
-    (``expect``) is another learner class."""
+    before a tensor is read, then its state, checked by the learner's rules, restored. Refused by name
+    when the learner lacks ``load`` or (``expect``) is another learner class."""
     from proteus.engine.errors import TaskError
 
     cfg = RunConfig.from_stored(kb.manifest["config"])
@@ -145,7 +148,7 @@ def load_from_kb(
     clf = cls(cfg, progress=progress)
     check_supports(clf, "load", command)
     kb.check_backbone(clf.kb_header()["backbone"])
-    return clf.restore(LearnerState(*kb.read_state()))
+    return clf.restore(LearnerState(*kb.read_state(getattr(clf, "kb_layout", None))))
 
 
 def learner_header(config: RunConfig, backbone: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,8 @@ tensors (the adapter's directions and its row of S (Eq. 9), its keys (Eq. 18), i
 global object, the head's statistics G, e(c) (Alg. 1 lines 8-12) with any keys that live there.
 
 Each part writes and reads its own share (``model.task_tensors``, ``keys.task_state``,
-``heads.task_state`` ...); this module composes them. Reading is untrusted input: a failure names the task
+``heads.task_state`` ...), and declares what it may hold (:data:`proteus.tensor_rules.TENSOR_RULES`, the
+role :data:`KB_LAYOUT`); this module composes them. Reading is untrusted input: a failure names the task
 and its object (:class:`~proteus.engine.errors.TaskError`).
 """
 
@@ -17,13 +18,18 @@ import torch
 
 from proteus.core.parts import ProteusParts
 from proteus.engine.errors import TaskError
+from proteus.engine.keys.base import GLOBAL_PREFIX as KEYS_PREFIX
 from proteus.engine.records import TaskRecord, TaskRecords, without_timings
+from proteus.heads.persist import is_head_meta
 from proteus.learners import LearnerState
+from proteus.tensor_rules import TENSOR_RULES, Claim
 
-__all__ = ["learner_state", "restore"]
+__all__ = ["KB_LAYOUT", "learner_state", "restore"]
 
-#: the head object's tensors under this prefix are the global keys' (LDA key heads)
-KEYS_PREFIX = "task_head/"
+#: the role of :data:`~proteus.tensor_rules.TENSOR_RULES` its parts declare their stored state under (the
+#: adapters, keys, class heads and records); a knowledge base whose head meta is a RanPAC head's is one
+KB_LAYOUT = "proteus"
+TENSOR_RULES.declare(KB_LAYOUT, "Proteus", Claim(is_head_meta))
 
 
 def learner_state(parts: ProteusParts, records: TaskRecords) -> LearnerState:
@@ -64,6 +70,12 @@ def restore(parts: ProteusParts, records: TaskRecords, state: LearnerState) -> N
             parts.heads.load({k: v for k, v in meta.items() if k != "task_head"}, own)
             sub = {k[len(KEYS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(KEYS_PREFIX)}
             parts.keys.load_global(meta.get("task_head"), sub)
+    head = parts.heads.head
+    if head is not None and records.num_classes > head.num_classes_:
+        raise TaskError(
+            f"task classes up to {records.num_classes - 1}, but the head scores {head.num_classes_} classes "
+            "(0 .. num_classes - 1): the records do not belong to this head"
+        )
 
 
 def _load_task(

@@ -505,21 +505,22 @@ class KnowledgeBase:
         manifest["evaluation"] = stored[: len(tasks)] if evaluation is None else evaluation
         self.commit(manifest)
 
-    def read_state(self) -> tuple[list[Part], Part | None]:
+    def read_state(self, learner: str | None = None) -> tuple[list[Part], Part | None]:
         """The committed state: (record, tensors) per task and the head's (meta, tensors) or None (every
-        object's checksum verified). Before a learner sees it: the records must hold the learner's fields
-        (:data:`~proteus.kb.schema.LEARNER_FIELDS`), and every tensor its dtype, shape and finite values
-        (:mod:`proteus.kb.tensors`); a :class:`KBError` names the task, the file and the tensor."""
-        learner = "baseline" if head_kind(self.manifest) == "baseline" else "proteus"
+        object's checksum verified). Before a learner sees it: the records must hold the learner's fields,
+        and every tensor its dtype, shape and finite values, by the rules of ``learner`` (its
+        ``kb_layout``: a role of :data:`proteus.tensor_rules.TENSOR_RULES`; None: the learner whose head
+        the manifest holds, else PROTEUS); a :class:`KBError` names the task, the file and the tensor."""
+        learner = learner or head_kind(self.manifest) or "proteus"
         problems = manifest_problems(self.manifest, learner)
         if problems:
             raise KBError(f"{self.root / MANIFEST}: {problems[0]}; no learner can be loaded from it")
-        tasks, state = self._checked_state("no learner can be loaded from it")
+        tasks, state = self._checked_state("no learner can be loaded from it", learner)
         return tasks, state
 
-    def _checked_state(self, consequence: str) -> tuple[list[Part], Part | None]:
+    def _checked_state(self, consequence: str, learner: str | None = None) -> tuple[list[Part], Part | None]:
         """Every object's tensors, checked by :func:`~proteus.kb.tensors.check_objects` (dtypes, shapes,
-        finite values): a :class:`KBError` with the first problem and ``consequence``."""
+        finite values: ``learner``'s rules): a :class:`KBError` with the first problem and ``consequence``."""
         tasks = [(t, self.read(t["object"], t["sha256"])) for t in self.manifest["tasks"]]
         head = self.manifest.get("head")
         state = (head["meta"], self.read(head["object"], head["sha256"])) if head else None
@@ -530,7 +531,7 @@ class KnowledgeBase:
         if head and state:
             path = str(self.root / head["object"])
             objects.append(Obj("head", path, head["meta"], None, shapes_of(state[1]), state[1]))
-        bad = check_objects(self.manifest["tasks"], objects)
+        bad = check_objects(self.manifest["tasks"], objects, learner)
         if bad:
             raise KBError(f"{bad[0]}; {consequence} (`proteus kb verify {self.root}` lists every problem)")
         return tasks, state
