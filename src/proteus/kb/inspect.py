@@ -247,7 +247,7 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
     every file under the directory (leftovers of failed commits included: ``proteus kb gc``);
     ``signature`` its algorithm and key id (``checked``: verified with a key when opened), or None."""
     m = kb.manifest
-    cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
+    cfg = _map(m.get("config"))
     tasks = []
     for i, t in enumerate(m.get("tasks") or []):
         rec: dict[str, Any] = {
@@ -279,8 +279,8 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
         "proteus_version": m.get("proteus_version"),
         "backbone": m.get("backbone"),
         "method": cfg.get("method"),
-        "backbone_name": (cfg.get("backbone") or {}).get("name"),
-        "benchmark": (m.get("split") or {}).get("benchmark"),
+        "backbone_name": _map(cfg.get("backbone")).get("name"),
+        "benchmark": _map(m.get("split")).get("benchmark"),
         "num_tasks": len(tasks),
         "tasks": tasks,
         "head_bytes": head_bytes,
@@ -294,3 +294,8 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
             else None
         ),
     }
+
+
+def _map(v: Any) -> dict[str, Any]:
+    """``v`` if it is a mapping, else an empty one (a hand-edited config: ``kb info`` shows the rest)."""
+    return v if isinstance(v, dict) else {}
