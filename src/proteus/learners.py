@@ -26,6 +26,7 @@ from torch import Tensor
 from proteus._version import __version__
 from proteus.config import LEARNERS, ConfigError, RunConfig, learner_of, validate
 from proteus.devices import PRECISIONS
+from proteus.distributed import DEVICE_CHOICES, known_device
 from proteus.errors import ProteusError
 from proteus.kb import KBError, KnowledgeBase
 from proteus.streams import Task
@@ -151,19 +152,35 @@ def load_problems(kb: KnowledgeBase) -> list[str]:
     """What :func:`load_from_kb` would refuse in ``kb`` (an empty list when every command loads it): its
     config (read and validated as a load does), its state by its method's learner's rules, and, for a
     learner that supports ``load``, the restore into a fresh one on the CPU -- on a backbone of random
-    weights (the architecture the config names, no weights read: the backbone's identity is checked but
-    its weights' hash). ``proteus kb verify`` reports them."""
+    weights (the architecture the config names, no weights read: the backbone's identity is checked but,
+    for pretrained weights, which weights and their hash). ``proteus kb verify`` reports them."""
     try:
-        clf = _stored_learner(kb, device="cpu", random_weights=True)
+        clf = _stored_learner(kb, checking=True)
         state = LearnerState(*kb.read_state(getattr(clf, "kb_layout", None)))
         if "load" in clf.supports:
-            identity = clf.kb_header()["backbone"]
-            mine = kb.manifest.get("backbone") or {}
-            kb.check_backbone({**identity, **{k: mine.get(k) for k in ("weights_id", "weights_sha256")}})
+            _check_identity(kb, clf.kb_header()["backbone"])
             clf.restore(state)
     except ProteusError as e:
         return [str(e)]
     return []
+
+
+def _check_identity(kb: KnowledgeBase, identity: dict[str, Any]) -> None:
+    """The knowledge base's backbone identity against ``identity``, that of its config's backbone built
+    with random weights: all of it for a config of random weights; for pretrained ones (which weights,
+    their hash: this machine's business when it loads them) the architecture, and that the knowledge base
+    was not learned on random weights."""
+    stored = RunConfig.from_stored(kb.manifest["config"]).backbone
+    mine = kb.manifest.get("backbone") or {}
+    if stored.pretrained or stored.weights is not None:
+        if str(mine.get("weights_id")).startswith("random"):
+            raise KBError(
+                f"{kb.root}: knowledge base was written with random backbone weights (weights_id="
+                f"{mine.get('weights_id')!r}), but its config's backbone loads pre-trained ones "
+                f"(backbone.pretrained={stored.pretrained}, backbone.weights={stored.weights!r})"
+            )
+        identity = {**identity, **{k: mine.get(k) for k in ("weights_id", "weights_sha256")}}
+    kb.check_backbone(identity)
 
 
 def _stored_learner(
@@ -173,10 +190,10 @@ def _stored_learner(
     device: str | None = None,
     precision: str | None = None,
     progress: bool = False,
-    random_weights: bool = False,
+    checking: bool = False,
 ) -> Any:
-    """A fresh learner of the knowledge base's method on its stored config, validated (``random_weights``:
-    its backbone built without its weights)."""
+    """A fresh learner of the knowledge base's method on its stored config, validated (``checking``: then
+    moved to the CPU, its backbone built without its weights)."""
     from proteus.engine.errors import TaskError
 
     where = kb.root / "manifest.json"
@@ -191,16 +208,19 @@ def _stored_learner(
     try:
         cfg = RunConfig.from_stored(stored)
         cls = learner_of(cfg)
-        cfg = dataclasses.replace(cfg, device=device or cfg.device, precision=precision or cfg.precision)
-        if random_weights:
-            cfg.backbone = dataclasses.replace(cfg.backbone, pretrained=False, weights=None)
         validate(cfg)
+        if not known_device(cfg.device):  # whether it exists here is checked where it is used
+            raise ConfigError(f"device: unknown device {cfg.device!r}; use {DEVICE_CHOICES}")
+        if checking:
+            backbone = dataclasses.replace(cfg.backbone, pretrained=False, weights=None)
+            cfg = dataclasses.replace(cfg, device="cpu", backbone=backbone)
     except ConfigError as e:
         raise ConfigError(f"{where}: config: {e}") from None
     except (TypeError, ValueError, OverflowError, RecursionError) as e:  # a value no config key holds
         raise ConfigError(f"{where}: config: {type(e).__name__}: {e}") from None
     if expect is not None and cls is not expect:
         raise TaskError(f"{kb.root}: holds method {cfg.method}, not a {expect.__name__} method")
+    cfg = dataclasses.replace(cfg, device=device or cfg.device, precision=precision or cfg.precision)
     return cls(cfg, progress=progress)
 
 

@@ -246,8 +246,9 @@ class Required(_Rule):
 
 @dataclass(frozen=True)
 class NeedsRecord(_Rule):
-    """Tensors named ``prefix*`` are read only when the record holds ``key`` (signature tensors without a
-    signature record would be ignored silently)."""
+    """Tensors named ``prefix*`` are read only when the record's ``key`` is set (not missing, null, false or
+    empty): signature tensors without a signature record, or adapter tensors of a record that says it has
+    no adapter, would be ignored silently."""
 
     prefix: str
     key: str
@@ -647,15 +648,16 @@ def _presence(obj: Obj, rules: list[Rule]) -> list[str]:
     :class:`Together` rules."""
     out: list[str] = []
     mine = [r for r in rules if r.on == obj.kind and r.applies(obj.record)]
-    for r in mine:
-        if isinstance(r, NeedsRecord) and meta_value(obj.record, r.key) is None:
-            names = [n for n in obj.shapes if n.startswith(r.prefix)]
-            if names:
-                key = r.key.replace("/", ".")
-                out.append(
-                    f"{obj.path}: holds {r.prefix}* tensors ({names[0]!r}, ...) but its record has no "
-                    f"{key} ({obj.label})"
-                )
+    for r in (r for r in mine if isinstance(r, NeedsRecord)):
+        value = meta_value(obj.record, r.key)
+        names = [n for n in obj.shapes if n.startswith(r.prefix)]
+        if names and not value:
+            key = r.key.replace("/", ".")
+            says = f"has no {key}" if value is None else f"says {key}: {shown(value)}"
+            out.append(
+                f"{obj.path}: holds {r.prefix}* tensors ({names[0]!r}, ...) but its record {says} "
+                f"({obj.label})"
+            )
     for r in mine:
         if isinstance(r, Required) and r.when(meta_value(obj.record, r.path)):
             missing = [_missing(n) for n in r.wanted() if not _held(obj, n)]

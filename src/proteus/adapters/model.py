@@ -37,7 +37,7 @@ from torch import nn
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache
 from proteus.backbones.base import Backbone
 from proteus.devices import CompiledForward, compile_failure
-from proteus.tensor_rules import TENSOR_RULES, SameGroups, ShapeRule, Together
+from proteus.tensor_rules import TENSOR_RULES, NeedsRecord, SameGroups, ShapeRule, Together
 
 #: a task's adapter of map m: A (q, r) and B (p, r) its own r directions (Eq. 9), s its coefficients of the
 #: earlier tasks' directions of the map (its row of S)
@@ -51,6 +51,7 @@ TENSOR_RULES.declare(
               "s has one entry per column of the earlier tasks' adapters of the map"),
     Together(r"adapter/(?P<g>.+)/(?:A|B|s)", ("adapter/{g}/A", "adapter/{g}/B", "adapter/{g}/s")),
     SameGroups(r"adapter/(?P<g>.+)/A", "has_adapter", "adapter"),
+    NeedsRecord("adapter/", "has_adapter"),  # read only for a task whose record says it has one
 )  # fmt: skip
 
 

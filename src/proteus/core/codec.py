@@ -71,10 +71,11 @@ def restore(parts: ProteusParts, records: TaskRecords, state: LearnerState) -> N
             sub = {k[len(KEYS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(KEYS_PREFIX)}
             parts.keys.load_global(meta.get("task_head"), sub)
     head = parts.heads.head
-    if head is not None and records.num_classes > head.num_classes_:
+    if head is not None and records.num_classes != head.num_classes_:  # the head learned every class
         raise TaskError(
-            f"task classes up to {records.num_classes - 1}, but the head scores {head.num_classes_} classes "
-            "(0 .. num_classes - 1): the records do not belong to this head"
+            f"the head scores {head.num_classes_} classes (0 .. num_classes - 1), but the tasks hold "
+            f"{records.num_classes} (classes up to {records.num_classes - 1}): the records do not belong "
+            "to this head"
         )
 
 
@@ -84,6 +85,11 @@ def _load_task(
     k = len(records)
     if meta["index"] != k:
         raise TaskError(f"knowledge base task {meta['index'] + 1} is out of order (expected {k + 1})")
+    if meta["has_adapter"] != parts.trains_adapter(k):  # adapter.enabled and train.tasks fix which tasks
+        raise TaskError(
+            f"task {k + 1}: its record says has_adapter={meta['has_adapter']}, but under this config "
+            f"(adapter.enabled, train.tasks) it {'has' if parts.trains_adapter(k) else 'has no'} adapter"
+        )
     if meta["has_adapter"]:
         try:
             parts.model.append_task_tensors(tensors, f"task {k + 1}")
