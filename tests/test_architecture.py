@@ -18,8 +18,9 @@ SRC = Path(proteus.__file__).resolve().parent
 #: package). The package face (``__init__``: ``from proteus import Proteus, __version__``) is the top: no
 #: module of the package may import it; ``_version`` is the bottom, importable from anywhere.
 #: cli -> experiment -> report -> core, baselines (the learners) -> learners (their protocol) -> engine ->
-#: config (schema, resolution: it gathers the options the parts declare) -> the parts -> options (how an
-#: option is declared) -> registry, errors
+#: config (schema, resolution: it gathers the options the parts declare) -> the parts (kb gathers the
+#: tensor rules they declare) -> options, tensor_rules (how an option, a stored tensor is declared) ->
+#: registry, errors
 LAYERS = {
     "__init__": 11,
     "cli": 9, "__main__": 10, "serve": 9,
@@ -31,7 +32,7 @@ LAYERS = {
     "config": 3,
     "adapters": 2, "signatures": 2, "heads": 2, "kb": 2, "backbones": 2, "streams": 2, "metrics": 2,
     "distributed": 2, "devices": 2, "faults": 2, "images": 2, "progress": 2,
-    "options": 1, "lazy": 0, "budgets": 0, "untrusted": 1,
+    "options": 1, "tensor_rules": 1, "lazy": 0, "budgets": 0, "untrusted": 1,
     "registry": 0, "errors": 0,
     "_version": -1,
 }  # fmt: skip

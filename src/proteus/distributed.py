@@ -158,6 +158,17 @@ def _torch_version() -> str:
     return torch.__version__.split("+")[0]
 
 
+def known_device(name: object) -> bool:
+    """Whether ``name`` is a device name :func:`device_for_rank` knows (``auto``, ``cpu``, ``cuda``,
+    ``cuda:N``, ``mps``, any case), whether or not that device exists on this machine."""
+    if not isinstance(name, str):
+        return False
+    kind, colon, index = name.strip().lower().partition(":")
+    if not colon:
+        return kind in ("auto", "cpu", "cuda", "mps")
+    return kind in ("cpu", "cuda", "mps") and index.isascii() and index.isdigit()
+
+
 def device_for_rank(name: str) -> torch.device:
     """The device ``name`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``, or ``mps`` where available) denotes.
 

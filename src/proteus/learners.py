@@ -9,6 +9,10 @@ built on :func:`proteus.metrics.accuracy`) and one persistence layer (:mod:`prot
 
 What a learner supports beyond learning and evaluating is declared in :attr:`ContinualLearner.supports`
 (:data:`CAPABILITIES`); a command that needs more than the learner supports refuses by name.
+
+What a knowledge base accepted by ``proteus kb verify`` holds, every command loads: :func:`load_problems`
+makes the checks of :func:`load_from_kb` (the config, the learner's rules of its state, the restore into
+a fresh learner), on a backbone of random weights.
 """
 
 from __future__ import annotations
@@ -20,14 +24,16 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 
 from proteus._version import __version__
-from proteus.config import LEARNERS, ConfigError, RunConfig, learner_of
+from proteus.config import LEARNERS, ConfigError, RunConfig, learner_of, validate
 from proteus.devices import PRECISIONS
-from proteus.kb import KnowledgeBase
+from proteus.distributed import DEVICE_CHOICES, known_device
+from proteus.errors import ProteusError
+from proteus.kb import KBError, KnowledgeBase
 from proteus.streams import Task
 
 __all__ = [
     "CAPABILITIES", "LEARNERS", "ContinualLearner", "LearnerState", "TestCache", "TestOutcome",
-    "check_supports", "learner_header", "load_from_kb",
+    "check_supports", "learner_header", "load_from_kb", "load_problems",
 ]  # fmt: skip
 
 #: what a learner may support beyond ``fit_task`` and evaluation: ``load`` (rebuilt from a knowledge base:
@@ -73,6 +79,9 @@ class ContinualLearner(Protocol):
 
     #: the capabilities of :data:`CAPABILITIES` the learner has
     supports: frozenset[str]
+    #: the role of :data:`proteus.tensor_rules.TENSOR_RULES` whose rules its knowledge base follows (its
+    #: parts declare what they store under it)
+    kb_layout: str
     config: RunConfig
 
     @property
@@ -131,21 +140,88 @@ def load_from_kb(
 ) -> Any:
     """The learner a knowledge base holds, for ``command``: its method's learner on its stored config
     (``device`` and ``precision`` replace the stored ones for this process), the backbone identity checked
-    before a tensor is read, then its state restored. Refused by name when the learner lacks ``load`` or
-    (``expect``) is another learner class."""
-    from proteus.engine.errors import TaskError
-
-    cfg = RunConfig.from_stored(kb.manifest["config"])
-    cls = learner_of(cfg)
-    if expect is not None and cls is not expect:
-        raise TaskError(f"{kb.root}: holds method {cfg.method}, not a {expect.__name__} method")
-    if precision and precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
-    cfg = dataclasses.replace(cfg, device=device or cfg.device, precision=precision or cfg.precision)
-    clf = cls(cfg, progress=progress)
+    before a tensor is read, then its state, checked by the learner's rules, restored. Refused by name
+    when the learner lacks ``load`` or (``expect``) is another learner class."""
+    clf = _stored_learner(kb, expect=expect, device=device, precision=precision, progress=progress)
     check_supports(clf, "load", command)
     kb.check_backbone(clf.kb_header()["backbone"])
-    return clf.restore(LearnerState(*kb.read_state()))
+    return clf.restore(LearnerState(*kb.read_state(getattr(clf, "kb_layout", None))))
+
+
+def load_problems(kb: KnowledgeBase) -> list[str]:
+    """What :func:`load_from_kb` would refuse in ``kb`` (an empty list when every command loads it): its
+    config (read and validated as a load does), its state by its method's learner's rules, and, for a
+    learner that supports ``load``, the restore into a fresh one on the CPU -- on a backbone of random
+    weights (the architecture the config names, no weights read: the backbone's identity is checked but,
+    for pretrained weights, which weights and their hash). ``proteus kb verify`` reports them."""
+    try:
+        clf = _stored_learner(kb, checking=True)
+        state = LearnerState(*kb.read_state(getattr(clf, "kb_layout", None)))
+        if "load" in clf.supports:
+            _check_identity(kb, clf.kb_header()["backbone"])
+            clf.restore(state)
+    except ProteusError as e:
+        return [str(e)]
+    return []
+
+
+def _check_identity(kb: KnowledgeBase, identity: dict[str, Any]) -> None:
+    """The knowledge base's backbone identity against ``identity``, that of its config's backbone built
+    with random weights: all of it for a config of random weights; for pretrained ones (which weights,
+    their hash: this machine's business when it loads them) the architecture, and that the knowledge base
+    was not learned on random weights."""
+    stored = RunConfig.from_stored(kb.manifest["config"]).backbone
+    mine = kb.manifest.get("backbone") or {}
+    if stored.pretrained or stored.weights is not None:
+        if str(mine.get("weights_id")).startswith("random"):
+            raise KBError(
+                f"{kb.root}: knowledge base was written with random backbone weights (weights_id="
+                f"{mine.get('weights_id')!r}), but its config's backbone loads pre-trained ones "
+                f"(backbone.pretrained={stored.pretrained}, backbone.weights={stored.weights!r})"
+            )
+        identity = {**identity, **{k: mine.get(k) for k in ("weights_id", "weights_sha256")}}
+    kb.check_backbone(identity)
+
+
+def _stored_learner(
+    kb: KnowledgeBase,
+    *,
+    expect: type | None = None,
+    device: str | None = None,
+    precision: str | None = None,
+    progress: bool = False,
+    checking: bool = False,
+) -> Any:
+    """A fresh learner of the knowledge base's method on its stored config, validated (``checking``: then
+    moved to the CPU, its backbone built without its weights)."""
+    from proteus.engine.errors import TaskError
+
+    where = kb.root / "manifest.json"
+    stored = kb.manifest.get("config")
+    if not isinstance(stored, dict):
+        raise KBError(
+            f"{where}: holds no learner's state (no config: the store wrote it, not a learner); learn into "
+            "it with `proteus learn`"
+        )
+    if precision and precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    try:
+        cfg = RunConfig.from_stored(stored)
+        cls = learner_of(cfg)
+        validate(cfg)
+        if not known_device(cfg.device):  # whether it exists here is checked where it is used
+            raise ConfigError(f"device: unknown device {cfg.device!r}; use {DEVICE_CHOICES}")
+        if checking:
+            backbone = dataclasses.replace(cfg.backbone, pretrained=False, weights=None)
+            cfg = dataclasses.replace(cfg, device="cpu", backbone=backbone)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: config: {e}") from None
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:  # a value no config key holds
+        raise ConfigError(f"{where}: config: {type(e).__name__}: {e}") from None
+    if expect is not None and cls is not expect:
+        raise TaskError(f"{kb.root}: holds method {cfg.method}, not a {expect.__name__} method")
+    cfg = dataclasses.replace(cfg, device=device or cfg.device, precision=precision or cfg.precision)
+    return cls(cfg, progress=progress)
 
 
 def learner_header(config: RunConfig, backbone: dict[str, Any]) -> dict[str, Any]:

@@ -138,8 +138,19 @@ def check_value(key: str, value: Any, opt: OptionInfo) -> None:
     rng = opt.range
     if rng is None or value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not rng.contains(float(value)):
-        raise ConfigError(f"{key} must be a number in {rng}; got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not rng.contains(_as_float(value)):
+        shown = (
+            repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(repr(value))} digits)"
+        )
+        raise ConfigError(f"{key} must be a number in {rng}; got {shown}")
+
+
+def _as_float(value: int | float) -> float:
+    """``value`` as a float; an integer beyond a float's range is infinite (out of every finite range)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def check_section(prefix: str, section: Any) -> None:

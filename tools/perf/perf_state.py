@@ -17,6 +17,8 @@ from proteus import Proteus
 from proteus.adapters import AdaptedBackbone
 from proteus.backbones import build_backbone
 from proteus.config import BackboneConfig, RunConfig, SignatureConfig
+from proteus.core.codec import load_head
+from proteus.engine.records import TaskRecord
 from proteus.heads import RanPACHead
 from proteus.signatures import GaussianComponents, Signature
 
@@ -153,8 +155,11 @@ class _State:
             record = {"index": k, "classes": cls, "class_names": [str(c) for c in cls], "n_train": 0,
                       "has_adapter": False, "stats": {"task": k}, "signature": meta,
                       "frozen_signature": None}  # fmt: skip
-            L._load_task(record, {f"signature/{n}": v for n, v in st.items()})  # as a KB loads it
-        L._load_head(*self.head_state)
+            tensors = {f"signature/{n}": v for n, v in st.items()}  # the keys and heads load it as from a KB
+            L.parts_.keys.load_task(record, tensors)
+            L.parts_.heads.load_task(k, record, tensors)
+            L.records_.append(TaskRecord.from_dict(record))
+        load_head(L.parts_, *self.head_state)
         self.gaussian_keys = L.keys_
         L.keys_.candidates = None  # the default route: the paper's (m forwards)
 

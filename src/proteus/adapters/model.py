@@ -20,6 +20,10 @@ Inference forwards (no gradients) of the prefix and the suffix may run through `
 (``compile_mode``, the config's ``compile``: :class:`proteus.devices.CompiledForward`); training stays eager.
 Compiled forwards run every map factored: the merged form's per-task weight cache and in-place GEMMs break
 dynamo's graph at every map (a recompile per layer shape) and fail inductor's stride checks.
+
+Stored per task (:meth:`AdaptedBackbone.task_tensors`): ``adapter/<map>/A``, ``B`` and ``s`` for every
+adapted map (:meth:`LoRAUnit.task_tensors`), with the rules a knowledge base holds them to
+(:data:`proteus.tensor_rules.TENSOR_RULES`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,22 @@ from torch import nn
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache
 from proteus.backbones.base import Backbone
 from proteus.devices import CompiledForward, compile_failure
+from proteus.tensor_rules import TENSOR_RULES, NeedsRecord, SameGroups, ShapeRule, Together
+
+#: a task's adapter of map m: A (q, r) and B (p, r) its own r directions (Eq. 9), s its coefficients of the
+#: earlier tasks' directions of the map (its row of S)
+TENSOR_RULES.declare(
+    "proteus", "AdaptedBackbone",
+    ShapeRule(r"adapter/(?P<m>.+)/A", ("kb.q[{m}]", "obj.r[{m}]"),
+              "A (q, r) and B (p, r) share the rank r; every task's A of a map has the same q"),
+    ShapeRule(r"adapter/(?P<m>.+)/B", ("kb.p[{m}]", "obj.r[{m}]"),
+              "A (q, r) and B (p, r) share the rank r; every task's B of a map has the same p"),
+    ShapeRule(r"adapter/(?P<m>.+)/s", ("sum.r[{m}]",),
+              "s has one entry per column of the earlier tasks' adapters of the map"),
+    Together(r"adapter/(?P<g>.+)/(?:A|B|s)", ("adapter/{g}/A", "adapter/{g}/B", "adapter/{g}/s")),
+    SameGroups(r"adapter/(?P<g>.+)/A", "has_adapter", "adapter"),
+    NeedsRecord("adapter/", "has_adapter"),  # read only for a task whose record says it has one
+)  # fmt: skip
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:

@@ -19,7 +19,9 @@ class AdapterConfig:
 
     enabled: bool = option(True, help="train a LoRA adapter at all (false: the frozen backbone)")
     rank: int = option(4, help="r: the new directions each task adds per adapted map", range=AT_LEAST_1)
-    scaling: float = option(1.0, help="factor on every adapter update (the paper has none: 1)")
+    scaling: float = option(
+        1.0, help="factor on every adapter update (the paper has none: 1)", range=Interval(-1000, 1000)
+    )
     transfer: str = option(
         "learned",
         help="how old directions enter a new task: learned (S*, Eq. 15), zero (S = 0), identity (S = I)",

@@ -21,7 +21,7 @@ class BackboneConfig:
     )
     pretrained: bool = option(True, help="false builds random weights (timing and tests only)")
     img_size: int | None = option(
-        None, help="input resolution (null: the backbone's data config)", range=Interval(8, None)
+        None, help="input resolution (null: the backbone's data config)", range=Interval(8, 4096)
     )
     adapt_last: int | None = option(
         None,

@@ -56,6 +56,8 @@ from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, option, options_
 from proteus.progress import bar as progress_bar
 from proteus.registry import Registry
 from proteus.streams import Task
+from proteus.tensor_rules import TENSOR_RULES, Check, Claim, Fields, Schema, ShapeRule
+from proteus.tensor_rules import F as Field
 
 log = logging.getLogger("proteus")
 
@@ -309,6 +311,36 @@ def train_task(clf: ContinualClassifier, task: Task, k: int) -> dict[str, Any]:
     }
 
 
+#: the role of :data:`~proteus.tensor_rules.TENSOR_RULES` a baseline's knowledge base follows
+KB_LAYOUT = "baseline"
+#: the head meta :meth:`ContinualClassifier.state` writes
+BASELINE_META: Schema = {"method": Field("str", True), "task_classes": Field("list[list[count]]", True)}
+
+
+def _task_classes(tasks: list[Any], meta: dict[str, Any] | None, where: Callable[[int], str]) -> list[str]:
+    """The head's ``task_classes`` are the tasks' classes, task by task."""
+    if meta is None or not isinstance(meta.get("task_classes"), list):
+        return []
+    if meta["task_classes"] != [t.get("classes") if isinstance(t, dict) else None for t in tasks]:
+        return ["head.meta.task_classes: differs from the tasks' classes"]
+    return []
+
+
+#: a baseline's records (one per task: index, classes, names, images) and its global object: every task's
+#: linear head (:meth:`ContinualClassifier.state_tensors`); a method's own tensors are its own declarations
+TENSOR_RULES.declare(
+    KB_LAYOUT, "ContinualClassifier",
+    Claim(lambda meta: "task_classes" in meta),
+    Fields({}, required=("classes", "class_names", "n_train")),
+    Fields(BASELINE_META, on="head"),
+    Check(_task_classes),
+    ShapeRule(r"head\.(?P<t>\d+)\.weight", ("classes[{t}]", "kb.linear_d"),
+              "task {t}'s linear head has one row per class of the task", on="head"),
+    ShapeRule(r"head\.(?P<t>\d+)\.bias", ("classes[{t}]",), "task {t}'s linear head has one bias per class",
+              on="head"),
+)  # fmt: skip
+
+
 class ContinualClassifier:
     """A frozen backbone, a method's trainable state and per-task linear heads (class-incremental).
 
@@ -324,6 +356,8 @@ class ContinualClassifier:
 
     #: registry name (:data:`proteus.learners.LEARNERS`)
     name: str = "baseline"
+    #: the rules its knowledge base follows (:data:`KB_LAYOUT`)
+    kb_layout: str = KB_LAYOUT
     #: capabilities beyond learning and evaluation (:data:`proteus.learners.CAPABILITIES`): every baseline
     #: is rebuilt from its knowledge base (:mod:`proteus.baselines.persist`); none retrieves tasks by keys
     supports: frozenset[str] = frozenset({"load"})

@@ -337,10 +337,20 @@ def cmd_kb_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_kb_verify(args: argparse.Namespace) -> int:
-    """``proteus kb verify KB``: every error (exit 1), then the warnings (files no commit needs: exit 0)."""
+    """``proteus kb verify KB``: every error (exit 1), then the warnings (files no commit needs: exit 0). A
+    knowledge base whose files are sound is then loaded as every command loads it
+    (:func:`proteus.learners.load_problems`): what verify accepts, ``predict`` and ``kb info`` load."""
     import proteus.kb as kbmod
 
-    report = kbmod.check(args.kb, _kb_key(args))
+    key = _kb_key(args)
+    report = kbmod.check(args.kb, key)
+    if not report.errors:
+        from proteus.learners import load_problems
+
+        try:
+            report.errors += load_problems(kbmod.KnowledgeBase.open(args.kb, key=key))
+        except kbmod.KBError as e:  # changed since it was checked (a commit ran meanwhile)
+            report.errors.append(str(e))
     for p in report.errors:
         print(printable(p))
     for w in report.warnings:

@@ -166,13 +166,16 @@ def _scalar(value: Any, kind: type, raw: str | None) -> Any:
                 value = float(text)  # "1e3" for an integer key
             except ValueError:
                 return _BAD
-    if isinstance(value, (int, float)) and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         return _BAD
     if kind is int:
         if isinstance(value, float):
             return int(value) if value.is_integer() else _BAD
         return value if isinstance(value, int) else _BAD
-    return float(value) if isinstance(value, (int, float)) else _BAD
+    try:  # an integer too large for a float is no number of a float key
+        return float(value) if isinstance(value, (int, float)) else _BAD
+    except OverflowError:
+        return _BAD
 
 
 _BAD = object()

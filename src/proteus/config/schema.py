@@ -32,7 +32,7 @@ from proteus.config.coercion import field_of, flatten, merge
 from proteus.devices import COMPILE_MODES, PRECISIONS
 from proteus.errors import ConfigError
 from proteus.heads.options import HeadConfig
-from proteus.options import AT_LEAST_1, NO_LEGACY, NON_NEGATIVE, POSITIVE, OptionInfo, info, option
+from proteus.options import AT_LEAST_1, NO_LEGACY, NON_NEGATIVE, POSITIVE, Interval, OptionInfo, info, option
 from proteus.signatures.options import RetrievalConfig, SignatureConfig
 from proteus.streams.options import BenchmarkConfig
 
@@ -84,7 +84,7 @@ class EvalConfig:
         1024.0,
         help="MB of merged adapter weights kept for prediction (least recently used out first; the rest run "
         "factored, the same result to float round-off); null: no limit",
-        range=NON_NEGATIVE,
+        range=Interval(0, 2**40),  # a finite number of bytes
         per_task=True,
     )
 

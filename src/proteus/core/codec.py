@@ -3,7 +3,8 @@ tensors (the adapter's directions and its row of S (Eq. 9), its keys (Eq. 18), i
 global object, the head's statistics G, e(c) (Alg. 1 lines 8-12) with any keys that live there.
 
 Each part writes and reads its own share (``model.task_tensors``, ``keys.task_state``,
-``heads.task_state`` ...); this module composes them. Reading is untrusted input: a failure names the task
+``heads.task_state`` ...), and declares what it may hold (:data:`proteus.tensor_rules.TENSOR_RULES`, the
+role :data:`KB_LAYOUT`); this module composes them. Reading is untrusted input: a failure names the task
 and its object (:class:`~proteus.engine.errors.TaskError`).
 """
 
@@ -17,13 +18,18 @@ import torch
 
 from proteus.core.parts import ProteusParts
 from proteus.engine.errors import TaskError
+from proteus.engine.keys.base import GLOBAL_PREFIX as KEYS_PREFIX
 from proteus.engine.records import TaskRecord, TaskRecords, without_timings
+from proteus.heads.persist import is_head_meta
 from proteus.learners import LearnerState
+from proteus.tensor_rules import TENSOR_RULES, Claim
 
-__all__ = ["learner_state", "restore"]
+__all__ = ["KB_LAYOUT", "learner_state", "load_head", "restore"]
 
-#: the head object's tensors under this prefix are the global keys' (LDA key heads)
-KEYS_PREFIX = "task_head/"
+#: the role of :data:`~proteus.tensor_rules.TENSOR_RULES` its parts declare their stored state under (the
+#: adapters, keys, class heads and records); a knowledge base whose head meta is a RanPAC head's is one
+KB_LAYOUT = "proteus"
+TENSOR_RULES.declare(KB_LAYOUT, "Proteus", Claim(is_head_meta))
 
 
 def learner_state(parts: ProteusParts, records: TaskRecords) -> LearnerState:
@@ -59,11 +65,22 @@ def restore(parts: ProteusParts, records: TaskRecords, state: LearnerState) -> N
             _load_task(parts, records, meta, tensors)
     if state.head is not None:
         with _loading(f"the head ({state.head[0].get('object', 'its object')})"):
-            meta, tensors = state.head
-            own = {k: v for k, v in tensors.items() if not k.startswith(KEYS_PREFIX)}
-            parts.heads.load({k: v for k, v in meta.items() if k != "task_head"}, own)
-            sub = {k[len(KEYS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(KEYS_PREFIX)}
-            parts.keys.load_global(meta.get("task_head"), sub)
+            load_head(parts, *state.head)
+    head = parts.heads.head
+    if head is not None and records.num_classes != head.num_classes_:  # the head learned every class
+        raise TaskError(
+            f"the head scores {head.num_classes_} classes (0 .. num_classes - 1), but the tasks hold "
+            f"{records.num_classes} (classes up to {records.num_classes - 1}): the records do not belong "
+            "to this head"
+        )
+
+
+def load_head(parts: ProteusParts, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Load the head's statistics and any global keys (stored under ``task_head/``) into ``parts``."""
+    own = {k: v for k, v in tensors.items() if not k.startswith(KEYS_PREFIX)}
+    parts.heads.load({k: v for k, v in meta.items() if k != "task_head"}, own)
+    sub = {k[len(KEYS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(KEYS_PREFIX)}
+    parts.keys.load_global(meta.get("task_head"), sub)
 
 
 def _load_task(
@@ -72,6 +89,11 @@ def _load_task(
     k = len(records)
     if meta["index"] != k:
         raise TaskError(f"knowledge base task {meta['index'] + 1} is out of order (expected {k + 1})")
+    if meta["has_adapter"] != parts.trains_adapter(k):  # adapter.enabled and train.tasks fix which tasks
+        raise TaskError(
+            f"task {k + 1}: its record says has_adapter={meta['has_adapter']}, but under this config "
+            f"(adapter.enabled, train.tasks) it {'has' if parts.trains_adapter(k) else 'has no'} adapter"
+        )
     if meta["has_adapter"]:
         try:
             parts.model.append_task_tensors(tensors, f"task {k + 1}")

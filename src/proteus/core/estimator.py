@@ -48,7 +48,7 @@ import torch
 from PIL import Image
 
 from proteus.config import ConfigError, RunConfig, flatten, per_task, resolve_config, validate
-from proteus.core.codec import learner_state, restore
+from proteus.core.codec import KB_LAYOUT, learner_state, restore
 from proteus.core.parts import OPTION_SECTIONS, ProteusParts, check_options
 from proteus.engine.compositions import COMPOSITIONS
 from proteus.engine.errors import TaskError
@@ -80,8 +80,8 @@ class Proteus:
     :class:`~proteus.engine.records.TaskRecord` per learned task).
     """
 
-    #: the configuration's sections that hold PROTEUS's options (:meth:`get_params`)
-    option_sections = OPTION_SECTIONS
+    #: the configuration's sections that hold PROTEUS's options (:meth:`get_params`); its KB's rules' role
+    option_sections, kb_layout = OPTION_SECTIONS, KB_LAYOUT
 
     def __init__(self, config: RunConfig | None = None, *, progress: bool = True) -> None:
         self.config = config if config is not None else RunConfig()

@@ -6,7 +6,8 @@ every class (G and e(c) accumulated task by task, :class:`~proteus.heads.RanPACH
 ``head.forgettable`` each task's head inputs, so that ``proteus kb forget`` can subtract the task exactly
 (:meth:`RanPACHead.downdate`). :class:`ClassHeads` owns the three: the update of a task, its rollback, the
 scores, the forgetting and their share of the knowledge base -- as each adapter unit and each key
-strategy owns its own.
+strategy owns its own -- and declares what that share may hold (:data:`proteus.tensor_rules.TENSOR_RULES`):
+the head over every class is the head object's RanPAC head, every learned class one of its classes.
 """
 
 from __future__ import annotations
@@ -20,11 +21,23 @@ from torch import Tensor
 from proteus.engine.errors import TaskError
 from proteus.engine.experts import HEAD_SCOPES, TaskExperts
 from proteus.heads import RanPACHead
+from proteus.heads.persist import classes_outside
+from proteus.tensor_rules import TENSOR_RULES, Check, Mount, ShapeRule, Together
 
 __all__ = ["ClassHeads"]
 
 #: a task's part of the knowledge base: its record's keys (JSON) and its tensors
 Part = tuple[dict[str, Any], dict[str, Tensor]]
+
+
+TENSOR_RULES.declare(
+    "proteus", "ClassHeads",
+    Mount("ranpac", on="head"),  # the head over every class (state(): its meta and tensors)
+    Check(classes_outside),  # every learned class is one the head scores
+    ShapeRule(r"forget/h", ("obj.forget_n", "kb.forget_d"), "forget/h (n, d) and forget/y (n) have n rows"),
+    ShapeRule(r"forget/y", ("obj.forget_n",), "forget/h (n, d) and forget/y (n) have n rows", "int"),
+    Together(r"forget/(?:h|y)", ("forget/h", "forget/y")),
+)  # fmt: skip
 
 
 class ClassHeads:

@@ -35,6 +35,7 @@ from proteus.engine.errors import TaskError
 from proteus.heads import RanPACHead
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
+from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord, Required, ShapeRule
 
 __all__ = ["COMBINATIONS", "HEAD_SCOPES", "TaskExpert", "TaskExperts", "candidates", "combine_soft", "decide"]
 
@@ -51,6 +52,18 @@ class TaskExpert:
     def scores(self, h: Tensor) -> Tensor:
         """(N, C_t) scores of embeddings h (N, d) under this task's adapter."""
         return (h.to(self.W.device, self.W.dtype) @ self.W).float()
+
+
+#: each task's own head (``head.scope=task``, :meth:`TaskExperts.task_state`): its record's ``expert``
+#: and the tensor ``expert/W`` (d, the task's classes)
+TENSOR_RULES.declare(
+    "proteus",
+    "TaskExperts",
+    Fields({"expert": F("map", fields={"gamma": F("positive", True)})}),
+    NeedsRecord("expert/", "expert"),
+    Required(("expert/W",), lambda r: isinstance(r, dict), path="expert"),
+    ShapeRule(r"expert/W", ("kb.expert_d", "classes"), "the task head has one column per class of the task"),
+)
 
 
 class TaskExperts:

@@ -38,6 +38,7 @@ from torch import Tensor
 from proteus.config import ConfigError
 from proteus.registry import Registry
 from proteus.signatures.fitting import oas_rho
+from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord, Schema, ShapeRule, Together
 
 __all__ = [
     "MAX_STORED",
@@ -117,6 +118,28 @@ def holdout_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, tor
     n_out = min(max(1, int(round(fraction * n))), max(0, n - 2))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return perm[n_out:].sort().values, perm[:n_out].sort().values
+
+
+#: a task record's ``calibration`` (:meth:`Calibration.to_dict`)
+CALIBRATION: Schema = {
+    "scores": F("list[float]", True),
+    "tpr": F("rate", True),
+    "threshold": F("float", True),
+}
+_ROWS = "novelty/x (n, d) and novelty/y (n) have n rows"
+#: what a task keeps for rejection: its calibration (the keys' own scores), or (``class-gaussian``) its
+#: held-out rows under ``novelty/`` with their record (:meth:`ClassNovelty.task_state`)
+TENSOR_RULES.declare(
+    "proteus", "novelty",
+    Fields({
+        "calibration": F("map|null", fields=CALIBRATION),
+        "novelty": F("map|null", fields={"in_stats": F("bool", True), "tpr": F("rate", True)}),
+    }),
+    NeedsRecord("novelty/", "novelty"),
+    ShapeRule(r"novelty/x", ("obj.novelty_n", "kb.novelty_d"), _ROWS),
+    ShapeRule(r"novelty/y", ("obj.novelty_n",), _ROWS, "int"),
+    Together(r"novelty/(?:x|y)", ("novelty/x", "novelty/y")),
+)  # fmt: skip
 
 
 @dataclass

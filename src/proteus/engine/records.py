@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from proteus.tensor_rules import TENSOR_RULES, Check, F, Fields, Schema
+
 __all__ = [
     "Prediction", "TaskRecord", "TaskRecords", "TaskStats", "TrainStats", "loss_summary", "without_timings",
 ]  # fmt: skip
@@ -181,6 +183,56 @@ class TaskRecord:
             forgotten=bool(d.get("forgotten", False)),
             source_classes=None if d.get("source_classes") is None else [int(c) for c in d["source_classes"]],
         )
+
+
+#: ``TrainStats.from_dict`` passes these as keyword arguments: all of them, nothing else
+TRAIN: Schema = {
+    "rank": F("count", True),
+    "ranks_min": F("count", True),
+    "lambda": F("float", True),
+    "loss_first": F("float|null", True),
+    "loss_last": F("float|null", True),
+    "steps": F("count", True),
+    "s_mean_abs": F("float|null", True),
+    "s_nonzero_frac": F("float|null", True),
+}
+#: :meth:`TaskStats.to_dict` without its timings
+STATS: Schema = {
+    "task": F("count", True),
+    "train": F("map|null", fields=TRAIN, closed=True),
+    "signature": F("map|null"),
+    "gamma": F("float|null"),
+    "peak_gpu_mb": F("float|null"),
+}
+
+
+def _source_classes(tasks: list[Any], meta: Any, where: Any) -> list[str]:
+    """A task's ``source_classes`` name one source index per class."""
+    return [
+        f"{where(i)}.source_classes: has {len(t['source_classes'])} items, but classes has "
+        f"{len(t['classes'])}"
+        for i, t in enumerate(tasks)
+        if isinstance(t, dict)
+        and isinstance(t.get("source_classes"), list)
+        and isinstance(t.get("classes"), list)
+        and len(t["source_classes"]) != len(t["classes"])
+    ]
+
+
+#: what :meth:`TaskRecord.from_dict` reads (the fields the store itself reads, ``classes`` ... ``settings``,
+#: are typed by :data:`proteus.kb.schema.TASK`; the keys' and heads' fields by their own declarations)
+TENSOR_RULES.declare(
+    "proteus", "TaskRecord",
+    Fields(
+        {
+            "has_adapter": F("bool"),
+            "source_classes": F("list[count]|null"),
+            "stats": F("map|null", fields=STATS),
+        },
+        required=("classes", "class_names", "n_train", "has_adapter"),
+    ),
+    Check(_source_classes),
+)  # fmt: skip
 
 
 class TaskRecords(list[TaskRecord]):

@@ -5,26 +5,117 @@ restored bit-exactly.
 and the fitted tensors ``W_rand``, ``G``, ``Q``, ``counts``, ``W_out`` (and ``P`` for prototypes that keep
 their own matrix, :data:`~proteus.heads.prototypes.PROTOTYPES`) of any object with the head's fields
 (:class:`HeadFields`); :class:`~proteus.heads.ranpac.RanPACHead`'s ``meta``, ``state_tensors`` and
-``load_state_tensors`` call them.
+``load_state_tensors`` call them. What a stored head may hold (its meta's fields, its tensors' shapes and
+dtypes) is declared here too, as the role ``"ranpac"`` of :data:`proteus.tensor_rules.TENSOR_RULES`: the
+learners that store a RanPAC head mount it where they keep it (the head over every class at the root of
+the head's object, the LDA keys under ``task_head/``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from proteus.heads.prototypes import PROTOTYPES
+from proteus.tensor_rules import TENSOR_RULES, F, Fields, Required, Schema, ShapeRule
 
 __all__ = [
-    "SUPPORTED_DTYPES", "HeadFields", "dtype_name", "head_meta", "head_tensors", "load_head_state",
-    "meta_dtype",
+    "RANPAC_META", "SUPPORTED_DTYPES", "HeadFields", "classes_outside", "dtype_name", "head_meta",
+    "head_tensors", "is_head_meta", "load_head_state", "meta_dtype",
 ]  # fmt: skip
 
 SUPPORTED_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 _FORMAT = "proteus.heads.ranpac"
 _FORMAT_VERSION = 1
+
+
+#: a head's meta (:func:`head_meta`), as :func:`load_head_state` reads it
+RANPAC_META: Schema = {
+    "format": F("str"),
+    "format_version": F("int"),
+    "embed_dim": F("dim", True),
+    "rp_dim": F("dim", True),
+    "seed": F("int", True),
+    "dtype": F("str", True),
+    "num_classes": F("count", True),
+    "n_samples": F("count"),
+    "n_updates": F("count"),
+    "gamma": F("positive|null"),
+    "fixed_gamma": F("positive|null"),
+    "gamma_min_exp": F("int"),
+    "gamma_max_exp": F("int"),
+    "holdout": F("number"),
+    "selection": F("str"),
+    "prototypes": F("str"),
+}
+
+
+def is_head_meta(meta: Any) -> bool:
+    """Whether ``meta`` describes a RanPAC head (:func:`head_meta`'s format, or an older one's fields)."""
+    return isinstance(meta, dict) and ("embed_dim" in meta or meta.get("format") == _FORMAT)
+
+
+def _fitted(meta: Any) -> bool:
+    n = meta.get("n_samples") if isinstance(meta, dict) else None
+    return is_head_meta(meta) and isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
+def _projects(meta: Any) -> bool:
+    rp = meta.get("rp_dim") if isinstance(meta, dict) else None
+    return _fitted(meta) and isinstance(rp, int) and not isinstance(rp, bool) and rp > 0
+
+
+def _stores_prototypes(meta: Any) -> bool:
+    """Whether a fitted head's prototypes keep their own matrix ``P``."""
+    name = meta.get("prototypes", "sum") if isinstance(meta, dict) else None
+    return _fitted(meta) and isinstance(name, str) and name in PROTOTYPES and PROTOTYPES.get(name).stored
+
+
+#: the head's feature dimension m: rp_dim, or embed_dim without a random projection (``feature_dim``)
+_M = "meta:rp_dim|embed_dim"
+TENSOR_RULES.declare(
+    "ranpac", "RanPACHead",
+    Fields(RANPAC_META, on="head"),
+    ShapeRule("G", (_M, _M), "G is (m, m), m the head's rp_dim (its embed_dim without a projection)",
+              "meta:dtype", on="head"),
+    ShapeRule("(?:Q|W_out|P)", (_M, "meta:num_classes"),
+              "(m, classes): m rows as G, one column per class of the head", "meta:dtype", on="head"),
+    ShapeRule("counts", ("meta:num_classes",), "one count per class of the head", "int", on="head"),
+    ShapeRule("W_rand", ("meta:embed_dim", _M), "W_rand (embed_dim, m) projects into G's m dimensions",
+              "meta:dtype", on="head"),
+    Required(("G", "Q", "counts", "W_out"), _fitted, on="head"),
+    Required(("W_rand",), _projects, on="head"),
+    Required(("P",), _stores_prototypes, on="head"),
+)  # fmt: skip
+
+
+def classes_outside(
+    tasks: list[Any], meta: dict[str, Any] | None, where: Callable[[int], str], path: str = ""
+) -> list[str]:
+    """Every task whose classes fall outside the head's (``meta`` at ``path``: the head's ``num_classes``
+    columns score the global labels 0 .. num_classes - 1): such a class could never be scored."""
+    head = meta
+    for part in path.split("/") if path else ():
+        head = head.get(part) if isinstance(head, dict) else None
+    n = head.get("num_classes") if is_head_meta(head) else None
+    if not isinstance(n, int) or isinstance(n, bool):
+        return []
+    name = ".".join(["head.meta", *path.split("/")]) if path else "head.meta"
+    out = []
+    for i, t in enumerate(tasks):
+        classes = t.get("classes") if isinstance(t, dict) else None
+        bad = (
+            [c for c in classes if isinstance(c, int) and not 0 <= c < n] if isinstance(classes, list) else []
+        )
+        if bad:
+            out.append(
+                f"{where(i)}.classes: class {bad[0]} is not one of the head's {n} classes "
+                f"({name}.num_classes: the head scores the global labels 0 .. num_classes - 1)"
+            )
+    return out
 
 
 def dtype_name(dtype: torch.dtype) -> str:

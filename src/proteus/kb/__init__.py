@@ -4,8 +4,9 @@ plus the head's statistics G and e(c). It is the only memory of data that no lon
 :mod:`.store` (the commit protocol; its docstring describes the layout on disk), :mod:`.lock` (one writer
 at a time), :mod:`.inspect` (``info``, ``check`` and ``problems``), :mod:`.files` (layout, errors,
 checksums), and for knowledge bases received from someone else :mod:`.schema` (the manifest's fields and
-object paths), :mod:`.tensors` (dtypes, shapes, finite values) and :mod:`.signing` (an optional HMAC
-signature).
+object paths), :mod:`.tensors` (dtypes, shapes, finite values: the rules the parts declare,
+:mod:`proteus.tensor_rules`, gathered for the learner a manifest names) and :mod:`.signing` (an optional
+HMAC signature).
 """
 
 from proteus.lazy import exports

@@ -94,9 +94,11 @@ class ObjectStore:
         except Exception as e:  # safetensors raises several types for bad headers
             raise KBError(f"{self.root / rel}: not a valid safetensors file ({e})") from None
 
-    def checked_state(self, manifest: dict[str, Any], consequence: str) -> tuple[list[Part], Part | None]:
+    def checked_state(
+        self, manifest: dict[str, Any], consequence: str, learner: str | None = None
+    ) -> tuple[list[Part], Part | None]:
         """Every object's tensors, checked by :func:`~proteus.kb.tensors.check_objects` (dtypes, shapes,
-        finite values): a :class:`KBError` with the first problem and ``consequence``."""
+        finite values: ``learner``'s rules): a :class:`KBError` with the first problem and ``consequence``."""
         tasks = [(t, self.read(manifest, t["object"], t["sha256"])) for t in manifest["tasks"]]
         head = manifest.get("head")
         state = (head["meta"], self.read(manifest, head["object"], head["sha256"])) if head else None
@@ -107,7 +109,7 @@ class ObjectStore:
         if head and state:
             path = str(self.root / head["object"])
             objects.append(Obj("head", path, head["meta"], None, shapes_of(state[1]), state[1]))
-        bad = check_objects(manifest["tasks"], objects)
+        bad = check_objects(manifest["tasks"], objects, learner)
         if bad:
             raise KBError(f"{bad[0]}; {consequence} (`proteus kb verify {self.root}` lists every problem)")
         return tasks, state

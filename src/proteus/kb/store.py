@@ -274,20 +274,22 @@ class KnowledgeBase:
         manifest["evaluation"] = stored[: len(tasks)] if evaluation is None else evaluation
         self.commit(manifest)
 
-    def read_state(self) -> tuple[list[Part], Part | None]:
+    def read_state(self, learner: str | None = None) -> tuple[list[Part], Part | None]:
         """The committed state: (record, tensors) per task and the head's (meta, tensors) or None (every
-        object's checksum verified). Before a learner sees it: the records must hold the learner's fields
-        (:data:`~proteus.kb.schema.LEARNER_FIELDS`), and every tensor its dtype, shape and finite values
-        (:mod:`proteus.kb.tensors`); a :class:`KBError` names the task, the file and the tensor."""
-        learner = "baseline" if head_kind(self.manifest) == "baseline" else "proteus"
+        object's checksum verified). Before a learner sees it: the records must hold the learner's fields,
+        and every tensor its dtype, shape and finite values, by the rules of ``learner`` (its
+        ``kb_layout``: a role of :data:`proteus.tensor_rules.TENSOR_RULES`; None: the learner whose head
+        the manifest holds, else PROTEUS); a :class:`KBError` names the task, the file and the tensor."""
+        learner = learner or head_kind(self.manifest) or "proteus"
         problems = manifest_problems(self.manifest, learner)
         if problems:
             raise KBError(f"{self.root / MANIFEST}: {problems[0]}; no learner can be loaded from it")
-        return self._checked_state("no learner can be loaded from it")
+        return self._checked_state("no learner can be loaded from it", learner)
 
-    def _checked_state(self, consequence: str) -> tuple[list[Part], Part | None]:
-        """Every object's tensors, checked (:meth:`~proteus.kb.objects.ObjectStore.checked_state`)."""
-        return self.objects.checked_state(self.manifest, consequence)
+    def _checked_state(self, consequence: str, learner: str | None = None) -> tuple[list[Part], Part | None]:
+        """Every object's tensors, checked by ``learner``'s rules
+        (:meth:`~proteus.kb.objects.ObjectStore.checked_state`)."""
+        return self.objects.checked_state(self.manifest, consequence, learner)
 
     def previous_manifest(self, check_signature: bool = True) -> dict[str, Any]:
         """The previous commit's manifest (``manifest.prev.json``), checked like the current one (its

@@ -27,6 +27,7 @@ from torch import Tensor
 from proteus.registry import Registry
 from proteus.signatures.householder import unpack_orthogonal
 from proteus.signatures.posterior import PosteriorFactors
+from proteus.tensor_rules import TENSOR_RULES, Required, ShapeRule
 
 __all__ = ["COVARIANCES", "ComponentSource", "GaussianComponents", "compute_dtype"]
 
@@ -37,6 +38,26 @@ _COMMON_PER_COMPONENT = ("weights", "means", "logdet")
 
 #: ``signature.covariance`` -> the :class:`GaussianComponents` subclass that stores that form
 COVARIANCES: Registry[type[GaussianComponents]] = Registry("signature.covariance")
+
+
+def _markers() -> str:
+    """``a|b|...``: the tensors that mark a stored kind (each kind's first factor; kind "shared" stored
+    compactly holds ``prior_qr`` instead of ``prior_evecs``, :meth:`GaussianComponents.from_tensors`)."""
+    names = [COVARIANCES.get(n).factor_names[0] for n in COVARIANCES]
+    return "|".join([*names, "prior_qr"] if "prior_evecs" in names else names)
+
+
+#: what every stored kind holds (:meth:`GaussianComponents.to_tensors`), against its signature's record
+#: (``n_active`` components in ``d`` dimensions); each kind declares its own factors where it is defined
+TENSOR_RULES.declare(
+    "signature", "GaussianComponents",
+    Required(lambda: (*_COMMON, _markers()), lambda record: isinstance(record, dict)),
+    ShapeRule("means", ("meta:n_active", "meta:d"),
+              "a signature's means are (components, d), as its record says"),
+    ShapeRule("means", ("*", "kb.d"), "every task's {record} lives in one space of d dimensions"),
+    ShapeRule("(?:weights|logdet)", ("meta:n_active",), "one entry per signature component"),
+    ShapeRule("center", ("meta:d",), "one entry per embedding dimension"),
+)  # fmt: skip
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:

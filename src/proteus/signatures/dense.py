@@ -22,6 +22,7 @@ from torch import Tensor
 
 from proteus.signatures.components import COVARIANCES, ComponentSource, GaussianComponents, compute_dtype
 from proteus.signatures.errors import SignatureFitError
+from proteus.tensor_rules import TENSOR_RULES, ShapeRule, Together
 
 __all__ = ["FullComponents", "PPCAComponents"]
 
@@ -105,6 +106,13 @@ class FullComponents(GaussianComponents):
         return Y.square_().sum(-1)
 
 
+TENSOR_RULES.declare(
+    "signature", "full",
+    ShapeRule("prec_chol", ("meta:n_active", "meta:d", "meta:d"),
+              "one (d, d) factor per signature component"),
+)  # fmt: skip
+
+
 @COVARIANCES.register("ppca", "top-q eigenpairs plus isotropic noise: an approximation")
 class PPCAComponents(GaussianComponents):
     """Kind ``"ppca"``: ``PPCAComponents(weights (T,), means (T, d), covariances (T, d, d), rank=q,
@@ -171,3 +179,12 @@ class PPCAComponents(GaussianComponents):
             P.sub_(self._off[None])
             r2 = r2 - (P.square_() * self._shrink[None]).sum(-1)
         return r2 / self.sigma2[None]
+
+
+TENSOR_RULES.declare(
+    "signature", "ppca",
+    ShapeRule("U", ("meta:n_active", "meta:d", "obj.q"), "(components, d, q) factors"),
+    ShapeRule("lam", ("meta:n_active", "obj.q"), "(components, q) eigenvalues"),
+    ShapeRule("sigma2", ("meta:n_active",), "one entry per signature component"),
+    Together("(?:U|lam|sigma2)", ("U", "lam", "sigma2")),
+)  # fmt: skip

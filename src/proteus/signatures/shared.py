@@ -17,6 +17,7 @@ from proteus.signatures.components import COVARIANCES, ComponentSource, Gaussian
 from proteus.signatures.errors import SignatureFitError
 from proteus.signatures.householder import pack_orthogonal, positive_qr_signs
 from proteus.signatures.posterior import PosteriorFactors
+from proteus.tensor_rules import TENSOR_RULES, ShapeRule, Together
 
 __all__ = ["SharedComponents", "allocate_ranks", "shared_scoring", "shared_tensors"]
 
@@ -281,3 +282,18 @@ class SharedComponents(GaussianComponents):
         ends = torch.cumsum(self.ranks, 0)
         rows = [torch.arange(int(ends[i]) - int(self.ranks[i]), int(ends[i])) for i in idx.tolist()]
         return {"lowrank": t["lowrank"].index_select(0, torch.cat(rows).to(self.device))}
+
+
+#: the eigenbasis as ``prior_evecs`` (d, d) or, stored compactly, as ``prior_qr`` (its Householder vectors,
+#: d (d - 1) / 2; signatures/householder.py), with the components' low-rank rows
+TENSOR_RULES.declare(
+    "signature", "shared",
+    ShapeRule("prior_evecs", ("meta:d", "meta:d"), "a (d, d) eigenbasis"),
+    ShapeRule("prior_evals", ("meta:d",), "one entry per embedding dimension"),
+    ShapeRule("lowrank", ("total:ranks", "meta:d"),
+              "the low-rank factors have one row per rank of {prefix}ranks and d columns"),
+    ShapeRule("ranks", ("meta:n_active",), "one entry per signature component", "int"),
+    ShapeRule("(?:iso|ridge)", ("meta:n_active",), "one entry per signature component"),
+    Together("(?:prior_evecs|prior_qr|prior_evals|lowrank|ranks|iso|ridge)",
+             ("prior_evals", "lowrank", "ranks", "iso", "ridge")),
+)  # fmt: skip

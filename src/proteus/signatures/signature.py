@@ -59,6 +59,8 @@ from proteus.signatures.errors import SignatureFitError, check_finite_rows
 from proteus.signatures.fitting import METHODS, ClusterFit, task_covariance
 from proteus.signatures.gaussian import COVARIANCES, GaussianComponents
 from proteus.signatures.options import STORAGE_DTYPES, SignatureConfig
+from proteus.tensor_rules import TENSOR_RULES, Fields, Schema
+from proteus.tensor_rules import F as Field
 
 __all__ = [
     "CALIBRATIONS",
@@ -155,6 +157,27 @@ _IDENTICAL_REL = 1e-10
 
 def _normalise(H: Tensor, how: str) -> Tensor:
     return NORMALIZATIONS.get(how)(H)
+
+
+#: what :meth:`Signature.from_tensors` reads of its meta (:attr:`Signature.meta`)
+SIGNATURE_META: Schema = {
+    "method": Field("str", True),
+    "normalize": Field("str", True),
+    "score": Field("str", True),
+    "calibrate": Field("str", True),
+    "calibration": Field("list[number]|null"),
+    "n_active": Field("dim"),
+    "d": Field("dim"),
+    "n_train": Field("count"),
+    "n_iter": Field("count"),
+    "converged": Field("bool"),
+    "storage_dtype": Field("str"),
+    "lower_bound": Field("float|null"),
+}
+#: a signature's record; its tensors are its components' (role "signature": the common ones and each
+#: covariance kind's, declared where they are defined). The keys that store signatures mount the role
+#: under their own prefix and record (:class:`~proteus.engine.keys.GaussianKeys`: ``signature/``).
+TENSOR_RULES.declare("signature", "Signature", Fields(SIGNATURE_META))
 
 
 class Signature:

@@ -12,6 +12,10 @@
 :meth:`RetrievalKeys.predict` returns the retrieval and a function that embeds the inputs under candidate
 tasks' adapters (the retrieved one for Alg. 2; the few most likely ones for ``retrieval.combine=soft``,
 :mod:`proteus.engine.experts`). :mod:`proteus.engine.keys` has the strategies and their registry.
+
+A strategy's share of the knowledge base: per task (in the task's object and record) and global (in the
+head's object under :data:`GLOBAL_PREFIX`, its meta at the head meta's ``task_head``); each strategy
+declares what it stores there (:data:`proteus.tensor_rules.TENSOR_RULES`, role ``"proteus"``).
 """
 
 from __future__ import annotations
@@ -29,8 +33,29 @@ from proteus.engine.keys.space import FIRST_ADAPTER, SPACES, KeySpace
 from proteus.heads import RanPACHead
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult, Signature
+from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord
 
-__all__ = ["KEYS", "KeyFit", "KeyKind", "NewHead", "NoKeys", "RetrievalKeys", "Under"]
+__all__ = [
+    "GLOBAL_PREFIX",
+    "GLOBAL_RECORD",
+    "KEYS",
+    "KeyFit",
+    "KeyKind",
+    "NewHead",
+    "NoKeys",
+    "RetrievalKeys",
+    "Under",
+]
+
+#: the global keys' tensors ride in the head's object under this prefix, their meta at this key of the
+#: head's meta (:mod:`proteus.core.codec` puts them there)
+GLOBAL_PREFIX, GLOBAL_RECORD = "task_head/", "task_head"
+TENSOR_RULES.declare(
+    "proteus", "RetrievalKeys",
+    Fields({"signature": F("map|null"), "frozen_signature": F("map|null")}),  # task_state(): None, or a key's
+    Fields({GLOBAL_RECORD: F("map|null")}, on="head"),
+    NeedsRecord(GLOBAL_PREFIX, GLOBAL_RECORD, on="head"),  # without its meta the keys stay unfitted
+)  # fmt: skip
 
 K = TypeVar("K", bound="RetrievalKeys")
 

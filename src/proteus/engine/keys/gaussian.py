@@ -18,13 +18,31 @@ from torch import Tensor
 
 from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
-from proteus.engine.keys.base import KEYS, KeyFit, KeyKind, RetrievalKeys, Under
+from proteus.engine.keys.base import GLOBAL_PREFIX, GLOBAL_RECORD, KEYS, KeyFit, KeyKind, RetrievalKeys, Under
 from proteus.engine.keys.lda import LDAKeys
 from proteus.engine.keys.space import FROZEN
+from proteus.heads.persist import classes_outside, is_head_meta
 from proteus.signatures import RetrievalResult, Signature, fit_signature, retrieve
 from proteus.signatures.dpgmm import SignatureFitError
+from proteus.tensor_rules import TENSOR_RULES, Check, Mount, NeedsRecord
 
 __all__ = ["GaussianKeys"]
+
+#: the global record of the shortlist's LDA keys (:meth:`GaussianKeys.global_state` wraps their meta)
+_SHORTLIST = f"{GLOBAL_RECORD}/shortlist"
+#: a task's signatures (:meth:`GaussianKeys.task_state`: its ``signature`` and ``frozen_signature``, each
+#: a :class:`~proteus.signatures.Signature`'s tensors and meta, the role ``"signature"``) and the
+#: shortlist's LDA keys (inputs per task, their head in the head's object)
+TENSOR_RULES.declare(
+    "proteus", "GaussianKeys",
+    *(rule for key in ("signature", "frozen_signature") for rule in (
+        NeedsRecord(f"{key}/", key),
+        Mount("signature", prefix=f"{key}/", record=key, when=lambda r: isinstance(r, dict), on="task"),
+    )),
+    Mount("lda inputs", prefix="shortlist/", on="task"),
+    Mount("ranpac", prefix=GLOBAL_PREFIX, record=_SHORTLIST, when=is_head_meta, on="head"),
+    Check(lambda tasks, meta, where: classes_outside(tasks, meta, where, _SHORTLIST)),
+)  # fmt: skip
 
 
 def _scores(sigs: list[Signature | None], X: Callable[[int], Tensor]) -> list[Tensor]:

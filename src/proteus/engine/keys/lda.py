@@ -18,13 +18,15 @@ from torch import Tensor
 
 from proteus.config import ConfigError, RunConfig
 from proteus.engine.errors import TaskError
-from proteus.engine.keys.base import KEYS, KeyFit, KeyKind, RetrievalKeys
+from proteus.engine.keys.base import GLOBAL_PREFIX, GLOBAL_RECORD, KEYS, KeyFit, KeyKind, RetrievalKeys
 from proteus.engine.keys.space import FIRST_ADAPTER, FROZEN, KeySpace
 from proteus.engine.novelty import ClassNovelty
 from proteus.heads import RanPACHead
+from proteus.heads.persist import classes_outside, is_head_meta
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
 from proteus.signatures.signature import NORMALIZATIONS
+from proteus.tensor_rules import TENSOR_RULES, Check, Mount, ShapeRule, Together
 
 __all__ = ["TASK_SCORES", "LDAKeys", "task_scores"]
 
@@ -56,6 +58,25 @@ def task_scores(logits: Tensor, classes: list[list[int]], how: str, temperature:
         if c:  # a task left with no class (forgotten) is never retrieved
             out[:, j] = score(logits, c, temperature)
     return out
+
+
+#: what :meth:`LDAKeys.task_state` stores under its ``prefix`` with ``keep_inputs`` (``kb forget`` subtracts
+#: them): a task's key features and labels
+TENSOR_RULES.declare(
+    "lda inputs",
+    "LDAKeys",
+    ShapeRule("x", ("obj.n", "kb.d"), "{prefix}x (n, d) and {prefix}y (n) have n rows"),
+    ShapeRule("y", ("obj.n",), "{prefix}x (n, d) and {prefix}y (n) have n rows", "int"),
+    Together("(?:x|y)", ("x", "y")),
+)
+#: PROTEUS's LDA keys: their inputs in each task's object, their head (a RanPAC head, :meth:`global_state`)
+#: in the head's object
+TENSOR_RULES.declare(
+    "proteus", "LDAKeys",
+    Mount("lda inputs", prefix="lda/", on="task"),
+    Mount("ranpac", prefix=GLOBAL_PREFIX, record=GLOBAL_RECORD, when=is_head_meta, on="head"),
+    Check(lambda tasks, meta, where: classes_outside(tasks, meta, where, GLOBAL_RECORD)),
+)  # fmt: skip
 
 
 class LDAKeys(RetrievalKeys):
