@@ -579,8 +579,11 @@ ENTRIES: list[Entry] = [
         cols=("metric",),
         seeds=(0,),
         aliases=("memory",),
-        unsupported="`proteus run` records no peak GPU memory (and this figure needs a GPU): not measured",
-        notes=("A figure: the paper prints no numbers; it says PROTEUS uses the least memory.",),
+        notes=(
+            "A figure: the paper prints no numbers; it says PROTEUS uses the least memory. Ours is the "
+            "largest `peak_gpu_mb` over a run's tasks (`results.json` → `tasks`), recorded on CUDA only: "
+            "'-' on a CPU.",
+        ),
     ),
     Entry(
         "budget_cifar100",

@@ -337,6 +337,10 @@ def metric_values(metric: str, res: dict[str, Any], split: dict[str, Any] | None
     elif metric == "orthogonality":
         v = (res.get("orthogonality") or {}).get("max_abs_offdiag")
         out[None] = None if v is None else float(v)
+    elif metric == "gpu_memory":
+        peaks = [t.get("peak_gpu_mb") for t in res.get("tasks") or []]
+        peaks = [float(p) for p in peaks if p is not None]
+        out[None] = max(peaks) if peaks else None
     elif metric == "params":
         tasks = res.get("tasks") or []
         v = tasks[-1].get("trainable_params") if tasks else None
@@ -639,5 +643,5 @@ def reproduce(plan: Plan, out: str | Path, progress: bool = True, command: str =
         (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
         if progress:
             print(md)
-            print(f"table: {out / (stem + '.md')}")
+        print(f"table: {out / (stem + '.md')}")
     return report
