@@ -989,7 +989,6 @@ ENTRIES: list[Entry] = [
                 "classes",
             ),  # l. 684-689
         },  # fmt: skip
-        aliases=("tab:dataset_stats",),
         notes=(
             "Counted from each run's split.json (a `frozen` run: no training). VTAB-Sim50 has 185 "
             "classes by the paper's stated recipe (docs/experiments.md).",
