@@ -442,16 +442,20 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p = sub.add_parser(
         "reproduce",
         help="run a table or figure of the paper by its name; write it with the paper's numbers beside ours",
-        description="Run one table or figure of the PROTEUS paper (named by its label in the paper's source: "
-        "main-table, ablationS, topkG, kmeans, ...; --list shows them all) through `proteus compare`, then "
-        "write it in the paper's layout as Markdown and CSV (OUT/NAME.md, .csv, .json): our mean ± std "
-        "over seeds beside each published number, and a footnote with every setting that differs from the "
-        "paper's. Runs go to OUT/BENCHMARK/CELL/seedK; finished ones are reused (tables sharing OUT share "
-        "runs) and an interrupted one starts again. Without --benchmark the paper's benchmarks run with "
-        "their ViT-B/16 presets (--data ROOT holds cifar100/, imagenet-r/, imagenet-a/, vtab/, "
-        "vtab-large/); --benchmark LOCAL[:PAPER] runs every cell on one local stream instead (domains5, "
-        "cifar10, quickstart, ...) beside the paper column PAPER (default: the one the stream stands in "
-        "for, else the table's first).",
+        description="""\
+Run one table or figure of the PROTEUS paper, named by its label in the paper's source
+(main-table, ablationS, topkG, kmeans, ...; --list shows them all), through `proteus compare`,
+then write it in the paper's layout as Markdown and CSV (OUT/NAME.md, .csv, .json): our mean
+± std over seeds beside each published number, and a footnote with every setting that differs
+from the paper's.
+
+Runs go to OUT/BENCHMARK/CELL/seedK; finished ones are reused (tables sharing OUT share runs)
+and an interrupted one starts again. Without --benchmark the paper's benchmarks run with their
+ViT-B/16 presets (--data ROOT holds cifar100/, imagenet-r/, imagenet-a/, vtab/, vtab-large/);
+--benchmark LOCAL[:PAPER] runs every cell on one local stream instead (domains5, cifar10,
+quickstart, ...) beside the paper's column PAPER (default: the one the stream stands in for,
+else the table's first). Cells that cannot run (a prompt method without a ViT, a benchmark no
+preset builds) are shown as n/a with the reason.""",
         epilog=REPRODUCE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
