@@ -193,8 +193,10 @@ def test_theory_report_names_every_failed_assumption() -> None:
     assert r["a21"] is (spread <= d * r["sigma2"]) and r["a21_a23"] is (spread <= d * r["sigma2_a23"])
     assert ("A2-1" in r["failed"]) is (not r["a21"])
     # a bound below the measured error is named too
-    row = {"bound": 0.01, "error": 0.5, "a21": True, "a21_a23": False, "a23": True}
+    row = {"bound": 0.01, "error": 0.5, "a21": True, "a21_a23": False, "a23": True, "bound_a23": 0.6}
     assert failed_assumptions(row) == ["A2-1 (A2-3's sigma^2)", "bound < error"]
+    row.update(bound=1.0, bound_a23=0.0)  # the proof's sigma^2 gives a vacuous bound, A2-3's a violated one
+    assert failed_assumptions(row) == ["A2-1 (A2-3's sigma^2)", "bound < error (A2-3's sigma^2)"]
     assert failed_assumptions({"bound": None, "error": 0.0}) == ["Thm 3.5 condition"]
 
 

@@ -176,6 +176,7 @@ def assumptions_statement(comps: list[dict[str, Any]]) -> str:
         "A2-3": "A2-3 as the proof uses it (V[Z] <= d sigma^2 with A2-3's sigma^2)",
         "Thm 3.5 condition": "Theorem 3.5's condition delta >= max(0, -2 kappa / d) (no bound)",
         "bound < error": "the bound (it lies below the measured retrieval error)",
+        "bound < error (A2-3's sigma^2)": "the bound with A2-3's sigma^2 (it lies below the measured error)",
     }
     parts = []
     for name, text in what.items():

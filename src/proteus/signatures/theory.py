@@ -161,7 +161,8 @@ def failed_assumptions(row: dict[str, Any]) -> list[str]:
     """The names of what fails for one (task, component) row of :func:`theory_report`: ``"A2-1"`` (with
     the headline sigma^2), ``"A2-1 (A2-3's sigma^2)"``, ``"A2-3"`` (A2-3's sigma^2 does not bound
     V[Z] / d, the variance the proof uses), ``"Thm 3.5 condition"`` (no bound), ``"bound < error"``
-    (the measured error exceeds the bound: the premise of the theorems fails for this run)."""
+    (the measured error exceeds the bound: the premise of the theorems fails for this run) and
+    ``"bound < error (A2-3's sigma^2)"`` (the same for the bound with A2-3's sigma^2)."""
     out = []
     if row.get("a21") is False:
         out.append("A2-1")
@@ -171,10 +172,12 @@ def failed_assumptions(row: dict[str, Any]) -> list[str]:
         out.append("A2-3")
     if row.get("bound") is None:
         out.append("Thm 3.5 condition")
-    else:
-        err = row.get("error")
-        if isinstance(err, float) and math.isfinite(err) and err > row["bound"]:
-            out.append("bound < error")
+    err = row.get("error")
+    measured = isinstance(err, float) and math.isfinite(err)
+    if measured and row.get("bound") is not None and err > row["bound"]:
+        out.append("bound < error")
+    if measured and row.get("bound_a23") is not None and err > row["bound_a23"]:
+        out.append("bound < error (A2-3's sigma^2)")
     return out
 
 
