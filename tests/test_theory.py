@@ -9,10 +9,12 @@ import torch
 
 from proteus.signatures.theory import (
     bound_thm35,
+    failed_assumptions,
     kappa,
     min_delta_thm36,
     separation_factor,
     theory_report,
+    thm35_condition,
 )
 
 
@@ -49,16 +51,21 @@ def test_bound_thm35_by_hand() -> None:
 
 
 def test_bound_thm35_validity_and_monotonicity() -> None:
-    # outside delta >= max(0, -2 kappa / d): the trivial bound
-    assert bound_thm35(100, 0.5, -30.0, 1.0, 5, 10) == 1.0  # needs delta >= 0.6
-    assert bound_thm35(100, -0.1, 0.0, 1.0, 5, 10) == 1.0
-    assert bound_thm35(100, 0.61, -30.0, 1.0, 5, 10) <= 1.0
+    # outside delta >= max(0, -2 kappa / d) the theorem says nothing: no bound, and the reason
+    assert bound_thm35(100, 0.5, -30.0, 1.0, 5, 10) is None  # needs delta >= 0.6
+    assert "0.5 < max(0, -2 kappa / d) = 0.6" in str(thm35_condition(100, 0.5, -30.0))
+    assert bound_thm35(100, -0.1, 0.0, 1.0, 5, 10) is None
+    assert bound_thm35(100, math.nan, 0.0, 1.0, 5, 10) is None
+    assert "not finite" in str(thm35_condition(100, 1.0, 0.0, math.inf))
+    b = bound_thm35(100, 0.61, -30.0, 1.0, 5, 10)
+    assert b is not None and b <= 1.0 and thm35_condition(100, 0.61, -30.0) is None
     # a single task: only the chi-square tail remains
     assert bound_thm35(50, 1.0, 0.0, 1.0, 1, 10) == pytest.approx(math.exp(-50 / 20))
     for d, kap, s2 in [(768, 0.0, 1.0), (64, -5.0, 0.5), (256, 10.0, 2.0)]:
         deltas = [max(0.0, -2 * kap / d) + 0.05 * i for i in range(1, 200)]
         vals = [bound_thm35(d, x, kap, s2, 10, 20) for x in deltas]
-        assert all(b2 <= b1 for b1, b2 in zip(vals, vals[1:]))
+        assert all(v is not None for v in vals)
+        assert all(b2 <= b1 for b1, b2 in zip(vals, vals[1:]))  # type: ignore[operator]
         assert vals[-1] < vals[0] or vals[0] == 1.0
         assert all(0.0 <= v <= 1.0 for v in vals)
 
@@ -107,7 +114,8 @@ def test_theorem_36_delta_makes_theorem_35_bound_at_most_eps(
 ) -> None:
     delta = min_delta_thm36(d, eps, kap, s2, n, tau)
     assert delta >= max(0.0, -2 * kap / d)
-    assert bound_thm35(d, delta, kap, s2, n, tau) <= eps * (1 + 1e-9)
+    bound = bound_thm35(d, delta, kap, s2, n, tau)
+    assert bound is not None and bound <= eps * (1 + 1e-9)
     # and it decreases when more error is tolerated
     assert min_delta_thm36(d, eps * 2, kap, s2, n, tau) <= delta
 
@@ -140,14 +148,73 @@ def test_theory_report_on_separated_tasks() -> None:
         assert r["tau"] == pytest.approx(T)
         assert r["delta"] > 3.0  # ||mu_k - mu_i||^2 ~ 128 >> d
         assert r["error"] == 0.0
-        assert 0.0 < r["sigma2"] < 3.0
-        assert r["bound"] < 1e-3
-        assert math.isfinite(r["min_delta"]) and r["delta_ok"] is True
-        assert r["a21"] is True
-    # the Mahalanobis-variance fallback for sigma^2 and the default component assignment
+        # the headline sigma^2 is the proof's: the variance of Z over the pair's inputs, per other component
+        others = torch.cat([maha[k][i][comp[k] == t] for i in range(n_tasks) if i != k], 1).double()
+        assert r["sigma2"] == pytest.approx(float(others.var(0).max()) / d, rel=1e-9)
+        assert 0.0 < r["sigma2_a23"] < 3.0  # A2-3's: trace Var[h] / d of unit-variance noise
+        # a larger sigma^2 loosens the bound: A2-3's (about 1) gives a tight one, the proof's a looser one
+        assert r["bound_a23"] < 1e-3 and r["bound_reason"] is None and r["bound_reason_a23"] is None
+        assert r["bound_a23"] <= r["bound"] < 1.0
+        # Theorem 3.6 with A2-3's sigma^2 is met; with the proof's (V[Z] / d ~ 30) the minimum exceeds delta
+        assert math.isfinite(r["min_delta_a23"]) and r["delta_ok_a23"] is True
+        assert math.isfinite(r["min_delta"]) and r["min_delta"] > r["min_delta_a23"]
+        assert r["delta_ok"] is (r["delta"] >= r["min_delta"]) and r["delta_ok"] is False
+        assert r["a21"] is True and r["a21_a23"] is True
+        # the proof needs V[Z] <= d sigma^2; A2-3's sigma^2 (about 1) is far below V[Z] / d here
+        assert r["a23"] is (r["sigma2"] <= r["sigma2_a23"]) and r["a23"] is False
+        assert r["failed"] == ["A2-3"]
+    # without embeddings: A2-3's fields are not measured (None), the headline stays the proof's
     rep2 = theory_report(maha, logdets, d)
     assert all(math.isnan(r["error"]) and r["sigma2"] > 0 for r in rep2.values())
+    assert all(r["sigma2_a23"] is None and r["a23"] is None and r["bound_a23"] is None for r in rep2.values())
+    rep3 = theory_report(maha, logdets, d, components=comp)
+    assert all(
+        r["sigma2"] == rep[key]["sigma2"] and r["bound"] == rep[key]["bound"] for key, r in rep3.items()
+    )
     assert theory_report(maha[:1], logdets[:1], d) == {}
+
+
+def test_theory_report_names_every_failed_assumption() -> None:
+    """Overlapping tasks with unequal volumes: no silent bound of 1, and A2-1 reported per pair."""
+    g = torch.Generator().manual_seed(1)
+    d, N = 8, 60
+    emb = [torch.randn(N, d, generator=g), torch.randn(N, d, generator=g) * 3.0]
+    # task 2's component is far wider (log-det 8 log 9 ~ 17.6 above task 1's): kappa < 0 for task 1
+    scales = [1.0, 9.0]
+    maha = [[(emb[k] ** 2).sum(1, keepdim=True) / scales[i] for i in range(2)] for k in range(2)]
+    logdets = [torch.tensor([d * math.log(s)]) for s in scales]
+    retrieved = [torch.full((N,), 1), torch.full((N,), 1)]
+    rep = theory_report(maha, logdets, d, retrieved=retrieved, embeddings=[[e, e] for e in emb])
+    r = rep[(0, 0)]  # task 1's inputs sit inside task 2's wide component: delta < 0
+    assert r["delta"] < 0 and r["bound"] is None and "condition fails" in r["bound_reason"]
+    assert r["bound_a23"] is None and "Thm 3.5 condition" in r["failed"]
+    # A2-1: log|Lambda_2| - log|Lambda_1| = 8 log 9 against d sigma^2
+    spread = float(logdets[1] - logdets[0])
+    assert r["a21"] is (spread <= d * r["sigma2"]) and r["a21_a23"] is (spread <= d * r["sigma2_a23"])
+    assert ("A2-1" in r["failed"]) is (not r["a21"])
+    # a bound below the measured error is named too
+    row = {"bound": 0.01, "error": 0.5, "a21": True, "a21_a23": False, "a23": True, "bound_a23": 0.6}
+    assert failed_assumptions(row) == ["A2-1 (A2-3's sigma^2)", "bound < error"]
+    row.update(bound=1.0, bound_a23=0.0)  # the proof's sigma^2 gives a vacuous bound, A2-3's a violated one
+    assert failed_assumptions(row) == ["A2-1 (A2-3's sigma^2)", "bound < error (A2-3's sigma^2)"]
+    assert failed_assumptions({"bound": None, "error": 0.0}) == ["Thm 3.5 condition"]
+
+
+def test_assumptions_statement_lists_the_pairs() -> None:
+    from proteus.report.analysis import assumptions_statement
+
+    comps = [
+        {"task": 0, "component": 0, "failed": ["A2-1", "bound < error"]},
+        {"task": 1, "component": 1, "failed": []},
+        {"task": 1, "component": 0, "failed": ["A2-1"]},
+    ]
+    text = assumptions_statement(comps)
+    assert (
+        "A2-1 (|Lambda_i^s| <= e^(d sigma^2) |Lambda_k^t|, the proof's sigma^2) fails for 2 of 3 pairs"
+        in text
+    )
+    assert "(task.component 1.1, 2.1)" in text and "lies below the measured retrieval error" in text
+    assert assumptions_statement([{"task": 0, "component": 0, "failed": []}]).startswith("every assumption")
 
 
 def test_premise_statement_names_the_tasks_far_from_d() -> None:

@@ -494,3 +494,52 @@ def cmd_list(args: argparse.Namespace) -> int:
             for prefix in FAMILIES:
                 print(f"  {prefix + '<name>':<22} any timm ViT by timm's name (weights as for the presets)")
     return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    """``proteus reproduce``: list the paper's tables, plan one, or run it (docs/experiments.md)."""
+    from proteus.experiment import reproduce as rep
+
+    if args.list:
+        print("\n".join(rep.catalogue_lines()))
+        return 0
+    if not args.name:
+        raise UsageError("proteus reproduce: name a table or figure (`proteus reproduce --list` lists them)")
+    seeds = None
+    if args.seeds is not None:
+        try:
+            seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
+        except ValueError:
+            raise UsageError(
+                f"--seeds expects comma-separated integers (0,1,2), got {args.seeds!r}"
+            ) from None
+    try:
+        plan = rep.make_plan(
+            args.name, benchmark=args.benchmark, data=args.data, seeds=seeds, config_files=args.config,
+            sets=args.set, overrides=_overrides(args),
+        )  # fmt: skip
+    except KeyError as e:
+        raise UsageError(str(e.args[0])) from None
+    if args.plan:
+        if args.json:
+            print(json.dumps(plan.to_dict(), indent=1, default=str))
+        else:
+            for c in plan.cells:
+                state = f"skip: {c.skip}" if c.config is None else "run"
+                print(f"{c.column.key:<14} {c.variant.label:<34} {c.cell_id:<40} seed {c.seed}  {state}")
+            for d in plan.differences:
+                print(f"differs from the paper: {d}")
+        return 0
+    if not plan.runnable():
+        reasons = sorted({c.skip for c in plan.cells if c.skip})
+        raise UsageError(f"reproduce {plan.entry.name}: no cell can run here ({'; '.join(reasons)})")
+    bench = f"-{args.benchmark.split(':')[0]}" if args.benchmark else ""
+    out = Path(args.out or f"runs/reproduce{bench}")
+    _check_out_dir(out, "--out", allow_existing_dir=True)
+    command = (
+        "proteus " + " ".join(sys.argv[1:])
+        if sys.argv and sys.argv[0].endswith(("proteus", "__main__.py"))
+        else ""
+    )
+    rep.reproduce(plan, out, progress=not args.quiet, command=command)
+    return 0

@@ -23,6 +23,7 @@ from proteus.cli.commands import (
     cmd_list,
     cmd_predict,
     cmd_quickstart,
+    cmd_reproduce,
     cmd_run,
     cmd_serve,
     cmd_weights,
@@ -39,6 +40,7 @@ examples:
   proteus predict --kb kb/ img1.jpg img2.png --json
   proteus kb verify kb/ && proteus kb info kb/
   proteus compare --benchmark quickstart --methods proteus,ranpac,frozen --seeds 0,1,2
+  proteus reproduce --list                             # the paper's tables and figures
   proteus list methods
 """
 
@@ -344,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     _track_option(c)
     c.set_defaults(func=cmd_compare)
 
+    _add_reproduce(sub)
+
     b = sub.add_parser("bench", help="performance harness: ratios measured side by side in one process")
     b.add_argument("--out", help="write the JSON report here")
     b.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
@@ -527,6 +531,68 @@ def build_parser() -> argparse.ArgumentParser:
     ls.set_defaults(func=cmd_list)
     _describe("", p)
     return p
+
+
+REPRODUCE_EPILOG = """\
+examples:
+  proteus reproduce --list
+  proteus reproduce ablationS --plan --json            # every cell's resolved config; nothing runs
+  proteus reproduce ablationS --benchmark quickstart --seeds 0 --set train.epochs=1 --out runs/abl
+  proteus reproduce main-table --benchmark domains5 --data ../shared/data --config mobilenet_cpu \\
+      --out runs/repro                                   # one column (VTAB5T-small's) on a local stream
+  proteus reproduce main-table --benchmark cifar10:cifar100 --data ../shared/data/cifar10-subset \\
+      --config mobilenet_cpu --out runs/repro
+  proteus reproduce kmeans --data DATA --out runs/paper   # the paper's benchmarks, ViT-B/16 (a GPU job)
+"""
+
+
+def _add_reproduce(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``proteus reproduce``: the paper's tables by name (proteus.experiment.reproduce)."""
+    p = sub.add_parser(
+        "reproduce",
+        help="run a table or figure of the paper by its name; write it with the paper's numbers beside ours",
+        description="""\
+Run one table or figure of the PROTEUS paper, named by its label in the paper's source
+(main-table, ablationS, topkG, kmeans, ...; --list shows them all), through `proteus compare`,
+then write it in the paper's layout as Markdown and CSV (OUT/NAME.md, .csv, .json): our mean
+± std over seeds beside each published number, and a footnote with every setting that differs
+from the paper's.
+
+Runs go to OUT/BENCHMARK/CELL/seedK; finished ones are reused (tables sharing OUT share runs)
+and an interrupted one starts again. Without --benchmark the paper's benchmarks run with their
+ViT-B/16 presets (--data ROOT holds cifar100/, imagenet-r/, imagenet-a/, vtab/, vtab-large/);
+--benchmark LOCAL[:PAPER] runs every cell on one local stream instead (domains5, cifar10,
+quickstart, ...) beside the paper's column PAPER (default: the one the stream stands in for,
+else the table's first). Cells that cannot run (a prompt method without a ViT, a benchmark no
+preset builds) are shown as n/a with the reason.""",
+        epilog=REPRODUCE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", nargs="?", help="the table or figure (`--list` shows every name)")
+    p.add_argument("--list", action="store_true", help="list every table and figure, one line each")
+    p.add_argument(
+        "--plan", action="store_true", help="print every cell and its resolved config; run nothing"
+    )
+    p.add_argument("--json", action="store_true", help="with --plan: print JSON")
+    p.add_argument(
+        "--benchmark",
+        metavar="LOCAL[:PAPER]",
+        help="run on this benchmark instead of the paper's (e.g. domains5, cifar10, quickstart), compared "
+        "with the paper's column PAPER",
+    )
+    p.add_argument("--data", help="dataset root (without --benchmark: the root of the paper's datasets)")
+    p.add_argument("--seeds", help="comma-separated seeds (default: the table's, usually 0,1,2)")
+    p.add_argument(
+        "--config", action="append", default=[], help="YAML config or packaged preset (repeatable)"
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--backbone", help="backbone name (replaces the presets')")
+    p.add_argument("--weights", help="local backbone weights (.safetensors or .pth)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: auto)")
+    _add_precision(p)
+    p.add_argument("--out", help="output directory (default runs/reproduce[-BENCHMARK])")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_reproduce)
 
 
 def _key_option(p: argparse.ArgumentParser, required: bool = False) -> None:

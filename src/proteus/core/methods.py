@@ -4,14 +4,16 @@ points on the same learner, and the ablations -- each declared against an explic
 The paper's ablations (Sec. 5 and the Appendix: S = 0, S = I, no elastic net, K-means keys, top-K
 retrieval, the O-LoRA-like sum, the rank budget, the last adapter) derive from ``proteus-paper``: they
 change one thing of the paper's recipe. ``ranpac`` is RanPAC with its own gamma rule (the Appendix:
-"gamma follows RanPAC"); ``ranpac-accumulated`` keeps proteus's rule for a like-for-like head. The
-ablations of the default (``proteus-hard``, ``-max-key``, ``-global-head``, ``-flda``, ``-lda``) derive
-from ``proteus``.
+"gamma follows RanPAC"); ``ranpac-accumulated`` keeps proteus's rule for a like-for-like head;
+``ranpac-hide`` is RanPAC with a LoRA unit per task retrieved by HiDe-Prompt's parametric task-identity
+inference (the Appendix table "retrieve_significant"; :mod:`proteus.core.tii_keys`). The ablations of the
+default (``proteus-hard``, ``-max-key``, ``-global-head``, ``-flda``, ``-lda``) derive from ``proteus``.
 """
 
 from __future__ import annotations
 
 from proteus.config import declare
+from proteus.core import tii_keys  # noqa: F401 - registers signature.keys=hide-tii (ranpac-hide)
 
 __all__: list[str] = []
 
@@ -93,6 +95,16 @@ declare(
     "RanPAC with proteus's gamma rule (ridge on all statistics so far, scored on the task's held-out part)",
     base="ranpac",
     head__gamma_selection="accumulated",
+)
+declare(
+    "ranpac-hide",
+    "RanPAC with HiDe's parametric retrieval: a LoRA unit per task (S = 0, no orthogonality), the task of an "
+    "input from HiDe-Prompt's task-identity inference on frozen features, RanPAC's head",
+    base="ranpac",
+    train__tasks="all",
+    retrieval__mode="signature",
+    signature__keys="hide-tii",
+    adapter__orthogonal=False,
 )
 declare(
     "frozen",

@@ -162,8 +162,11 @@ def compare(
     seeds: Sequence[int],
     out: str | Path,
     progress: bool = True,
+    stem: str = "compare",
 ) -> dict[str, Any]:
-    """Run every method with every seed into ``out/<method>/seed<k>`` and write the comparison."""
+    """Run every method with every seed into ``out/<method>/seed<k>`` and write the comparison
+    (``<stem>.md``, ``<stem>.json``, ``<stem>_accuracy.png``; ``proteus reproduce`` names them after its
+    table, so that tables sharing ``out`` keep their own)."""
 
     if not methods:
         raise ConfigError("compare: no methods given")
@@ -202,9 +205,9 @@ def compare(
         out.mkdir(parents=True, exist_ok=True)
         curves = {m: [r["avg_acc"] for r in by.values() if r["avg_acc"]] for m, by in runs.items()}
         try:
-            plot_compare(curves, out / "compare_accuracy.png", title=title)
-            report["figure"] = "compare_accuracy.png"
-            md += "\n\n![average accuracy after each task](compare_accuracy.png)\n"
+            plot_compare(curves, out / f"{stem}_accuracy.png", title=title)
+            report["figure"] = f"{stem}_accuracy.png"
+            md += f"\n\n![average accuracy after each task]({stem}_accuracy.png)\n"
         except Exception as e:  # noqa: BLE001 - the table matters more than the figure
             report["figure_error"] = f"{type(e).__name__}: {e}"
         links = [
@@ -215,8 +218,8 @@ def compare(
         ]
         if links:
             md += "\nPer-run reports: " + ", ".join(links) + "\n"
-        (out / "compare.md").write_text(md + "\n")
-        (out / "compare.json").write_text(json.dumps(report, indent=1))
+        (out / f"{stem}.md").write_text(md + "\n")
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
         print(md.split("\n\n![")[0])
-        print(f"comparison: {out / 'compare.md'}")
+        print(f"comparison: {out / f'{stem}.md'}")
     return report

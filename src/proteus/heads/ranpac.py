@@ -2,8 +2,8 @@
 
 PROTEUS adopts the classification head of RanPAC (McDonnell et al., NeurIPS 2023). Every training
 embedding ``h`` is mapped to ``phi(h) = relu(h @ W_rand)`` (a fixed Gaussian random projection to
-``rp_dim`` dimensions; ``rp_dim = 0`` uses ``h`` itself) and two sufficient statistics are
-accumulated over the whole stream (Algorithm 1, lines 10-11)::
+``rp_dim`` dimensions, RanPAC's M = 10000; ``rp_dim = 0`` uses ``h`` itself) and two sufficient
+statistics are accumulated over the whole stream (Algorithm 1, lines 10-11)::
 
     G  <- G + phi(h) phi(h)^T              (the Gram matrix G_S)
     Q  <- Q + phi(h) onehot(z)^T           (column c is the class-prototype sum e_S(c))
@@ -11,12 +11,15 @@ accumulated over the whole stream (Algorithm 1, lines 10-11)::
 Prediction is Eq. 23, ``c* = argmax_c phi(h*)^T (G + gamma I)^{-1} e(c)``, i.e. the scores are
 ``phi(H) @ W_out`` with ``W_out = (G + gamma I)^{-1} Q``.
 
-Two notes on fidelity:
+Notes on fidelity:
 
-* Algorithm 1 writes ``e_S(z) += m^{-1} |D_k|^{-1} h_S(x)``; like RanPAC we keep the unscaled sums.
+* The paper writes Eq. 23 (and Algorithm 1, and its complexity analysis) on ``h`` itself and never
+  mentions a projection; the projection is RanPAC's, whose head the paper adopts ("gamma follows
+  RanPAC"). ``rp_dim = 0`` is Eq. 23 as written; docs/experiments.md measures the difference.
+* Algorithm 1 writes ``e_S(z) += m^{-1} |D_k|^{-1} h_S(x)``: ``head.prototypes = "task-mean"`` divides each
+  task's sums by ``|D_k|`` (``proteus-paper``); ``"sum"`` keeps RanPAC's unscaled sums (the default).
   ``m^{-1}`` scales every score equally (no effect on the argmax) and ``|D_k|^{-1}`` only re-weights
-  whole tasks, which is a no-op for equally sized tasks; the unscaled ``Q`` is what RanPAC's code and
-  its ridge-parameter search use.
+  whole tasks, which is a no-op for equally sized tasks.
 * The noise level ``gamma`` is chosen "with the same optimization strategy as in RanPAC" (App. C):
   after each update, on that update's data only, ridge-fit on a ``1 - holdout`` split over
   ``gamma in 10 ** arange(gamma_min_exp, gamma_max_exp)`` and keep the gamma with the smallest MSE
@@ -27,7 +30,7 @@ Two notes on fidelity:
   The class prototypes ``e(c)`` are a strategy too (:mod:`proteus.heads.prototypes`). Input checks are in
   :mod:`proteus.heads.checks`, persistence in :mod:`proteus.heads.persist`.
 
-Memory: ``G`` is ``rp_dim x rp_dim`` in ``dtype``: 800 MB at the paper's ``rp_dim = 10000`` in
+Memory: ``G`` is ``rp_dim x rp_dim`` in ``dtype``: 800 MB at RanPAC's ``rp_dim = 10000`` in
 float64 (200 MB at 5000), plus a Cholesky factor of the same size while ``W_out`` is computed and
 the ``N x rp_dim`` projected features of the update being processed.
 """
@@ -93,9 +96,10 @@ class RanPACHead:
 
     Args:
         embed_dim: dimension ``d`` of the backbone embeddings ``h``.
-        rp_dim: random-projection width ``M`` (RanPAC: 10000; the paper writes Eq. 23 on ``h``); ``0``
-            uses ``h`` directly. ``G_`` costs ``M^2`` numbers: 800 MB at 10000 in float64.
-        gamma_min_exp, gamma_max_exp: the gamma grid ``10 ** arange(gamma_min_exp, gamma_max_exp)``.
+        rp_dim: random-projection dimension ``M`` (RanPAC's: 10000; the paper states none). ``0`` disables the
+            projection and uses ``h`` directly. ``G_`` costs ``M^2`` numbers: 800 MB at 10000 in float64.
+        gamma_min_exp, gamma_max_exp: the gamma grid is ``10 ** arange(gamma_min_exp, gamma_max_exp)``
+            (end exclusive), i.e. ``1e-8 .. 1e13`` by default.
         holdout: fraction of each update's samples held out to score the gamma candidates.
         seed: seeds both the random projection and the train/held-out shuffle.
         dtype: float64 (default, recommended) or float32. device: where the statistics live (``None``:

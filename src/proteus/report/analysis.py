@@ -5,13 +5,15 @@
   bound of Theorem 3.5 and the minimum delta Theorem 3.6 requires for the measured retrieval error
   (Eq. epsrate); Fig. 2 and the Appendix table of the 50-task delta. Inputs are the evaluator's cached
   test embeddings ``h_i(x)`` for every (test set k, adapter i), so the cost is ``n^2`` Mahalanobis
-  evaluations of the test sets, no new forward pass. ``sigma^2 = max_i trace(Var[h_i(x)]) / d`` over
-  the other tasks' adapters i, as Assumption A2-3 states it, in the signature's space (after its L2
-  normalisation where it normalises). The ``*_varz`` fields repeat sigma^2, the bound and the minimum
-  delta with ``sigma^2 = max Var[Z_i^s] / d``, the variance bound ``V[Z] <= sigma^2 d`` that the proof
-  of Theorem 3.5 actually uses (see :func:`proteus.signatures.theory.theory_report`). The
-  sub-distribution ``D_k^t`` of an input is its nearest own component (Mahalanobis), and the error of
-  Theorem 3.6 is the measured retrieval error of the component, floored at half an error.
+  evaluations of the test sets, no new forward pass. The headline ``sigma^2 = max V[Z_i^s] / d`` is the
+  variance bound ``V[Z] <= sigma^2 d`` that the proof of Theorem 3.5 uses; the ``*_a23`` fields repeat
+  the bound and the minimum delta with Assumption A2-3's ``sigma^2 = max_i trace(Var[h_i(x)]) / d`` (in
+  the signature's space, after its L2 normalisation where it normalises), as the paper states it (see
+  :func:`proteus.signatures.theory.theory_report`). Every pair lists what fails for it (A2-1, A2-3,
+  Theorem 3.5's condition, a bound below the measured error); a pair outside Theorem 3.5's condition has
+  no bound (None), not a bound of 1. The sub-distribution ``D_k^t`` of an input is its nearest own
+  component (Mahalanobis), and the error of Theorem 3.6 is the measured retrieval error of the
+  component, floored at half an error.
 * :func:`retrieval_confusion` -- true task x retrieved task counts of the final evaluation.
 * :func:`transfer_matrices` -- the learned S per task and adapted map (Fig. 8 heatmaps).
 * :func:`cosine_analysis` -- pairwise cosine of the tasks' own updates ``B_tau A_tau^T`` per map
@@ -54,6 +56,7 @@ class Evaluator(Protocol):
 
 __all__ = [
     "analyse_run",
+    "assumptions_statement",
     "cosine_analysis",
     "finite",
     "latency_points",
@@ -132,12 +135,66 @@ def premise(own_per_dim: list[float]) -> dict[str, Any]:
     return {"holds": holds, "factor": PREMISE_FACTOR, "statement": text}
 
 
+def _side(rows: list[dict[str, Any]], w: list[float], suffix: str) -> dict[str, Any]:
+    """The bound, minimum delta and assumptions of ``rows`` with one sigma^2 (``suffix`` "" for the
+    proof's, "_a23" for A2-3's): means over the pairs that have a value, counts of the ones that do not."""
+    bounds = [(c[f"bound{suffix}"], wi) for c, wi in zip(rows, w) if c.get(f"bound{suffix}") is not None]
+    ok = [c[f"delta_ok{suffix}"] for c in rows if c.get(f"delta_ok{suffix}") is not None]
+    a21 = [c[f"a21{suffix}"] for c in rows if c.get(f"a21{suffix}") is not None]
+    md = [c[f"min_delta{suffix}"] for c in rows if c.get(f"min_delta{suffix}") is not None]
+    out = {
+        f"bound_mean{suffix}": _mean([b for b, _ in bounds], [wi for _, wi in bounds]) if bounds else None,
+        f"n_no_bound{suffix}": sum(1 for c in rows if c.get(f"sigma2{suffix}") is not None
+                                   and c.get(f"bound{suffix}") is None),
+        f"min_delta_mean{suffix}": _mean([c[f"min_delta{suffix}"] for c in rows], w) if md else None,
+        f"min_delta_max{suffix}": max(md, default=None),
+        f"min_delta_median{suffix}": finite(float(np.median(md))) if md else None,
+        f"frac_delta_ok{suffix}": sum(ok) / len(ok) if ok else None,
+        f"frac_a21{suffix}": sum(a21) / len(a21) if a21 else None,
+    }  # fmt: skip
+    if suffix == "_a23":
+        a23 = [c["a23"] for c in rows if c.get("a23") is not None]
+        out["frac_a23"] = sum(a23) / len(a23) if a23 else None
+    return out
+
+
+def _failed_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for c in rows:
+        for name in c.get("failed") or []:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def assumptions_statement(comps: list[dict[str, Any]]) -> str:
+    """What fails, in words: each assumption or condition with the (task, component) pairs it fails for."""
+    if not comps:
+        return "no (task, component) pair measured"
+    what = {
+        "A2-1": "A2-1 (|Lambda_i^s| <= e^(d sigma^2) |Lambda_k^t|, the proof's sigma^2)",
+        "A2-1 (A2-3's sigma^2)": "A2-1 with A2-3's sigma^2",
+        "A2-3": "A2-3 as the proof uses it (V[Z] <= d sigma^2 with A2-3's sigma^2)",
+        "Thm 3.5 condition": "Theorem 3.5's condition delta >= max(0, -2 kappa / d) (no bound)",
+        "bound < error": "the bound (it lies below the measured retrieval error)",
+        "bound < error (A2-3's sigma^2)": "the bound with A2-3's sigma^2 (it lies below the measured error)",
+    }
+    parts = []
+    for name, text in what.items():
+        pairs = [f"{c['task'] + 1}.{c['component'] + 1}" for c in comps if name in (c.get("failed") or [])]
+        if pairs:
+            shown = ", ".join(pairs[:8]) + (f" and {len(pairs) - 8} more" if len(pairs) > 8 else "")
+            parts.append(f"{text} fails for {len(pairs)} of {len(comps)} pairs (task.component {shown})")
+    return "; ".join(parts) if parts else f"every assumption holds for all {len(comps)} pairs"
+
+
 @torch.no_grad()
 def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None:
     """Theorem 3.5 / 3.6 quantities per (task, component) on the test sets; None without retrieval.
 
     Returns ``{"components": [...], "per_task": [...], "summary": {...}}``; tasks and components are
-    0-based, ``min_delta`` / ``delta_ok`` are None where Theorem 3.6 gives no finite value. The theorems
+    0-based, ``min_delta`` / ``delta_ok`` are None where Theorem 3.6 gives no finite value, ``bound`` is
+    None where Theorem 3.5's condition fails (``bound_reason`` says why) and ``failed`` names what fails
+    for the pair; ``summary["assumptions"]`` says it in words. The theorems
     are about the adapter keys ``h_i(x)`` (``clf.keys_.adapter_signatures``); None when a task has none. With
     ``signature.keys`` other than "adapter", delta, kappa and sigma^2 are still those of the adapter keys
     while the error is the measured one of the rule that retrieved.
@@ -157,20 +214,15 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
     retrieved = [evaluator.retrieved(k) for k in range(n)]
     emb = [[_SignatureSpace(evaluator.embedding(k, "task", i), sigs[i]) for i in range(n)] for k in range(n)]
     rep = theory_report(maha, logdets, d, retrieved=retrieved, embeddings=emb)  # type: ignore[arg-type]
-    rep_z = theory_report(maha, logdets, d, retrieved=retrieved)
     comps = []
     for (k, t), r in sorted(rep.items()):
-        rz = rep_z[(k, t)]
-        row = {"task": k, "component": t, **{key: finite(v) for key, v in r.items()}}
-        row.update({f"{key}_varz": finite(rz[key]) for key in ("sigma2", "bound", "min_delta", "delta_ok")})
-        comps.append(row)
+        comps.append({"task": k, "component": t, **{key: finite(v) for key, v in r.items()}})
     per_task = []
     for k in range(n):
         rows = [c for c in comps if c["task"] == k]
         if not rows:
             continue
         w = [float(c["n"]) for c in rows]
-        ok = [c["delta_ok"] for c in rows if c["delta_ok"] is not None]
         own = maha[k][k].min(dim=1).values  # each own input's distance to its nearest own component
         per_task.append(
             {
@@ -178,41 +230,34 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
                 "n_components": len(rows),
                 # the bounds' premise: an own-task input's squared Mahalanobis distance is about d
                 "own_distance_per_dim": finite(float(own.median()) / d),
-                "bound_mean": _mean([c["bound"] for c in rows], w),
                 # the task's inputs retrieved to another task (not floored, unlike the components' eps)
                 "retrieval_error": float((retrieved[k] != k).double().mean()),
                 "delta_mean": _mean([c["delta"] for c in rows], w),
                 "delta_min": min((c["delta"] for c in rows if c["delta"] is not None), default=None),
-                "min_delta_mean": _mean([c["min_delta"] for c in rows], w),
-                "min_delta_max": max(
-                    (c["min_delta"] for c in rows if c["min_delta"] is not None), default=None
-                ),
                 "error": _mean([c["error"] for c in rows], w),
-                "frac_delta_ok": sum(ok) / len(ok) if ok else None,
+                **_side(rows, w, ""),
+                **_side(rows, w, "_a23"),
+                "failed": _failed_counts(rows),
             }
         )
-    ok = [c["delta_ok"] for c in comps if c["delta_ok"] is not None]
-    okz = [c["delta_ok_varz"] for c in comps if c["delta_ok_varz"] is not None]
     own = [t["own_distance_per_dim"] for t in per_task if t["own_distance_per_dim"] is not None]
+    weights = [float(c["n"]) for c in comps]
     summary = {
         "premise": premise(own),
         "d": d,
         "num_tasks": n,
         "n_components": len(comps),
-        "n_delta_ok": int(sum(ok)),
-        "frac_delta_ok": sum(ok) / len(ok) if ok else None,
+        "sigma2_headline": "V[Z]",
         "delta_median": finite(float(np.median([c["delta"] for c in comps]))) if comps else None,
-        "min_delta_median": finite(
-            float(np.median([c["min_delta"] for c in comps if c["min_delta"] is not None]))
-        )
-        if any(c["min_delta"] is not None for c in comps)
-        else None,
-        "bound_mean": _mean([c["bound"] for c in comps], [float(c["n"]) for c in comps]),
-        "error_mean": _mean([c["error"] for c in comps], [float(c["n"]) for c in comps]),
-        "frac_a21": sum(c["a21"] for c in comps) / len(comps) if comps else None,
-        "frac_delta_ok_varz": sum(okz) / len(okz) if okz else None,
-        "sigma2": "A2-3: max over other tasks i of trace(Var[h_i(x)]) / d, in the signature's space",
-        "sigma2_varz": "*_varz fields: max Var[Z_i^s] / d over other-task components (the proof of Thm. 3.5)",
+        "error_mean": _mean([c["error"] for c in comps], weights),
+        **_side(comps, weights, ""),
+        **_side(comps, weights, "_a23"),
+        "n_delta_ok": int(sum(bool(c["delta_ok"]) for c in comps)),
+        "failed": _failed_counts(comps),
+        "assumptions": assumptions_statement(comps),
+        "sigma2": "the proof's: max Var[Z_i^s] / d over other-task components (V[Z] <= sigma^2 d, Thm 3.5)",
+        "sigma2_a23": "*_a23 fields: A2-3's max over other tasks i of trace(Var[h_i(x)]) / d, in the "
+        "signature's space",
         "components_of_inputs": "nearest own component (Mahalanobis)",
         "eps": "measured retrieval error of the component, floored at 0.5 / n",
     }
@@ -351,9 +396,12 @@ def analyse_run(
 
     if rc.theory:
         keys["theory"] = attempt("theory", lambda: theory_analysis(clf, evaluator))
-        said = ((keys["theory"] or {}).get("summary") or {}).get("premise")
+        summary = (keys["theory"] or {}).get("summary") or {}
+        said = summary.get("premise")
         if said and not said["holds"]:  # plainly, in the log too (report.md says it with the table)
             log.warning("theory (Thm 3.5/3.6): %s", said["statement"])
+        if summary.get("failed"):
+            log.warning("theory (Thm 3.5/3.6): %s", summary.get("assumptions"))
     keys["retrieval_confusion"] = attempt("confusion", lambda: retrieval_confusion(clf, evaluator))
     bulky["transfer"] = attempt("transfer matrices", lambda: transfer_matrices(clf))
     cos = attempt("unit cosines", lambda: cosine_analysis(clf))

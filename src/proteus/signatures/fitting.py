@@ -8,6 +8,8 @@ the estimator ``signature.prior`` names in :data:`PRIORS`:
   or N close to d, the small sample eigenvalues are far below the true ones (Marchenko-Pastur), so a
   test input's Mahalanobis term under its own task is many times d, by an amount that differs from task
   to task (docs/retrieval.md, "Covariance estimation").
+* ``prior = "sample"``: ``cov(H) + reg_covar I``, scikit-learn's own ``covariance_prior`` (the empirical
+  covariance, no ridge): what ``proteus-paper``'s 1e-3 ridge is measured against (docs/experiments.md).
 * ``prior = "ledoit-wolf"`` / ``"oas"``: ``(1 - rho) cov(H) + rho (tr(cov(H)) / d) I`` with the
   shrinkage ``rho`` of Ledoit & Wolf (2004) or of Chen et al.'s oracle approximating shrinkage (2010),
   computed from the data alone (no parameter): large when N is close to d, small when N >> d.
@@ -140,6 +142,12 @@ def _ridge_prior(Xc: Tensor, C: Tensor, cfg: SignatureConfig) -> TaskCovariance:
     d = C.shape[0]
     lam = max(float(cfg.reg_covar), PRIOR_RIDGE * float(C.diagonal().sum()) / d)
     return TaskCovariance(C + lam * torch.eye(d, dtype=Xc.dtype, device=Xc.device), lam)
+
+
+@PRIORS.register("sample", "cov(H) + reg_covar I: scikit-learn's default prior, no ridge")
+def _sample_prior(Xc: Tensor, C: Tensor, cfg: SignatureConfig) -> TaskCovariance:
+    lam = float(cfg.reg_covar)
+    return TaskCovariance(C + lam * torch.eye(C.shape[0], dtype=Xc.dtype, device=Xc.device), lam)
 
 
 def _shrunk_prior(rho_of: Callable[[Tensor], float]) -> Prior:

@@ -1,0 +1,641 @@
+"""``proteus reproduce``: a table or figure of the PROTEUS paper by one command, ours beside the paper's.
+
+The catalogue (:mod:`proteus.experiment.paper_tables`) says what each table of Sec. 5 and the Appendix
+runs: benchmarks, methods and settings (its *variants*), seeds, metrics, and the published numbers.
+:func:`make_plan` resolves every cell's configuration without running anything (``--plan``);
+:func:`reproduce` runs the grid through :func:`proteus.experiment.compare.compare` (finished cells reused, an
+interrupted cell started again), reads each run's results.json and writes the table in the paper's layout
+(``<out>/<name>.md``, ``.csv``, ``.json``): our mean ± sample std over seeds beside the paper's number in
+each cell, and a footnote with every setting that differs from the paper's (backbone, data, epochs, ...).
+
+Without a benchmark the paper's own benchmarks run with their packaged ViT-B/16 presets (a GPU job);
+``benchmark="domains5"`` (or ``"domains5:vtab5t"``) runs every cell on that local stream instead and
+compares it with one column of the paper (:data:`~proteus.experiment.paper_tables.LOCAL_STANDS_FOR`).
+
+Layout of ``out``: ``<out>/<benchmark>/<cell>/seed<k>`` holds each run (``<cell>`` is the method, with
+the variant's settings appended), so tables that share a run (``main-table``'s PROTEUS, ``ablationS``'s
+S*, ...) reuse it when given the same ``out``.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from proteus.config import LEARNERS, METHODS, ConfigError, RunConfig, flatten, resolve_config
+from proteus.experiment.paper_tables import (
+    ENTRIES,
+    LOCAL_STANDS_FOR,
+    METRICS,
+    PAPER_BENCHMARKS,
+    Entry,
+    Published,
+    Variant,
+    entry,
+)
+
+__all__ = ["Cell", "Column", "Plan", "catalogue_lines", "make_plan", "reproduce", "table_rows"]
+
+#: config keys that never count as a difference from the paper (bookkeeping, not recipe)
+_NOT_RECIPE = ("seed", "device", "method", "benchmark.data", "benchmark.tasks_file", "backbone.weights")
+
+
+@dataclass(frozen=True)
+class Column:
+    """A benchmark of the table as it runs here: ``key`` names its folder under ``out``, ``benchmark``
+    is what ``--benchmark`` resolves, ``paper`` the paper benchmark whose numbers stand beside ours;
+    ``local`` when a local stream stands in for it; ``skip`` says why it cannot run."""
+
+    key: str
+    benchmark: str | None
+    paper: str
+    data: str | None
+    local: bool
+    skip: str = ""
+
+    @property
+    def title(self) -> str:
+        return self.key if self.local else PAPER_BENCHMARKS[self.paper].title
+
+
+@dataclass
+class Cell:
+    """One run: a variant on a column with a seed; ``config`` is None when it cannot run (``skip``)."""
+
+    column: Column
+    variant: Variant
+    seed: int
+    cell_id: str
+    config: RunConfig | None
+    skip: str = ""
+
+    def run_dir(self, out: Path) -> Path:
+        return out / self.column.key / self.cell_id / f"seed{self.seed}"
+
+
+@dataclass
+class Plan:
+    entry: Entry
+    columns: list[Column]
+    seeds: tuple[int, ...]
+    cells: list[Cell]
+    #: footnote lines: the settings of this plan that differ from the paper's presets
+    differences: list[str] = field(default_factory=list)
+
+    def runnable(self) -> list[Cell]:
+        return [c for c in self.cells if c.config is not None]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "table": self.entry.name,
+            "kind": self.entry.kind,
+            "title": self.entry.title,
+            "paper_lines": self.entry.lines,
+            "seeds": list(self.seeds),
+            "columns": [
+                {"benchmark": c.key, "paper_benchmark": c.paper, "local": c.local, "skip": c.skip or None}
+                for c in self.columns
+            ],
+            "cells": [
+                {
+                    "benchmark": c.column.key,
+                    "paper_benchmark": c.column.paper,
+                    "variant": c.variant.label,
+                    "method": c.variant.method,
+                    "settings": [*self.entry.settings, *c.variant.settings],
+                    "seed": c.seed,
+                    "cell": c.cell_id,
+                    "runnable": c.config is not None,
+                    "skip": c.skip or None,
+                    "config": c.config.to_dict() if c.config is not None else None,
+                }
+                for c in self.cells
+            ],
+            "differences": self.differences,
+            "unsupported": self.entry.unsupported or None,
+        }
+
+
+def catalogue_lines() -> list[str]:
+    """``--list``: one line per table and figure."""
+    width = max(len(e.name) for e in ENTRIES)
+    return [f"{e.name:<{width}}  {e.summary()}" for e in ENTRIES]
+
+
+# ---------------------------------------------------------------------------- planning
+def _cell_id(variant: Variant, settings: Sequence[str]) -> str:
+    """The run folder of a variant: its method, then its settings (``proteus-paper+adapter.alpha=0.1``)."""
+    parts = [variant.method, *(s.replace("/", "_").replace(" ", "") for s in settings)]
+    return "+".join(parts)
+
+
+def _columns(e: Entry, benchmark: str | None, data: str | None) -> list[Column]:
+    if benchmark is None:
+        out = []
+        for b in e.benchmarks:
+            pb = PAPER_BENCHMARKS[b]
+            root = str(Path(data) / pb.data) if data and pb.data else None
+            out.append(Column(b, pb.preset, b, root, local=False, skip=pb.why if pb.preset is None else ""))
+        return out
+    local, _, paper = benchmark.partition(":")
+    if not local:
+        raise ConfigError(f"--benchmark {benchmark!r}: give a benchmark (e.g. domains5 or domains5:vtab5t)")
+    if paper:
+        if paper not in e.benchmarks:
+            raise ConfigError(
+                f"--benchmark {benchmark}: {e.name} has no column {paper!r}; its benchmarks: "
+                f"{', '.join(e.benchmarks)}"
+            )
+    elif local in e.benchmarks:
+        paper = local
+    elif LOCAL_STANDS_FOR.get(local) in e.benchmarks:
+        paper = LOCAL_STANDS_FOR[local]
+    else:
+        paper = e.benchmarks[0]
+    pb = PAPER_BENCHMARKS.get(local)
+    if pb is not None and local == paper:  # one of the paper's own benchmarks, by itself
+        root = data
+        return [Column(local, pb.preset, paper, root, local=False, skip=pb.why if pb.preset is None else "")]
+    return [Column(local, local, paper, data, local=True)]
+
+
+def _has_tokens(backbone: str) -> bool:
+    """A ViT (timm presets and families) has tokens; MobileNetV2 has none."""
+    return not backbone.startswith("mobilenet")
+
+
+def _skip_reason(method: str, cfg: RunConfig) -> str:
+    learner = LEARNERS.get(METHODS.get(method).learner)
+    if getattr(learner, "needs_tokens", False) and not _has_tokens(cfg.backbone.name):
+        return f"{method} is a prompt method: it needs a ViT (tokens), not {cfg.backbone.name}"
+    return ""
+
+
+def _resolve(
+    e: Entry,
+    col: Column,
+    v: Variant,
+    seed: int | None,
+    config_files: Sequence[str],
+    sets: Sequence[str],
+    overrides: dict[str, Any] | None,
+) -> RunConfig:
+    released = [] if col.local or v.configs.get(col.paper) is None else [v.configs[col.paper]]
+    o: dict[str, Any] = copy.deepcopy(overrides or {})
+    if seed is not None:
+        o["seed"] = seed
+    if col.data is not None:
+        o.setdefault("benchmark", {})["data"] = col.data
+    return resolve_config(
+        benchmark=col.benchmark,
+        method=v.method,
+        config_files=[*released, *config_files],
+        sets=[*e.settings, *v.settings, *sets],
+        overrides=o,
+    )
+
+
+def make_plan(
+    name: str,
+    benchmark: str | None = None,
+    data: str | None = None,
+    seeds: Sequence[int] | None = None,
+    config_files: Sequence[str] = (),
+    sets: Sequence[str] = (),
+    overrides: dict[str, Any] | None = None,
+) -> Plan:
+    """Every cell of table ``name`` with its resolved configuration (nothing runs). ``benchmark``: a local
+    stream (``domains5``) or ``LOCAL:PAPER``; None for the paper's benchmarks and presets. ``data``: the
+    data root (for the paper's benchmarks, the root holding each benchmark's folder: ``ROOT/cifar100``,
+    ``ROOT/imagenet-r``, ``ROOT/vtab``, ``ROOT/vtab-large``)."""
+
+    e = entry(name)
+    seeds = tuple(int(s) for s in (seeds if seeds is not None else e.seeds))
+    if not seeds:
+        raise ConfigError("--seeds: give at least one seed")
+    columns = _columns(e, benchmark, data)
+    cells: list[Cell] = []
+    for col in columns:
+        for v in e.variants:
+            cid = _cell_id(v, [*e.settings, *v.settings])
+            why = col.skip or (e.unsupported and f"not measured: {e.unsupported}")
+            if not why and v.method not in METHODS:
+                why = f"method {v.method!r} is not declared (`proteus list methods`)"
+            for s in seeds:
+                if why:
+                    cells.append(Cell(col, v, s, cid, None, why))
+                    continue
+                cfg = _resolve(e, col, v, s, config_files, sets, overrides)
+                skip = _skip_reason(v.method, cfg)
+                cells.append(Cell(col, v, s, cid, None if skip else cfg, skip))
+    plan = Plan(e, columns, seeds, cells)
+    plan.differences = _differences(plan, config_files, sets, overrides)
+    return plan
+
+
+def _differences(
+    plan: Plan, config_files: Sequence[str], sets: Sequence[str], overrides: dict[str, Any] | None
+) -> list[str]:
+    """Per column, the resolved settings of its PROTEUS cell (else its first runnable one) that differ from
+    the same variant on the paper's benchmark with the paper's preset (no ``--config``, no ``--set``)."""
+    lines: list[str] = []
+    for col in plan.columns:
+        cells = [c for c in plan.runnable() if c.column == col]
+        cell = next((c for c in cells if c.variant.method == "proteus-paper"), cells[0] if cells else None)
+        pb = PAPER_BENCHMARKS[col.paper]
+        if cell is None or cell.config is None or pb.preset is None:
+            continue
+        paper_col = Column(col.paper, pb.preset, col.paper, None, local=False)
+        ref = _resolve(plan.entry, paper_col, cell.variant, None, (), (), None)
+        ours, theirs = flatten(cell.config.to_dict()), flatten(ref.to_dict())
+        diff = sorted(
+            k
+            for k in ours.keys() | theirs.keys()
+            if ours.get(k) != theirs.get(k) and k not in _NOT_RECIPE and not k.startswith("report.")
+        )
+        what = f"{col.title} ({cell.variant.method})"
+        if diff:
+            shown = "; ".join(f"`{k}` {ours.get(k)!r} (paper preset: {theirs.get(k)!r})" for k in diff)
+            lines.append(f"{what} against `{pb.preset}`: {shown}.")
+        else:
+            lines.append(f"{what}: the paper preset `{pb.preset}` as it is.")
+    if plan.runnable():
+        lines.append(
+            "The paper states neither the number of epochs nor the augmentation; the ViT-B/16 presets train "
+            "3 epochs (`train.epochs`) with augmentation on (docs/experiments.md, row 9)."
+        )
+    return lines
+
+
+# ---------------------------------------------------------------------------- reading runs
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _last(v: Any) -> float | None:
+    if isinstance(v, list):
+        v = v[-1] if v else None
+    return None if v is None else float(v)
+
+
+def _at(v: Any, i: int) -> float | None:
+    if not isinstance(v, list) or not 0 <= i < len(v) or v[i] is None:
+        return None
+    return float(v[i])
+
+
+def metric_values(metric: str, res: dict[str, Any], split: dict[str, Any] | None) -> dict[int | None, float]:
+    """The values of ``metric`` in one run: ``{None: value}`` for a final metric, ``{task: value}`` (1-based)
+    for a per-task one (``acc@``, ``latency@`` by m, ``delta@`` ...). Missing values are left out."""
+    out: dict[int | None, float | None] = {}
+    n = len(res.get("avg_acc") or [])
+    theory = ((res.get("theory") or {}).get("per_task")) or []
+    if metric == "acc":
+        out[None] = _last(res.get("final_avg_acc"))
+    elif metric == "forgetting":
+        out[None] = _last(res.get("forgetting"))
+    elif metric == "retrieval":
+        out[None] = _last(res.get("retrieval_acc"))
+    elif metric == "oracle":
+        out[None] = _last(res.get("oracle_avg_acc"))
+    elif metric == "acc@":
+        out.update({k + 1: _at(res.get("avg_acc"), k) for k in range(n)})
+    elif metric == "retrieval@":
+        out.update({k + 1: _at(res.get("retrieval_acc"), k) for k in range(n)})
+    elif metric == "latency@":
+        lat = res.get("latency") or {}
+        out.update({int(m): float(s) for m, s in zip(lat.get("m") or [], lat.get("seconds") or [])})
+    elif metric in ("delta@", "min_delta@", "min_delta_a23@"):
+        key = {"delta@": "delta_mean", "min_delta@": "min_delta_mean", "min_delta_a23@": "min_delta_mean_a23"}
+        for row in theory:
+            v = row.get(key[metric])
+            out[int(row["task"]) + 1] = None if v is None else float(v)
+    elif metric == "s_nonzero@":
+        for k, t in enumerate(res.get("tasks") or []):
+            v = (t.get("train") or {}).get("s_nonzero_frac")
+            out[k + 1] = None if v is None else float(v)
+    elif metric == "orthogonality":
+        v = (res.get("orthogonality") or {}).get("max_abs_offdiag")
+        out[None] = None if v is None else float(v)
+    elif metric == "gpu_memory":
+        peaks = [t.get("peak_gpu_mb") for t in res.get("tasks") or []]
+        peaks = [float(p) for p in peaks if p is not None]
+        out[None] = max(peaks) if peaks else None
+    elif metric == "params":
+        tasks = res.get("tasks") or []
+        v = tasks[-1].get("trainable_params") if tasks else None
+        out[None] = None if v is None else float(v)
+    elif metric in ("n_train", "n_test", "classes") and split is not None:
+        splits = split.get("splits") or {}
+        v = {
+            "n_train": (splits.get("train") or {}).get("count"),
+            "n_test": (splits.get("test") or {}).get("count"),
+            "classes": split.get("num_classes"),
+        }[metric]
+        out[None] = None if v is None else float(v)
+    return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
+
+
+def _stat(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"mean": None, "std": None, "n": 0}
+    std = float(np.std(values, ddof=1)) if len(values) > 1 else None
+    return {"mean": float(np.mean(values)), "std": std, "n": len(values)}
+
+
+# ---------------------------------------------------------------------------- the table
+def _fmt(metric: str, v: float | None) -> str:
+    if v is None:
+        return "-"
+    if metric in ("params", "n_train", "n_test", "classes"):
+        return f"{v:,.0f}"
+    if metric == "orthogonality":
+        return f"{v:.1e}"
+    if metric == "latency@":
+        return f"{v:.3f}"
+    if metric == "s_nonzero@":
+        return f"{v:.3f}"
+    return f"{v:.2f}"
+
+
+def _fmt_stat(metric: str, st: dict[str, Any]) -> str:
+    if st["mean"] is None:
+        return "-"
+    txt = _fmt(metric, st["mean"])
+    return txt if st["std"] is None else f"{txt} ± {_fmt(metric, st['std'])}"
+
+
+def _fmt_paper(metric: str, p: Published | None) -> str:
+    if p is None:
+        return "-"
+    if isinstance(p, str):
+        return p
+    mean, std = p
+    return _fmt(metric, mean) + ("" if std is None else f" ± {_fmt(metric, std)}")
+
+
+def table_rows(plan: Plan, out: Path) -> list[dict[str, Any]]:
+    """Every (variant, column, metric, task) cell of the table: ours over seeds (read from the runs in
+    ``out``) and the paper's number; the long form behind the CSV and the Markdown."""
+    e = plan.entry
+    rows: list[dict[str, Any]] = []
+    for col in plan.columns:
+        for v in e.variants:
+            cells = [c for c in plan.cells if c.column == col and c.variant == v]
+            skip = next((c.skip for c in cells if c.skip), "")
+            per_seed: list[tuple[int, dict[str, dict[int | None, float]]]] = []
+            for c in cells:
+                if c.config is None:
+                    continue
+                d = c.run_dir(out)
+                res = _load(d / "results.json")
+                if res is None:
+                    continue
+                split = _load(d / "split.json")
+                per_seed.append((c.seed, {m: metric_values(m, res, split) for m in e.metrics}))
+            for m in e.metrics:
+                per_task = m.endswith("@")
+                keys: set[int | None] = set()
+                for _, vals in per_seed:
+                    keys |= set(vals[m])
+                if per_task and not col.local:
+                    keys |= set(e.tasks)
+                if not per_task:
+                    keys = {None}
+                for t in sorted(keys, key=lambda x: -1 if x is None else x):
+                    st = _stat([vals[m][t] for _, vals in per_seed if t in vals[m]])
+                    paper = e.paper.get((v.label, col.paper, m, t))
+                    rows.append(
+                        {
+                            "table": e.name,
+                            "benchmark": col.key,
+                            "paper_benchmark": col.paper,
+                            "variant": v.label,
+                            "method": v.method,
+                            "settings": " ".join([*e.settings, *v.settings]),
+                            "metric": m,
+                            "task": t,
+                            "ours_mean": st["mean"],
+                            "ours_std": st["std"],
+                            "seeds": st["n"],
+                            "paper": paper,
+                            "skip": skip,
+                            "extra": v.extra,
+                        }
+                    )
+    return rows
+
+
+def _axis_label(plan: Plan, axis: str, value: Any) -> str:
+    if axis == "benchmark":
+        col = next(c for c in plan.columns if c.key == value)
+        return col.title
+    if axis == "metric":
+        return METRICS[value][0]
+    if axis == "task":
+        metrics = plan.entry.metrics
+        return f"m = {value}" if metrics == ("latency@",) else f"task {value}"
+    return str(value)
+
+
+def markdown(plan: Plan, rows: list[dict[str, Any]], command: str = "") -> str:
+    """The table in the paper's layout (``Entry.rows`` by ``Entry.cols``), ours beside the paper's."""
+    e = plan.entry
+    values: dict[str, list[Any]] = {
+        "variant": [v.label for v in e.variants],
+        "benchmark": [c.key for c in plan.columns],
+        "metric": list(e.metrics),
+        "task": sorted({r["task"] for r in rows if r["task"] is not None}),
+    }
+    index = {(r["variant"], r["benchmark"], r["metric"], r["task"]): r for r in rows}
+    has_paper = any(r["paper"] is not None for r in rows)
+    notes: list[str] = []
+
+    def note(text: str) -> str:
+        if text not in notes:
+            notes.append(text)
+        return f"[{notes.index(text) + 1}]"
+
+    def lookup(assign: dict[str, Any]) -> dict[str, Any] | None:
+        metric = assign.get("metric", e.metrics[0])
+        task = assign.get("task") if metric.endswith("@") else None
+        return index.get(
+            (
+                assign.get("variant", e.variants[0].label),
+                assign.get("benchmark", plan.columns[0].key),
+                metric,
+                task,
+            )
+        )
+
+    row_keys = list(product(*(values[a] for a in e.rows)))
+    col_keys = list(product(*(values[a] for a in e.cols)))
+    head = [" / ".join(e.rows)]
+    for ck in col_keys:
+        label = ", ".join(_axis_label(plan, a, x) for a, x in zip(e.cols, ck))
+        head += [f"{label}: ours", f"{label}: paper"] if has_paper else [label]
+    lines = [
+        f"# {e.name}: {e.title}",
+        "",
+        f"The paper's {e.kind} `{e.name}` (source lines {e.lines}). Ours: "
+        f"mean ± sample std over seeds {', '.join(map(str, plan.seeds))}"
+        + (" beside the paper's number." if has_paper else "; the paper prints no numbers for it."),
+        "",
+        "| " + " | ".join(head) + " |",
+        "| --- | " + " | ".join("---:" for _ in head[1:]) + " |",
+    ]
+    for rk in row_keys:
+        assign = dict(zip(e.rows, rk))
+        label = ", ".join(_axis_label(plan, a, x) for a, x in zip(e.rows, rk))
+        cells = [label]
+        for ck in col_keys:
+            r = lookup({**assign, **dict(zip(e.cols, ck))})
+            metric = ({**assign, **dict(zip(e.cols, ck))}).get("metric", e.metrics[0])
+            if r is None:
+                ours, paper = "-", "-"
+            else:
+                ours = (
+                    "n/a " + note(r["skip"])
+                    if r["skip"]
+                    else _fmt_stat(metric, {"mean": r["ours_mean"], "std": r["ours_std"]})
+                )
+                paper = _fmt_paper(metric, r["paper"])
+            cells += [ours, paper] if has_paper else [ours]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    extra = [v for v in e.variants if v.extra]
+    if extra:
+        lines += [f"Rows beyond the paper: {', '.join(f'`{v.method}`' for v in extra)}.", ""]
+    missing = sorted({r["variant"] for r in rows if not r["skip"] and r["seeds"] < len(plan.seeds)})
+    if missing:
+        lines += [f"Not (yet) run for every seed: {', '.join(missing)} (rerun the command to resume).", ""]
+    if notes:
+        lines += [f"[{i + 1}] {t}" for i, t in enumerate(notes)] + [""]
+    if plan.differences:
+        lines += ["**Settings that differ from the paper's.**", ""]
+        lines += [f"- {d}" for d in plan.differences]
+        lines += [""]
+    for col in plan.columns:
+        if col.local:
+            lines += [
+                f"The local stream `{col.key}` stands in for the paper's "
+                f"{PAPER_BENCHMARKS[col.paper].title}: "
+                "another dataset, so the paper's numbers are a reference, not a target.",
+                "",
+            ]
+    lines += [f"- {n}" for n in e.notes]
+    lines += [
+        "",
+        "Methods: "
+        + ", ".join(
+            f"{v.label} = `{v.method}`" + (f" ({' '.join(v.settings)})" if v.settings else "")
+            for v in e.variants
+        )
+        + (f"; every cell: {' '.join(e.settings)}" if e.settings else "")
+        + ".",
+    ]
+    if command:
+        lines += ["", f"Made by: `{command}`"]
+    return "\n".join(lines) + "\n"
+
+
+def _csv_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        p = r["paper"]
+        out.append(
+            {
+                **{
+                    k: r[k]
+                    for k in ("table", "benchmark", "paper_benchmark", "variant", "method", "settings")
+                },
+                "metric": r["metric"],
+                "task": "" if r["task"] is None else r["task"],
+                "ours_mean": "" if r["ours_mean"] is None else r["ours_mean"],
+                "ours_std": "" if r["ours_std"] is None else r["ours_std"],
+                "seeds": r["seeds"],
+                "paper_mean": p[0] if isinstance(p, tuple) else "",
+                "paper_std": p[1] if isinstance(p, tuple) and p[1] is not None else "",
+                "paper_text": p if isinstance(p, str) else "",
+                "skip": r["skip"],
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------- running
+def _restart_interrupted(plan: Plan, out: Path, progress: bool) -> None:
+    """A cell whose run stopped part-way (a knowledge base, no results.json) cannot be continued: move it
+    aside (``seed<k>.interrupted-<time>``) so that it starts again. A cell whose knowledge base another
+    process holds is left alone (compare then names it)."""
+    from proteus.kb.lock import lock_holder
+
+    for c in plan.runnable():
+        d = c.run_dir(out)
+        if (d / "results.json").is_file() or not (d / "kb").exists() or lock_holder(d / "kb") is not None:
+            continue
+        dest = d.with_name(f"{d.name}.interrupted-{time.strftime('%Y%m%d-%H%M%S')}")
+        d.rename(dest)
+        if progress:
+            print(f"== {c.cell_id}, seed {c.seed}: interrupted earlier, kept in {dest}; starting it again")
+
+
+def reproduce(plan: Plan, out: str | Path, progress: bool = True, command: str = "") -> dict[str, Any]:
+    """Run every runnable cell of ``plan`` under ``out`` (finished ones reused) and write the table:
+    ``<out>/<name>[-<benchmark>].md``, ``.csv`` and ``.json``. Returns the JSON's content."""
+    from proteus import distributed as dist
+    from proteus.experiment.compare import compare
+
+    out = Path(out)
+    e = plan.entry
+    _restart_interrupted(plan, out, progress)
+    for col in plan.columns:
+        cells = [c for c in plan.runnable() if c.column == col]
+        if not cells:
+            continue
+        configs = {(c.cell_id, c.seed): c.config for c in cells}
+        ids = list(dict.fromkeys(c.cell_id for c in cells))
+        seeds = list(dict.fromkeys(c.seed for c in cells))
+
+        def make_config(cid: str, seed: int, configs: dict[tuple[str, int], Any] = configs) -> RunConfig:
+            cfg = configs.get((cid, seed))
+            if cfg is None:
+                raise ConfigError(f"reproduce {e.name}: no configuration for {cid}, seed {seed}")
+            return cfg
+
+        compare(make_config, ids, seeds, out / col.key, progress=progress, stem=e.name)
+    rows = table_rows(plan, out)
+    stem = (
+        e.name if len(plan.columns) != 1 or not plan.columns[0].local else f"{e.name}-{plan.columns[0].key}"
+    )
+    md = markdown(plan, rows, command)
+    report = {**plan.to_dict(), "rows": rows, "table_md": f"{stem}.md", "table_csv": f"{stem}.csv"}
+    for c in report["cells"]:
+        c.pop("config", None)  # each run's config.yaml holds it
+    if dist.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.md").write_text(md)
+        with open(out / f"{stem}.csv", "w", newline="") as f:
+            data = _csv_rows(rows)
+            w = csv.DictWriter(f, fieldnames=list(data[0]) if data else ["table"])
+            w.writeheader()
+            w.writerows(data)
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
+        if progress:
+            print(md)
+        print(f"table: {out / (stem + '.md')}")
+    return report
