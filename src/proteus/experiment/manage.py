@@ -61,28 +61,43 @@ def recalibrate(
 
 def calibration_images(images_dir: str | Path, class_names: list[str]) -> tuple[list[str], list[int]]:
     """The image files of ``images_dir`` and their global labels: the files in a sub-folder named after a
-    learned class get that class; files directly inside ``images_dir`` -1 (the nearest class is taken).
-    A sub-folder that names no learned class is refused by name."""
+    learned class get that class, a class name with ``/`` being nested folders (``cifar10-subset/cat`` is
+    ``images_dir/cifar10-subset/cat/``, the layout of the ``domains*`` streams' data); files directly
+    inside ``images_dir`` or inside a folder on the way to a class (``images_dir/cifar10-subset/``) get -1
+    (the nearest class is taken). A sub-folder that names no learned class and leads to none is refused
+    by name."""
     root = Path(images_dir)
     if not root.is_dir():
         raise KBError(f"{root}: not a folder of images (give a folder of held-out images of learned tasks)")
     index = {name: i for i, name in enumerate(class_names)}
-    files, labels = [], []
-    for name in list_images(root):
-        files.append(str(root / name))
-        labels.append(-1)
-    for sub in list_class_dirs(root):
-        if sub not in index:
-            raise KBError(
-                f"{root / sub}: names no learned class (sub-folders must be class names: "
-                f"{', '.join(class_names[:12])}{', ...' if len(class_names) > 12 else ''})"
-            )
-        names = list_images(root / sub)
-        files += [str(root / sub / n) for n in names]
-        labels += [index[sub]] * len(names)
+    on_the_way = {name.rsplit("/", j)[0] for name in class_names for j in range(1, name.count("/") + 1)}
+    files: list[str] = []
+    labels: list[int] = []
+
+    def walk(folder: Path, rel: str, label: int) -> None:
+        names = list_images(folder)
+        files.extend(str(folder / n) for n in names)
+        labels.extend([label] * len(names))
+        if rel and rel not in on_the_way:  # a class's own folder: its images only, as ImageFolder reads it
+            return
+        for sub in list_class_dirs(folder):
+            name = f"{rel}/{sub}" if rel else sub
+            if name not in index and name not in on_the_way:
+                raise KBError(f"{folder / sub}: names no learned class ({_folder_rule(class_names)})")
+            walk(folder / sub, name, index.get(name, -1))
+
+    walk(root, "", -1)
     if not files:
         raise KBError(f"{root}: holds no image file (suffixes: {', '.join(sorted(IMG_EXTENSIONS))})")
     return files, labels
+
+
+def _folder_rule(class_names: list[str]) -> str:
+    """What a calibration sub-folder must be called, with the learned classes as examples."""
+    shown = ", ".join(class_names[:12]) + (", ..." if len(class_names) > 12 else "")
+    nested = next((n for n in class_names if "/" in n), None)
+    how = f"; a name with '/' is nested folders: {nested}/ for {nested}" if nested else ""
+    return f"sub-folders must be class names{how}; learned: {shown}"
 
 
 def calibrate_novelty(
