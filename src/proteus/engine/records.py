@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from proteus.engine.confidence import Confidence
+
 __all__ = [
     "Prediction", "TaskRecord", "TaskRecords", "TaskStats", "TrainStats", "loss_summary", "without_timings",
 ]  # fmt: skip
@@ -99,6 +101,7 @@ class TaskStats:
         timed("head")
         if self.gamma is not None:
             out["gamma"] = self.gamma
+        timed("confidence")
         timed("evaluate")
         timed("task")
         if self.peak_gpu_mb is not None:
@@ -134,6 +137,9 @@ class TaskRecord:
     forgotten: bool = False
     #: each class's index in its source dataset (None: not known, e.g. a knowledge base of an older release)
     source_classes: list[int] | None = None
+    #: the temperature that calibrates the confidence of this task's classes (None: a knowledge base
+    #: learned before it was fitted, or too few rows; :mod:`proteus.engine.confidence`)
+    confidence: Confidence | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -154,10 +160,13 @@ class TaskRecord:
             out["forgotten"] = True
         if self.source_classes is not None:
             out["source_classes"] = list(self.source_classes)
+        if self.confidence is not None:
+            out["confidence"] = self.confidence.to_dict()
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TaskRecord:
+        confidence = d.get("confidence")
         return cls(
             index=int(d["index"]),
             classes=[int(c) for c in d["classes"]],
@@ -170,6 +179,7 @@ class TaskRecord:
             calibration=d.get("calibration"),
             forgotten=bool(d.get("forgotten", False)),
             source_classes=None if d.get("source_classes") is None else [int(c) for c in d["source_classes"]],
+            confidence=None if confidence is None else Confidence.from_dict(confidence, int(d["index"])),
         )
 
 
@@ -200,6 +210,10 @@ class TaskRecords(list[TaskRecord]):
 
     def forgotten_classes(self) -> list[int]:
         return [c for t in self if t.forgotten for c in t.classes]
+
+    def temperatures(self) -> list[float | None]:
+        """Each task's confidence temperature (None for a task without one: its answers show ``p_all``)."""
+        return [None if t.confidence is None else t.confidence.temperature for t in self]
 
     def thresholds(self) -> torch.Tensor | None:
         """Each task's rejection threshold on its key score (``retrieval.reject``), or None unless every
