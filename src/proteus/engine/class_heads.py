@@ -21,7 +21,7 @@ from torch import Tensor
 
 from proteus.engine.errors import TaskError
 from proteus.engine.experts import HEAD_SCOPES, TaskExpert, TaskExperts
-from proteus.heads import RanPACHead
+from proteus.heads import PROTOTYPES, RanPACHead
 
 __all__ = ["ClassHeads"]
 
@@ -92,8 +92,9 @@ class ClassHeads:
         """Within the block, the heads that score task k's inputs are fitted as if ``rows`` of its training
         embeddings h (N, d) / labels y were never seen: task k's own head (``head.scope=task``) refitted on
         the other rows with its γ, or the head over every class with the rows subtracted exactly
-        (:meth:`RanPACHead.downdate`, γ kept). Their scores are then out-of-sample (the calibration of the
-        confidence, :mod:`proteus.engine.confidence`); the heads are restored after the block."""
+        (:meth:`RanPACHead.downdate`, γ kept; with ``head.prototypes=task-mean`` the rows stay in). Their
+        scores are then out-of-sample (the calibration of the confidence, :mod:`proteus.engine.confidence`);
+        the heads are restored after the block."""
         keep = torch.ones(len(y), dtype=torch.bool)
         keep[rows] = False
         if self.experts is not None:
@@ -112,7 +113,10 @@ class ClassHeads:
             return
         assert self.head is not None
         before = self.head
-        head = copy.deepcopy(before)
+        if PROTOTYPES.get(before.prototypes).stored:  # task means: a few rows cannot be taken out exactly
+            yield  # (the head scores them in-sample)
+            return
+        head = copy.copy(before)  # downdate assigns new statistics: the learner's head keeps its own
         head.downdate(h[rows].to(self.device), y[rows].to(self.device), [])
         self.head = head
         try:

@@ -52,7 +52,7 @@ __all__ = [
 
 #: fewer labelled rows than this fit no temperature (the task shows the uncalibrated ``p_all``)
 MIN_ROWS = 10
-#: the temperatures searched (log-spaced): far beyond any fitted value in both directions
+#: the temperatures searched (log-spaced), relative to the scores' scale: far beyond any fitted value
 T_RANGE = (1e-3, 1e3)
 
 
@@ -106,25 +106,31 @@ def nll(logits: Tensor, y: Tensor, temperature: float, smoothing: float = 0.0) -
 
 def fit_temperature(logits: Tensor, y: Tensor, steps: int = 60) -> float | None:
     """The temperature T minimising :func:`nll` of labels y (N,) given class scores (N, C), with label
-    smoothing ε = 1 / (n + 1) for n rows whose label has a finite score: Laplace's rule of succession,
-    so that rows all answered right (the usual case on an easy task) give a confidence near (n + 1) /
-    (n + 2) rather than T -> 0 and certainty. Searched in :data:`T_RANGE` on a log scale (a grid of 121
-    points, then a golden-section search around the best; the loss is unimodal in log T). None with fewer
-    than :data:`MIN_ROWS` such rows, or when every such row's finite scores are all equal."""
+    smoothing ε = 1 / (n + 1) for n rows whose label has a finite score (after Laplace's rule of
+    succession), so that rows all answered right (the usual case on an easy task) give a finite T, not
+    T -> 0 and certainty. Searched in :data:`T_RANGE` times the scores' scale (the mean gap between a row's
+    best and mean score) on a log scale (a grid of 121 points, then a golden-section search around the
+    best; the loss is unimodal in log T). None with fewer than :data:`MIN_ROWS` such rows, or when every
+    such row's finite scores are all equal."""
     logits, y = logits.double().cpu(), y.long().cpu()
     finite = torch.isfinite(logits.gather(1, y[:, None])[:, 0])
     logits, y = logits[finite], y[finite]
     if len(y) < MIN_ROWS:
         return None
-    lo_s = torch.where(torch.isfinite(logits), logits, logits.new_tensor(math.inf)).amin(1)
+    finite = torch.isfinite(logits)
+    lo_s = torch.where(finite, logits, logits.new_tensor(math.inf)).amin(1)
     if not bool((logits.amax(1) > lo_s).any()):
         return None
+    # the scores' own scale (heads differ by orders of magnitude): the mean gap between a row's best score
+    # and its mean finite score; T is searched relative to it
+    mean_s = torch.where(finite, logits, torch.zeros_like(logits)).sum(1) / finite.sum(1)
+    scale = float((logits.amax(1) - mean_s).mean())
     eps = 1.0 / (len(y) + 1)
 
     def loss(log_t: float) -> float:
         return nll(logits, y, math.exp(log_t), eps)
 
-    lo, hi = math.log(T_RANGE[0]), math.log(T_RANGE[1])
+    lo, hi = math.log(T_RANGE[0] * scale), math.log(T_RANGE[1] * scale)
     grid = torch.linspace(lo, hi, 121, dtype=torch.float64).tolist()
     values = [loss(g) for g in grid]
     best = min(range(len(grid)), key=values.__getitem__)

@@ -23,7 +23,7 @@ from proteus.engine.errors import TaskError
 from proteus.engine.keys.base import KEYS, KeyFit, KeyKind, RetrievalKeys
 from proteus.engine.keys.space import FIRST_ADAPTER, FROZEN, KeySpace
 from proteus.engine.novelty import ClassNovelty
-from proteus.heads import RanPACHead
+from proteus.heads import PROTOTYPES, RanPACHead
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
 from proteus.signatures.signature import NORMALIZATIONS
@@ -141,12 +141,12 @@ class LDAKeys(RetrievalKeys):
         their key features subtracted from its statistics exactly (:meth:`RanPACHead.downdate`, its γ
         kept), as the class-Gaussian detector subtracts its calibration rows; restored after the block.
         The detector is off within the block (it would refit its Gaussians to the copy)."""
-        if self.head is None or self.head.G_ is None:
-            yield
+        if self.head is None or self.head.G_ is None or PROTOTYPES.get(self.head.prototypes).stored:
+            yield  # (task-mean prototypes: a few rows cannot be taken out exactly, they stay in)
             return
         X = self.features(self.space.embed(embedder, z, shard=False))
         before, novelty = self.head, self.novelty
-        head = copy.deepcopy(before)
+        head = copy.copy(before)  # downdate assigns new statistics: the keys' head keeps its own
         head.downdate(X.to(self.device), y.to(self.device), [])
         self.head, self.novelty = head, None
         try:
