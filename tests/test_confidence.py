@@ -153,3 +153,41 @@ def test_learned_tasks_store_a_temperature_that_predict_applies(tmp_path: Path, 
     assert [r.confidence.rows for r in again] == [10, 10]
     assert main(["predict", "--kb", str(kb), *imgs, "--json"]) == 0
     assert all(r["calibrated"] for r in json.loads(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("scope", ["task", "global"])
+def test_the_heads_score_the_calibration_rows_without_them(scope: str) -> None:
+    """Within ``ClassHeads.without`` the task's head is the one fitted without the rows (its γ kept), and
+    the learner's own head is back afterwards."""
+    from functools import partial
+
+    from proteus.engine.class_heads import ClassHeads
+    from proteus.heads import RanPACHead
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(120, 16, generator=g, dtype=torch.float64)
+    y = torch.randint(4, 7, (120,), generator=g)  # global labels 4..6 (an earlier task held 0..3)
+    width = 32 if scope == "global" else 0  # the global head's random projection; a task's head: none
+    new_head = partial(RanPACHead, 16, seed=0)
+    heads = ClassHeads(
+        lambda rp_dim=None, dim=None: new_head(rp_dim=width if rp_dim is None else rp_dim),
+        scope, False, torch.device("cpu"),
+    )  # fmt: skip
+    heads.update(0, h, y, [4, 5, 6], 7)
+    rows = torch.arange(0, 120, 10)
+    keep = torch.ones(120, dtype=torch.bool)
+    keep[rows] = False
+    before = heads.logits(h, torch.zeros(120, dtype=torch.long), 7, [])
+    with heads.without(0, h, y, rows):
+        inside = heads.logits(h, torch.zeros(120, dtype=torch.long), 7, [])
+    assert torch.equal(heads.logits(h, torch.zeros(120, dtype=torch.long), 7, []), before)
+    ref = new_head(rp_dim=width)
+    gamma = heads.experts.experts[0].gamma if heads.experts is not None else heads.head.gamma_
+    ref.gamma = gamma
+    if scope == "task":
+        ref.update(h[keep], y[keep] - 4, num_classes=3)
+        want = ref.decision_function(h)
+        torch.testing.assert_close(inside[:, 4:].double(), want, rtol=1e-4, atol=1e-5)
+    else:
+        ref.update(h[keep], y[keep], num_classes=7)
+        torch.testing.assert_close(inside.double(), ref.decision_function(h).double(), rtol=1e-4, atol=1e-5)

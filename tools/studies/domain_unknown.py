@@ -58,6 +58,8 @@ def learn(cfg, kb: Path, relearn: bool, start: Proteus | None = None,
         shutil.rmtree(kb)
     if KnowledgeBase.exists(kb):
         clf = Proteus.load(kb, progress=False)
+        if keep is not None and 0 < clf.num_tasks < len(stream.tasks):
+            keep[clf.num_tasks] = copy.deepcopy(clf)
     elif start is not None:
         clf = copy.deepcopy(start).set_params(config=cfg)
         print(f"  {kb}: tasks 1-{clf.num_tasks} shared with the stream before", flush=True)
