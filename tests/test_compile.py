@@ -58,6 +58,8 @@ def _assert_close(compiled: list, eager: list) -> None:
     for c, e in zip(compiled, eager):
         torch.testing.assert_close(c.logits, e.logits, rtol=1e-4, atol=1e-5)
         assert torch.equal(c.label, e.label) and torch.equal(c.task, e.task)
+        if e.novelty is not None:
+            torch.testing.assert_close(c.novelty, e.novelty, rtol=1e-3, atol=1e-3)
 
 
 def test_compiled_predicts_as_eager_without_a_graph_per_batch_size(learned) -> None:
@@ -69,7 +71,8 @@ def test_compiled_predicts_as_eager_without_a_graph_per_batch_size(learned) -> N
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager would fail here
         compiled = _predict(clf, x, sizes)
     _assert_close(compiled, eager)
-    assert devices._compile_failure is None and set(clf.model_._compiled) == {"prefix", "suffix"}
+    assert clf.keys_.uses_taps  # the detector reads the prefix's taps: the prefix is compiled with them
+    assert devices._compile_failure is None and set(clf.model_._compiled) == {"prefix_taps", "suffix"}
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 0 < graphs <= 10, f"{graphs} graphs compiled for {len(sizes)} batch sizes"
     again = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -105,9 +105,9 @@ def _learn(kb: Path, tree: Path, spec: Path, *extra: str) -> None:
 
 
 def test_default_method_flags_inputs_without_changing_accuracy(tmp_path: Path, capsys) -> None:
-    """proteus's default detector (class-Gaussian on its LDA keys' statistics) answers known / unknown
-    for every input, holds nothing out of the keys (every prediction equals the detector-free one's) and
-    accepts every calibration row at a true-positive rate of 1."""
+    """proteus's default detector (task Gaussians on the prefix's channel statistics and the LDA keys'
+    features) answers known / unknown for every input, holds nothing out of the keys (every prediction
+    equals the detector-free one's) and accepts every calibration row at a true-positive rate of 1."""
     tree = make_tree(tmp_path / "data", classes="abcd", n_train=12, n_test=3)
     spec = write_spec(tmp_path / "spec.yaml", [["a", "b"], ["c", "d"]])
     imgs = [str(p) for p in sorted((tree / "test").rglob("*.png"))]
@@ -126,6 +126,7 @@ def test_default_method_flags_inputs_without_changing_accuracy(tmp_path: Path, c
     rows_x = {k: r.X for k, r in clf.keys_.novelty.rows.items()}
     assert sorted(rows_x) == [0, 1] and all(len(x) == 2 for x in rows_x.values())  # 10% of 24, seeded
     assert all(r.in_stats for r in clf.keys_.novelty.rows.values())
+    assert clf.keys_.uses_taps and sorted(clf.keys_.novelty.gaussians) == [0, 1]  # the task Gaussians
     assert main(["kb", "calibrate", str(tmp_path / "on"), "--tpr", "1.0"]) == 0
     clf = Proteus.load(tmp_path / "on")
     classes = [t.classes for t in clf.records_]
@@ -133,7 +134,7 @@ def test_default_method_flags_inputs_without_changing_accuracy(tmp_path: Path, c
     assert len(thr) == 2 and clf.keys_.novelty.tpr == 1.0
     # every calibration row is accepted at rate 1: its novelty is <= 0
     for r in clf.keys_.novelty.rows.values():
-        assert (clf.keys_.novelty_of(r.X, classes) <= 1e-9).all()
+        assert (clf.keys_.novelty_of(r.X, classes, r.taps) <= 1e-9).all()
 
 
 def test_calibrate_images_gives_an_old_kb_rejection(tmp_path: Path, capsys) -> None:

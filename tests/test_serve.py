@@ -229,7 +229,7 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(world: dict, capsys) -> 
     assert main(["predict", "--kb", str(world["kb1"]), *imgs[::-1], "--json"]) == 0
     batched = json.loads(capsys.readouterr().out)[-1]
     assert alone["class"] == batched["class"] and alone["task"] == batched["task"]
-    for key in ("signature_score", "head_score", "p_all"):
+    for key in ("signature_score", "head_score", "p_all", "confidence"):
         assert batched[key] == pytest.approx(alone[key], rel=1e-4, abs=1e-5), key
 
 

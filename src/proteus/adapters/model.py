@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -232,10 +233,10 @@ class AdaptedBackbone(nn.Module):
         """Whether forwards now go through ``torch.compile`` (a mode set, no gradients, no failure)."""
         return self.compile_mode != "none" and not torch.is_grad_enabled() and compile_failure() is None
 
-    def _forward(self, part: str, x: torch.Tensor) -> torch.Tensor:
-        """The backbone's ``forward_prefix`` or ``forward_suffix`` (``part``) of ``x``: compiled once per
-        process and mode (:attr:`compile_mode`) when no gradient is needed, eager otherwise."""
-        fn = self.backbone.forward_prefix if part == "prefix" else self.backbone.forward_suffix
+    def _forward(self, part: str, x: torch.Tensor) -> Any:
+        """The backbone's ``forward_prefix``, ``forward_prefix_taps`` or ``forward_suffix`` (``part``) of
+        ``x``: compiled once per process and mode (:attr:`compile_mode`) without gradients, else eager."""
+        fn = getattr(self.backbone, f"forward_{part}")  # prefix, prefix_taps or suffix
         if not self._compiles():
             return fn(x)
         c = self._compiled.get(part)
@@ -247,6 +248,12 @@ class AdaptedBackbone(nn.Module):
         """The frozen prefix h_0(x), shared by all tasks."""
         with torch.no_grad():
             return self._forward("prefix", x)
+
+    def prefix_taps(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`prefix` and the channel statistics of the backbone's tap blocks
+        (``Backbone.forward_prefix_taps``), in one forward (compiled like the prefix)."""
+        with torch.no_grad():
+            return self._forward("prefix_taps", x)
 
     def suffix(self, z: torch.Tensor, tasks: list[int] | None = None, kind: str = "task") -> torch.Tensor:
         """Embed prefix outputs. ``tasks=None``: the open task's training composition, (N, d).

@@ -44,6 +44,26 @@ class AdaptTarget:
     slices: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
+def pooled_stats(h: torch.Tensor) -> torch.Tensor:
+    """(N, 2C): each channel's mean and standard deviation over the positions of a feature map
+    (N, C, H, W) or the tokens of a sequence (N, L, C), in float32 (the channel statistics of Lee et al.,
+    "A Simple Unified Framework for Detecting Out-of-Distribution Samples", NeurIPS 2018, and of style
+    statistics: they tell image sources apart by resolution, colour and texture)."""
+    h = h.float()
+    if h.dim() == 4:
+        h = h.flatten(2)
+    elif h.dim() == 3:
+        h = h.transpose(1, 2)
+    else:
+        return h.flatten(1)
+    return torch.cat([h.mean(2), h.std(2, correction=0)], 1)
+
+
+def tap_indices(n: int) -> list[int]:
+    """The taps among n prefix blocks: the last block of each third (n = 12: 3, 7, 11)."""
+    return [i for i in sorted({-(-n * j // 3) - 1 for j in (1, 2, 3)}) if i >= 0]
+
+
 class Backbone(nn.Module):
     """A frozen backbone: ``forward_prefix`` (shared by all tasks) then ``forward_suffix`` (adapted)."""
 
@@ -79,9 +99,37 @@ class Backbone(nn.Module):
         """The linear maps of the adapted suffix that LoRA wraps."""
         raise NotImplementedError
 
+    def prefix_blocks(self) -> list[nn.Module]:
+        """The frozen prefix's blocks in order (their outputs are the detector's taps); [] when the
+        backbone does not say, or nothing is frozen (``adapt_last`` null)."""
+        return []
+
+    def tap_blocks(self) -> list[nn.Module]:
+        """The prefix blocks whose outputs the detector of inputs from no learned task reads
+        (:mod:`proteus.engine.novelty`): the last block of each third of the frozen prefix (for
+        MobileNetV2 with 6 adapted blocks, blocks 4, 8 and 12 of 18)."""
+        blocks = self.prefix_blocks()
+        return [blocks[i] for i in tap_indices(len(blocks))]
+
     # -- features ------------------------------------------------------------------------------
     def forward_prefix(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def forward_prefix_taps(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`forward_prefix` and the :func:`pooled_stats` of each :meth:`tap_blocks` output, in order.
+        This default reads them with forward hooks; a backbone whose prefix is a loop over its blocks
+        computes them in the loop (one function, which ``torch.compile`` can compile)."""
+        stats: list[torch.Tensor] = []
+        hooks = [
+            b.register_forward_hook(lambda _m, _i, out: stats.append(pooled_stats(out)))
+            for b in self.tap_blocks()
+        ]
+        try:
+            z = self.forward_prefix(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        return z, stats
 
     def forward_suffix(self, z: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torchvision.models import mobilenet_v2
 
-from proteus.backbones.base import BACKBONES, AdaptTarget, Backbone, DataConfig
+from proteus.backbones.base import BACKBONES, AdaptTarget, Backbone, DataConfig, pooled_stats, tap_indices
 
 
 class MobileNetV2Backbone(Backbone):
@@ -55,11 +55,23 @@ class MobileNetV2Backbone(Backbone):
                     targets.append(AdaptTarget(f"blocks.{i}.{name}", mod))
         return targets
 
+    def prefix_blocks(self) -> list[nn.Module]:
+        return list(self.blocks[: self.split])
+
     def forward_prefix(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
         for blk in self.blocks[: self.split]:
             x = blk(x)
         return x
+
+    def forward_prefix_taps(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        taps, stats = set(tap_indices(self.split)), []
+        x = self.stem(x)
+        for i, blk in enumerate(self.blocks[: self.split]):
+            x = blk(x)
+            if i in taps:
+                stats.append(pooled_stats(x))
+        return x, stats
 
     def forward_suffix(self, z: torch.Tensor) -> torch.Tensor:
         for blk in self.blocks[self.split :]:

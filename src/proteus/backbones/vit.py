@@ -21,7 +21,15 @@ from urllib.parse import urlsplit
 
 import torch
 
-from proteus.backbones.base import BACKBONES, FAMILIES, AdaptTarget, Backbone, DataConfig
+from proteus.backbones.base import (
+    BACKBONES,
+    FAMILIES,
+    AdaptTarget,
+    Backbone,
+    DataConfig,
+    pooled_stats,
+    tap_indices,
+)
 
 #: registry name -> exact timm model tag
 VIT_TAGS: dict[str, str] = {
@@ -167,6 +175,9 @@ class TimmViTBackbone(Backbone):
             out.append(AdaptTarget(f"vit.blocks.{i}.attn.qkv", qkv, dict(rows)))
         return out
 
+    def prefix_blocks(self) -> list[torch.nn.Module]:
+        return list(self.vit.blocks[: self.split])
+
     def forward_prefix(self, x: torch.Tensor) -> torch.Tensor:
         v = self.vit
         x = v.patch_embed(x)
@@ -176,6 +187,15 @@ class TimmViTBackbone(Backbone):
         for blk in v.blocks[: self.split]:
             x = blk(x)
         return x
+
+    def forward_prefix_taps(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        v, taps, stats = self.vit, set(tap_indices(self.split)), []
+        x = v.norm_pre(v.patch_drop(v._pos_embed(v.patch_embed(x))))
+        for i, blk in enumerate(v.blocks[: self.split]):
+            x = blk(x)
+            if i in taps:
+                stats.append(pooled_stats(x))
+        return x, stats
 
     def forward_suffix(self, z: torch.Tensor) -> torch.Tensor:
         v = self.vit

@@ -211,7 +211,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             if not Path(f).exists():
                 raise ImageError.for_file(f, "no such file (--skip-unreadable goes on without it)")
     from proteus.experiment.batches import predict_images
-    from proteus.experiment.predictions import NOT_CHECKED, format_row, prediction_rows
+    from proteus.experiment.predictions import NOT_CALIBRATED, NOT_CHECKED, format_row, prediction_rows
     from proteus.experiment.store import load_learner
     from proteus.kb import KBError, KnowledgeBase
 
@@ -242,6 +242,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         calibratable = "retrieval" in clf.supports  # `kb calibrate` fits thresholds on task retrieval
         if rows and all(r["known"] is None for r in rows) and not args.quiet and calibratable:
             print(NOT_CHECKED, file=sys.stderr)
+        if any(r["known"] is not False and not r["calibrated"] for r in rows) and not args.quiet:
+            print(NOT_CALIBRATED, file=sys.stderr)
     if batch is not None and len(rows) > bs and not args.quiet:
         print(
             f"{len(rows)} images in {batch.seconds:.1f} s ({batch.images_per_second:.1f} images/s)",
@@ -328,8 +330,11 @@ def cmd_kb_calibrate(args: argparse.Namespace) -> int:
     if args.images is None and args.tpr is None:
         raise ConfigError("kb calibrate needs --images DIR (held-out images) or --tpr RATE, or both")
     if args.images is not None:
-        found = calibrate_images(args.kb, args.images, args.tpr, wait=args.wait, key=_kb_key(args))
+        found, temps = calibrate_images(args.kb, args.images, args.tpr, wait=args.wait, key=_kb_key(args))
         print(f"{args.kb}: thresholds fitted on the images of {args.images}: {[round(t, 3) for t in found]}")
+        if temps:
+            each = ", ".join(f"task {k + 1}: {c.temperature:.3g} ({c.rows} images)" for k, c in temps.items())
+            print(f"{args.kb}: confidence temperatures fitted on the images in class folders: {each}")
         return 0
     thresholds = [round(t, 3) for t in recalibrate(args.kb, args.tpr, wait=args.wait, key=_kb_key(args))]
     print(f"{args.kb}: thresholds at a true-positive rate of {args.tpr:g}: {thresholds}")

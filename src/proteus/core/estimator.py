@@ -238,14 +238,10 @@ class Proteus:
         or a shortlist take 2 (c + 1) forwards per input instead of m: :meth:`predict_embedded` on
         :meth:`embed`'s result, to float round-off."""
         self._check_fitted()
-        z = self.embedder_.prefix(x)
-        if self.parts_.retrieves:  # the keys' own route (proteus.engine.keys.base)
-            m = min(self._m(num_tasks), self.parts_.num_adapters)
-            res, under = self.keys_.predict(self.embedder_, z, m, self.records_.classes())
-            return self.parts_.decide(res, under, self.classify, self.records_)
-        tasks, kind = self.parts_.head_tasks(self._m(num_tasks) - 1)
-        logits = self.classify(self.embed_prefix(z, tasks, kind, shard=False)[0])
-        return Prediction(logits.argmax(1), None, None, None, logits)
+        if self.parts_.retrieves and self.keys_.uses_taps:  # the detector reads the prefix's channel stats
+            z, taps = self.embedder_.prefix_taps(x)
+            return self.parts_.predict_prefix(z, self._m(num_tasks), self.records_, taps)
+        return self.parts_.predict_prefix(self.embedder_.prefix(x), self._m(num_tasks), self.records_)
 
     def forget_task(self, k: int) -> None:
         """Remove task k (0-based) from what can be predicted (``kb forget``): :meth:`ProteusParts.forget`."""

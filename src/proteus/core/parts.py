@@ -24,6 +24,7 @@ from proteus.config import CACHE_PREFIX, ConfigError, RunConfig, check_sections
 from proteus.engine import experts
 from proteus.engine.class_heads import ClassHeads
 from proteus.engine.compositions import COMPOSITIONS, TRAIN_SCHEDULES, Composition
+from proteus.engine.confidence import MIN_ROWS, Confidence, calibration_rows, fit_temperature
 from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
 from proteus.engine.experts import Classify
@@ -173,7 +174,14 @@ class ProteusParts:
         devices.reset_peak_memory(self.device)
         clock = partial(devices.clock, self.device)  # waits for the GPU's queued work
         t0 = clock()
-        z, y = self.embedder.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
+        taps, tap_sizes = None, None
+        if self.keys.wants_taps and self.composition.retrieves:  # the detector's channel statistics
+            z, y, taps = self.embedder.prefix_dataset(
+                task.train, f"task {k + 1}: embedding training images", taps=True
+            )
+            tap_sizes = self.embedder.tap_sizes()
+        else:
+            z, y = self.embedder.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
         sec["prefix"] = clock() - t0
         crash_point("learn:prefix")
         t0 = clock()
@@ -188,7 +196,8 @@ class ProteusParts:
         if rc.reject and self.composition.retrieves:  # keep a part out of the key fit to calibrate on
             keep, held = holdout_split(len(y), rc.calibration_holdout, seed + 2)
             zk, yk = z[keep], y[keep]
-        fit = KeyFit(k, zk, yk, max(task.classes) + 1, seed, self.num_adapters, self.embedder)
+        tk = taps if taps is None or held is None else taps[keep]
+        fit = KeyFit(k, zk, yk, max(task.classes) + 1, seed, self.num_adapters, self.embedder, tk, tap_sizes)
         stats.signature = self.keys.add_task(fit)
         calibration = None
         if held is not None:
@@ -202,15 +211,53 @@ class ProteusParts:
         stats.gamma = self.heads.update(k, h, y, list(task.classes), max(task.classes) + 1)
         sec["head"] = clock() - t0
         crash_point("learn:head")
-        stats.peak_gpu_mb = devices.peak_memory_mb(self.device)
-        return TaskRecord(
+        rec = TaskRecord(
             k, [int(c) for c in task.classes], list(task.class_names), int(len(task.train)),
             self.trains_adapter(k), stats, {**cfg.task_settings(), "device": str(self.device)},
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), calibration,
             source_classes=task.source_classes,
         )  # fmt: skip
+        t0 = clock()  # the temperature of this task's confidence (proteus.engine.confidence)
+        rec.confidence = self.fit_confidence(k, z, y, h, TaskRecords([*records, rec]), seed)
+        sec["confidence"] = clock() - t0
+        stats.peak_gpu_mb = devices.peak_memory_mb(self.device)
+        return rec
+
+    def fit_confidence(
+        self, k: int, z: torch.Tensor, y: torch.Tensor, h: torch.Tensor, records: TaskRecords, seed: int
+    ) -> Confidence | None:
+        """Task k's confidence temperature (:mod:`proteus.engine.confidence`): its calibration rows (of its
+        training inputs' prefix outputs z, labels y; h their embeddings for its head) predicted by the
+        learner holding ``records`` with its keys and heads fitted without those rows, and T fitted to
+        their labels. None with too few rows."""
+        rows = calibration_rows(len(y), self.config.retrieval.calibration_holdout, seed)
+        if len(rows) < MIN_ROWS:
+            return None
+        with self.keys.without(self.embedder, z[rows], y[rows]), self.heads.without(k, h, y, rows):
+            pred = self.predict_prefix(z[rows], k + 1, records)
+        T = fit_temperature(pred.logits, y[rows])
+        return None if T is None else Confidence(T, len(rows))
 
     # ------------------------------------------------------------------ Algorithm 2's decision, forgetting
+    def predict_prefix(
+        self, z: torch.Tensor, m: int, records: TaskRecords, taps: torch.Tensor | None = None
+    ) -> Prediction:
+        """Algorithm 2 on prefix outputs ``z`` among the first m tasks of ``records``
+        (:meth:`proteus.Proteus.predict`; at learn time, the task's calibration rows); ``taps`` the
+        inputs' tap statistics, which the detector of inputs from no learned task may read."""
+
+        def classify(h: torch.Tensor, tasks: torch.Tensor | None = None) -> torch.Tensor:
+            return self.heads.logits(h, tasks, records.num_classes, records.forgotten_classes())
+
+        if self.retrieves:  # the keys' own route (proteus.engine.keys.base)
+            res, under = self.keys.predict(
+                self.embedder, z, min(m, self.num_adapters), records.classes(), taps
+            )
+            return self.decide(res, under, classify, records)
+        tasks, kind = self.head_tasks(m - 1)
+        logits = classify(self.embedder.embed_prefix(z, tasks, kind, shard=False)[0])
+        return Prediction(logits.argmax(1), None, None, None, logits)
+
     def decide(
         self, res: RetrievalResult, under: Under, classify: Classify, records: TaskRecords
     ) -> Prediction:

@@ -12,15 +12,17 @@ the head over every class is the head object's RanPAC head, every learned class 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from proteus.engine.errors import TaskError
-from proteus.engine.experts import HEAD_SCOPES, TaskExperts
-from proteus.heads import RanPACHead
+from proteus.engine.experts import HEAD_SCOPES, TaskExpert, TaskExperts
+from proteus.heads import PROTOTYPES, RanPACHead
 from proteus.heads.persist import classes_outside
 from proteus.tensor_rules import TENSOR_RULES, Check, Mount, ShapeRule, Together
 
@@ -97,6 +99,43 @@ class ClassHeads:
         if gone:
             logits[:, gone] = float("-inf")
         return logits
+
+    @contextlib.contextmanager
+    def without(self, k: int, h: Tensor, y: Tensor, rows: Tensor) -> Iterator[None]:
+        """Within the block, the heads that score task k's inputs are fitted as if ``rows`` of its training
+        embeddings h (N, d) / labels y were never seen: task k's own head (``head.scope=task``) refitted on
+        the other rows with its γ, or the head over every class with the rows subtracted exactly
+        (:meth:`RanPACHead.downdate`, γ kept; with ``head.prototypes=task-mean`` the rows stay in). Their
+        scores are then out-of-sample (the calibration of the confidence, :mod:`proteus.engine.confidence`);
+        the heads are restored after the block."""
+        keep = torch.ones(len(y), dtype=torch.bool)
+        keep[rows] = False
+        if self.experts is not None:
+            old = self.experts.experts[k]
+            local = {c: i for i, c in enumerate(old.classes)}
+            y_local = torch.as_tensor([local[int(c)] for c in y[keep].tolist()], dtype=torch.long)
+            head = self.new_head(rp_dim=0)
+            head.gamma = old.gamma  # refit with the chosen γ, no new search
+            head.update(h[keep].to(self.device), y_local.to(self.device), num_classes=len(old.classes))
+            assert head.W_out_ is not None
+            self.experts.experts[k] = TaskExpert(old.classes, head.W_out_.detach(), old.gamma)
+            try:
+                yield
+            finally:
+                self.experts.experts[k] = old
+            return
+        assert self.head is not None
+        before = self.head
+        if PROTOTYPES.get(before.prototypes).stored:  # task means: a few rows cannot be taken out exactly
+            yield  # (the head scores them in-sample)
+            return
+        head = copy.copy(before)  # downdate assigns new statistics: the learner's head keeps its own
+        head.downdate(h[rows].to(self.device), y[rows].to(self.device), [])
+        self.head = head
+        try:
+            yield
+        finally:
+            self.head = before
 
     def check_forget(self, k: int) -> None:
         if k not in self.inputs:

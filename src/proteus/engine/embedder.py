@@ -16,11 +16,12 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
+from proteus.backbones.base import pooled_stats
 from proteus.devices import autocast as precision_autocast
 from proteus.engine.errors import TaskError
 from proteus.progress import bar as progress_bar
 
-__all__ = ["Embedder", "ImageDataset"]
+__all__ = ["Embedder", "ImageDataset", "pooled_stats"]
 
 
 class ImageDataset(Dataset):
@@ -90,14 +91,30 @@ class Embedder:
             return self.model.prefix(x.to(self.device)).float()
 
     @torch.no_grad()
+    def prefix_taps(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`prefix` of a batch and the pooled statistics of the backbone's tap blocks' outputs
+        (``Backbone.tap_blocks``, :func:`pooled_stats`, concatenated) from the same forward: (N, D) float32
+        on the CPU, D = 0 for a backbone without taps. The detector of inputs from no learned task reads
+        them (:mod:`proteus.engine.novelty`)."""
+        with self.autocast():
+            z, stats = self.model.prefix_taps(x.to(self.device))
+        self._tap_sizes = [t.shape[1] for t in stats]
+        taps = torch.cat([t.float() for t in stats], 1).cpu() if stats else torch.zeros(x.shape[0], 0)
+        return z.float(), taps
+
+    def tap_sizes(self) -> list[int]:
+        """The width of each tap block's statistics in the last :meth:`prefix_taps` ([] before any)."""
+        return list(getattr(self, "_tap_sizes", None) or [])
+
+    @torch.no_grad()
     def prefix_dataset(
-        self, ds: Dataset, desc: str = "prefix", transform: Callable | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, ds: Dataset, desc: str = "prefix", transform: Callable | None = None, taps: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """Frozen-prefix outputs (float32) and labels of a dataset under the evaluation transform (or
-        ``transform``)."""
+        ``transform``); with ``taps`` also the tap statistics of :meth:`prefix_taps` (a third tensor)."""
         if len(ds) == 0:  # type: ignore[arg-type]
             raise TaskError(f"{desc}: empty dataset")
-        zs, ys = [], []
+        zs, ys, ts = [], [], []
         bs = self.batch_size
         images: Dataset = ImageDataset(ds, transform or self.transform)
         n = len(images)  # type: ignore[arg-type]
@@ -105,14 +122,22 @@ class Embedder:
             mine = dist.shard_range(math.ceil(n / bs))
             images = Subset(images, range(mine.start * bs, min(mine.stop * bs, n)))
         for x, y in self.bar(self.loader(images, False, 0, bs), desc):
-            with self.autocast():
-                z = self.model.prefix(x.to(self.device))
+            if taps:
+                z, t = self.prefix_taps(x)
+                ts.append(t)
+            else:
+                with self.autocast():
+                    z = self.model.prefix(x.to(self.device))
             zs.append(z.float())
             ys.append(y)
         z_all = dist.all_gather_rows(torch.cat(zs) if zs else None)
         y_all = dist.all_gather_rows(torch.cat(ys) if ys else None)
         assert z_all is not None and y_all is not None
-        return z_all, y_all
+        if not taps:
+            return z_all, y_all
+        t_all = dist.all_gather_rows(torch.cat(ts) if ts else None)
+        assert t_all is not None
+        return z_all, y_all, t_all
 
     @torch.no_grad()
     def embed_prefix(

@@ -1,9 +1,23 @@
-"""Inputs from no learned task (beyond the paper): two detectors with per-task thresholds.
+"""Inputs from no learned task (beyond the paper): three detectors with calibrated thresholds.
 
 Retrieval (Sec. 3.1) always names a task; an input from no learned task still gets one. A detector gives
 every input a *novelty*: its score minus a threshold (> 0: rejected as unknown).
 
-``retrieval.novelty = class-gaussian`` (the default with LDA keys: ``auto``): class-conditional Gaussians
+``retrieval.novelty = task-gaussian`` (the default with LDA keys: ``auto``): is the input like the inputs
+of one learned task? Each task keeps one Gaussian (:class:`PPCA`: mean, OAS-shrunk covariance kept to its
+:data:`RANK` leading directions) per *component*: the channel statistics (mean and standard deviation of
+each channel over the positions) of the frozen prefix at three depths (``Backbone.tap_blocks``; the
+multi-layer statistics of Lee et al., NeurIPS 2018, which tell image sources apart by resolution, colour
+and texture) and the keys' features. The Gaussians are fitted on the task's training inputs less its
+calibration rows (the same seeded share as below), so the rows' scores are out-of-sample. An input's score
+is ``min_t sum_c (nll_{t,c} - a_c) / b_c``: under the task that fits it best, the components' negative
+log-densities standardised by the pooled calibration rows (``a_c`` their median of ``min_t nll_{t,c}``,
+``b_c`` its distance to their 95th percentile); one threshold, the score ``retrieval.reject_tpr`` of the
+pooled calibration rows stay under. The rows keep their tap statistics, so ``kb calibrate --tpr`` and
+``--images`` need no training data. A knowledge base whose tasks have no task Gaussians (learned before
+they existed, or with ``class-gaussian``) scores with the class Gaussians:
+
+``retrieval.novelty = class-gaussian``: class-conditional Gaussians
 with one shared covariance in the keys' space, built from the statistics the LDA keys already keep (the
 class sums Q, counts n and Gram matrix G of Algorithm 1's lines 9-10, applied to the key features): class
 means ``mu_c = Q_c / n_c``, within-class covariance ``S = (G - sum_c Q_c Q_c^T / n_c) / N`` shrunk by OAS
@@ -44,6 +58,8 @@ __all__ = [
     "MAX_STORED",
     "MIN_PER_TASK",
     "NOVELTY",
+    "PPCA",
+    "RANK",
     "Calibration",
     "CalibrationRows",
     "ClassGaussians",
@@ -60,9 +76,13 @@ MIN_PER_TASK = 20
 #: ``retrieval.novelty``: which detector flags inputs from no learned task (``retrieval.reject = true``
 #: adds the key-score thresholds on top, for any keys)
 NOVELTY: Registry[str] = Registry("retrieval.novelty")
-NOVELTY.register("auto", help="class-gaussian with LDA keys (the default methods), none with other keys")(
+NOVELTY.register("auto", help="task-gaussian with LDA keys (the default methods), none with other keys")(
     "auto"
 )
+NOVELTY.register(
+    "task-gaussian",
+    help="each task's Gaussians on the frozen prefix's channel statistics and the keys' features",
+)("task-gaussian")
 NOVELTY.register("class-gaussian", help="Mahalanobis distance to the nearest class in the LDA keys' space")(
     "class-gaussian"
 )
@@ -133,12 +153,22 @@ TENSOR_RULES.declare(
     "proteus", "novelty",
     Fields({
         "calibration": F("map|null", fields=CALIBRATION),
-        "novelty": F("map|null", fields={"in_stats": F("bool", True), "tpr": F("rate", True)}),
+        "novelty": F("map|null", fields={
+            "in_stats": F("bool", True), "tpr": F("rate", True),
+            "tap_sizes": F("list[count]"), "noise": F("list[float]"),
+        }),
     }),
     NeedsRecord("novelty/", "novelty"),
     ShapeRule(r"novelty/x", ("obj.novelty_n", "kb.novelty_d"), _ROWS),
     ShapeRule(r"novelty/y", ("obj.novelty_n",), _ROWS, "int"),
+    ShapeRule(r"novelty/taps", ("obj.novelty_n", "kb.novelty_taps"),
+              "novelty/taps (n, channel statistics) has a row per calibration row"),
     Together(r"novelty/(?:x|y)", ("novelty/x", "novelty/y")),
+    ShapeRule(r"novelty/g(?P<c>\d+)/mean", ("kb.novelty_g[{c}]",), "task Gaussian {c}'s mean"),
+    ShapeRule(r"novelty/g(?P<c>\d+)/basis", ("kb.novelty_g[{c}]", "obj.novelty_r[{c}]"),
+              "task Gaussian {c}'s basis (features, rank)"),
+    ShapeRule(r"novelty/g(?P<c>\d+)/var", ("obj.novelty_r[{c}]",), "task Gaussian {c}'s variances (rank)"),
+    Together(r"novelty/g(?P<c>\d+)/.*", ("novelty/g{c}/mean", "novelty/g{c}/basis", "novelty/g{c}/var")),
 )  # fmt: skip
 
 
@@ -150,6 +180,8 @@ class CalibrationRows:
     X: Tensor
     y: Tensor
     in_stats: bool
+    #: the rows' tap statistics (n, D) for the ``task-gaussian`` detector; None for the class Gaussians
+    taps: Tensor | None = None
 
 
 @dataclass
@@ -203,6 +235,53 @@ class ClassGaussians:
         return best.clamp_min(0.0), cls
 
 
+#: the leading eigen-directions each task Gaussian of the ``task-gaussian`` detector keeps (:class:`PPCA`)
+RANK = 64
+
+
+@dataclass
+class PPCA:
+    """A Gaussian whose covariance keeps the ``rank`` leading eigen-directions ``basis`` (D, r) of an
+    OAS-shrunk sample covariance with their variances ``var`` (r,) and gives every other direction one
+    variance ``noise``, the mean of the remaining eigenvalues (probabilistic PCA, Tipping & Bishop, JRSS-B
+    1999): r (D + 1) + D + 1 numbers instead of D^2, and a score in O(N D r)."""
+
+    mean: Tensor
+    basis: Tensor
+    var: Tensor
+    noise: float
+
+    @classmethod
+    def fit(cls, X: Tensor, rank: int = RANK) -> PPCA:
+        """From rows X (n, D), n >= 2."""
+        X = X.double()
+        n, dim = X.shape
+        if n < 2:
+            raise ValueError(f"a task Gaussian needs at least 2 rows, got {n}")
+        mu = X.mean(0)
+        R = X - mu
+        S = R.T @ R / n
+        rho = oas_rho(S, n)
+        m = float(S.diagonal().mean())
+        S = (1.0 - rho) * S
+        S.diagonal().add_(rho * m + 1e-12 * max(m, 1e-300))
+        lam, U = torch.linalg.eigh((S + S.T) / 2)
+        lam, U = lam.flip(0).clamp_min(1e-12 * max(m, 1e-300)), U.flip(1)
+        r = min(int(rank), dim)
+        noise = float(lam[r:].mean()) if r < dim else float(lam[-1])
+        return cls(mu.float(), U[:, :r].float().contiguous(), lam[:r].float(), noise)
+
+    def nll(self, Z: Tensor) -> Tensor:
+        """(N,): each row's squared Mahalanobis distance plus the log-determinant (minus twice the log
+        density, up to a constant shared by every task)."""
+        D = Z.double() - self.mean.double().to(Z.device)
+        P = D @ self.basis.double().to(Z.device)
+        var = self.var.double().to(Z.device)
+        rest = ((D * D).sum(1) - (P * P).sum(1)).clamp_min(0.0)
+        logdet = float(torch.log(var).sum()) + (D.shape[1] - P.shape[1]) * math.log(self.noise)
+        return (P * P / var).sum(1) + rest / self.noise + logdet
+
+
 @dataclass
 class ClassNovelty:
     """The ``class-gaussian`` detector's state: each task's :class:`CalibrationRows` and the rate
@@ -211,13 +290,35 @@ class ClassNovelty:
     holdout: float
     tpr: float
     rows: dict[int, CalibrationRows] = field(default_factory=dict)
-    _fitted: tuple[Any, ClassGaussians, Tensor] | None = None
+    _fitted: tuple[Any, Any, Tensor] | None = None
+    #: ``task-gaussian`` wanted (``retrieval.novelty`` auto or task-gaussian): tasks learned with tap
+    #: statistics get their Gaussians; a knowledge base whose tasks lack them keeps the class Gaussians
+    tasks: bool = False
+    #: task -> its Gaussian per component (each tap block's statistics, then the key features)
+    gaussians: dict[int, list[PPCA]] = field(default_factory=dict)
+    #: the widths of the tap blocks' statistics (the components before the key features)
+    tap_sizes: list[int] | None = None
 
-    def draw(self, k: int, X: Tensor, y: Tensor, seed: int) -> None:
-        """Keep a seeded ``holdout`` share of task k's key features (at most :data:`MAX_STORED` rows)."""
+    def draw(
+        self, k: int, X: Tensor, y: Tensor, seed: int, taps: Tensor | None = None,
+        tap_sizes: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        """Keep a seeded ``holdout`` share of task k's key features (at most :data:`MAX_STORED` rows); with
+        the inputs' tap statistics (and :attr:`tasks`) also fit the task's Gaussians on its other rows."""
         _, held = holdout_split(len(y), self.holdout, seed)
         held = held[:MAX_STORED]
-        self.rows[k] = CalibrationRows(X[held].float().cpu().clone(), y[held].long().cpu().clone(), True)
+        kept_taps = None if taps is None or not self.tasks else taps[held].float().cpu().clone()
+        self.rows[k] = CalibrationRows(
+            X[held].float().cpu().clone(), y[held].long().cpu().clone(), True, kept_taps
+        )
+        self.gaussians.pop(k, None)
+        if kept_taps is not None and taps is not None and tap_sizes is not None:
+            rest = torch.ones(len(y), dtype=torch.bool)
+            rest[held] = False
+            if int(rest.sum()) >= 2:
+                self.tap_sizes = [int(v) for v in tap_sizes]
+                parts = [*taps.float().cpu().split(self.tap_sizes, 1), X.float().cpu()]
+                self.gaussians[k] = [PPCA.fit(c[rest]) for c in parts]
         self._fitted = None
 
     def replace(self, rows: dict[int, CalibrationRows]) -> None:
@@ -226,7 +327,45 @@ class ClassNovelty:
 
     def drop(self, k: int) -> None:
         self.rows.pop(k, None)
+        self.gaussians.pop(k, None)
         self._fitted = None
+
+    @property
+    def uses_taps(self) -> bool:
+        """Whether the detector scores with the task Gaussians (every task with calibration rows has its
+        Gaussians and its rows' tap statistics), and so needs the inputs' tap statistics."""
+        live = [k for k, r in self.rows.items() if len(r.y)]
+        return bool(live) and all(k in self.gaussians and self.rows[k].taps is not None for k in live)
+
+    def _components(self, X: Tensor, taps: Tensor) -> list[Tensor]:
+        assert self.tap_sizes is not None
+        return [*taps.float().split(self.tap_sizes, 1), X.float()]
+
+    def _task_scores(self, parts: list[Tensor], tasks: list[int]) -> list[Tensor]:
+        """Per component, (N, T) the NLL of the rows under each of ``tasks``' Gaussians."""
+        return [
+            torch.stack([self.gaussians[k][c].nll(part) for k in tasks], 1) for c, part in enumerate(parts)
+        ]
+
+    def _fit_tasks(self, live: dict[int, CalibrationRows], stamp: Any) -> None:
+        """The ``task-gaussian`` detector (module doc): each component's scale from the pooled calibration
+        rows, the combined score, and one threshold at ``tpr`` of the pooled rows."""
+        tasks = sorted(live)
+        X = torch.cat([live[k].X for k in tasks])
+        taps = torch.cat([live[k].taps for k in tasks if live[k].taps is not None])
+        per = self._task_scores(self._components(X, taps), tasks)
+        loc, scale = [], []
+        for nll in per:
+            best = nll.min(1).values
+            a = float(best.median())
+            b = float(torch.quantile(best, 0.95)) - a
+            loc.append(a)
+            scale.append(b if b > 0 else 1.0)
+        combined = sum((nll - a) / b for nll, a, b in zip(per, loc, scale, strict=True))
+        assert isinstance(combined, Tensor)
+        thr = threshold_at(combined.min(1).values, self.tpr)
+        n = max(tasks) + 1
+        self._fitted = (stamp, ("tasks", tasks, loc, scale), torch.full((n,), thr, dtype=torch.float64))
 
     def invalidate(self) -> None:
         """The statistics changed: rebuild the Gaussians and thresholds on next use."""
@@ -243,6 +382,9 @@ class ClassNovelty:
         live = {k: r for k, r in self.rows.items() if len(r.y)}
         if not live:
             return False
+        if self.uses_taps:
+            self._fit_tasks(live, stamp)
+            return True
         g = ClassGaussians.from_statistics(G, Q, counts, [(r.X, r.y) for r in live.values() if r.in_stats])
         scores = {k: g.distances(r.X)[0] for k, r in live.items()}
         pooled = torch.cat(list(scores.values()))
@@ -254,10 +396,20 @@ class ClassNovelty:
         self._fitted = (stamp, g, thr)
         return True
 
-    def novelty(self, X: Tensor, task_of: Tensor) -> Tensor:
-        """Each row's score minus the threshold of its nearest class's task (after :meth:`fit`)."""
+    def novelty(self, X: Tensor, task_of: Tensor, taps: Tensor | None = None) -> Tensor | None:
+        """Each row's score minus its threshold (after :meth:`fit`): the class Gaussians' distance to the
+        nearest class minus that class's task's threshold, or the task Gaussians' combined score minus
+        the pooled threshold (None when the inputs' tap statistics ``taps`` are missing)."""
         assert self._fitted is not None
         _, g, thr = self._fitted
+        if isinstance(g, tuple):
+            if taps is None:
+                return None
+            _, tasks, loc, scale = g
+            per = self._task_scores(self._components(X.cpu(), taps.cpu()), tasks)
+            combined = sum((nll - a) / b for nll, a, b in zip(per, loc, scale, strict=True))
+            assert isinstance(combined, Tensor)
+            return combined.min(1).values - float(thr[0])
         d2, cls = g.distances(X)
         return (d2 - thr[task_of.to(cls.device)[cls]]).cpu()
 
@@ -268,14 +420,36 @@ class ClassNovelty:
         r = self.rows.get(k)
         if r is None:
             return {}, {}
-        meta = {"novelty": {"in_stats": r.in_stats, "tpr": self.tpr}}
-        return meta, {"novelty/x": r.X, "novelty/y": r.y}
+        info: dict[str, Any] = {"in_stats": r.in_stats, "tpr": self.tpr}
+        tensors = {"novelty/x": r.X, "novelty/y": r.y}
+        if r.taps is not None:
+            tensors["novelty/taps"] = r.taps
+        gs = self.gaussians.get(k)
+        if gs is not None and self.tap_sizes is not None:
+            info["tap_sizes"] = list(self.tap_sizes)
+            info["noise"] = [g.noise for g in gs]
+            for c, g in enumerate(gs):
+                tensors.update({f"novelty/g{c}/mean": g.mean, f"novelty/g{c}/basis": g.basis,
+                                f"novelty/g{c}/var": g.var})  # fmt: skip
+        return {"novelty": info}, tensors
 
     def load_task(self, k: int, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         info = meta.get("novelty")
         if isinstance(info, dict) and "novelty/x" in tensors:
+            taps = tensors.get("novelty/taps")
             self.rows[k] = CalibrationRows(
-                tensors["novelty/x"].float(), tensors["novelty/y"].long(), bool(info["in_stats"])
-            )
+                tensors["novelty/x"].float(), tensors["novelty/y"].long(), bool(info["in_stats"]),
+                None if taps is None else taps.float(),
+            )  # fmt: skip
             self.tpr = float(info["tpr"])
+            noise = info.get("noise")
+            if isinstance(noise, list) and isinstance(info.get("tap_sizes"), list):
+                self.tap_sizes = [int(v) for v in info["tap_sizes"]]
+                if len(noise) != len(self.tap_sizes) + 1 or not all(float(v) > 0 for v in noise):
+                    raise ValueError(f"novelty: {len(noise)} task Gaussians for {len(self.tap_sizes)} taps")
+                self.gaussians[k] = [
+                    PPCA(tensors[f"novelty/g{c}/mean"].float(), tensors[f"novelty/g{c}/basis"].float(),
+                         tensors[f"novelty/g{c}/var"].float(), float(v))
+                    for c, v in enumerate(noise)
+                ]  # fmt: skip
         self._fitted = None

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from proteus.engine.confidence import Confidence
 from proteus.tensor_rules import TENSOR_RULES, Check, F, Fields, Schema
 
 __all__ = [
@@ -104,6 +105,7 @@ class TaskStats:
         timed("head")
         if self.gamma is not None:
             out["gamma"] = self.gamma
+        timed("confidence")
         timed("evaluate")
         timed("task")
         if self.peak_gpu_mb is not None:
@@ -146,6 +148,9 @@ class TaskRecord:
     forgotten: bool = False
     #: each class's index in its source dataset (None: not known, e.g. a knowledge base of an older release)
     source_classes: list[int] | None = None
+    #: the temperature that calibrates the confidence of this task's classes (None: a knowledge base
+    #: learned before it was fitted, or too few rows; :mod:`proteus.engine.confidence`)
+    confidence: Confidence | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -166,10 +171,13 @@ class TaskRecord:
             out["forgotten"] = True
         if self.source_classes is not None:
             out["source_classes"] = list(self.source_classes)
+        if self.confidence is not None:
+            out["confidence"] = self.confidence.to_dict()
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TaskRecord:
+        confidence = d.get("confidence")
         return cls(
             index=int(d["index"]),
             classes=[int(c) for c in d["classes"]],
@@ -182,6 +190,7 @@ class TaskRecord:
             calibration=d.get("calibration"),
             forgotten=bool(d.get("forgotten", False)),
             source_classes=None if d.get("source_classes") is None else [int(c) for c in d["source_classes"]],
+            confidence=None if confidence is None else Confidence.from_dict(confidence, int(d["index"])),
         )
 
 
@@ -204,6 +213,9 @@ STATS: Schema = {
     "gamma": F("float|null"),
     "peak_gpu_mb": F("float|null"),
 }
+
+#: :meth:`Confidence.to_dict`: the task's temperature and the rows it was fitted on
+CONFIDENCE: Schema = {"temperature": F("float", True), "rows": F("count", True)}
 
 
 def _source_classes(tasks: list[Any], meta: Any, where: Any) -> list[str]:
@@ -228,6 +240,7 @@ TENSOR_RULES.declare(
             "has_adapter": F("bool"),
             "source_classes": F("list[count]|null"),
             "stats": F("map|null", fields=STATS),
+            "confidence": F("map|null", fields=CONFIDENCE, closed=True),
         },
         required=("classes", "class_names", "n_train", "has_adapter"),
     ),
@@ -262,6 +275,10 @@ class TaskRecords(list[TaskRecord]):
 
     def forgotten_classes(self) -> list[int]:
         return [c for t in self if t.forgotten for c in t.classes]
+
+    def temperatures(self) -> list[float | None]:
+        """Each task's confidence temperature (None for a task without one: its answers show ``p_all``)."""
+        return [None if t.confidence is None else t.confidence.temperature for t in self]
 
     def thresholds(self) -> torch.Tensor | None:
         """Each task's rejection threshold on its key score (``retrieval.reject``), or None unless every

@@ -22,10 +22,17 @@ The schema (docs/predict.md):
                 on the scale of score differences (a difference of 1 is a factor e), not calibrated
                 probabilities.
 ``head_softmax`` the previous name of ``p_all`` (deprecated, kept for existing scripts)
+``confidence``  the calibrated probability of the predicted class among the learned classes: ``p_all``
+                with the scores divided by the temperature of the class's task (fitted when the task
+                was learned, :mod:`proteus.engine.confidence`); equal to ``p_all`` where the task has no
+                temperature (a knowledge base learned before temperatures were fitted)
+``temperature`` that temperature, null where the task has none; ``calibrated``: whether it had one
 ``known``       false for an input from no learned task (its retrieved task's key score is above that
                 task's threshold, calibrated when it was learned with ``retrieval.reject``); null when
                 the tasks are not calibrated. ``novelty``: the score minus that threshold (> 0: rejected)
-``top_k``       the k best classes of the retrieved task with their ``p_task`` (``--top-k``)
+``top_k``       the k best classes of the retrieved task with their ``p_task`` and ``confidence``
+                (the calibrated probability among the learned classes, with the row's temperature;
+                ``--top-k``)
 
 Every number of a row depends on its own input only: rows do not change with the other inputs of the
 batch (beyond float round-off).
@@ -39,8 +46,9 @@ import torch
 
 from proteus.config import ConfigError
 from proteus.core.estimator import Prediction, Proteus
+from proteus.engine.confidence import calibrated_probabilities
 
-__all__ = ["NOT_CHECKED", "format_row", "prediction_rows"]
+__all__ = ["NOT_CALIBRATED", "NOT_CHECKED", "format_row", "prediction_rows"]
 
 
 def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int = 1) -> list[dict[str, Any]]:
@@ -56,6 +64,8 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
         for g, s in zip(t.classes, t.source_classes)
     }
     p_all = torch.softmax(pred.logits.double(), 1)
+    temps = clf.records_.temperatures()
+    p_cal, T = calibrated_probabilities(pred.logits, pred.label, temps, clf.records_.task_of())
     rows = []
     for j, file in enumerate(files):
         c = int(pred.label[j])
@@ -84,12 +94,16 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
                 "p_task": p_task,
                 "p_all": float(p_all[j, c]),
                 "head_softmax": float(p_all[j, c]),  # deprecated name of p_all (kept for old scripts)
+                "confidence": float(p_cal[j, c]),
+                "temperature": None if torch.isnan(T[j]) else float(T[j]),
+                "calibrated": not bool(torch.isnan(T[j])),
                 "top_k": [
                     {
                         "class": names[int(own[i])],
                         "label": int(own[i]),
                         "class_index": source.get(int(own[i])),
                         "p_task": float(p_own[i]),
+                        "confidence": float(p_cal[j, int(own[i])]),
                     }
                     for i in order
                 ],
@@ -99,14 +113,21 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
 
 
 def format_row(r: dict[str, Any], verbose: bool = False) -> str:
-    """One line of ``proteus predict``'s text output: the class and one confidence (``p_all``: the
-    prediction's softmax over every learned class), the task it came from, or ``unknown`` when the input is
-    from no learned task; ``verbose`` adds the retrieval's raw numbers (component, signature score,
-    ``p_task``) and the top-k classes."""
+    """One line of ``proteus predict``'s text output: the class and how likely it is, the task it came
+    from, or ``unknown`` when the input is from no learned task. Where the class's task has a temperature
+    the number is ``p``, the calibrated probability of the class among the learned classes
+    (``confidence``), and the line says so; otherwise it is ``confidence``, the uncalibrated ``p_all``, as
+    knowledge bases learned before temperatures were fitted show it (:data:`NOT_CALIBRATED` is said once
+    under the output). ``verbose`` adds the retrieval's raw numbers (component, signature score,
+    novelty, ``p_task``, the temperature) and the top-k classes' numbers are the same kind as the line's."""
+    calibrated = r.get("calibrated") is True
     if r["known"] is False:
         line = f"{r['file']}: unknown (from no learned task; nearest class {r['class']})"
     else:
-        line = f"{r['file']}: {r['class']}  confidence {r['p_all']:.2f}"
+        if calibrated:
+            line = f"{r['file']}: {r['class']}  p = {r['confidence']:.2f} (probability among learned classes)"
+        else:
+            line = f"{r['file']}: {r['class']}  confidence {r['p_all']:.2f}"
         if r["task"] is not None:
             line += f"  task {r['task']}"
     if verbose:
@@ -115,9 +136,19 @@ def format_row(r: dict[str, Any], verbose: bool = False) -> str:
             line += f", novelty {r['novelty']:.2f}]" if r.get("novelty") is not None else "]"
         if r["p_task"] is not None:
             line += f"  p_task {r['p_task']:.2f}"
+        if calibrated:
+            line += f"  p_all {r['p_all']:.2f}, temperature {r['temperature']:.3g}"
     if len(r["top_k"]) > 1:
-        line += "  top-k " + ", ".join(f"{t['class']} {t['p_task']:.2f}" for t in r["top_k"])
+        key = "confidence" if calibrated else "p_task"
+        line += "  top-k " + ", ".join(f"{t['class']} {t[key]:.2f}" for t in r["top_k"])
     return line
+
+
+#: said once under the text output when some answer's number is not a calibrated probability
+NOT_CALIBRATED = (
+    "note: 'confidence' is a relative score, not a probability: this knowledge base stores no temperature "
+    "for these tasks (learned before proteus fitted them; docs/predict.md)"
+)
 
 
 #: said once under the text output when nothing can say whether an input is from a learned task

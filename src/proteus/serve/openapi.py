@@ -71,7 +71,7 @@ def _schemas(max_images: int) -> dict[str, Any]:
     row = {
         "type": "object",
         "description": "one input's prediction (docs/predict.md, the same as `proteus predict --json`)",
-        "required": ["file", "class", "label", "task", "head_score", "p_all", "top_k"],
+        "required": ["file", "class", "label", "task", "head_score", "p_all", "confidence", "top_k"],
         "properties": {
             "file": {"type": "string", "description": "the multipart file name, or `body`"},
             "class": {"type": "string"},
@@ -84,6 +84,13 @@ def _schemas(max_images: int) -> dict[str, Any]:
             "p_task": nullable_num,
             "p_all": {"type": "number"},
             "head_softmax": {"type": "number", "deprecated": True},
+            "confidence": {
+                "type": "number",
+                "description": "the probability of the class among the learned classes: p_all calibrated by "
+                "the temperature of the class's task (equal to p_all where the task has none)",
+            },
+            "temperature": {**nullable_num, "description": "that temperature; null where the task has none"},
+            "calibrated": {"type": "boolean", "description": "whether the class's task has a temperature"},
             "known": {"type": ["boolean", "null"]},
             "novelty": nullable_num,
             "top_k": {"type": "array", "items": {"type": "object"}},

@@ -118,8 +118,9 @@ class RetrievalConfig:
     )
     novelty: str = option(
         "auto",
-        help="the detector of inputs from no learned task: auto (class-gaussian on LDA keys), "
-        "class-gaussian or none",
+        help="the detector of inputs from no learned task: auto (task-gaussian on LDA keys), task-gaussian "
+        "(each task's Gaussians on the frozen prefix's channel statistics and the keys' features), "
+        "class-gaussian (the class Gaussians of the LDA keys' statistics) or none",
         choices="retrieval.novelty",
     )
     calibration_holdout: float = option(

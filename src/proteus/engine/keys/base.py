@@ -20,7 +20,8 @@ declares what it stores there (:data:`proteus.tensor_rules.TENSOR_RULES`, role `
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -78,6 +79,10 @@ class KeyFit:
     seed: int
     num_adapters: int
     embedder: Embedder
+    #: the inputs' tap statistics (``Embedder.prefix_taps``) and each tap block's width, where the
+    #: detector of inputs from no learned task reads them (:attr:`RetrievalKeys.wants_taps`)
+    taps: Tensor | None = None
+    tap_sizes: list[int] | None = None
 
     def embed(self, tasks: list[int] | None) -> Tensor:
         """(G, N, d): ``z`` under the compositions of ``tasks`` (None: the frozen backbone, G = 1)."""
@@ -145,23 +150,34 @@ class RetrievalKeys:
         """How :meth:`predict` embeds: ``one-space``, ``candidates`` or ``all-adapters`` (module doc)."""
         return "all-adapters" if self.space is None else "one-space"
 
+    #: the detector of inputs from no learned task reads the inputs' tap statistics: learning passes
+    #: them (:class:`KeyFit`) ...
+    wants_taps: bool = False
+
+    @property
+    def uses_taps(self) -> bool:
+        """... and prediction needs them (:meth:`predict`'s ``taps``)."""
+        return False
+
     def predict(
-        self, embedder: Embedder, z: Tensor, m: int, classes: list[list[int]]
+        self, embedder: Embedder, z: Tensor, m: int, classes: list[list[int]], taps: Tensor | None = None
     ) -> tuple[RetrievalResult, Under]:
-        """Retrieval among the first m tasks for prefix outputs ``z``, along :attr:`route`."""
+        """Retrieval among the first m tasks for prefix outputs ``z``, along :attr:`route`; ``taps`` the
+        inputs' tap statistics where :attr:`uses_taps`."""
         if self.space is not None:
-            return self._predict_one_space(self.space, embedder, z, m, classes)
+            return self._predict_one_space(self.space, embedder, z, m, classes, taps)
         H = embedder.embed_prefix(z, list(range(m)), shard=False)
         F = embedder.embed_prefix(z, None, shard=False)[0] if self.needs_frozen else None
         rows = torch.arange(H.shape[1])
         return self.retrieve(H, F, classes), lambda cand: H[cand, rows[:, None]]
 
     def _predict_one_space(
-        self, space: KeySpace, embedder: Embedder, z: Tensor, m: int, classes: list[list[int]]
-    ) -> tuple[RetrievalResult, Under]:
+        self, space: KeySpace, embedder: Embedder, z: Tensor, m: int, classes: list[list[int]],
+        taps: Tensor | None = None,
+    ) -> tuple[RetrievalResult, Under]:  # fmt: skip
         X = space.embed(embedder, z, shard=False)
         res = self.retrieve_space(X, m, classes)
-        res.novelty = self.novelty_of(X, classes)  # answering a user: is the input from a learned task?
+        res.novelty = self.novelty_of(X, classes, taps)  # answering a user: is the input from a learned task?
 
         def under(cand: Tensor) -> Tensor:
             N, K = cand.shape
@@ -201,10 +217,18 @@ class RetrievalKeys:
             raise NotImplementedError
         return self.retrieve_space(self.space.select(H, F), H.shape[0], classes)
 
+    @contextlib.contextmanager
+    def without(self, embedder: Embedder, z: Tensor, y: Tensor) -> Iterator[None]:
+        """Within the block the keys score inputs as if the training inputs ``z`` (prefix outputs) with
+        labels y had not been part of their fit, where the keys can subtract them exactly (LDA keys:
+        :meth:`LDAKeys.without`); these keys cannot, and score as they are."""
+        yield
+
     # the class-Gaussian detector of inputs from no learned task (LDA keys only: proteus.engine.novelty)
-    def novelty_of(self, X: Tensor, classes: list[list[int]]) -> Tensor | None:
-        """The novelty of inputs X (N, d) in :attr:`space` (> 0: from no learned task); None for keys
-        without a detector. Computed on :meth:`predict`'s route only, not in evaluation."""
+    def novelty_of(self, X: Tensor, classes: list[list[int]], taps: Tensor | None = None) -> Tensor | None:
+        """The novelty of inputs X (N, d) in :attr:`space` (> 0: from no learned task), ``taps`` their tap
+        statistics; None for keys without a detector. Computed on :meth:`predict`'s route only, not in
+        evaluation."""
         return None
 
     def novelty_thresholds(self, classes: list[list[int]]) -> list[float]:
@@ -212,8 +236,9 @@ class RetrievalKeys:
         return []
 
     def calibrate(
-        self, X: Tensor, labels: Tensor, classes: list[list[int]], tpr: float | None
-    ) -> list[float]:
+        self, X: Tensor, labels: Tensor, classes: list[list[int]], tpr: float | None,
+        taps: Tensor | None = None,
+    ) -> list[float]:  # fmt: skip
         """New class-Gaussian calibration rows from held-out inputs (LDA keys: :meth:`LDAKeys.calibrate`)."""
         raise ConfigError(
             f"{type(self).__name__} keep no class statistics to calibrate on (they are not LDA keys); learn "

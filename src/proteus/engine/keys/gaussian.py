@@ -94,13 +94,14 @@ class GaussianKeys(RetrievalKeys):
         return "candidates" if self.shortlists else super().route
 
     def predict(
-        self, embedder: Embedder, z: Tensor, m: int, classes: list[list[int]]
+        self, embedder: Embedder, z: Tensor, m: int, classes: list[list[int]], taps: Tensor | None = None
     ) -> tuple[RetrievalResult, Under]:
         """With a shortlist (:attr:`shortlists`): a forward in the cheap keys' space, the c best tasks per
         input, each input under those c adapters (one grouped forward), Eq. 1 among them (c + 1 forwards
-        per input); ``under`` gives the embeddings under shortlisted tasks. Otherwise the base routes."""
+        per input); ``under`` gives the embeddings under shortlisted tasks. Otherwise the base routes.
+        ``taps`` is not read (these keys keep no detector of their own)."""
         if not self.shortlists:
-            return super().predict(embedder, z, m, classes)
+            return super().predict(embedder, z, m, classes, taps)
         space = self.candidate_space
         X = space.embed(embedder, z, shard=False)
         short = self.shortlist(X, m, classes)  # (N, c)

@@ -8,20 +8,22 @@ task (``retrieval.novelty``, :mod:`proteus.engine.novelty`)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from proteus.config import ConfigError, RunConfig
+from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
 from proteus.engine.keys.base import GLOBAL_PREFIX, GLOBAL_RECORD, KEYS, KeyFit, KeyKind, RetrievalKeys
 from proteus.engine.keys.space import FIRST_ADAPTER, FROZEN, KeySpace
 from proteus.engine.novelty import ClassNovelty
-from proteus.heads import RanPACHead
+from proteus.heads import PROTOTYPES, RanPACHead
 from proteus.heads.persist import classes_outside, is_head_meta
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
@@ -108,9 +110,20 @@ class LDAKeys(RetrievalKeys):
     @classmethod
     def from_config(cls, cfg: RunConfig, device: torch.device, new_head: Any, **options: Any) -> LDAKeys:
         rc = cfg.retrieval
-        if rc.novelty in ("auto", "class-gaussian"):
-            options["novelty"] = ClassNovelty(rc.calibration_holdout, rc.reject_tpr)
+        if rc.novelty in ("auto", "task-gaussian", "class-gaussian"):
+            tasks = rc.novelty != "class-gaussian"
+            options["novelty"] = ClassNovelty(rc.calibration_holdout, rc.reject_tpr, tasks=tasks)
         return super().from_config(cfg, device, new_head, **options)
+
+    @property
+    def wants_taps(self) -> bool:  # type: ignore[override]
+        """The ``task-gaussian`` detector fits each task's Gaussians on its inputs' tap statistics."""
+        return self.novelty is not None and self.novelty.tasks
+
+    @property
+    def uses_taps(self) -> bool:
+        """Every task has its Gaussians: prediction reads the inputs' tap statistics."""
+        return self.novelty is not None and self.novelty.uses_taps
 
     def features(self, X: Tensor) -> Tensor:
         return NORMALIZATIONS.get(self.cfg.normalize)(X.float())
@@ -129,7 +142,7 @@ class LDAKeys(RetrievalKeys):
         if self.keep_inputs:
             self.inputs[self.n_tasks] = (X.float().cpu().clone(), fit.y.cpu().clone())
         if self.novelty is not None:
-            self.novelty.draw(self.n_tasks, X, fit.y, fit.seed + 3)
+            self.novelty.draw(self.n_tasks, X, fit.y, fit.seed + 3, fit.taps, fit.tap_sizes)
         self.n_tasks += 1
         return None
 
@@ -142,6 +155,25 @@ class LDAKeys(RetrievalKeys):
         self.inputs.pop(m, None)
         if self.novelty is not None:
             self.novelty.drop(m)
+
+    @contextlib.contextmanager
+    def without(self, embedder: Embedder, z: Tensor, y: Tensor) -> Iterator[None]:
+        """Within the block the key head is the one fitted without the training inputs ``z`` (labels y):
+        their key features subtracted from its statistics exactly (:meth:`RanPACHead.downdate`, its γ
+        kept), as the class-Gaussian detector subtracts its calibration rows; restored after the block.
+        The detector is off within the block (it would refit its Gaussians to the copy)."""
+        if self.head is None or self.head.G_ is None or PROTOTYPES.get(self.head.prototypes).stored:
+            yield  # (task-mean prototypes: a few rows cannot be taken out exactly, they stay in)
+            return
+        X = self.features(self.space.embed(embedder, z, shard=False))
+        before, novelty = self.head, self.novelty
+        head = copy.copy(before)  # downdate assigns new statistics: the keys' head keeps its own
+        head.downdate(X.to(self.device), y.to(self.device), [])
+        self.head, self.novelty = head, None
+        try:
+            yield
+        finally:
+            self.head, self.novelty = before, novelty
 
     def check_forget(self, k: int) -> None:
         if k not in self.inputs:
@@ -189,12 +221,13 @@ class LDAKeys(RetrievalKeys):
             task_of[[i for i in c if i < len(task_of)]] = j
         return task_of if self.novelty.fit(head.G_, head.Q_, head.counts_, task_of, id(head)) else None
 
-    def novelty_of(self, X: Tensor, classes: list[list[int]]) -> Tensor | None:
-        """The class-Gaussian novelty of key-space inputs X (None without calibration rows)."""
+    def novelty_of(self, X: Tensor, classes: list[list[int]], taps: Tensor | None = None) -> Tensor | None:
+        """The novelty of key-space inputs X with tap statistics ``taps`` (None without calibration rows,
+        or without ``taps`` where the task Gaussians need them)."""
         task_of = self._fit_novelty(classes)
         if task_of is None or self.novelty is None:
             return None
-        return self.novelty.novelty(self.features(X).to(self.device), task_of)
+        return self.novelty.novelty(self.features(X).to(self.device), task_of, taps)
 
     def novelty_thresholds(self, classes: list[list[int]]) -> list[float]:
         """Each task's class-Gaussian threshold ([] without a detector or calibration rows)."""
@@ -203,11 +236,13 @@ class LDAKeys(RetrievalKeys):
         return self.novelty.thresholds() or []
 
     def calibrate(
-        self, X: Tensor, labels: Tensor, classes: list[list[int]], tpr: float | None
-    ) -> list[float]:
-        """New calibration rows for the class-Gaussian detector from held-out inputs X (N, d) in the keys'
-        space that were never part of the statistics (``kb calibrate --images``); ``labels`` (N,) their
-        global classes, -1 where unknown (the nearest class is taken). Returns each task's threshold."""
+        self, X: Tensor, labels: Tensor, classes: list[list[int]], tpr: float | None,
+        taps: Tensor | None = None,
+    ) -> list[float]:  # fmt: skip
+        """New calibration rows for the detector from held-out inputs X (N, d) in the keys' space that
+        were never part of the statistics (``kb calibrate --images``), ``taps`` their tap statistics;
+        ``labels`` (N,) their global classes, -1 where unknown (the nearest class is taken). Returns each
+        task's threshold."""
         if self.novelty is None or self.head is None or self.head.G_ is None:
             raise ConfigError(
                 "this knowledge base was learned with retrieval.novelty=none: it keeps no detector of "
@@ -225,8 +260,11 @@ class LDAKeys(RetrievalKeys):
         for j, c in enumerate(classes):
             task_of[[i for i in c if i < len(task_of)]] = j
         tasks = task_of[labels]
+        keep_taps = taps is not None and self.novelty.tasks
         rows = {
-            k: CalibrationRows(X[tasks == k], labels[tasks == k], False)
+            k: CalibrationRows(
+                X[tasks == k], labels[tasks == k], False, taps[tasks == k].float() if keep_taps else None
+            )
             for k in range(len(classes))
             if k not in self.forgotten and bool((tasks == k).any())
         }

@@ -1,0 +1,117 @@
+"""The ``task-gaussian`` detector of inputs from no learned task (issue 39): each task's Gaussians (PPCA of
+an OAS-shrunk covariance) on the frozen prefix's channel statistics at three depths and on the keys'
+features, a combined score, one pooled threshold; a knowledge base without the Gaussians keeps the
+class-Gaussian detector. Fast: synthetic statistics and a random MobileNetV2."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from proteus.backbones.mobilenet import MobileNetV2Backbone
+from proteus.engine.embedder import pooled_stats
+from proteus.engine.novelty import PPCA, ClassNovelty
+from proteus.signatures.fitting import oas_rho
+
+
+def _oas(X: torch.Tensor) -> torch.Tensor:
+    X = X.double()
+    R = X - X.mean(0)
+    S = R.T @ R / len(X)
+    rho, m = oas_rho(S, len(X)), float(S.diagonal().mean())
+    return (1 - rho) * S + rho * m * torch.eye(S.shape[0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rank", [3, 8])
+def test_ppca_scores_with_its_covariance(rank: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(200, 8, generator=g, dtype=torch.float64) @ torch.randn(
+        8, 8, generator=g, dtype=torch.float64
+    )
+    p = PPCA.fit(X, rank)
+    U, var = p.basis.double(), p.var.double()
+    C = U @ torch.diag(var) @ U.T + p.noise * (torch.eye(8, dtype=torch.float64) - U @ U.T)
+    if rank >= 8:
+        assert torch.allclose(C, _oas(X), atol=1e-5)  # full rank: the OAS covariance itself
+    Z = torch.randn(5, 8, generator=g, dtype=torch.float64)
+    D = Z - p.mean.double()
+    want = (D @ torch.linalg.inv(C) * D).sum(1) + torch.logdet(C)
+    assert torch.allclose(p.nll(Z), want, rtol=1e-4, atol=1e-3)
+
+
+def test_the_taps_are_the_last_block_of_each_third_of_the_prefix() -> None:
+    b = MobileNetV2Backbone(pretrained=False)
+    b.set_adapt_last(6)  # prefix: blocks 0..11
+    assert [list(b.blocks).index(m) for m in b.tap_blocks()] == [3, 7, 11]
+    b.set_adapt_last(None)
+    assert b.tap_blocks() == []  # nothing frozen: no taps, the keys' features alone
+
+
+def test_pooled_stats_of_maps_and_tokens() -> None:
+    h = torch.randn(2, 3, 4, 5)
+    s = pooled_stats(h)
+    assert s.shape == (2, 6) and torch.allclose(s[:, :3], h.mean((2, 3)))
+    assert torch.allclose(s[:, 3:], h.flatten(2).std(2, correction=0))
+    tokens = torch.randn(2, 7, 3)
+    assert torch.allclose(pooled_stats(tokens), pooled_stats(tokens.transpose(1, 2)[..., None]))
+
+
+def _task(g: torch.Generator, shift: float, n: int = 400) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key features, taps, labels) of a synthetic task: its own mean and scale in every component."""
+    X = shift + torch.randn(n, 6, generator=g) * (1 + shift / 4)
+    taps = torch.cat([shift + torch.randn(n, 4, generator=g), -shift + torch.randn(n, 2, generator=g)], 1)
+    return X, taps, torch.randint(0, 2, (n,), generator=g) + 2 * int(shift)
+
+
+def test_task_gaussians_flag_another_source_and_accept_their_own() -> None:
+    g = torch.Generator().manual_seed(1)
+    det = ClassNovelty(holdout=0.25, tpr=0.95, tasks=True)
+    tasks = [_task(g, s) for s in (0.0, 3.0)]
+    for k, (X, taps, y) in enumerate(tasks):
+        det.draw(k, X, y, seed=k, taps=taps, tap_sizes=[4, 2])
+    assert det.uses_taps and [len(gs) for gs in det.gaussians.values()] == [3, 3]  # 2 taps + the features
+    task_of = torch.tensor([0, 0, 1, 1])
+    assert det.fit(torch.zeros(1), torch.zeros(1), torch.zeros(1), task_of, stamp=1)
+    rows = [det.rows[k] for k in (0, 1)]
+    cal = torch.cat([det.novelty(r.X, task_of, r.taps) for r in rows])
+    assert abs(float((cal <= 0).double().mean()) - 0.95) < 0.02  # the pooled threshold at tpr 0.95
+    fresh = [_task(g, s) for s in (0.0, 3.0)]
+    known = torch.cat([det.novelty(X, task_of, t) for X, t, _ in fresh])
+    other_X, other_taps, _ = _task(g, 7.0)
+    unknown = det.novelty(other_X, task_of, other_taps)
+    assert float((known > 0).double().mean()) < 0.1 and float((unknown > 0).double().mean()) > 0.99
+    assert det.novelty(other_X, task_of) is None  # without the taps the task Gaussians cannot score
+    # stored and read back: the same scores
+    back = ClassNovelty(holdout=0.25, tpr=0.95, tasks=True)
+    for k in (0, 1):
+        meta, tensors = det.task_state(k)
+        back.load_task(k, {**meta, "index": k}, tensors)
+    back.fit(torch.zeros(1), torch.zeros(1), torch.zeros(1), task_of, stamp=2)
+    assert torch.allclose(back.novelty(other_X, task_of, other_taps), unknown)
+    assert math.isclose(back.thresholds()[0], det.thresholds()[0])
+
+
+def test_without_task_gaussians_the_class_gaussians_score() -> None:
+    g = torch.Generator().manual_seed(2)
+    det = ClassNovelty(holdout=0.25, tpr=0.95, tasks=False)  # retrieval.novelty=class-gaussian
+    X, taps, y = _task(g, 0.0)
+    det.draw(0, X, y, seed=0, taps=taps, tap_sizes=[4, 2])
+    assert not det.uses_taps and det.gaussians == {} and det.rows[0].taps is None
+    meta, tensors = det.task_state(0)
+    assert "tap_sizes" not in meta["novelty"] and "novelty/taps" not in tensors  # as before issue 39
+
+
+def test_prefix_taps_give_the_prefix_and_each_taps_statistics() -> None:
+    from proteus import Proteus
+
+    clf = Proteus.from_method(
+        "proteus", backbone="mobilenet_v2", progress=False,
+        **{"backbone.pretrained": False, "backbone.img_size": 32, "backbone.adapt_last": 6},
+    )  # fmt: skip
+    clf.kb_header()  # builds the parts
+    x = torch.randn(3, 3, 32, 32)
+    z, taps = clf.embedder_.prefix_taps(x)
+    assert torch.equal(z, clf.embedder_.prefix(x))
+    assert clf.embedder_.tap_sizes() == [64, 128, 192] and taps.shape == (3, 384)  # 2 x 32, 64, 96 channels
