@@ -26,12 +26,15 @@ demo: $(VENV)/.installed
 	$(PY) -m proteus compare --benchmark quickstart --seeds 0 --out runs/demo-compare \
 	    --methods proteus-paper,proteus,proteus-lda,ranpac --set report.figures=false --set report.latency=false
 
+# one pytest worker per core (pytest-xdist), each test file on one worker (its module fixtures built once)
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 # the suite without the end-to-end runs marked slow: the loop while developing
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests tools

@@ -17,6 +17,8 @@ from harness import FIGURES, format_table  # noqa: E402
 
 from proteus.cli import main
 
+pytestmark = pytest.mark.slow  # the whole harness at tiny sizes: about a minute on 2 cores
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:

@@ -62,6 +62,7 @@ def _assert_close(compiled: list, eager: list) -> None:
             torch.testing.assert_close(c.novelty, e.novelty, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.slow  # about 50 s on 2 cores: dynamo traces the learner's forwards at seven batch sizes
 def test_compiled_predicts_as_eager_without_a_graph_per_batch_size(learned) -> None:
     clf, x = learned
     sizes = (8, 5, 3, 2, 7, 6, 4)
@@ -122,8 +123,8 @@ def test_the_key_is_validated_and_reaches_the_model() -> None:
 def test_inductor_predicts_as_eager(learned, monkeypatch) -> None:
     clf, x = learned
     monkeypatch.setattr(devices, "COMPILE_BACKEND", "inductor")
-    eager = _predict(clf, x, (8, 5))
+    eager = _predict(clf, x, (8,))  # one size: the batch dimension's graphs are the eager backend's tests
     clf.model_.compile_mode = "default"
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        _assert_close(_predict(clf, x, (8, 5)), eager)
+        _assert_close(_predict(clf, x, (8,)), eager)

@@ -179,6 +179,7 @@ def _trial(root: Path, n_writers: int, wait: float | None, n_readers: int) -> in
     return len(won)
 
 
+@pytest.mark.slow
 def test_racing_writers_and_readers(tmp_path: Path) -> None:
     """50 trials, each on a fresh KB holding 2 tasks: 2 then 8 writer processes race for the lock (failing
     fast, or waiting), 2 reader processes open and verify the KB all along (in the 8-writer trials)."""
