@@ -17,6 +17,7 @@ from proteus import Proteus
 from proteus.adapters import AdaptedBackbone
 from proteus.backbones import build_backbone
 from proteus.config import BackboneConfig, RunConfig, SignatureConfig
+from proteus.core.codec import KEYS_PREFIX, _load_task
 from proteus.heads import RanPACHead
 from proteus.signatures import GaussianComponents, Signature
 
@@ -113,6 +114,15 @@ def _drawn_head(d: int, rp_dim: int, n_cls: int, s: Settings, dev: torch.device,
     return head
 
 
+def _load_head(L: Proteus, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """The head's object loaded as :func:`proteus.core.codec.restore` loads it (the LDA keys' heads ride
+    in it under ``task_head/``)."""
+    own = {k: v for k, v in tensors.items() if not k.startswith(KEYS_PREFIX)}
+    L.parts_.heads.load({k: v for k, v in meta.items() if k != "task_head"}, own)
+    sub = {k[len(KEYS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(KEYS_PREFIX)}
+    L.parts_.keys.load_global(meta.get("task_head"), sub)
+
+
 #: the prediction routes the harness times (:attr:`Proteus.parts_.route`)
 ROUTES = {"m_forward": "all-adapters", "two_stage": "one-space", "candidates": "candidates"}
 
@@ -153,8 +163,9 @@ class _State:
             record = {"index": k, "classes": cls, "class_names": [str(c) for c in cls], "n_train": 0,
                       "has_adapter": False, "stats": {"task": k}, "signature": meta,
                       "frozen_signature": None}  # fmt: skip
-            L._load_task(record, {f"signature/{n}": v for n, v in st.items()})  # as a KB loads it
-        L._load_head(*self.head_state)
+            tensors = {f"signature/{n}": v for n, v in st.items()}
+            _load_task(L.parts_, L.records_, record, tensors)  # as a knowledge base loads it
+        _load_head(L, *self.head_state)
         self.gaussian_keys = L.keys_
         L.keys_.candidates = None  # the default route: the paper's (m forwards)
 
