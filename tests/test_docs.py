@@ -1,11 +1,13 @@
 """The docs' generated references: every configuration key is declared with a line of meaning, and the
-configuration and command-line references are written from the declarations and the parser."""
+configuration and command-line references are written from the declarations and the parser; the user
+docs name no issue numbers (history goes to CHANGELOG.md)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import os
+import re
 import sys
 import typing
 from pathlib import Path
@@ -16,6 +18,12 @@ from proteus.config import LEARNERS, RunConfig, sections
 from proteus.options import options_of
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# README.md is rewritten separately
+CHECKED_LATER = {"README.md"}
+# written by tools/docs/reference.py before every build, from the code's declarations
+GENERATED = {"docs/reference/configuration.md", "docs/reference/cli.md"}
+ISSUE_NUMBER = re.compile(r"\bissues? ?#?\d+|\bissue-\d+", re.IGNORECASE)
 
 
 def _reference():  # noqa: ANN202 - tools/docs/reference.py, outside the package
@@ -67,3 +75,16 @@ def test_the_site_builds_offline_without_warnings(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_user_docs_name_no_issue_numbers() -> None:
+    """User docs speak of the software; what changed when goes to CHANGELOG.md."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    hits = []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in CHECKED_LATER or rel in GENERATED or path.name == "CHANGELOG.md":
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            hits += [f"{rel}:{n}: {m.group(0)}" for m in ISSUE_NUMBER.finditer(line)]
+    assert not hits, "user docs name issues (history goes to CHANGELOG.md):\n" + "\n".join(hits)
