@@ -24,7 +24,7 @@ demo: $(VENV)/.installed
 	    if [ -L $$d ] || [ ! -e $$d ]; then ln -sfn $(abspath $(RUN)) $$d; fi
 	@echo "== where each method stands on the quickstart (seed 0; finished runs are reused)"
 	$(PY) -m proteus compare --benchmark quickstart --seeds 0 --out runs/demo-compare \
-	    --methods proteus-paper,proteus,proteus-lda,ranpac --set report.figures=false --set report.latency=false
+	    --methods proteus,proteus-lda,ranpac,frozen --set report.figures=false --set report.latency=false
 
 # one pytest worker per core (pytest-xdist), each test file on one worker (its module fixtures built once)
 PYTEST := $(PY) -m pytest -q -n auto --dist loadfile

@@ -1,9 +1,12 @@
-"""The README's Python example runs as written (issue 26): every ```python block, verbatim, in a fresh
-directory. It uses the quickstart's pretrained MobileNetV2: the test skips when the weights are neither in
-torch's hub cache nor in ``../shared/weights`` (``proteus weights fetch mobilenet_v2`` places them)."""
+"""The README says what the code does: its Python example runs as written (every ```python block, verbatim,
+in a fresh directory; it uses the quickstart's pretrained MobileNetV2 and skips when the weights are neither
+in torch's hub cache nor in ``../shared/weights``), its demo table holds the numbers recorded by
+``tools/parity/results_parity.py`` for the methods ``make demo`` compares, its methods table names every
+registered method, and it stays short."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -13,6 +16,9 @@ from proteus.backbones.weights import WeightsError, ensure_weights
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SHARED_WEIGHTS = README.parent.parent / "shared" / "weights"
+PARITY = README.parent / "tools" / "parity"
+#: a row of the demo's table: | `method` | final accuracy | retrieval at the last task or - |
+DEMO_ROW = re.compile(r"^\| `([a-z0-9-]+)` \| ([0-9.]+) \| ([0-9.]+|-) \|$", flags=re.M)
 
 
 def python_blocks(text: str) -> list[str]:
@@ -40,3 +46,26 @@ def test_readme_python_example_runs(
     match = re.search(r"([\d.]+)% correct", out)
     assert match and float(match.group(1)) > 80, out  # two digit tasks: near 100% in practice
     assert (tmp_path / "kb" / "manifest.json").exists()
+
+
+def test_the_demo_table_is_what_the_recorded_runs_give() -> None:
+    """Each row against ``tools/parity/<method>.json`` (quickstart, seed 0, one thread, the public CLI), and
+    the rows are the methods ``make demo`` compares."""
+    rows = DEMO_ROW.findall(README.read_text())
+    demo = re.search(r"--methods ([a-z0-9,-]+)", (README.parent / "Makefile").read_text())
+    assert demo and [m for m, _, _ in rows] == demo.group(1).split(","), rows
+    for method, acc, retrieval in rows:
+        rec = json.loads((PARITY / f"{method}.json").read_text())
+        assert rec["benchmark"] == "quickstart" and rec["seed"] == 0, method
+        assert acc == f"{rec['final_avg_acc']:.2f}", (method, acc, rec["final_avg_acc"])
+        last = "-" if rec["retrieval_acc"] is None else f"{rec['retrieval_acc'][-1]:.2f}"
+        assert retrieval == last, (method, retrieval, last)
+
+
+def test_the_methods_table_names_every_method_and_the_readme_is_short() -> None:
+    from proteus.config import METHODS
+
+    text = README.read_text()
+    missing = [m for m in METHODS.names() if f"`{m}`" not in text]
+    assert not missing, f"methods the README's table does not name: {missing}"
+    assert len(text.splitlines()) <= 150

@@ -1,4 +1,4 @@
-"""Named crash points for the crash-safety tests (GitHub issue 4, "Reliability and scale").
+"""Named crash points for the crash-safety tests.
 
 A test sets ``PROTEUS_TEST_KILL_AT=<point>`` in the environment of a ``proteus`` process; when that process
 reaches :func:`crash_point` with the same name it sends itself SIGKILL: no ``finally`` block, no atexit

@@ -9,9 +9,9 @@ by key (bit for bit: JSON numbers compared as written).
     python tools/parity/results_parity.py compare tools/parity runs/parity-after --ignore kb_bytes.manifest
 
 One thread per run (so float reductions are ordered the same way every time); ``--jobs`` runs that many
-methods at once. The JSON files beside this script are the recording of the code before the issue-11
-redesign (commit 6cbaff7, 2-core CPU, torch 2.14.1). ``kb_bytes.manifest`` is left out of the comparison
-since the manifest gained per-task settings and a checksum (issue 12).
+methods at once. The JSON files beside this script are the recording of the methods the README's demo
+table and docs quote (``record --methods proteus,proteus-lda,ranpac,frozen,proteus-paper,ranpac-accumulated``,
+2-core CPU, torch 2.14.1); tests/test_readme.py checks the README's demo table against them.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ class LoRAUnit(nn.Module):
         task's columns at a time: each task's columns are orthogonalised against the basis of the older
         ones (classical Gram-Schmidt, twice, in float64) and orthonormalised (QR). Opening task k extends
         the basis by task k - 1's columns, O(q R r), instead of a QR of the whole q x R matrix, O(q R^2), at
-        every task (issue 28: the cost of opening task k grew with k). A knowledge base's stored tasks build
+        every task (else the cost of opening task k grows with k). A knowledge base's stored tasks build
         it the same way, one task at a time, so that a learner restored from a knowledge base trains bit for
         bit as the one that never stopped. One block per task: a truncation drops the blocks of the tasks
         it drops."""

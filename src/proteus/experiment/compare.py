@@ -133,7 +133,7 @@ def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """The results of a finished run of ``cfg`` in ``run_dir``; None when there is none yet."""
     res_file, cfg_file = run_dir / "results.json", run_dir / "config.yaml"
     if not res_file.is_file():
-        for started in ("kb/manifest.json", "model.json"):  # model.json: a baseline run before issue 24
+        for started in ("kb/manifest.json", "model.json"):  # model.json: a baseline run of an earlier release
             if (run_dir / started).is_file():
                 raise ConfigError(
                     f"{run_dir}: holds an unfinished run ({started} but no results.json); remove the "

@@ -1,4 +1,4 @@
-"""Content keys of the objects a knowledge base writes (issue 28: commits that stay flat on a long stream).
+"""Content keys of the objects a knowledge base writes (commits that stay flat on a long stream).
 
 A learner commits its whole state at every commit; :meth:`~proteus.kb.store.KnowledgeBase.write_object`
 looks each object's :func:`content_key` up among the objects it already wrote before serialising it. The key
