@@ -304,35 +304,3 @@ def test_basis_of_a_restored_unit_is_bit_identical() -> None:
         v.append_task(x["A"], x["B"], x["s"])
     v.begin_task(2, "learned", True, torch.Generator().manual_seed(1))
     assert torch.equal(u.basis, v.basis)
-
-
-def test_each_task_held_once_and_nothing_larger_kept_alive() -> None:
-    """A stored task's directions are held once: what a knowledge base stores (``task_tensors``) are the
-    very blocks the unit computes with, the same objects at every call, and nothing a task keeps holds a
-    larger tensor alive (before issue 40 each task's row of C was a view of the whole C of its time: a
-    stream of m tasks kept O(m^3) numbers). A device or dtype move carries the blocks along; a truncation
-    drops them."""
-    g = torch.Generator().manual_seed(0)
-    u = LoRAUnit(40, 6)
-    _stored_tasks(u, 8, g)
-    before = {t: u.task_tensors(t) for t in range(8)}
-    _stored_tasks(u, 4, g)
-    for t in range(8):
-        now = u.task_tensors(t)
-        a, b = u.directions(t)
-        assert now["A"] is a and now["B"] is b and now["s"] is before[t]["s"], t
-        for v in now.values():  # compact: a tensor the size of its storage
-            assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), t
-        assert torch.equal(u.A[:, u.columns(t)], a) and torch.equal(u.C[t, : u.columns(t).start], now["s"])
-    held = {u.task_tensors(t)["A"].untyped_storage().data_ptr() for t in range(12)}
-    held |= {u.task_tensors(t)["B"].untyped_storage().data_ptr() for t in range(12)}
-    assert len(held) == 24  # one storage per block
-    x = torch.randn(3, 4, 40)
-    u.coef = u.coefficients([2, 11, 5])
-    ref = u.delta(x)
-    u.double()
-    assert u.directions(3)[0].dtype == torch.float64 and u.task_tensors(3)["s"].dtype == torch.float64
-    assert torch.allclose(u.delta(x.double()).float(), ref, atol=1e-5)
-    u.coef = None
-    u.truncate(5)
-    assert (u.num_tasks, u.total_rank, len(u.A.T), len(u.basis.T)) == (5, 10, 10, 10)

@@ -7,17 +7,12 @@ For task k+1 the update of one adapted map W (p x q) is
 with the old rank-1 directions b_{tau,i} a_{tau,i}^T frozen, S_tau diagonal and learnable, and the new
 directions constrained by <B_{k+1} A_{k+1}^T, B_tau A_tau^T> = 0 for every old task (Eq. 15).
 
-Storage. A unit holds each task's own directions once, as that task's contiguous blocks ``A_tau`` (q x
-r) and ``B_tau`` (p x r) -- the very tensors a knowledge base stores (:meth:`LoRAUnit.task_tensors`: a long
-stream hashes and keeps each of them once) -- and a composition matrix ``C`` (m x R): row k holds s^(k) on
-the columns of older tasks, 1 on task k's own columns and 0 after them. Side by side the blocks are ``A``
-(q x R) and ``B`` (p x R); any task's update is ``B diag(C[k]) A^T`` and a forward that applies a
+Storage. A unit keeps every task's directions side by side, ``A`` (q x R) and ``B`` (p x R), and a
+composition matrix ``C`` (m x R): row k holds s^(k) on the columns of older tasks, 1 on task k's own
+columns and 0 after them. Any task's update is then ``B diag(C[k]) A^T`` and a forward that applies a
 different task to each group of a batch is two ordinary matmuls and a per-group diagonal scale:
 ``((x A) * C[tasks]) B^T`` -- no gather of per-task matrices, no Python loop over tasks (the *factored*
-forward). Only the columns up to the last composed task's enter it (the later ones have coefficient 0);
-their side-by-side copy is built for the forward that needs it (:meth:`LoRAUnit.factors`, a copy of
-``(q + p) cols`` numbers against the forward's ``rows (q + p) cols`` multiply-adds) and, while a task is
-trained, once for the whole task.
+forward). Only the columns up to the last composed task's enter it (the later ones have coefficient 0).
 
 Merged forward. When the rank stacked over tasks is large against the map's width (MobileNetV2's early
 1x1 convolutions: m x r = 40 > 16..32 channels), the factored update costs more than the map itself. A
@@ -35,7 +30,6 @@ space no new orthogonal direction exists; the rank is reduced (and reported) ins
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import OrderedDict
 
@@ -54,26 +48,18 @@ class LoRAUnit(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.scaling = float(scaling)
-        #: Eq. 9's coefficients: row k = s^(k) over older columns, 1 on task k's own, 0 after
+        self.register_buffer("A", torch.zeros(in_features, 0))
+        self.register_buffer("B", torch.zeros(out_features, 0))
         self.register_buffer("C", torch.zeros(0, 0))
         self.ranks: list[int] = []
-        #: the first column of each task, and the total rank last (len m + 1)
-        self._offsets: list[int] = [0]
-        #: each stored task's own directions, (q, r) and (p, r), contiguous and never written again: held
-        #: once, and handed to a knowledge base as they are (:meth:`task_tensors`)
-        self._a: list[torch.Tensor] = []
-        self._b: list[torch.Tensor] = []
-        #: the orthonormal basis of the first ``len(_q)`` tasks' columns of A, one block per task
-        #: (:meth:`_extend_basis`)
-        self._q: list[torch.Tensor] = []
         # the task being trained
         self.A_new: nn.Parameter | None = None
         self.B_new: nn.Parameter | None = None
         self.s: nn.Parameter | None = None
         self.register_buffer("s_fixed", torch.zeros(0))
-        #: while a task is trained: the old directions side by side and the basis, (A, B, basis), built
-        #: once per task (every training step reads them)
-        self._open: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: an orthonormal basis of the first ``_basis_tasks`` tasks' columns of A (:meth:`_extend_basis`)
+        self.register_buffer("basis", torch.zeros(in_features, 0))
+        self._basis_tasks = 0
         self.orthogonal = True
         #: per-group composition coefficients (G, cols) for the next forward; None = the training composition
         self.coef: torch.Tensor | None = None
@@ -82,21 +68,13 @@ class LoRAUnit(nn.Module):
         #: coefficient of the open task's own directions in the training forward (None: 1; SD-LoRA's
         #: learned magnitude of the current direction)
         self.new_scale: torch.Tensor | None = None
-        #: task -> its row of C over older columns (a copy: C is rebuilt at every task), built once per
-        #: stored task; on a GPU also its directions copied to the CPU (:meth:`task_tensors`)
-        self._stored: dict[int, dict[str, torch.Tensor]] = {}
-
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]  # nn.Module's signature
-        """``to``, ``cuda``, ``double`` ...: the per-task blocks follow the registered buffers."""
-        super()._apply(fn, recurse)
-        self._a, self._b, self._q = ([fn(t) for t in ts] for ts in (self._a, self._b, self._q))
-        self._open = None if self._open is None else tuple(fn(t) for t in self._open)  # type: ignore[assignment]
-        return self
+        #: task -> (dtype, its :meth:`task_tensors`), built once per stored task
+        self._stored: dict[int, tuple[torch.dtype, dict[str, torch.Tensor]]] = {}
 
     # ------------------------------------------------------------------ bookkeeping
     @property
     def total_rank(self) -> int:
-        return self._offsets[-1]
+        return int(self.A.shape[1])
 
     @property
     def num_tasks(self) -> int:
@@ -107,44 +85,8 @@ class LoRAUnit(nn.Module):
         return self.A_new is not None
 
     def columns(self, task: int) -> slice:
-        return slice(self._offsets[task], self._offsets[task + 1])
-
-    def directions(self, task: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Task ``task``'s own directions ``(A_tau (q, r), B_tau (p, r))``, as held (do not modify)."""
-        return self._a[task], self._b[task]
-
-    def factors(self, cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(A[:, :cols], B[:, :cols])``: the first ``cols`` columns (a task boundary; default all) of
-        every task's directions side by side (the factored forward's operands). Views of the open task's
-        copy while a task is trained; otherwise built from the blocks."""
-        R = self.total_rank
-        cols = R if cols is None else int(cols)
-        if self._open is not None and cols <= R:
-            return self._open[0][:, :cols], self._open[1][:, :cols]
-        n = bisect.bisect_left(self._offsets, cols)
-        if cols == 0 or n >= len(self._offsets) or self._offsets[n] != cols:
-            if cols == 0:
-                return self.C.new_zeros(self.in_features, 0), self.C.new_zeros(self.out_features, 0)
-            raise ValueError(f"{cols} columns do not end a task's directions (offsets {self._offsets})")
-        return _side_by_side(self._a[:n]), _side_by_side(self._b[:n])
-
-    @property
-    def A(self) -> torch.Tensor:
-        """(q, R): every task's A_tau side by side (a copy: see :meth:`factors`)."""
-        return self.factors()[0]
-
-    @property
-    def B(self) -> torch.Tensor:
-        """(p, R): every task's B_tau side by side (a copy: see :meth:`factors`)."""
-        return self.factors()[1]
-
-    @property
-    def basis(self) -> torch.Tensor:
-        """(q, b): the orthonormal basis of the old directions that the open task's A is kept off (the
-        basis of the first ``len(_q)`` tasks)."""
-        if self._open is not None:
-            return self._open[2]
-        return _side_by_side(self._q) if self._q else self.C.new_zeros(self.in_features, 0)
+        start = sum(self.ranks[:task])
+        return slice(start, start + self.ranks[task])
 
     # ------------------------------------------------------------------ task life cycle
     def begin_task(self, rank: int, transfer: str, orthogonal: bool, generator: torch.Generator) -> int:
@@ -153,14 +95,12 @@ class LoRAUnit(nn.Module):
             raise ValueError(f"transfer must be one of {tuple(TRANSFER_INIT)}, got {transfer!r}")
         if self.training_task:
             raise RuntimeError("begin_task called twice without end_task")
-        dev, dt = self.C.device, self.C.dtype
+        dev, dt = self.A.device, self.A.dtype
         R = self.total_rank
         self.orthogonal = orthogonal
         if orthogonal:
             rank = max(0, min(rank, self.in_features - R))
             self._extend_basis()
-        A_old, B_old = self.factors()
-        self._open = (A_old, B_old, self.basis)
         bound = 1.0 / math.sqrt(self.in_features)  # PEFT's kaiming_uniform(a=sqrt(5)) for lora_A
         a = (torch.rand(self.in_features, rank, generator=generator, dtype=torch.float64) * 2 - 1) * bound
         self.A_new = nn.Parameter(a.to(device=dev, dtype=dt))
@@ -176,6 +116,7 @@ class LoRAUnit(nn.Module):
 
     @torch.no_grad()
     def _extend_basis(self) -> None:
+<<<<<<< HEAD
         """Extend the orthonormal basis of span(A) (:attr:`basis`) by the tasks it does not cover yet, one
         task's columns at a time: each task's columns are orthogonalised against the basis of the older
         ones (classical Gram-Schmidt, twice, in float64) and orthonormalised (QR). Opening task k extends
@@ -189,6 +130,22 @@ class LoRAUnit(nn.Module):
             block = _orthonormal_complement(Q, self._a[t])
             self._q.append(block)
             Q = torch.cat([Q, block], 1)
+=======
+        """Make :attr:`basis` an orthonormal basis of span(A), one task's columns at a time: each task's
+        columns are orthogonalised against the basis of the older ones (classical Gram-Schmidt, twice, in
+        float64) and orthonormalised (QR). Opening task k extends the basis by task k - 1's columns,
+        O(q R r), instead of a QR of the whole q x R matrix, O(q R^2), at every task (issue 28: the cost of
+        opening task k grew with k). Built the same way from the first task after a truncation, a load from a
+        knowledge base, or a move to another device or dtype, so that a learner restored from a knowledge
+        base trains bit for bit as the one that never stopped."""
+        A, Q = self.A, self.basis
+        if self._basis_tasks > self.num_tasks or Q.device != A.device or Q.dtype != A.dtype:
+            Q, self._basis_tasks = A.new_zeros(self.in_features, 0), 0
+        for t in range(self._basis_tasks, self.num_tasks):
+            Q = torch.cat([Q, _orthonormal_complement(Q, A[:, self.columns(t)])], 1)
+        self._basis_tasks = self.num_tasks
+        self.basis = Q
+>>>>>>> parent of ae17225 (merge wt-perf: adapters hold each task's directions once (the blocks a KB stores), a task's row of C is a copy, the old directions' basis per task)
 
     def projected_A_new(self) -> torch.Tensor:
         assert self.A_new is not None
@@ -212,9 +169,8 @@ class LoRAUnit(nn.Module):
 
     def abort_task(self) -> None:
         """Close a task still being trained without keeping anything of it."""
-        dev, dt = self.C.device, self.C.dtype
+        dev, dt = self.A.device, self.A.dtype
         self.A_new = self.B_new = self.s = None
-        self._open = None
         self.s_fixed = torch.zeros(0, device=dev, dtype=dt)
 
     @torch.no_grad()
@@ -224,10 +180,12 @@ class LoRAUnit(nn.Module):
             self.abort_task()
         if self.num_tasks > m:
             start = self.columns(m).start
-            del self._a[m:], self._b[m:], self._q[m:], self.ranks[m:], self._offsets[m + 1 :]
-            self.C = self.C[:m, :start].clone()
+            self.A, self.B = self.A[:, :start], self.B[:, :start]
+            self.C = self.C[:m, :start]
+            self.ranks = self.ranks[:m]
             self.generation += 1
             self._stored = {t: v for t, v in self._stored.items() if t < m}
+            # the basis now covers more tasks than are left: _extend_basis rebuilds it at the next task
 
     @torch.no_grad()
     def append_task(self, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor) -> None:
@@ -244,9 +202,9 @@ class LoRAUnit(nn.Module):
         R, r = self.total_rank, int(a_k.shape[1])
         if s_k.numel() != R:
             raise ValueError(f"transfer coefficients have {s_k.numel()} entries, expected {R}")
-        dev, dt = self.C.device, self.C.dtype
-        self._a.append(_own(a_k.to(dev, dt)))
-        self._b.append(_own(b_k.to(dev, dt)))
+        dev, dt = self.A.device, self.A.dtype
+        self.A = torch.cat([self.A, a_k.to(dev, dt)], 1)
+        self.B = torch.cat([self.B, b_k.to(dev, dt)], 1)
         m = self.num_tasks
         C = torch.zeros(m + 1, R + r, device=dev, dtype=dt)
         C[:m, :R] = self.C
@@ -254,27 +212,22 @@ class LoRAUnit(nn.Module):
         C[m, R:] = 1.0
         self.C = C
         self.ranks.append(r)
-        self._offsets.append(R + r)
 
     def task_tensors(self, task: int) -> dict[str, torch.Tensor]:
         """What a knowledge base stores for one task: its own directions and its row of C, on the CPU. The
-        same tensor objects at every call while the task is stored -- on a CPU the directions are the
-        blocks the unit computes with (held once), the row of C a copy made at the first call (C is
-        rebuilt at every task); a stored task's directions and its row of C over older columns never change,
-        :meth:`truncate` forgets them -- so that a knowledge base re-committing a long stream copies and
-        hashes each of them once (:mod:`proteus.kb.content`)."""
+        same tensor objects at every call while the task is stored (a stored task's columns of A, B and its
+        row of C over older columns never change; :meth:`truncate` forgets them), so that a knowledge base
+        re-committing a long stream copies and hashes each of them once (:mod:`proteus.kb.content`)."""
         kept = self._stored.get(task)
-        a, b = self._a[task], self._b[task]
-        if kept is None or kept["s"].dtype != self.C.dtype or kept["A"].dtype != a.dtype:
-            kept = {"s": self.C[task, : self.columns(task).start].detach().cpu().clone()}
-            if a.device.type != "cpu":  # the knowledge base's copies on the CPU
-                kept.update(A=a.detach().cpu(), B=b.detach().cpu())
-            else:
-                kept.update(A=a, B=b)
-            self._stored[task] = kept
-        if a.device.type == "cpu" and kept["A"] is not a:  # moved back to the CPU since
-            kept.update(A=a, B=b)
-        return dict(kept)
+        if kept is None or kept[0] != self.A.dtype:
+            cols = self.columns(task)
+            tensors = {
+                "A": self.A[:, cols].detach().cpu().contiguous(),
+                "B": self.B[:, cols].detach().cpu().contiguous(),
+                "s": self.C[task, : cols.start].detach().cpu().contiguous(),
+            }
+            kept = self._stored[task] = (self.A.dtype, tensors)
+        return dict(kept[1])
 
     # ------------------------------------------------------------------ compositions
     def coefficients(self, tasks: list[int], kind: str = "task") -> torch.Tensor:
@@ -289,14 +242,14 @@ class LoRAUnit(nn.Module):
     def used_columns(self, tasks: list[int]) -> int:
         """How many leading columns the compositions of ``tasks`` can use (later ones have coefficient 0
         in every kind: a task composes its own and older directions only)."""
-        return self._offsets[max(tasks) + 1] if tasks else 0
+        return sum(self.ranks[: max(tasks) + 1]) if tasks else 0
 
     def merged_updates(self, tasks: list[int], kind: str = "task") -> torch.Tensor:
         """(G, p, q): each task's whole update ``scaling * B diag(coef) A^T`` (Eq. 9) as one matrix."""
         cols = self.used_columns(tasks)
         coef = self.coefficients(tasks, kind)[:, :cols]
-        A, B = self.factors(cols)
-        return self._scale((B[None] * coef[:, None, :]) @ A.T)
+        dW = (self.B[None, :, :cols] * coef[:, None, :]) @ self.A[:, :cols].T
+        return self._scale(dW)
 
     # ------------------------------------------------------------------ forward
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,9 +258,8 @@ class LoRAUnit(nn.Module):
             cols = self.coef.shape[1]
             if cols == 0:
                 return x.new_zeros(*x.shape[:-1], self.out_features)
-            A, B = self.factors(cols)
-            u = (x @ A.to(x.dtype)) * self.coef.to(x.dtype)[:, None, :]
-            return self._scale(u @ B.to(x.dtype).T)
+            u = (x @ self.A[:, :cols].to(x.dtype)) * self.coef.to(x.dtype)[:, None, :]
+            return self._scale(u @ self.B[:, :cols].to(x.dtype).T)
         if not self.training_task:  # no composition set and nothing being trained: frozen backbone
             return x.new_zeros(*x.shape[:-1], self.out_features)
         return self._scale(self._new_update(x) + self._old_update(x))
@@ -329,8 +281,7 @@ class LoRAUnit(nn.Module):
         if not self.total_rank:
             return 0.0
         dt = x.dtype
-        A, B = self.factors()
-        return ((x @ A.to(dt)) * self.transfer_coefficients().to(dt)) @ B.to(dt).T
+        return ((x @ self.A.to(dt)) * self.transfer_coefficients().to(dt)) @ self.B.to(dt).T
 
     def _scale(self, d: torch.Tensor) -> torch.Tensor:
         return d if self.scaling == 1.0 else d * self.scaling
@@ -341,26 +292,12 @@ class LoRAUnit(nn.Module):
         if self.coef is None or self.coef.shape[1] == 0:
             return None
         dt, cols = x.dtype, self.coef.shape[1]
-        A, B = self.factors(cols)
-        u = F.conv2d(x, A.T.to(dt)[:, :, None, None])  # (G*n, cols, H, W)
+        u = F.conv2d(x, self.A[:, :cols].T.to(dt)[:, :, None, None])  # (G*n, cols, H, W)
         u = u.unflatten(0, (groups, -1)) * self.coef.to(dt)[:, None, :, None, None]
-        return self._scale(F.conv2d(u.flatten(0, 1), B.to(dt)[:, :, None, None]))
+        return self._scale(F.conv2d(u.flatten(0, 1), self.B[:, :cols].to(dt)[:, :, None, None]))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
-
-
-def _side_by_side(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """Blocks with the same rows, side by side (one block: itself)."""
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if it is contiguous and alone in its storage, else a compact copy (a block held for the life
-    of its task must not keep a larger tensor alive)."""
-    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _orthonormal_complement(Q: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -383,13 +320,12 @@ def _task_rows(u: LoRAUnit, tasks: list[int]) -> torch.Tensor:
 
 def _all_units(u: LoRAUnit, tasks: list[int]) -> torch.Tensor:
     """Every unit up to the task, summed with weight 1 (the O-LoRA-like ablation)."""
-    dev = u.C.device
-    ends = torch.as_tensor([u.used_columns([t]) for t in tasks], device=dev)
-    return (torch.arange(u.total_rank, device=dev)[None, :] < ends[:, None]).to(u.C.dtype)
+    ends = torch.as_tensor([sum(u.ranks[: t + 1]) for t in tasks], device=u.A.device)
+    return (torch.arange(u.total_rank, device=u.A.device)[None, :] < ends[:, None]).to(u.A.dtype)
 
 
 def _no_units(u: LoRAUnit, tasks: list[int]) -> torch.Tensor:
-    return torch.zeros(len(tasks), u.total_rank, device=u.C.device, dtype=u.C.dtype)
+    return torch.zeros(len(tasks), u.total_rank, device=u.A.device, dtype=u.A.dtype)
 
 
 #: composition kinds: (unit, tasks) -> (G, R) coefficients

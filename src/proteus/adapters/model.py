@@ -298,10 +298,13 @@ class AdaptedBackbone(nn.Module):
         for name, u in self.units.items():
             m = u.num_tasks
             gram = torch.zeros(m, m, dtype=torch.float64)
-            blocks = [tuple(t.double() for t in u.directions(i)) for i in range(m)]
-            for i, (ai, bi) in enumerate(blocks):
-                for j, (aj, bj) in enumerate(blocks):
-                    gram[i, j] = ((ai.T @ aj) * (bi.T @ bj)).sum()
+            for i in range(m):
+                ci = u.columns(i)
+                for j in range(m):
+                    cj = u.columns(j)
+                    ata = u.A[:, ci].double().T @ u.A[:, cj].double()
+                    btb = u.B[:, ci].double().T @ u.B[:, cj].double()
+                    gram[i, j] = (ata * btb).sum()
             norms = gram.diagonal().clamp_min(1e-300).sqrt()
             out[name] = gram / (norms[:, None] * norms[None, :])
         return out
