@@ -116,26 +116,11 @@ class LoRAUnit(nn.Module):
 
     @torch.no_grad()
     def _extend_basis(self) -> None:
-<<<<<<< HEAD
-        """Extend the orthonormal basis of span(A) (:attr:`basis`) by the tasks it does not cover yet, one
-        task's columns at a time: each task's columns are orthogonalised against the basis of the older
-        ones (classical Gram-Schmidt, twice, in float64) and orthonormalised (QR). Opening task k extends
-        the basis by task k - 1's columns, O(q R r), instead of a QR of the whole q x R matrix, O(q R^2), at
-        every task (else the cost of opening task k grows with k). A knowledge base's stored tasks build
-        it the same way, one task at a time, so that a learner restored from a knowledge base trains bit for
-        bit as the one that never stopped. One block per task: a truncation drops the blocks of the tasks
-        it drops."""
-        Q = self.basis if self._q else self.C.new_zeros(self.in_features, 0)
-        for t in range(len(self._q), self.num_tasks):
-            block = _orthonormal_complement(Q, self._a[t])
-            self._q.append(block)
-            Q = torch.cat([Q, block], 1)
-=======
         """Make :attr:`basis` an orthonormal basis of span(A), one task's columns at a time: each task's
         columns are orthogonalised against the basis of the older ones (classical Gram-Schmidt, twice, in
         float64) and orthonormalised (QR). Opening task k extends the basis by task k - 1's columns,
-        O(q R r), instead of a QR of the whole q x R matrix, O(q R^2), at every task (issue 28: the cost of
-        opening task k grew with k). Built the same way from the first task after a truncation, a load from a
+        O(q R r), instead of a QR of the whole q x R matrix, O(q R^2), at every task (else the cost of opening
+        task k grows with k). Built the same way from the first task after a truncation, a load from a
         knowledge base, or a move to another device or dtype, so that a learner restored from a knowledge
         base trains bit for bit as the one that never stopped."""
         A, Q = self.A, self.basis
@@ -145,7 +130,6 @@ class LoRAUnit(nn.Module):
             Q = torch.cat([Q, _orthonormal_complement(Q, A[:, self.columns(t)])], 1)
         self._basis_tasks = self.num_tasks
         self.basis = Q
->>>>>>> parent of ae17225 (merge wt-perf: adapters hold each task's directions once (the blocks a KB stores), a task's row of C is a copy, the old directions' basis per task)
 
     def projected_A_new(self) -> torch.Tensor:
         assert self.A_new is not None

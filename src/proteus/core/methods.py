@@ -42,7 +42,7 @@ declare(
 )  # fmt: skip
 declare(
     "proteus-dpgmm",
-    "PROTEUS with the paper's DP-GMM keys (L2-normalised, shrinkage prior; the default of an earlier release)",
+    "PROTEUS with the paper's DP-GMM keys (L2-normalised, shrinkage prior; an earlier default)",
     base="proteus",
     signature__keys="adapter", head__scope="global", retrieval__combine="hard",
 )  # fmt: skip
