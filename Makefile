@@ -39,6 +39,7 @@ test-fast: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests tools
 	$(VENV)/bin/ruff format --check src tests tools
+	$(VENV)/bin/mypy src/proteus
 
 # the docs site (MkDocs): guides, and references generated from the code; offline, warnings are errors
 docs: $(VENV)/.installed

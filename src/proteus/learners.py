@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from proteus._version import __version__
@@ -107,6 +108,14 @@ class ContinualLearner(Protocol):
         ...
 
     def kb_header(self) -> dict[str, Any]: ...
+
+
+class FittedLearner(ContinualLearner, Protocol):
+    """A :class:`ContinualLearner` once fitted, for the type checker (not checked at run time: an unfitted
+    learner has no ``device_``)."""
+
+    #: the device the loop's clocks wait for
+    device_: torch.device
 
 
 def check_supports(learner: Any, capability: str, command: str) -> None:

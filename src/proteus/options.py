@@ -81,11 +81,11 @@ class OptionInfo:
 
     help: str
     range: Interval | None = None
-    choices: Collection[Any] | str | None = None
+    choices: Collection[Any] | Registry[Any] | str | None = None
     per_task: bool = False
     legacy: Any = NO_LEGACY
 
-    def allowed(self) -> Collection[Any] | None:
+    def allowed(self) -> Collection[Any] | Registry[Any] | None:
         """The allowed values (a registry named by a string is looked up now)."""
         if isinstance(self.choices, str):
             return Registry.named(self.choices)
@@ -104,7 +104,7 @@ def option(
     *,
     help: str,
     range: Interval | None = None,
-    choices: Collection[Any] | str | None = None,
+    choices: Collection[Any] | Registry[Any] | str | None = None,
     per_task: bool = False,
     legacy: Any = NO_LEGACY,
     factory: Any = MISSING,

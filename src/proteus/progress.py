@@ -62,7 +62,7 @@ class PlainBar:
             except (TypeError, AttributeError):
                 total = None
         self.iterable, self.desc, self.total, self.file, self.unit = iterable, desc, total, file, unit
-        self.n = 0
+        self.n: float = 0
         self.postfix = ""
         self._clock = clock
         self._t0 = self._last = clock()

@@ -331,7 +331,7 @@ def _mounted(rule: Rule, m: Mount) -> Rule | None:
     """``rule`` as ``m`` mounts it (None: a rule that only its own role applies: a claim, a check)."""
     p, r = m.prefix, m.record
     gates = rule.gates + (((r, m.when),) if m.when is not None else ())
-    base = {"on": m.on, "gates": gates}
+    base: dict[str, Any] = {"on": m.on, "gates": gates}
     if isinstance(rule, ShapeRule):
         dims = tuple(_symbol(d, p, r) for d in rule.dims)
         dtype = rule.dtype if rule.dtype in ("float", "int") else _symbol(rule.dtype, p, r)
@@ -466,13 +466,13 @@ def record_problems(
     for i, t in enumerate(tasks):
         if not isinstance(t, dict) or checked(i):
             continue
-        for r in fields:
-            if r.on == "task" and r.applies(t):
-                out += _fields_of(t, r, where(i), role, "task record")
+        for fr in fields:
+            if fr.on == "task" and fr.applies(t):
+                out += _fields_of(t, fr, where(i), role, "task record")
     if isinstance(head_meta, dict):
-        for r in fields:
-            if r.on == "head" and r.applies(head_meta):
-                out += _fields_of(head_meta, r, "head.meta", role, "head")
+        for fr in fields:
+            if fr.on == "head" and fr.applies(head_meta):
+                out += _fields_of(head_meta, fr, "head.meta", role, "head")
     for r in rules:
         if isinstance(r, Check):
             out += r.fn(tasks, head_meta if isinstance(head_meta, dict) else None, where)
@@ -648,14 +648,14 @@ def _presence(obj: Obj, rules: list[Rule]) -> list[str]:
     :class:`Together` rules."""
     out: list[str] = []
     mine = [r for r in rules if r.on == obj.kind and r.applies(obj.record)]
-    for r in (r for r in mine if isinstance(r, NeedsRecord)):
-        value = meta_value(obj.record, r.key)
-        names = [n for n in obj.shapes if n.startswith(r.prefix)]
+    for nr in (r for r in mine if isinstance(r, NeedsRecord)):
+        value = meta_value(obj.record, nr.key)
+        names = [n for n in obj.shapes if n.startswith(nr.prefix)]
         if names and not value:
-            key = r.key.replace("/", ".")
+            key = nr.key.replace("/", ".")
             says = f"has no {key}" if value is None else f"says {key}: {shown(value)}"
             out.append(
-                f"{obj.path}: holds {r.prefix}* tensors ({names[0]!r}, ...) but its record {says} "
+                f"{obj.path}: holds {nr.prefix}* tensors ({names[0]!r}, ...) but its record {says} "
                 f"({obj.label})"
             )
     for r in mine:

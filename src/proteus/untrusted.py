@@ -81,7 +81,8 @@ def read_fd(fd: int, budget: str, shown: str) -> bytes:
     cap = limit(budget)
     if st.st_size > cap:
         raise over(budget, shown, st.st_size, cap)
-    chunks, got = [], 0
+    chunks: list[bytes] = []
+    got = 0
     while True:
         chunk = os.read(fd, min(max(st.st_size - got, 0) + 1, 1 << 24))
         if not chunk:
@@ -250,7 +251,7 @@ class _Loader(yaml.SafeLoader):
         self._max_depth = limit("nesting_depth")
         self._max_digits = limit("int_digits")
 
-    def compose_node(self, parent: Any, index: Any) -> Any:  # type: ignore[override]
+    def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise InputError(
@@ -269,7 +270,7 @@ class _Loader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:  # type: ignore[override]
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
         """A mapping, refused when a key appears twice (PyYAML would keep the last one silently)."""
         if isinstance(node, yaml.MappingNode):
             seen: set[tuple[str, str]] = set()
@@ -284,7 +285,7 @@ class _Loader(yaml.SafeLoader):
                     seen.add((key.tag, key.value))
         return super().construct_mapping(node, deep=deep)
 
-    def construct_yaml_int(self, node: Any) -> int:  # type: ignore[override]
+    def construct_yaml_int(self, node: Any) -> int:
         value = str(self.construct_scalar(node))
         digits = sum(c.isalnum() for c in value)
         if digits > self._max_digits:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,13 @@ from proteus.adapters.options import TRANSFER_INIT
 
 class LoRAUnit(nn.Module):
     """The adapter state of one adapted map (one weight matrix, or one output slice of a fused matrix)."""
+
+    # buffers (registered in __init__, reassigned as tasks are added or dropped)
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    s_fixed: torch.Tensor
+    basis: torch.Tensor
 
     def __init__(self, in_features: int, out_features: int, scaling: float = 1.0) -> None:
         super().__init__()
@@ -146,6 +154,7 @@ class LoRAUnit(nn.Module):
         if not self.training_task:
             raise RuntimeError("end_task called without begin_task")
         a_k = self.projected_A_new().detach().clone()
+        assert self.B_new is not None
         b_k = self.B_new.detach().clone()
         s_k = self.transfer_coefficients().detach().clone()
         self.append_task(a_k, b_k, s_k)
@@ -417,12 +426,16 @@ class LoRAWrapper(nn.Module):
         self.cache = MergedCache()
         self._cache_key: tuple = ()
 
+    def unit_list(self) -> list[LoRAUnit]:
+        """The units of :attr:`units`, in order."""
+        return [cast(LoRAUnit, u) for u in self.units.values()]
+
     # ------------------------------------------------------------------ merged weights
     def factored_cost(self, cols: list[int] | None = None) -> float:
         """Multiply-adds of the factored update per position over those of the map itself:
         ``sum_u cols_u (q + p_u) / (p q)`` (``cols``: columns used per unit; default all). The merged
         form adds none (it is the map, with another weight) but caches p q numbers per task."""
-        units = list(self.units.values())
+        units = self.unit_list()
         cols = [u.total_rank for u in units] if cols is None else cols
         extra = sum(c * (self.in_features + u.out_features) for c, u in zip(cols, units))
         return extra / (self.in_features * self.out_features)
@@ -433,7 +446,7 @@ class LoRAWrapper(nn.Module):
         one batched product. This wrapper's entries are dropped when a unit loses tasks
         (:meth:`LoRAUnit.truncate`) or moves; adding a task keeps them (older rows of C and older columns
         of A, B never change)."""
-        units = list(self.units.values())
+        units = self.unit_list()
         W0 = self.base.weight
         key = (W0.device, W0.dtype, W0._version, tuple(u.generation for u in units))
         if key != self._cache_key:
@@ -519,13 +532,13 @@ class LoRAWrapper(nn.Module):
         factored update's relative cost (:meth:`factored_cost` over the columns composed) exceed it."""
         if self.merged is None:
             return False
-        units = list(self.units.values())
+        units = self.unit_list()
         if any(u.coef is None for u in units):  # composed merged only ("always"): nothing else to run
             return True
         if self.merge_min_work <= 0:
             return True
         rows_per_group = x.numel() / self.in_features / max(1, len(self.merged[0]))
-        cost = self.factored_cost([u.coef.shape[1] for u in units])
+        cost = self.factored_cost([u.coef.shape[1] for u in units if u.coef is not None])  # all set here
         return rows_per_group * cost >= self.merge_min_work
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -533,7 +546,7 @@ class LoRAWrapper(nn.Module):
             assert self.merged is not None
             return self._merged_forward(x, *self.merged)
         out = self.base(x)
-        units = list(self.units.values())
+        units = self.unit_list()
         if all(u.coef is None and not u.training_task for u in units):
             return out
         if self.is_conv and len(units) == 1 and units[0].coef is not None:  # inference on a 1x1 conv

@@ -89,7 +89,7 @@ class AdaptedBackbone(nn.Module):
                 w.cache = self.merged_cache
                 _set_submodule(backbone, t.name, w)
                 self.wrappers[t.name] = w
-                for k, u in w.units.items():
+                for k, u in zip(w.units.keys(), w.unit_list()):
                     self.units[t.name if k == "w" else f"{t.name}:{k}"] = u
 
     # ------------------------------------------------------------------ state
@@ -129,9 +129,9 @@ class AdaptedBackbone(nn.Module):
             u.append_task(tensors[f"adapter/{n}/A"], tensors[f"adapter/{n}/B"], tensors[f"adapter/{n}/s"])
 
     def lora_parameters(self) -> list[nn.Parameter]:
-        out = []
+        out: list[nn.Parameter] = []
         for u in self.units.values():
-            if u.training_task:
+            if u.A_new is not None and u.B_new is not None:  # u.training_task
                 out += [u.A_new, u.B_new]
         return out
 
@@ -210,7 +210,7 @@ class AdaptedBackbone(nn.Module):
             return
         plan = self.merged_maps(len(set(tasks))) if self.merge != "never" and not self._compiles() else set()
         for name, w in self.wrappers.items():
-            units = list(w.units.values())
+            units = w.unit_list()
             cols = [u.used_columns(tasks) for u in units]
             if name in plan:
                 w.merged = (tasks, kind)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
@@ -51,7 +52,8 @@ class TimmViTBackbone(Backbone):
 
         self.name = name
         self.tag = tag
-        self.vit = _create(tag, name)
+        #: the timm model: any ViT with fused qkv attention (duck-typed: not always a VisionTransformer)
+        self.vit: Any = _create(tag, name)
         if weights is not None:
             from proteus.backbones.weights import sha256_file
 
@@ -205,9 +207,10 @@ class TimmViTBackbone(Backbone):
         return v.forward_head(z, pre_logits=True)
 
 
-def _create(tag: str, name: str) -> torch.nn.Module:
+def _create(tag: str, name: str) -> Any:
     """timm's model ``tag`` without weights; a ViT with fused qkv attention, or a ConfigError/WeightsError
-    naming the backbone (``hf-hub:`` names need the hub for their config)."""
+    naming the backbone (``hf-hub:`` names need the hub for their config). Typed ``Any``: the model is
+    duck-typed (timm's ViTs are not one class)."""
     import timm
 
     from proteus.backbones.weights import WeightsError

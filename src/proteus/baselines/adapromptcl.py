@@ -237,7 +237,9 @@ class SemanticGroups:
         """Re-cluster the merge candidates' warm-up vectors; add t's blocks. None when none is added."""
         P = np.stack([self.vectors[c] for c in cands])
         n = len(P)
-        min_cls, fewest, one_more = None, [], []
+        min_cls: int | None = None
+        fewest: list[np.ndarray] = []
+        one_more: list[np.ndarray] = []
         silhouettes: dict[int, list[float]] = {}
         for _ in range(self.remerge_samples):
             perm = rng.permutation(n)
@@ -264,7 +266,8 @@ class SemanticGroups:
         new = self.blocks[before:]
         if not new:
             return None
-        pids, copies = [], []
+        pids: list[int] = []
+        copies: list[tuple[int, int]] = []
         for block in new:
             if len(block) == 1:
                 pid = self.cand_pid[t]
@@ -444,8 +447,8 @@ class AdaPromptCL(PromptClassifier):
         cap = self.options_.pool_size
         if len(self.pool_) >= cap:
             raise ConfigError(f"adapromptcl: the prompt pool (baseline.pool_size={cap}) is full; raise it")
-        self.pool_.append(self._to(prompt.detach().cpu().clone()).requires_grad_(False))
-        self.keys_.append(self._to(key.detach().cpu().clone()).requires_grad_(False))
+        self.pool_.append(self._frozen(prompt.detach().cpu().clone()))
+        self.keys_.append(self._frozen(key.detach().cpu().clone()))
         return len(self.pool_) - 1
 
     def _params(self) -> dict[str, nn.Parameter]:
@@ -533,7 +536,7 @@ class AdaPromptCL(PromptClassifier):
         W, E = self.evolve_epoch + 1, cfg.train.epochs
         g = torch.Generator().manual_seed(seed)
         self.train_log_, losses = [], []
-        steps = math.ceil(len(task.train) / cfg.train.batch_size)  # type: ignore[arg-type]
+        steps = math.ceil(len(task.train) / cfg.train.batch_size)
         bar = progress_bar(
             total=(W + E) * steps, desc=f"task {k + 1}: train {self.name}", enabled=self.progress
         )
@@ -542,7 +545,10 @@ class AdaPromptCL(PromptClassifier):
             for p in [*self.pool_, *self.keys_]:
                 p.requires_grad_(False)
             self._train_pids = torch.as_tensor(pids, dtype=torch.long)
-            params = [p.requires_grad_(True) for p in self.trainable()] + list(head.parameters())
+            own = self.trainable()
+            for p in own:
+                p.requires_grad_(True)
+            params = own + list(head.parameters())
             return params, OPTIMIZERS.get(b.optimizer)(params, b, weight_decay(self, k))
 
         def epoch(e: int, params: list[nn.Parameter], opt: torch.optim.Optimizer) -> None:
@@ -550,7 +556,7 @@ class AdaPromptCL(PromptClassifier):
                 group["lr"] = epoch_lr(b.lr, b.schedule, e, W + E)
             for zb, yb in self._batches(z, y_all, loader, g):
                 target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=self.device_)
-                self.aux_loss: torch.Tensor | float = 0.0
+                self.aux_loss = 0.0
                 with self.embedder_.autocast():
                     h = self.features(zb.to(self.device_), train=True)
                     loss = F.cross_entropy(head(h.float()), target)

@@ -437,7 +437,7 @@ class HiDePrompt(PromptClassifier):
     def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Each learned task's e-prompt (frozen), stage 1 and both stages' class statistics."""
         for _ in range(self.num_tasks):
-            self.prompts_.append(self._to(torch.zeros(self._shape)).requires_grad_(False))
+            self.prompts_.append(self._frozen(torch.zeros(self._shape)))
         super().load_state(meta, tensors)
         self.tii_.load_state(self.task_classes_, tensors)
         self.stats_ = load_class_stats(tensors, "stats", self.task_classes_)

@@ -146,7 +146,7 @@ def check_baseline_config(cls: type[ContinualClassifier], cfg: RunConfig) -> Non
         if key in own:
             continue
         defaults = [
-            f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            f.default_factory() if callable(f.default_factory) else f.default  # a field has one or the other
             for c in others
             if isinstance(getattr(c, "Options", None), type)
             for f, _ in options_of(c.Options)
@@ -185,7 +185,7 @@ def task_record(clf: ContinualClassifier, task: Task, k: int, stats: dict[str, A
     """Task k's record, as PROTEUS's: its classes and names, images, the statistics ``fit_task`` returned
     (without the timings the loop adds later), the per-task settings it was learned with and when."""
     return TaskRecord(
-        k, [int(c) for c in task.classes], [str(n) for n in task.class_names], len(task.train),  # type: ignore[arg-type]
+        k, [int(c) for c in task.classes], [str(n) for n in task.class_names], len(task.train),
         False, TaskStats(k, extra=without_timings(dict(stats))),
         {**clf.config.task_settings(), "device": str(clf.device_)},
         time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), source_classes=task.source_classes,
@@ -261,7 +261,7 @@ def train_task(clf: ContinualClassifier, task: Task, k: int) -> dict[str, Any]:
         groups = [{"params": own}, {"params": list(head.parameters()), "lr_scale": clf.head_lr_scale}]
     opt = OPTIMIZERS.get(b.optimizer)(groups, b, weight_decay(clf, k))
     g = torch.Generator().manual_seed(seed)
-    n = len(task.train)  # type: ignore[arg-type]
+    n = len(task.train)
     steps_per_epoch = math.ceil(n / cfg.train.batch_size)
     losses: list[float] = []
     total = cfg.train.epochs * steps_per_epoch
@@ -272,7 +272,7 @@ def train_task(clf: ContinualClassifier, task: Task, k: int) -> dict[str, Any]:
             group["lr"] = epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)
         for zb, yb in clf._batches(z, y_all, loader, g):
             target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=clf.device_)
-            clf.aux_loss: torch.Tensor | float = 0.0
+            clf.aux_loss = 0.0
             with clf.embedder_.autocast():
                 h = clf.features(zb.to(clf.device_), train=True)
                 loss = F.cross_entropy(head(h.float()), target)
@@ -375,6 +375,8 @@ class ContinualClassifier:
     first_task_decay: float = 1.0
     #: whether an earlier release's knowledge base (no ``state_version``) holds all it needs to learn on
     resumes_legacy: bool = False
+    #: the training forward's auxiliary loss (reset to 0 before each step; :meth:`features` may set it)
+    aux_loss: torch.Tensor | float
 
     def __init__(self, config: RunConfig, *, progress: bool = True) -> None:
         self.config = config
@@ -510,7 +512,7 @@ class ContinualClassifier:
         self._build()
         if self._frozen_reason is not None:
             raise TaskError(f"{self.name}: cannot learn task {task.index + 1}: {self._frozen_reason}")
-        if len(task.train) == 0:  # type: ignore[arg-type]
+        if len(task.train) == 0:
             raise TaskError(f"{self.name}: task {task.index + 1} has no training images")
         self._stream_tasks = stream_tasks or task.stream_tasks
         k = self.num_tasks

@@ -73,7 +73,7 @@ class LoRAClassifier(ContinualClassifier):
 
     def _setup(self) -> None:
         if hasattr(self.backbone_, "attention_rows"):
-            self.backbone_.attention_rows = self.attention_rows  # type: ignore[attr-defined]
+            self.backbone_.attention_rows = self.attention_rows
         self.model_ = AdaptedBackbone(self.backbone_, scaling=1.0).to(self.device_)
         if not self.model_.units:
             raise ConfigError(f"{self.name}: backbone {self.backbone_.name} has no map that LoRA can wrap")

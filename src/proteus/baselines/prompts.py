@@ -44,10 +44,11 @@ __all__ = ["CodaPrompt", "DualPrompt", "L2P", "PromptClassifier", "block_with_pr
 
 
 def block_with_prefix(
-    blk: nn.Module, x: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor] | None
+    blk: Any, x: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor] | None
 ) -> torch.Tensor:
     """A timm ViT block whose attention also attends to ``prefix = (P_k, P_v)``, each (B, L_p, d), placed
-    before the sequence's own keys and values (prefix tuning). ``prefix=None`` is the plain block."""
+    before the sequence's own keys and values (prefix tuning). ``prefix=None`` is the plain block. ``blk``
+    is duck-typed (timm's blocks are not one class)."""
     if prefix is None:
         return blk(x)
     a = blk.attn
@@ -124,8 +125,9 @@ class PromptClassifier(ContinualClassifier):
     Options: type = PromptOptions
 
     @property
-    def vit(self) -> nn.Module:
-        return self.backbone_.vit  # type: ignore[attr-defined]
+    def vit(self) -> Any:
+        """The backbone's timm ViT (duck-typed: see :class:`~proteus.backbones.vit.TimmViTBackbone`)."""
+        return self.backbone_.vit
 
     def _setup(self) -> None:
         # prompts enter the first prompted block and the query is a whole frozen pass: every block runs
@@ -206,6 +208,12 @@ class PromptClassifier(ContinualClassifier):
 
     def _to(self, t: torch.Tensor) -> nn.Parameter:
         return nn.Parameter(t.to(next(self.vit.parameters()).device))
+
+    def _frozen(self, t: torch.Tensor) -> nn.Parameter:
+        """:meth:`_to`, frozen (``requires_grad_`` is typed to return a plain tensor)."""
+        p = self._to(t)
+        p.requires_grad_(False)
+        return p
 
 
 @LEARNERS.register("l2p")
@@ -293,8 +301,8 @@ class DualPrompt(PromptClassifier):
     def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Each learned task's e-prompt and key (frozen), then as every prompt method."""
         for _ in range(self.num_tasks):
-            self.e_prompts_.append(self._to(torch.zeros(self._shape)).requires_grad_(False))
-            self.e_keys_.append(self._to(torch.zeros(self.embed_dim)).requires_grad_(False))
+            self.e_prompts_.append(self._frozen(torch.zeros(self._shape)))
+            self.e_keys_.append(self._frozen(torch.zeros(self.embed_dim)))
         super().load_state(meta, tensors)
 
     def trainable(self) -> list[nn.Parameter]:
@@ -398,7 +406,7 @@ class CodaPrompt(PromptClassifier):
         s, f = self.span(k)
         half = b.prompt_length // 2
         prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        ortho = 0.0
+        ortho: torch.Tensor | float = 0.0
         for layer in b.prompt_layers:
             parts = []
             for t in (self.K_[layer], self.A_[layer], self.P_[layer]):

@@ -122,7 +122,7 @@ class SPrompt(PromptClassifier):
         """Each learned task's prompt (frozen) and K-Means keys ``key.<t>``, then as every prompt method."""
         L, d = self.options_.prompt_length, self.embed_dim
         for t in range(self.num_tasks):
-            self.prompts_.append(self._to(torch.zeros(L, d)).requires_grad_(False))
+            self.prompts_.append(self._frozen(torch.zeros(L, d)))
             keys = need(tensors, f"key.{t}")
             if keys.ndim != 2 or keys.shape[1] != d or not len(keys):
                 raise TaskError(f"key.{t}: shape {tuple(keys.shape)}, expected (centroids, {d})")

@@ -547,7 +547,7 @@ examples:
 """
 
 
-def _add_reproduce(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     """``proteus reproduce``: the paper's tables by name (proteus.experiment.reproduce)."""
     p = sub.add_parser(
         "reproduce",

@@ -262,7 +262,8 @@ def merge(obj: Any, data: dict[str, Any], where: str = "config") -> None:
     converted to its field's declared type (:func:`coerce`)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-    hints = _hints(type(obj))
+    cls: type = type(obj)
+    hints = _hints(cls)
     for key, value in data.items():
         path = f"{where}.{key}" if where != "config" else str(key)
         if key not in hints:

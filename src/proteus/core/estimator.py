@@ -40,9 +40,9 @@ uses (the README's example).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
@@ -59,6 +59,13 @@ from proteus.kb import KnowledgeBase
 from proteus.learners import LEARNERS, LearnerState, TestCache, TestOutcome, learner_header, load_from_kb
 from proteus.signatures import RetrievalResult
 from proteus.streams import Task
+
+if TYPE_CHECKING:
+    from proteus.adapters import AdaptedBackbone
+    from proteus.backbones import Backbone
+    from proteus.engine.class_heads import ClassHeads
+    from proteus.engine.embedder import Embedder
+    from proteus.engine.keys import RetrievalKeys
 
 __all__ = ["Prediction", "Proteus", "TaskError"]
 
@@ -82,6 +89,15 @@ class Proteus:
 
     #: the configuration's sections that hold PROTEUS's options (:meth:`get_params`); its KB's rules' role
     option_sections, kb_layout = OPTION_SECTIONS, KB_LAYOUT
+
+    # fitted attributes that _build sets from parts_ (each part by its name and "_"), typed
+    device_: torch.device
+    backbone_: Backbone
+    model_: AdaptedBackbone
+    eval_transform_: Callable[[Any], torch.Tensor]
+    embedder_: Embedder
+    heads_: ClassHeads
+    keys_: RetrievalKeys
 
     def __init__(self, config: RunConfig | None = None, *, progress: bool = True) -> None:
         self.config = config if config is not None else RunConfig()
@@ -194,7 +210,8 @@ class Proteus:
     def prefix_dataset(self, ds: Any, desc: str = "prefix") -> tuple[torch.Tensor, torch.Tensor]:
         """Frozen-prefix outputs and labels of a (PIL image, label) dataset (cacheable for all tasks)."""
         self._build()
-        return self.embedder_.prefix_dataset(ds, desc)
+        z, y = self.embedder_.prefix_dataset(ds, desc)  # without taps: the outputs and the labels
+        return z, y
 
     def embed_prefix(
         self, z: torch.Tensor, tasks: list[int] | None, kind: str = "task", shard: bool = True

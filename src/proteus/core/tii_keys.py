@@ -25,7 +25,7 @@ from torch import Tensor
 
 from proteus.config import ConfigError, RunConfig
 from proteus.engine.errors import TaskError
-from proteus.engine.keys import FROZEN, KEYS, KeyFit, KeyKind, RetrievalKeys
+from proteus.engine.keys import FROZEN, KEYS, KeyFit, KeyKind, KeySpace, RetrievalKeys
 from proteus.signatures import RetrievalResult
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ __all__ = ["TIIKeys"]
 
 class TIIKeys(RetrievalKeys):
     """HiDe-Prompt's task-identity inference on the frozen features (see the module docstring)."""
+
+    space: KeySpace  # always the frozen space (set in __init__)
 
     def __init__(self, *args: Any, run_config: RunConfig, **kw: Any) -> None:
         super().__init__(*args, **kw)

@@ -352,7 +352,7 @@ class ClassNovelty:
         rows, the combined score, and one threshold at ``tpr`` of the pooled rows."""
         tasks = sorted(live)
         X = torch.cat([live[k].X for k in tasks])
-        taps = torch.cat([live[k].taps for k in tasks if live[k].taps is not None])
+        taps = torch.cat([t for t in (live[k].taps for k in tasks) if t is not None])
         per = self._task_scores(self._components(X, taps), tasks)
         loc, scale = [], []
         for nll in per:

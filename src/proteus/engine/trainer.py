@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,7 +56,7 @@ class SUpdate(Protocol):
         ...
 
 
-S_UPDATES: Registry[type[SUpdate]] = Registry("adapter.s_update")
+S_UPDATES: Registry[Callable[[AdapterConfig], SUpdate]] = Registry("adapter.s_update")
 
 
 def elastic_net(s_params: list[nn.Parameter], lam: float, alpha: float) -> torch.Tensor:
@@ -83,7 +83,7 @@ class ProxSUpdate:
         eta, alpha = self.eta, self.alpha
         for s in s_params:
             if s.grad is not None:
-                s -= eta * s.grad
+                s.sub_(eta * s.grad)  # in place, as -=
             s.copy_(torch.sign(s) * (s.abs() - eta * lam * alpha).clamp_min(0))
             n = s.norm()
             if n > 0:
@@ -126,7 +126,7 @@ class AdapterTrainer:
     per-task rank (budget schedule) and lambda (decayed by ``lam_decay`` after each task)."""
 
     def __init__(
-        self, embedder: Embedder, adapter: AdapterConfig, train: TrainConfig, train_transform: object
+        self, embedder: Embedder, adapter: AdapterConfig, train: TrainConfig, train_transform: Callable
     ):
         self.embedder = embedder
         self.adapter = adapter
@@ -288,7 +288,7 @@ class AdapterTrainer:
         )
 
 
-def all_reduce_grads(tensors: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+def all_reduce_grads(tensors: Sequence[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
     """Sum the gradients of ``tensors`` and ``loss`` over ranks in one flat all_reduce; returns the summed
     loss. A tensor without a gradient on every rank keeps ``grad = None``."""
     dev = loss.device

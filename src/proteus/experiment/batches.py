@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from PIL import Image
 
@@ -25,10 +25,12 @@ from proteus.progress import bar as progress_bar
 __all__ = ["ImageBatch", "predict_batches", "predict_images"]
 
 ImageInput = str | os.PathLike[str] | Image.Image
+#: what ``predict`` returns for a batch (a :class:`Prediction`, or features)
+P = TypeVar("P")
 
 
 @dataclass
-class ImageBatch:
+class ImageBatch(Generic[P]):
     """One predicted batch. ``files``: the names of the predicted inputs in order (a path, or ``image
     <i>`` for a PIL image given directly); ``prediction`` (None when every input of the batch was
     skipped); ``skipped``: ``(path, reason)`` of unreadable files (with ``skip_unreadable``); ``done``:
@@ -36,7 +38,7 @@ class ImageBatch:
     time since the first batch started (decoding included)."""
 
     files: list[str]
-    prediction: Prediction | None
+    prediction: P | None
     skipped: list[tuple[str, str]] = field(default_factory=list)
     done: int = 0
     predicted: int = 0
@@ -68,14 +70,14 @@ def _decode(
 
 def predict_batches(
     items: Iterable[ImageInput],
-    predict: Callable[[list[Image.Image]], Prediction],
+    predict: Callable[[list[Image.Image]], P],
     batch_size: int,
     *,
     progress: bool = False,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
     skip_unreadable: bool = False,
     total: int | None = None,
-) -> Iterator[ImageBatch]:
+) -> Iterator[ImageBatch[P]]:
     """Decode ``items`` ``batch_size`` at a time and yield each batch's prediction by ``predict``."""
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -105,7 +107,7 @@ def predict_images(
     progress: bool | None = None,
     max_pixels: int | None = None,
     skip_unreadable: bool = False,
-) -> Iterator[ImageBatch]:
+) -> Iterator[ImageBatch[Prediction]]:
     """A learner's ``predict`` over image files (or PIL images), decoded a batch at a time: one
     :class:`ImageBatch` per batch; ``progress`` (default: the learner's) shows a bar of images and images/s.
     Defaults: ``eval.batch_size``, ``eval.max_image_pixels``."""

@@ -71,7 +71,7 @@ def summarise(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[str,
     out: dict[str, dict[str, Any]] = {}
     for method, by_seed in runs.items():
         rows = list(by_seed.values())
-        s = {key: _stat([r[key] for r in rows]) for key, _, _ in COLUMNS}
+        s: dict[str, Any] = {key: _stat([r[key] for r in rows]) for key, _, _ in COLUMNS}
         curves = [r["avg_acc"] for r in rows if r["avg_acc"]]
         n = min((len(c) for c in curves), default=0)
         s["avg_acc_mean"] = [float(np.mean([c[i] for c in curves])) for i in range(n)]

@@ -11,6 +11,7 @@ so a cached value is bit-identical to a fresh one and ``proteus learn`` in a new
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -18,6 +19,9 @@ from proteus.learners import ContinualLearner
 from proteus.metrics import accuracy
 from proteus.progress import bar as progress_bar
 from proteus.streams import TaskStream
+
+if TYPE_CHECKING:
+    from proteus.core.estimator import Proteus
 
 __all__ = ["Evaluation", "Evaluator"]
 
@@ -71,7 +75,8 @@ class Evaluator:
         """Test set tau under adapter j's composition ``kind`` (None: the frozen backbone), cached."""
         key = (tau, kind, -1 if j is None else j)
         if key not in self._emb:
-            self._emb[key] = self.clf.embed_prefix(self.prefix(tau), None if j is None else [j], kind)[0]
+            clf = cast("Proteus", self.clf)  # only PROTEUS's predict_test reads embeddings
+            self._emb[key] = clf.embed_prefix(self.prefix(tau), None if j is None else [j], kind)[0]
         return self._emb[key]
 
     def labels(self, tau: int) -> torch.Tensor:

@@ -146,10 +146,9 @@ def _learn_locked(
                 + "\n  ".join(conflicts)
                 + "\n(options that define the model cannot change between tasks: drop them or use a new --kb)"
             )
-        clf: ContinualLearner = load_learner(
-            kb, "proteus learn", progress=progress, device=given.get("device")
-        )
-        clf.set_params(**{key: value for key, value in given.items() if per_task(key)})
+        loaded = load_learner(kb, "proteus learn", progress=progress, device=given.get("device"))
+        loaded.set_params(**{key: value for key, value in given.items() if per_task(key)})
+        clf: ContinualLearner = loaded
     else:
         if k != 0:
             raise KBError(f"{kb_dir}: no knowledge base here; learn task 1 first")

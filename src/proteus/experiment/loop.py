@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from proteus import devices
 from proteus import distributed as dist
@@ -34,8 +34,11 @@ from proteus.experiment.store import (
 from proteus.experiment.tracking import Tracker
 from proteus.faults import crash_point
 from proteus.kb import KBError, KnowledgeBase
-from proteus.learners import ContinualLearner
+from proteus.learners import ContinualLearner, FittedLearner
 from proteus.streams import TaskStream, build_benchmark
+
+if TYPE_CHECKING:
+    from proteus.baselines.learner import ContinualClassifier
 
 log = logging.getLogger("proteus")
 
@@ -76,18 +79,19 @@ def learn_and_commit(
     """Learn task k, evaluate (if asked), commit the KB. The KB is never left half-written."""
     t0 = time.perf_counter()
     stats = clf.fit_task(stream.tasks[k])
+    fitted = cast(FittedLearner, clf)
     room = _orthogonal_room(k, stats)
     if room and dist.is_main():
         print(room, file=sys.stderr, flush=True)
     evaluation = list(kb.manifest.get("evaluation", []))
     if evaluator is not None:
-        t1 = devices.clock(clf.device_)
+        t1 = devices.clock(fitted.device_)
         evaluation = evaluation[:k] + [evaluator.evaluate(k).to_dict()]
-        _record(stats, "evaluate", devices.clock(clf.device_) - t1)
+        _record(stats, "evaluate", devices.clock(fitted.device_) - t1)
         if not isinstance(stats, dict):
-            stats.peak_gpu_mb = devices.peak_memory_mb(clf.device_)
+            stats.peak_gpu_mb = devices.peak_memory_mb(fitted.device_)
     crash_point("evaluate")
-    _record(stats, "task", devices.clock(clf.device_) - t0)
+    _record(stats, "task", devices.clock(fitted.device_) - t0)
     if dist.is_main():  # under torchrun rank 0 writes; the others read its commit back
         commit(kb, clf, evaluation)
     dist.barrier()
@@ -196,7 +200,12 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True, resume: bool = F
             keys, bulky = analyse_run(clf, evaluator, stream, cfg.report, latency=main)
             extra.update(keys)
         else:  # a Table 1 baseline: its learned tensors are the head object of its knowledge base
-            extra.update({"model_bytes": kb.nbytes().get("head", 0), "learner": type(clf).name})
+            extra.update(
+                {
+                    "model_bytes": kb.nbytes().get("head", 0),
+                    "learner": cast("type[ContinualClassifier]", type(clf)).name,
+                }
+            )
         res = build_results(cfg, stream, evaluation, seconds, extra)
         if main:
             (out / "results.json").write_text(json.dumps(res, indent=1, default=float))

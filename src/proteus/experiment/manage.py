@@ -123,7 +123,7 @@ def calibrate_novelty(
     batches = predict_batches(
         images, embed, ec.batch_size, progress=clf.progress, max_pixels=ec.max_image_pixels
     )
-    both = torch.cat([b.prediction for b in batches])  # type: ignore[misc]
+    both = torch.cat([b.prediction for b in batches if b.prediction is not None])  # none skipped here
     d = clf.embedder_.model.embed_dim
     X, taps = both[:, :d], both[:, d:]
     return clf.keys_.calibrate(X, torch.as_tensor(list(labels), dtype=torch.long), classes, tpr, taps)

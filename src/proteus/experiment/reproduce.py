@@ -162,10 +162,12 @@ def _columns(e: Entry, benchmark: str | None, data: str | None) -> list[Column]:
         paper = LOCAL_STANDS_FOR[local]
     else:
         paper = e.benchmarks[0]
-    pb = PAPER_BENCHMARKS.get(local)
-    if pb is not None and local == paper:  # one of the paper's own benchmarks, by itself
+    own = PAPER_BENCHMARKS.get(local)
+    if own is not None and local == paper:  # one of the paper's own benchmarks, by itself
         root = data
-        return [Column(local, pb.preset, paper, root, local=False, skip=pb.why if pb.preset is None else "")]
+        return [
+            Column(local, own.preset, paper, root, local=False, skip=own.why if own.preset is None else "")
+        ]
     return [Column(local, local, paper, data, local=True)]
 
 

@@ -372,7 +372,8 @@ class Tracker:
         steps = []
         for r in rows:
             self.global_step += 1
-            steps.append(Step(task, *(r.get(k) for k in Step.KEYS), global_step=self.global_step))
+            epoch, step, loss, lr, penalty = (r.get(k) for k in Step.KEYS)
+            steps.append(Step(task, epoch, step, loss, lr, penalty, global_step=self.global_step))
         self._emit("steps", task, steps)
         return steps
 

@@ -14,7 +14,7 @@ the head's object, the LDA keys under ``task_head/``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch import Tensor
@@ -53,7 +53,7 @@ RANPAC_META: Schema = {
 }
 
 
-def is_head_meta(meta: Any) -> bool:
+def is_head_meta(meta: Any) -> TypeGuard[dict[str, Any]]:
     """Whether ``meta`` describes a RanPAC head (:func:`head_meta`'s format, or an older one's fields)."""
     return isinstance(meta, dict) and ("embed_dim" in meta or meta.get("format") == _FORMAT)
 

@@ -202,7 +202,8 @@ class Commit:
     def sign(self, manifest: dict[str, Any], key: bytes) -> tuple[dict[str, Any], bytes]:
         """``kb sign``: write ``manifest`` (the current state) and manifest.prev.json again in the newest
         format, signed with ``key``; returns the new manifest and its bytes."""
-        kb_id = manifest.get("kb_id") if isinstance(manifest.get("kb_id"), str) else uuid.uuid4().hex
+        found = manifest.get("kb_id")
+        kb_id = found if isinstance(found, str) else uuid.uuid4().hex
         current = upgraded(manifest, kb_id, 1, self.sizes(manifest, manifest))
         if read_kb_file(self.root, PREV_MANIFEST) is not None:
             prev = previous_manifest(self.root)

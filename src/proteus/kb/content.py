@@ -36,7 +36,8 @@ def tensor_digest(t: torch.Tensor) -> bytes:
     """sha256 of a contiguous CPU tensor's raw bytes."""
     t = t.detach()
     return hashlib.sha256(
-        t.numpy() if t.dtype in _NUMPY_DTYPES else t.reshape(-1).view(torch.uint8).numpy()
+        # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12 (it has the buffer protocol)
+        t.numpy() if t.dtype in _NUMPY_DTYPES else t.reshape(-1).view(torch.uint8).numpy()  # type: ignore[arg-type]
     ).digest()
 
 
@@ -55,7 +56,11 @@ class TensorDigests:
             return seen[2]
         digest = tensor_digest(t)
         key = id(t)
-        self._seen[key] = (weakref.ref(t, lambda _, key=key: self._seen.pop(key, None)), t._version, digest)
+
+        def forget(_: weakref.ref[torch.Tensor], key: int = key) -> None:
+            self._seen.pop(key, None)
+
+        self._seen[key] = (weakref.ref(t, forget), t._version, digest)
         return digest
 
 

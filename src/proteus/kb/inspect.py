@@ -139,8 +139,9 @@ def _check_commit(
     ``seen`` holds the objects already read (another commit's), by path."""
     names: set[str] = set()
     objects: list[Obj] = []
-    tasks = manifest.get("tasks") if isinstance(manifest.get("tasks"), list) else []
-    head = manifest.get("head")
+    found = manifest.get("tasks")
+    tasks: list[Any] = found if isinstance(found, list) else []
+    head: Any = manifest.get("head")  # a dict where _refs yields "head"
     for label, rel, sha in _refs(manifest):
         try:
             object_path(root, rel, sha)

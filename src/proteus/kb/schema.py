@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from proteus.budgets import BudgetError
 from proteus.kb.files import FORMAT, OBJECTS, READABLE_VERSIONS, V3_KEYS, KBError, manifest_checksum
@@ -69,7 +69,7 @@ def _refused(rel: Any) -> str:
 REFUSALS["object"] = _refused
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -180,7 +180,7 @@ def manifest_problems(
         if ref and isinstance(t.get("sha256"), str) and not t["sha256"].startswith(ref["sha"]):
             out.append(f"{where}.object: its name does not carry its sha256 ({t['sha256'][:16]}...)")
         classes = t.get("classes")
-        if type_problem(classes, "list[count]") is None:
+        if type_problem(classes, "list[count]") is None and isinstance(classes, list):
             for c in classes:
                 if c in owner:
                     first = "earlier in its list" if owner[c] == i else f"also in {task_label(owner[c])}"

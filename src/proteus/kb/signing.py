@@ -74,7 +74,7 @@ def read_key_file(
     return SigningKey(key, path, min_sequence)
 
 
-def key_from_env() -> bytes | None:
+def key_from_env() -> SigningKey | None:
     """The key of ``$PROTEUS_KB_KEY_FILE`` (None when it is unset or empty)."""
     name = os.environ.get(KEY_ENV)
     return read_key_file(name, f"${KEY_ENV}") if name else None
@@ -173,6 +173,7 @@ def sequence_problem(root: Path, manifest: dict[str, Any], key: bytes) -> str | 
         )
     last = _accepted(key).get(kb_id) if isinstance(kb_id, str) else None
     if last is not None and seq < last:
+        assert isinstance(kb_id, str)  # last was looked up by it
         return (
             f"{root}: rollback refused: {MANIFEST} is commit {seq} of knowledge base {kb_id[:8]}, but this "
             f"key already accepted commit {last} (recorded in {_record_path(key)}): an older signed state "

@@ -202,8 +202,8 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
     if not clf.parts_.retrieves:
         return None
     n = clf.num_tasks
-    sigs = clf.keys_.adapter_signatures[:n]
-    if n != clf.parts_.num_adapters or len(sigs) != n or any(s is None for s in sigs):
+    sigs = [s for s in clf.keys_.adapter_signatures[:n] if s is not None]
+    if n != clf.parts_.num_adapters or len(sigs) != n:  # one signature for each of the n tasks
         return None
     d = int(sigs[0].d)
     maha = [

@@ -66,7 +66,7 @@ class Job:
 def _cat(preds: list[Prediction]) -> Prediction:
     if len(preds) == 1:
         return preds[0]
-    parts = {}
+    parts: dict[str, Any] = {}
     for f in dataclasses.fields(Prediction):
         values = [getattr(p, f.name) for p in preds]
         parts[f.name] = None if values[0] is None else torch.cat(values)
@@ -74,10 +74,10 @@ def _cat(preds: list[Prediction]) -> Prediction:
 
 
 def _slice(pred: Prediction, a: int, b: int) -> Prediction:
-    return dataclasses.replace(
-        pred,
-        **{f.name: (v if (v := getattr(pred, f.name)) is None else v[a:b]) for f in dataclasses.fields(pred)},
-    )
+    parts: dict[str, Any] = {
+        f.name: (v if (v := getattr(pred, f.name)) is None else v[a:b]) for f in dataclasses.fields(pred)
+    }
+    return dataclasses.replace(pred, **parts)
 
 
 class MicroBatcher:

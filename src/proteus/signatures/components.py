@@ -86,8 +86,13 @@ class ComponentSource(Protocol):
 
     weights: Tensor
     means: Tensor
-    cov_fn: Callable[..., Tensor]
-    shared_fn: Callable[[Tensor], PosteriorFactors]
+
+    # read-only (a dataclass's callable fields are not settable members for a type checker)
+    @property
+    def cov_fn(self) -> Callable[..., Tensor]: ...
+
+    @property
+    def shared_fn(self) -> Callable[[Tensor], PosteriorFactors]: ...
 
 
 class GaussianComponents(ABC):

@@ -404,11 +404,11 @@ def _screened_log_prob(gm: DPGMM, Xr: Tensor, x2: Tensor | None) -> Tensor:
                 wlp[rows, k] = const[0, k] - 0.5 * dof[0, k] * qk
             return wlp
     if screen and gm._screen_hits <= _SCREEN_MAX_FRACTION:
-        q, mag = maha_over_dof(f, gm._means_r, Xr, x2, True, _CHUNK_ELEMENTS)
-        assert mag is not None
+        q, mag_low = maha_over_dof(f, gm._means_r, Xr, x2, True, _CHUNK_ELEMENTS)
+        assert mag_low is not None
         wlp = const - 0.5 * dof * q
         tol = _SCREEN_REL_ERR if torch.get_float32_matmul_precision() == "highest" else 1e-2
-        err = 0.5 * dof * (tol * mag) + 1e-6
+        err = 0.5 * dof * (tol * mag_low) + 1e-6
         floor = (wlp - err).max(dim=1, keepdim=True).values - _SCREEN_MARGIN
         cand = (wlp + err) >= floor
         gm._screen_hits = float(cand.sum()) / max(cand.numel(), 1)

@@ -42,7 +42,7 @@ CODA_TEST_SHA256 = "524a3ebf6dac30228a30387443c2c30a21c483b6d0d3c57768f74edd60cf
 def coda_test_files(path: Path | None = None) -> list[str]:
     """The ``<wnid>/<file>`` names of CODA-Prompt's ImageNet-R test split (the shipped list, or ``path``)."""
     if path is None:
-        raw = resources.files("proteus.streams").joinpath("splits", _CODA_TEST).read_bytes()
+        raw = resources.files("proteus.streams").joinpath("splits").joinpath(_CODA_TEST).read_bytes()
         body = gzip.decompress(raw)
         if hashlib.sha256(body).hexdigest() != CODA_TEST_SHA256:
             raise BenchmarkError(f"the shipped split list {_CODA_TEST} is damaged; reinstall proteus")

@@ -260,10 +260,13 @@ class LDAKeys(RetrievalKeys):
         for j, c in enumerate(classes):
             task_of[[i for i in c if i < len(task_of)]] = j
         tasks = task_of[labels]
-        keep_taps = taps is not None and self.novelty.tasks
+        kept = taps if taps is not None and self.novelty.tasks else None
         rows = {
             k: CalibrationRows(
-                X[tasks == k], labels[tasks == k], False, taps[tasks == k].float() if keep_taps else None
+                X[tasks == k],
+                labels[tasks == k],
+                False,
+                kept[tasks == k].float() if kept is not None else None,
             )
             for k in range(len(classes))
             if k not in self.forgotten and bool((tasks == k).any())

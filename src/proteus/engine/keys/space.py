@@ -58,6 +58,7 @@ class KeySpace:
     def check(self, num_adapters: int, who: str) -> None:
         """Raise when the learner has no adapter for this space yet."""
         if not self.available(num_adapters):
+            assert self.adapter is not None  # available without one
             raise TaskError(
                 f"{who} read inputs under task {self.adapter + 1}'s adapter, which was not trained: "
                 "the first task must train an adapter"
