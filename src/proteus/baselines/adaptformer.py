@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,9 +51,9 @@ from proteus.streams import Task
 from proteus.tensor_rules import TENSOR_RULES, ShapeRule
 
 __all__ = [
-    "KEYS", "RIDGE", "AdapterClassifier", "AdapterOptions", "AdapterSet", "ClassGaussian", "Site",
-    "adapted_suffix", "align_heads", "cholesky", "class_gaussians", "clone_set", "emr_merge", "fit_epochs",
-    "init_set", "load_set", "pseudo_features", "set_tensors", "sites_of", "task_stats",
+    "KEYS", "RIDGE", "AdapterClassifier", "AdapterLike", "AdapterOptions", "AdapterSet", "ClassGaussian",
+    "Site", "adapted_suffix", "align_heads", "cholesky", "class_gaussians", "clone_set", "emr_merge",
+    "fit_epochs", "init_set", "load_set", "pseudo_features", "set_tensors", "sites_of", "task_stats",
 ]  # fmt: skip
 
 #: the tensors of one block's adapter: down (r, c_in) and its bias, up (c_out, r) and its bias
@@ -63,6 +63,8 @@ RIDGE = 1e-4
 
 AdapterSet = list[dict[str, torch.Tensor]]
 """One adapter: per adapted block (in order) its four tensors (:data:`KEYS`)."""
+AdapterLike = Sequence[Mapping[str, torch.Tensor]]
+"""An adapter as the functions read it (a trainable one's tensors are parameters)."""
 
 _A = r"adapter\.(?:\d+|open)\.(?P<b>\d+)"
 #: what an adapter learner (TUNA, MOS) adds to a baseline's head object: every task's adapter and the open
@@ -162,13 +164,13 @@ def init_set(sites: Sequence[Site], rank: int, device: torch.device) -> list[dic
     return out
 
 
-def clone_set(adapter: Sequence[dict[str, torch.Tensor]]) -> AdapterSet:
+def clone_set(adapter: AdapterLike) -> AdapterSet:
     """A detached copy (the releases' ``copy.deepcopy(self.cur_adapter)``)."""
     return [{k: t.detach().clone() for k, t in a.items()} for a in adapter]
 
 
 def adapter_out(
-    x: torch.Tensor, a: dict[str, torch.Tensor], site: Site, scale: float, dropout: float, training: bool
+    x: torch.Tensor, a: Mapping[str, torch.Tensor], site: Site, scale: float, dropout: float, training: bool
 ) -> torch.Tensor:
     """``s * up(dropout(relu(down(x))))`` on tokens (B, N, c) or a feature map (B, c, H, W)."""
     if site.conv:
@@ -188,7 +190,7 @@ def adapter_out(
 def adapted_suffix(
     backbone: Any,
     z: torch.Tensor,
-    adapter: Sequence[dict[str, torch.Tensor]],
+    adapter: AdapterLike,
     sites: Sequence[Site],
     *,
     scale: float,
@@ -204,9 +206,9 @@ def adapted_suffix(
         if sites[i].conv:
             z = blk(z) + adapter_out(z, adapter[i], sites[i], scale, dropout, training)
         else:
-            z = z + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(z))))
+            z = z + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(z))))  # type: ignore[operator]
             a = adapter_out(z, adapter[i], sites[i], scale, dropout, training)
-            z = z + (blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(z)))) + a)
+            z = z + (blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(z)))) + a)  # type: ignore[operator]
     if hasattr(backbone, "vit"):
         return backbone.vit.forward_head(backbone.vit.norm(z), pre_logits=True)
     return torch.flatten(backbone.pool(z), 1)
@@ -229,7 +231,7 @@ def emr_merge(adapters: Sequence[AdapterSet]) -> AdapterSet:
     return out
 
 
-def set_tensors(prefix: str, adapter: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def set_tensors(prefix: str, adapter: AdapterLike) -> dict[str, torch.Tensor]:
     """``<prefix>.<block>.<key>`` for every tensor of an adapter (CPU, contiguous)."""
     return {
         f"{prefix}.{i}.{k}": t.detach().cpu().contiguous()
@@ -366,7 +368,7 @@ def fit_epochs(
     cfg, b = clf.config, clf.options_
     seed, z, y_all, loader = task_inputs(clf, task, k)
     clf._begin_task(k, z, loader)
-    opt = OPTIMIZERS.get(b.optimizer)(groups(), b, weight_decay(clf, k))
+    opt = OPTIMIZERS.get(b.optimizer)(groups(), b, weight_decay(clf, k))  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(seed)
     steps = cfg.train.epochs * math.ceil(len(task.train) / cfg.train.batch_size)  # type: ignore[arg-type]
     bar = progress_bar(total=steps, desc=f"task {k + 1}: train {clf.name}", enabled=clf.progress)
@@ -428,9 +430,7 @@ class AdapterClassifier(ContinualClassifier):
         self.stats_: dict[int, ClassGaussian] = {}
         self._backup: dict[str, Any] | None = None
 
-    def embed(
-        self, z: torch.Tensor, adapter: Sequence[dict[str, torch.Tensor]], train: bool = False, **kw: Any
-    ) -> torch.Tensor:
+    def embed(self, z: torch.Tensor, adapter: AdapterLike, train: bool = False, **kw: Any) -> torch.Tensor:
         """(B, d) embeddings of prefix outputs under ``adapter`` (``train``: the bottleneck's dropout on)."""
         b = self.options_
         return adapted_suffix(
@@ -479,7 +479,7 @@ class AdapterClassifier(ContinualClassifier):
     @torch.no_grad()
     def plain_features(
         self, task: Task, z: torch.Tensor | None, y: torch.Tensor | None,
-        adapter: Sequence[dict[str, torch.Tensor]],
+        adapter: AdapterLike,
         before_block: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The task's un-augmented training images under ``adapter``, class by class in the task's order, in

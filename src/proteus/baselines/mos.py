@@ -204,8 +204,8 @@ class MOS(AdapterClassifier):
         self._end_training(task, k, head)
         self._sums = prefix_sums(self.adapters_)
         assert self.open_ is not None
-        h, yy = self.plain_features(task, z, y, self.open_, before_block=lambda _: self._pull_open(k))
-        self.stats_.update(class_gaussians(h, yy, classes))
+        hf, yy = self.plain_features(task, z, y, self.open_, before_block=lambda _: self._pull_open(k))
+        self.stats_.update(class_gaussians(hf, yy, classes))
         h0, y0 = self.plain_features(task, z, y, self.adapters_[0])
         protos = torch.stack([h0[y0 == c].mean(0) for c in classes]).to(self.prototypes_)
         self.prototypes_ = torch.cat([self.prototypes_, protos])

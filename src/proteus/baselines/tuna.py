@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ from torch import nn
 
 from proteus.baselines.adaptformer import (
     AdapterClassifier,
+    AdapterLike,
     AdapterOptions,
     AdapterSet,
     align_heads,
@@ -93,7 +95,7 @@ def cosface(cos: torch.Tensor, target: torch.Tensor, s: float, m: float) -> torc
     return F.cross_entropy(s * (cos - m * F.one_hot(target, cos.shape[1]).to(cos.dtype)), target)
 
 
-def up_orthogonality(open_: list[dict[str, torch.Tensor]], old: list[AdapterSet]) -> torch.Tensor:
+def up_orthogonality(open_: AdapterLike, old: Sequence[AdapterSet]) -> torch.Tensor:
     """The release's ``orth_loss``: the sum over earlier adapters of the mean over blocks of
     ``|mean(norm(U_open) norm(U_old)^T)|`` (U: the up projection (c_out, r), rows L2-normalised)."""
     total = open_[0]["up_w"].new_zeros(())
@@ -187,7 +189,7 @@ class TUNA(AdapterClassifier):
                 mu = (mu.double() * (0.9 + (i // -n_k + 1) / (k + 1) * 0.1)).float()
             means.append(mu)
             covs.append(self.stats_[c].covariance(b.ca_storage))
-        params = [h.weight for h in self.heads_]
+        params = [cast(nn.Parameter, h.weight) for h in self.heads_]
         for p in params:
             p.requires_grad_(True)
         try:
