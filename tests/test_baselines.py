@@ -24,6 +24,8 @@ from proteus.kb import KnowledgeBase
 from tiny import baseline_cfg, baseline_stream
 
 BASELINE_METHODS = sorted(n for n in METHODS.names() if METHODS.get(n).learner != "proteus")
+#: the baselines that retrieve a task per input (results.json's retrieval_acc)
+RETRIEVING = ("s-prompt", "hide-prompt", "tuna", "mos")
 PROMPT_METHODS = {"l2p", "dualprompt", "coda-prompt", "s-prompt", "adapromptcl", "hide-prompt"}
 
 
@@ -69,6 +71,8 @@ def test_every_declared_baseline_has_a_learner() -> None:
         "s-prompt",
         "adapromptcl",
         "hide-prompt",
+        "tuna",
+        "mos",
     }
     assert set(BASELINE_METHODS) == expected
     for m in BASELINE_METHODS:
@@ -263,12 +267,14 @@ def test_every_baseline_runs(method: str, tmp_path: Path) -> None:
     argv = ["run", "--benchmark", "quickstart", "--method", method, "--out", str(out), "-q",
             "--backbone", backbone, "--set", "backbone.pretrained=false", "--set", "backbone.img_size=32",
             "--set", "train.epochs=1", "--set", "benchmark.num_tasks=2",
-            "--set", "benchmark.max_train_per_class=8", "--set", "baseline.pool_size=20"]  # fmt: skip
+            "--set", "benchmark.max_train_per_class=8", "--set", "baseline.pool_size=20",
+            *(["--set", "baseline.ca_epochs=2"] if method in ("tuna", "mos") else [])]  # fmt: skip
     assert main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["method"] == method and res["num_tasks"] == 2 and len(res["avg_acc"]) == 2
-    # S-Prompt (its K-Means keys) and HiDe-Prompt (its TII) retrieve a task per input; the others none
-    assert (res["retrieval_acc"] is None) == (method not in ("s-prompt", "hide-prompt"))
+    # S-Prompt (its K-Means keys), HiDe-Prompt (its TII), TUNA (entropy) and MOS (self-refinement) retrieve a
+    # task per input; the others none
+    assert (res["retrieval_acc"] is None) == (method not in RETRIEVING)
     assert res["forgetting"] is not None
     assert (out / "split.json").is_file()
     # one persistence layer: the baseline's learned tensors are its knowledge base's head object

@@ -49,6 +49,10 @@ BASELINE = {
     "adapromptcl-imagenet-r": ("adapromptcl", "imagenet-r", 50, 128, "adam", 0.025 * 128 / 256),
     "hide-prompt-cifar100": ("hide-prompt", "cifar100", 50, 192, "adam", 0.03 * 24 / 256),
     "hide-prompt-imagenet-r": ("hide-prompt", "imagenet-r", 150, 192, "adam", 0.03 * 24 / 256),
+    "tuna-cifar100": ("tuna", "cifar100", 15, 16, "sgd", 0.01),
+    "tuna-imagenet-r": ("tuna", "imagenet-r", 10, 32, "sgd", 0.02),
+    "mos-cifar100": ("mos", "cifar100", 20, 48, "sgd", 0.03),
+    "mos-imagenet-r": ("mos", "imagenet-r", 10, 16, "sgd", 0.05),
 }
 
 

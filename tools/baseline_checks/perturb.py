@@ -31,9 +31,49 @@ LEARNER = "proteus/baselines/learner.py"
 SPROMPT = "proteus/baselines/sprompt.py"
 HIDE = "proteus/baselines/hideprompt.py"
 ADA = "proteus/baselines/adapromptcl.py"
+TUNA = "proteus/baselines/tuna.py"
+ADAPTERS = "proteus/baselines/adaptformer.py"
 
 #: (name, check script, file under src, [(old text, new text), ...]); every old text must occur exactly once
 PERTURBATIONS = [
+    # ---- TUNA (check_tuna.py)
+    (
+        "TUNA: CosFace margin added to the target cosine instead of subtracted",
+        "tuna",
+        TUNA,
+        [("s * (cos - m * F.one_hot(target", "s * (cos + m * F.one_hot(target")],
+    ),
+    (
+        "TUNA: orthogonality weight exp(-t) instead of exp(-(t+1))",
+        "tuna",
+        TUNA,
+        [("math.exp(-(k + 1))", "math.exp(-k)")],
+    ),
+    (
+        "TUNA: the adapter of the most entropic logits selected",
+        "tuna",
+        TUNA,
+        [("(-(p * torch.log(p + EPS)).sum(2)).argmin(0)", "(-(p * torch.log(p + EPS)).sum(2)).argmax(0)")],
+    ),
+    (
+        "TUNA: EMR merge takes the agreeing entries' mean magnitude, not the largest",
+        "tuna",
+        ADAPTERS,
+        [("merged[key] = agree.max(0).values * flag", "merged[key] = agree.mean(0) * flag")],
+    ),
+    (
+        "TUNA: adapter output scale 0.11 instead of 0.1",
+        "tuna",
+        ADAPTERS,
+        [("return up * scale", "return up * scale * 1.1")],
+    ),
+    (
+        "TUNA: the alignment's mean decay with a positive task size",
+        "tuna",
+        TUNA,
+        [("(i // -n_k + 1) / (k + 1) * 0.1", "(i // n_k + 1) / (k + 1) * 0.1")],
+    ),
+    ("TUNA: alignment cosine period 10 instead of 5", "tuna", TUNA, [("CA_PERIOD = 5", "CA_PERIOD = 10")]),
     # ---- the review's table (notes/baselines-next.md)
     (
         "InfLoRA: A scaled by 1/sqrt(2) instead of 1/sqrt(3)",
