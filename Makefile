@@ -26,7 +26,7 @@ demo: $(VENV)/.installed
 	$(PY) -m proteus compare --benchmark quickstart --seeds 0 --out runs/demo-compare \
 	    --methods proteus,proteus-lda,ranpac,frozen --set report.figures=false --set report.latency=false
 
-# one pytest worker per core (pytest-xdist), each test file on one worker (its module fixtures built once)
+# one pytest worker per core (pytest-xdist); a test file runs on one worker (its module fixtures built once)
 PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
 
 test: $(VENV)/.installed

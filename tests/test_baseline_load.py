@@ -108,11 +108,22 @@ def _records(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in t.items() if k != "learned"} for t in manifest["tasks"]]
 
 
+#: the ViT baselines' round trip is tests/test_baseline_load_vit.py (a file per pytest-xdist worker)
+ON_VIT = [m for m, (backbone, _) in BASELINES.items() if backbone.startswith("vit")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", list(BASELINES))
+@pytest.mark.parametrize("method", [m for m in BASELINES if m not in ON_VIT])
 def test_learn_task_by_task_equals_run_and_the_kb_serves(
     method: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    check_learn_equals_run_and_serves(method, tmp_path, capsys)
+
+
+def check_learn_equals_run_and_serves(
+    method: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``learn`` task by task equals ``run``; ``evaluate``, ``predict`` and ``serve`` work on the KB."""
     run = tmp_path / "run"
     assert main(["run", *_args(method), "--out", str(run), "--set", "report.figures=false"]) == 0
     kb = tmp_path / "kb"

@@ -78,8 +78,9 @@ TENSOR_RULES.declare(
               "block {b}'s up projection: the block's output width x rank, in every adapter", on="head"),
     ShapeRule(_A + r"\.up_b", ("obj.adapter_out_{b}",), "block {b}'s up bias: one per output channel",
               on="head"),
-    ShapeRule(r"stats\.\d+\.mean", ("kb.linear_d",), "a class's mean is an embedding", on="head"),
-    ShapeRule(r"stats\.\d+\.factor", ("*", "kb.linear_d"), "a class's covariance factor (n, d)", on="head"),
+    ShapeRule(r"class_stats\.\d+\.mean", ("kb.linear_d",), "a class's mean is an embedding", on="head"),
+    ShapeRule(r"class_stats\.\d+\.factor", ("*", "kb.linear_d"), "a class's covariance factor (n, d)",
+              on="head"),
     ShapeRule(r"prototypes", ("*", "kb.linear_d"), "MOS's prototype classifier: a row per class", on="head"),
 )  # fmt: skip
 
@@ -505,14 +506,17 @@ class AdapterClassifier(ContinualClassifier):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The heads, every task's adapter ``adapter.<t>.<block>.<key>``, the open adapter ``adapter.open.*``
-        and every seen class's ``stats.<class>.{mean,factor}``."""
+        and every seen class's ``class_stats.<class>.{mean,factor}``."""
         out = super().state_tensors()
         for t, a in enumerate(self.adapters_):
             out.update(set_tensors(f"adapter.{t}", a))
         if self.open_ is not None:
             out.update(set_tensors("adapter.open", self.open_))
         for c, s in self.stats_.items():
-            out[f"stats.{c}.mean"], out[f"stats.{c}.factor"] = s.mean.contiguous(), s.factor.contiguous()
+            out[f"class_stats.{c}.mean"], out[f"class_stats.{c}.factor"] = (
+                s.mean.contiguous(),
+                s.factor.contiguous(),
+            )
         return out
 
     @torch.no_grad()
@@ -527,7 +531,7 @@ class AdapterClassifier(ContinualClassifier):
             self.open_ = [{n: nn.Parameter(t) for n, t in a.items()} for a in opened]
         d = self.embed_dim
         for c in self.labels_:
-            mu, f = need(tensors, f"stats.{c}.mean"), need(tensors, f"stats.{c}.factor")
+            mu, f = need(tensors, f"class_stats.{c}.mean"), need(tensors, f"class_stats.{c}.factor")
             if mu.shape != (d,) or f.ndim != 2 or f.shape[1] != d:
-                raise TaskError(f"stats.{c}: mean {tuple(mu.shape)}, factor {tuple(f.shape)}; d = {d}")
+                raise TaskError(f"class_stats.{c}: mean {tuple(mu.shape)}, factor {tuple(f.shape)}; d = {d}")
             self.stats_[c] = ClassGaussian(mu.float(), f.float())
