@@ -135,6 +135,7 @@ def test_each_baseline_declares_its_own_options(caplog) -> None:
 
 
 # ------------------------------------------------------------------ extension points
+@pytest.mark.slow  # about 20 s on 2 cores: it learns and predicts end to end with the new key
 def test_a_key_in_a_new_space_is_a_space_and_a_registry_line() -> None:
     """A new key space (the frozen features beside the first adapter's) and LDA keys in it, registered
     from outside the package as a new file would: no other module changes, and the keys predict along
