@@ -38,12 +38,12 @@ from proteus.baselines.learner import (
     ContinualClassifier,
     epoch_lr,
     task_inputs,
+    task_stats,
     weight_decay,
 )
 from proteus.baselines.persist import need
 from proteus.config import ConfigError
 from proteus.engine.errors import TaskError
-from proteus.engine.records import loss_summary
 from proteus.engine.runtime import task_seed
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, UNIT, option
 from proteus.progress import bar as progress_bar
@@ -401,17 +401,6 @@ def fit_epochs(
     bar.close()
     opt.zero_grad(set_to_none=True)
     return losses, (z, y_all, loader)
-
-
-def task_stats(losses: list[float], params: Iterable[torch.Tensor]) -> dict[str, Any]:
-    """A task's statistics as the shared loop reports them."""
-    first, last = loss_summary(losses)
-    return {
-        "steps": len(losses),
-        "loss_first": first,
-        "loss_last": last,
-        "trainable_params": int(sum(p.numel() for p in params)),
-    }
 
 
 # -------------------------------------------------------------------------------------- the learners' base

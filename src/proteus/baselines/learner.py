@@ -28,7 +28,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -302,6 +302,11 @@ def train_task(clf: ContinualClassifier, task: Task, k: int) -> dict[str, Any]:
     clf.task_classes_.append(classes)
     clf.labels_ += classes
     clf._end_task(k, z, loader)
+    return task_stats(losses, params)
+
+
+def task_stats(losses: list[float], params: Iterable[torch.Tensor]) -> dict[str, Any]:
+    """A task's statistics as the shared loop reports them."""
     first, last = loss_summary(losses)
     return {
         "steps": len(losses),
