@@ -9,7 +9,10 @@ knowledge base on disk as ``proteus learn`` does, and records for every k:
   commit; and the seconds per optimisation step of the training (``train_step``);
 * seconds per predict batch (``batch`` images of earlier tasks) along the default route, median of 3;
 * the peak resident set size during learn and during predict (MiB above the process's size at start);
-* the knowledge base's bytes on disk and the merged-weight cache's bytes.
+* the knowledge base's bytes on disk and the merged-weight cache's bytes;
+* at task 10 and at the last task, where the resident memory goes (:mod:`memory_account`: the learner's
+  tensors by the attribute holding them, every tensor, and the native rest), and from the two the resident
+  memory beyond the merged-weight cache per task.
 
 It writes ``long_stream.json`` (every row) and ``long_stream.png`` (each quantity against k) and reports
 the ratios the issue sets: learn time of the last task over task 10 (<= 1.3), predict time per batch at
@@ -42,6 +45,7 @@ from proteus.streams.base import Task
 from proteus.streams.datasets import ArrayImageDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
+from memory_account import account, slopes  # noqa: E402
 from perf_timing import PeakMemory, _rss_bytes  # noqa: E402
 
 
@@ -85,6 +89,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
     kb: KnowledgeBase | None = None
     rows: list[dict[str, Any]] = []
     held: list[Any] = []
+    accounts: dict[int, dict[str, Any]] = {}
     t_start = time.perf_counter()
     try:
         for k in range(tasks):
@@ -123,6 +128,9 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                 "rss_mb": (_rss_bytes() or 0) / 2**20,
             })  # fmt: skip
             r = rows[-1]
+            if k + 1 in (min(10, tasks), tasks):
+                accounts[k + 1] = account(clf)
+                r["rss_mb"] = accounts[k + 1]["rss_anon_mb"] + accounts[k + 1]["rss_file_mb"]
             if (k + 1) % 10 == 0 or k == 0:
                 log(f"task {k + 1:3d}: learn {r['learn_s']:.2f} s (train {r['train_s']:.2f}, signature "
                     f"{r['signature_s']:.2f}, head {r['head_s']:.2f}, commit {r['commit_s']:.2f}), predict "
@@ -150,6 +158,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "kb_bytes",
     )
     ks = [r["task"] for r in rows]
+    beyond = {k: rows[k - 1]["rss_mb"] - rows[k - 1]["merged_cache_bytes"] / 2**20 for k in accounts}
+    span = max(last - ref, 1)
     report = {
         "settings": {"tasks": tasks, "backbone": backbone, "img": img, "per_class": per_class, "batch": batch,
                      **{k: v for k, v in sets.items() if k != "device"}},
@@ -162,6 +172,9 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "rss_mb_last": rows[-1]["rss_mb"],
         "merged_budget_mb": budget_mb, "model_mb": model_mb,
         "kb_mb_per_task": rows[-1]["kb_bytes"] / last / 1e6,
+        "rss_beyond_cache_mb_per_task": (beyond[last] - beyond[ref]) / span,
+        "memory_account": {"tasks": [ref, last], "first": accounts[ref], "last": accounts[last],
+                           "per_task_mb": slopes(accounts[ref], accounts[last], span)},
         "slopes_per_task": {key: float(np.polyfit(ks, [r[key] for r in rows], 1)[0]) for key in slope_keys},
         "rows": rows,
     }  # fmt: skip
@@ -216,6 +229,15 @@ def main() -> None:
     print(f"peak RSS at the last task {rep['peak_rss_mb_last']:.0f} MiB (merged-cache budget "
           f"{rep['merged_budget_mb']:.0f} MiB + model {rep['model_mb']:.0f} MiB); KB "
           f"{rep['kb_mb_per_task']:.2f} MB per task; slopes per task: {json.dumps(slopes)}")  # fmt: skip
+    ref_k = rep["memory_account"]["tasks"][0]
+    acc = rep["memory_account"]["per_task_mb"]
+    owners = ", ".join(f"{k} {v:.3f}" for k, v in acc["learner_tensors_mb"].items() if abs(v) >= 0.0005)
+    print(
+        f"resident memory beyond the merged cache: {rep['rss_beyond_cache_mb_per_task']:.2f} MiB per task "
+        f"(tasks {ref_k} to {rep['settings']['tasks']}): the learner's tensors "
+        f"{acc['learner_tensors_total_mb']:.3f} "
+        f"({owners}); every tensor {acc['all_tensors_mb']:.3f}; native {acc['native_mb']:.3f}"
+    )
     print(f"wrote {Path(args.out) / 'long_stream.json'} and long_stream.png")
 
 

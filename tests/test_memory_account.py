@@ -1,0 +1,45 @@
+"""tools/perf/memory_account.py: the long-stream harness's account of where resident memory goes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "perf"))
+
+from memory_account import account, slopes, tensor_owners  # noqa: E402
+
+
+class _Part:
+    def __init__(self) -> None:
+        self.table = torch.zeros(256, dtype=torch.float64)  # 2 KiB
+        self.view = self.table[:10]  # a view: its storage counts once
+
+
+class _Learner:
+    def __init__(self) -> None:
+        self.keys_ = {"a": torch.zeros(128)}  # 512 B
+        self.model_ = nn.Sequential(nn.Linear(4, 2, bias=False))  # 32 B of weight
+        self.part_ = _Part()
+        self.again_ = self.part_.table  # reached twice: owned once, by the shorter path
+
+
+def test_tensors_are_counted_once_under_the_shortest_path_reaching_them() -> None:
+    owners = tensor_owners(_Learner())
+    assert owners == {"again_": 2048, "keys_": 512, "model_.0": 32}
+
+
+def test_an_account_and_its_slopes_say_what_grows_per_task() -> None:
+    learner = _Learner()
+    first = account(learner)
+    learner.keys_["b"] = torch.zeros(2**18)  # 1 MiB more
+    last = account(learner)
+    per = slopes(first, last, 4)
+    assert per["learner_tensors_mb"]["keys_"] == 0.25
+    assert per["learner_tensors_total_mb"] == 0.25
+    assert last["all_tensors_mb"] >= last["learner_tensors_total_mb"]
+    if first["rss_anon_mb"] is not None:
+        assert first["native_mb"] == first["rss_anon_mb"] - first["all_tensors_mb"]

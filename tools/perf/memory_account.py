@@ -1,0 +1,134 @@
+"""Where a learner's resident memory goes: tensor bytes by the attribute that holds them, and the rest.
+
+:func:`account` walks the objects reachable from a learner (attributes, containers, modules' parameters and
+buffers) and adds up the bytes of every distinct CPU tensor storage under the first attribute that reaches
+it (``keys_``, ``head_``, ``model_.units``, ...); views of one storage count once. Beside it, the process's
+anonymous and file-backed resident memory (``/proc/self/status``) after ``gc.collect`` and glibc's
+``malloc_trim``, and the bytes of every CPU tensor the garbage collector knows of, so that
+
+    native = anonymous resident - every tensor
+
+is what neither the learner's nor any other Python-visible tensor holds: the allocator's free but kept
+pages, oneDNN's primitive cache (bounded: ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024 kernels by default),
+the interpreter's own objects. :func:`slopes` turns two accounts into MiB per task.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+from collections import deque
+from typing import Any
+
+import torch
+from perf_timing import _malloc_trim
+
+#: attributes whose tensors are reported one level deeper (``model_.units`` rather than ``model_``)
+SPLIT = ("model_", "keys_", "heads_")
+_SCALARS = (str, bytes, int, float, bool, type, type(None))
+
+
+def _children(obj: Any, path: str) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        return [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple, set, frozenset, deque)):
+        return [(path, v) for v in obj]
+    if isinstance(obj, torch.nn.Module):
+        own = [*obj._parameters.items(), *obj._buffers.items()]
+        kids = [(f"{path}.{k}", v) for k, v in own if v is not None]
+        kids += [(f"{path}.{k}", m) for k, m in obj._modules.items()]
+        rest = {k: v for k, v in vars(obj).items() if k not in ("_parameters", "_buffers", "_modules")}
+        return kids + [(f"{path}.{k}", v) for k, v in rest.items()]
+    d = getattr(obj, "__dict__", None)
+    kids = [(f"{path}.{k}", v) for k, v in d.items()] if isinstance(d, dict) else []
+    for k in getattr(type(obj), "__slots__", ()):
+        if hasattr(obj, k):
+            kids.append((f"{path}.{k}", getattr(obj, k)))
+    return kids
+
+
+def _owner(path: str) -> str:
+    m = re.match(r"\.?([^.\[]+)(?:\.([^.\[]+))?", path)
+    if m is None:
+        return path
+    head, attr = m.groups()
+    return f"{head}.{attr}" if head in SPLIT and attr else head
+
+
+def tensor_owners(root: Any) -> dict[str, int]:
+    """Bytes of the distinct CPU tensor storages reachable from ``root``, by the attribute reaching them first
+    (breadth-first, so the shortest path owns a shared storage)."""
+    seen: set[int] = set()
+    storages: set[int] = set()
+    out: dict[str, int] = {}
+    queue: deque[tuple[str, Any]] = deque(_children(root, ""))
+    while queue:
+        path, obj = queue.popleft()
+        if isinstance(obj, _SCALARS) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cpu" and not obj.is_meta:
+                st = obj.untyped_storage()
+                if st.data_ptr() not in storages:
+                    storages.add(st.data_ptr())
+                    out[_owner(path)] = out.get(_owner(path), 0) + st.nbytes()
+            continue
+        if callable(obj) and not isinstance(obj, torch.nn.Module) and not hasattr(obj, "__dict__"):
+            continue
+        queue.extend(_children(obj, path))
+    return out
+
+
+def _all_tensor_bytes() -> int:
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            st = obj.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def account(learner: Any) -> dict[str, Any]:
+    """One account of the process's memory, in MiB (see the module docstring)."""
+    gc.collect()
+    _malloc_trim()
+    owners = tensor_owners(learner)
+    tensors = _all_tensor_bytes()
+    anon, file = _status_kib("RssAnon"), _status_kib("RssFile")
+    mib = 2**20
+    return {
+        "learner_tensors_mb": {k: v / mib for k, v in sorted(owners.items())},
+        "learner_tensors_total_mb": sum(owners.values()) / mib,
+        "all_tensors_mb": tensors / mib,
+        "rss_anon_mb": None if anon is None else anon / 1024,
+        "rss_file_mb": None if file is None else file / 1024,
+        "native_mb": None if anon is None else anon / 1024 - tensors / mib,
+    }
+
+
+def slopes(first: dict[str, Any], last: dict[str, Any], tasks: int) -> dict[str, Any]:
+    """MiB per task from ``first`` to ``last``, ``tasks`` tasks apart, for every figure of :func:`account`."""
+
+    def per(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else (b - a) / tasks
+
+    keys = set(first["learner_tensors_mb"]) | set(last["learner_tensors_mb"])
+    out: dict[str, Any] = {
+        "learner_tensors_mb": {
+            k: per(first["learner_tensors_mb"].get(k, 0.0), last["learner_tensors_mb"].get(k, 0.0))
+            for k in sorted(keys)
+        }
+    }
+    for k in ("learner_tensors_total_mb", "all_tensors_mb", "rss_anon_mb", "rss_file_mb", "native_mb"):
+        out[k] = per(first[k], last[k])
+    return out
