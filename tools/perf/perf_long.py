@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from proteus import Proteus
 from proteus.experiment.store import commit
@@ -73,8 +74,21 @@ def _window(rows: list[dict[str, Any]], key: str, k: int) -> float:
     return statistics.median(vals)
 
 
+def evaluate(clf: Proteus, images: list[Any], truth: list[tuple[int, int]], batch: int) -> dict[str, float]:
+    """Accuracy and task retrieval (%) on every held-out image of the tasks learned so far."""
+    hits = found = 0
+    for i in range(0, len(images), batch):
+        pred = clf.predict(clf.transform_images(images[i : i + batch]))
+        y = torch.tensor([c for c, _ in truth[i : i + batch]])
+        t = torch.tensor([k for _, k in truth[i : i + batch]])
+        hits += int((pred.label.cpu() == y).sum())
+        found += int((pred.task.cpu() == t).sum()) if pred.task is not None else 0
+    return {"acc": 100.0 * hits / len(images), "retrieval": 100.0 * found / len(images)}
+
+
 def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32, per_class: int = 16,
-        batch: int = 32, seed: int = 0, merge_budget_mb: float | None = 1024.0,
+        batch: int = 32, seed: int = 0, merge_budget_mb: float | None = 1024.0, method: str = "proteus",
+        eval_every: int = 0, sets_extra: dict[str, Any] | None = None,
         log: Any = print) -> dict[str, Any]:  # fmt: skip
     """Learn ``tasks`` synthetic tasks, measuring every k; returns the report (also written to ``out``)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -84,11 +98,13 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "train.epochs": 1, "train.batch_size": 16, "head.rp_dim": 256, "device": "cpu", "seed": seed,
         "eval.merge_budget_mb": merge_budget_mb,
     }  # fmt: skip
-    clf = Proteus.from_method("proteus", progress=False, **sets)
+    sets.update(sets_extra or {})
+    clf = Proteus.from_method(method, progress=False, **sets)
     kb_dir = Path(tempfile.mkdtemp(prefix="proteus-long-"))
     kb: KnowledgeBase | None = None
     rows: list[dict[str, Any]] = []
     held: list[Any] = []
+    held_y: list[tuple[int, int]] = []  # (class, task) of every held-out image
     accounts: dict[int, dict[str, Any]] = {}
     t_start = time.perf_counter()
     try:
@@ -103,6 +119,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                 commit(kb, clf)
                 t2 = time.perf_counter()
             held += [task.test[i][0] for i in range(len(task.test))]
+            held_y += [(task.test[i][1], k) for i in range(len(task.test))]
             x = clf.transform_images(
                 [held[i % len(held)] for i in range(0, len(held), max(1, len(held) // batch))][:batch]
             )
@@ -128,6 +145,9 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                 "rss_mb": (_rss_bytes() or 0) / 2**20,
             })  # fmt: skip
             r = rows[-1]
+            r["ranks_min"] = stats.train.ranks_min if stats.train is not None else None
+            if eval_every and ((k + 1) % eval_every == 0 or k + 1 == tasks):
+                r.update(evaluate(clf, held, held_y, batch))
             if k + 1 in (min(10, tasks), tasks):
                 accounts[k + 1] = account(clf)
                 r["rss_mb"] = accounts[k + 1]["rss_anon_mb"] + accounts[k + 1]["rss_file_mb"]
@@ -136,7 +156,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                     f"{r['signature_s']:.2f}, head {r['head_s']:.2f}, commit {r['commit_s']:.2f}), predict "
                     f"{r['predict_s'] * 1e3:.0f} ms, KB {r['kb_bytes'] / 1e6:.1f} MB, merged cache "
                     f"{r['merged_cache_bytes'] / 1e6:.1f} MB, peak RSS learn {r['learn_peak_mb']:.0f} "
-                    "MiB")  # fmt: skip
+                    f"MiB, rank {r['ranks_min']}" + (f", accuracy {r['acc']:.1f}%, retrieval "
+                    f"{r['retrieval']:.1f}%" if "acc" in r else ""))  # fmt: skip
     finally:
         shutil.rmtree(kb_dir, ignore_errors=True)
     last = rows[-1]["task"]
@@ -161,8 +182,9 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
     beyond = {k: rows[k - 1]["rss_mb"] - rows[k - 1]["merged_cache_bytes"] / 2**20 for k in accounts}
     span = max(last - ref, 1)
     report = {
-        "settings": {"tasks": tasks, "backbone": backbone, "img": img, "per_class": per_class, "batch": batch,
-                     **{k: v for k, v in sets.items() if k != "device"}},
+        "settings": {"method": method, "tasks": tasks, "backbone": backbone, "img": img,
+                     "per_class": per_class,
+                     "batch": batch, **{k: v for k, v in sets.items() if k != "device"}},
         "seconds_total": time.perf_counter() - t_start,
         "learn_ratio_last_vs_10": ratio["learn_s"],
         "train_step_ratio_last_vs_10": ratio["train_step_s"],
@@ -217,10 +239,20 @@ def main() -> None:
     ap.add_argument("--backbone", default="mobilenet_v2")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--merge-budget-mb", type=float, default=1024.0, help="eval.merge_budget_mb")
+    ap.add_argument("--method", default="proteus", help="the method (proteus-budget: the decaying rank)")
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="every N tasks (and after the last) accuracy and retrieval on all held-out images",
+    )
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rep = run(args.tasks, Path(args.out), backbone=args.backbone, merge_budget_mb=args.merge_budget_mb)
+    extra = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    rep = run(args.tasks, Path(args.out), backbone=args.backbone, merge_budget_mb=args.merge_budget_mb,
+              method=args.method, eval_every=args.eval_every, sets_extra=extra)  # fmt: skip
     keys = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
     for key in keys:
         print(f"{key}: {rep[key]:.3f}")
