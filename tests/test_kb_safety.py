@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import proteus.kb as kbmod
+from proteus.cli import main
 from proteus.faults import ENV
 from proteus.kb import (
     FORMAT_VERSION,
@@ -558,6 +559,26 @@ def test_info_reports_tasks_and_sizes(tmp_path: Path) -> None:
     assert info["head_bytes"] == head
     assert info["manifest_bytes"] == (root / "manifest.json").stat().st_size
     assert info["total_bytes"] == info["manifest_bytes"] + sum(sizes) + head
+
+
+def test_info_shows_each_tasks_rank_per_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A task whose adapter got fewer directions on a map (no orthogonal room left) says so in `kb info`."""
+    root = tmp_path / "kb"
+    _seed(root)
+    with KnowledgeBase.write_lock(root):
+        kb = KnowledgeBase.open(root)
+        adapter = {"adapter/m1/A": torch.zeros(6, 4), "adapter/m1/B": torch.zeros(3, 4),
+                   "adapter/m2/A": torch.zeros(6, 1), "adapter/m2/B": torch.zeros(3, 1)}  # fmt: skip
+        rel, sha = kb.write_object("task-r", adapter)
+        tasks = [*kb.manifest["tasks"][:1], {**kb.manifest["tasks"][1], "object": rel, "sha256": sha}]
+        kb.commit({**kb.manifest, "tasks": tasks})
+    info = kbmod.info(KnowledgeBase.open(root))
+    assert "ranks" not in info["tasks"][0] and info["tasks"][1]["ranks"] == {"m1": 4, "m2": 1}
+    assert main(["kb", "info", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 4 on 1 of 2 maps (no orthogonal room left: m2 1)" in out
+    assert main(["kb", "list", str(root)]) == 0
+    assert "rank" not in capsys.readouterr().out
 
 
 def test_check_writable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

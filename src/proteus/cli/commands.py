@@ -393,6 +393,8 @@ def cmd_kb_show(args: argparse.Namespace) -> int:
         )
         line += f", learned {t['learned']}" if t.get("learned") else ""
         line += " [forgotten]" if t.get("forgotten") else ""
+        if t.get("ranks") and args.action == "info":
+            line += f", {_ranks_text(t['ranks'])}"
         show(line + (f"; {settings}" if settings and args.action == "info" else ""))
     if args.action == "info":
         show(f"  created {info['created']}, updated {info['updated']}, proteus {info['proteus_version']}")
@@ -404,6 +406,16 @@ def cmd_kb_show(args: argparse.Namespace) -> int:
             checked = "checked" if sig["checked"] else "not checked: pass --key-file"
             show(f"  signed ({sig['alg']}, key id {sig['key_id']}; {checked})")
     return 0
+
+
+def _ranks_text(ranks: dict[str, int]) -> str:
+    """A task's adapter rank per map in words: ``rank 8 on 12 maps``, naming the maps that got fewer."""
+    top = max(ranks.values())
+    fewer = {m: r for m, r in ranks.items() if r < top}
+    text = f"rank {top} on {len(ranks) - len(fewer)} of {len(ranks)} maps"
+    if fewer:
+        text += " (no orthogonal room left: " + ", ".join(f"{m} {r}" for m, r in fewer.items()) + ")"
+    return text
 
 
 def _printer() -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from dataclasses import dataclass, field
@@ -258,13 +259,48 @@ def _previous_bytes(kb: KnowledgeBase, current: set[str]) -> int:
     return len(data) + sum(_size(kb, rel) or 0 for rel in refs - current)
 
 
+#: the most header bytes ``kb info`` reads from a task's object to show its ranks
+_MAX_HEADER = 16 * 2**20
+
+
+def adapter_ranks(kb: KnowledgeBase, rel: Any) -> dict[str, int] | None:
+    """The rank a task's adapter has on each adapted map (``adapter/<map>/A`` of shape (q, r)), read from
+    the object's safetensors header alone: fewer than the task's rank where the map had no orthogonal room
+    left (Eq. 15). None where the object holds no adapter or cannot be read (``kb verify`` says why)."""
+    if not isinstance(rel, str):
+        return None
+    try:
+        cached = kb.objects.cache.get(rel)
+        if cached is not None:
+            data = cached[1]
+            n = int.from_bytes(data[:8], "little")
+            raw = data[8 : 8 + n]
+        else:
+            with open(object_path(kb.root, rel), "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if n > _MAX_HEADER:
+                    return None
+                raw = f.read(n)
+        header = json.loads(raw)
+    except (OSError, ValueError, KBError):
+        return None
+    out: dict[str, int] = {}
+    for name, entry in header.items() if isinstance(header, dict) else ():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        is_a = name.startswith("adapter/") and name.endswith("/A")
+        if is_a and isinstance(shape, list) and len(shape) == 2:
+            out[name.removeprefix("adapter/").removesuffix("/A")] = int(shape[1])
+    return out or None
+
+
 def info(kb: KnowledgeBase) -> dict[str, Any]:
     """What the knowledge base holds, for display: format, dates, versions, backbone, method, benchmark,
-    per task (0-based ``index``) its classes, size of train set, settings and sizes in bytes (None for a
-    missing object); ``total_bytes`` the current state's (manifest and objects), ``previous_bytes`` what
-    is kept for ``undo`` only (manifest.prev.json and the objects only it references), ``disk_bytes``
-    every file under the directory (leftovers of failed commits included: ``proteus kb gc``);
-    ``signature`` its algorithm and key id (``checked``: verified with a key when opened), or None."""
+    per task (0-based ``index``) its classes, size of train set, settings, sizes in bytes (None for a
+    missing object) and its adapter's rank per map (``ranks``, :func:`adapter_ranks`; absent without
+    one); ``total_bytes`` the current state's (manifest and objects), ``previous_bytes`` what is kept for
+    ``undo`` only (manifest.prev.json and the objects only it references), ``disk_bytes`` every file under
+    the directory (leftovers of failed commits included: ``proteus kb gc``); ``signature`` its algorithm and
+    key id (``checked``: verified with a key when opened), or None."""
     m = kb.manifest
     cfg = _map(m.get("config"))
     tasks = []
@@ -280,6 +316,9 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
             if key in t:
                 rec[key] = t[key]
         rec.update(object=t.get("object"), sha256=t.get("sha256"), bytes=_size(kb, t.get("object")))
+        ranks = adapter_ranks(kb, t.get("object"))
+        if ranks:
+            rec["ranks"] = ranks
         tasks.append(rec)
     head = m.get("head")
     head_bytes = _size(kb, head.get("object")) if isinstance(head, dict) else None
