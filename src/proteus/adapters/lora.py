@@ -210,14 +210,17 @@ class LoRAUnit(nn.Module):
         """What a knowledge base stores for one task: its own directions and its row of C, on the CPU. The
         same tensor objects at every call while the task is stored (a stored task's columns of A, B and its
         row of C over older columns never change; :meth:`truncate` forgets them), so that a knowledge base
-        re-committing a long stream copies and hashes each of them once (:mod:`proteus.kb.content`)."""
+        re-committing a long stream copies and hashes each of them once (:mod:`proteus.kb.content`). Each is
+        its own copy: a view would keep alive the whole A, B or C it was cut from when it was stored, one
+        matrix per task (O(m^3) numbers over m tasks)."""
         kept = self._stored.get(task)
         if kept is None or kept[0] != self.A.dtype:
             cols = self.columns(task)
+            own = torch.contiguous_format  # copies: a view (a row of C is one) would keep the whole matrix
             tensors = {
-                "A": self.A[:, cols].detach().cpu().contiguous(),
-                "B": self.B[:, cols].detach().cpu().contiguous(),
-                "s": self.C[task, : cols.start].detach().cpu().contiguous(),
+                "A": self.A[:, cols].detach().cpu().clone(memory_format=own),
+                "B": self.B[:, cols].detach().cpu().clone(memory_format=own),
+                "s": self.C[task, : cols.start].detach().cpu().clone(memory_format=own),
             }
             kept = self._stored[task] = (self.A.dtype, tensors)
         return dict(kept[1])
