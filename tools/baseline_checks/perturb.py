@@ -32,6 +32,7 @@ SPROMPT = "proteus/baselines/sprompt.py"
 HIDE = "proteus/baselines/hideprompt.py"
 ADA = "proteus/baselines/adapromptcl.py"
 TUNA = "proteus/baselines/tuna.py"
+MOS = "proteus/baselines/mos.py"
 ADAPTERS = "proteus/baselines/adaptformer.py"
 
 #: (name, check script, file under src, [(old text, new text), ...]); every old text must occur exactly once
@@ -74,6 +75,59 @@ PERTURBATIONS = [
         [("(i // -n_k + 1) / (k + 1) * 0.1", "(i // n_k + 1) / (k + 1) * 0.1")],
     ),
     ("TUNA: alignment cosine period 10 instead of 5", "tuna", TUNA, [("CA_PERIOD = 5", "CA_PERIOD = 10")]),
+    # ---- MOS (check_mos.py)
+    (
+        "MOS: each pull towards the sum of the earlier adapters over t + 1, not their mean",
+        "mos",
+        MOS,
+        [("return (1 - beta) * w + beta * total / idx", "return (1 - beta) * w + beta * total / (idx + 1)")],
+    ),
+    (
+        "MOS: the training forward pulls once (before block 0), not before every block",
+        "mos",
+        MOS,
+        [
+            (
+                "h = self.embed(z, self.open_, train=True, before_block=lambda _: self._pull_open(k))",
+                "h = self.embed(z, self.open_, train=True, before_block=lambda i: i or self._pull_open(k))",
+            )
+        ],
+    ),
+    (
+        "MOS: no pull after each step (adapter_merge)",
+        "mos",
+        MOS,
+        [("after_step=lambda: self._pull_open(k)", "after_step=lambda: None")],
+    ),
+    (
+        "MOS: test adapters' block l pulled l times, not l + 1",
+        "mos",
+        MOS,
+        [("for _ in range(i + 1):", "for _ in range(i):")],
+    ),
+    (
+        "MOS: prototypes under the task's own adapter, not the first task's",
+        "mos",
+        MOS,
+        [
+            (
+                "h0, y0 = self.plain_features(task, z, y, self.adapters_[0])",
+                "h0, y0 = self.plain_features(task, z, y, self.adapters_[-1])",
+            )
+        ],
+    ),
+    (
+        "MOS: self-refinement ends after 3 looks, not 4",
+        "mos",
+        MOS,
+        [("(look >= steps)", "(look >= steps - 1)")],
+    ),
+    (
+        "MOS: ensemble's prototype logits not multiplied by the number of tasks",
+        "mos",
+        MOS,
+        [("F.softmax(orig / (1 / m), 1)", "F.softmax(orig, 1)")],
+    ),
     # ---- the review's table (notes/baselines-next.md)
     (
         "InfLoRA: A scaled by 1/sqrt(2) instead of 1/sqrt(3)",
