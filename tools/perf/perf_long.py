@@ -21,6 +21,7 @@ model. Each ratio takes the median of a window of tasks (k-2 .. k+2) so that one
 machine does not decide it.
 
     python tools/perf/perf_long.py --tasks 100 --out runs/long_stream
+    python tools/perf/perf_long.py --tasks 100 --device cuda --backbone vit_s16 --img 224 --out runs/long_gpu
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def synthetic_task(k: int, per_class: int, img: int, seed: int) -> Task:
     )  # fmt: skip
 
 
+def _gpu_slope(rows: list[dict[str, Any]], ref: int) -> float:
+    """MiB of GPU memory held per task from task ``ref`` on (a least-squares line)."""
+    ks = [r["task"] for r in rows if r["task"] >= ref]
+    return float(np.polyfit(ks, [r["gpu_allocated_mb"] for r in rows if r["task"] >= ref], 1)[0])
+
+
 def _window(rows: list[dict[str, Any]], key: str, k: int) -> float:
     vals = [r[key] for r in rows if abs(r["task"] - k) <= 2 and r[key] is not None]
     return statistics.median(vals)
@@ -88,14 +95,15 @@ def evaluate(clf: Proteus, images: list[Any], truth: list[tuple[int, int]], batc
 
 def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32, per_class: int = 16,
         batch: int = 32, seed: int = 0, merge_budget_mb: float | None = 1024.0, method: str = "proteus",
-        eval_every: int = 0, sets_extra: dict[str, Any] | None = None,
+        eval_every: int = 0, sets_extra: dict[str, Any] | None = None, device: str = "cpu",
         log: Any = print) -> dict[str, Any]:  # fmt: skip
     """Learn ``tasks`` synthetic tasks, measuring every k; returns the report (also written to ``out``)."""
     out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(device)
     sets = {
         "backbone.name": backbone, "backbone.pretrained": False, "backbone.img_size": img,
         "backbone.adapt_last": 6 if backbone == "mobilenet_v2" else 2, "adapter.rank": 2,
-        "train.epochs": 1, "train.batch_size": 16, "head.rp_dim": 256, "device": "cpu", "seed": seed,
+        "train.epochs": 1, "train.batch_size": 16, "head.rp_dim": 256, "device": device, "seed": seed,
         "eval.merge_budget_mb": merge_budget_mb,
     }  # fmt: skip
     sets.update(sets_extra or {})
@@ -110,7 +118,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
     try:
         for k in range(tasks):
             task = synthetic_task(k, per_class, img, seed)
-            with PeakMemory(torch.device("cpu")) as pm_learn:
+            with PeakMemory(dev) as pm_learn:
                 t0 = time.perf_counter()
                 stats = clf.fit_task(task)
                 t1 = time.perf_counter()
@@ -124,7 +132,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                 [held[i % len(held)] for i in range(0, len(held), max(1, len(held) // batch))][:batch]
             )
             times = []
-            with PeakMemory(torch.device("cpu")) as pm_pred:
+            with PeakMemory(dev) as pm_pred:
                 for _ in range(3):
                     p0 = time.perf_counter()
                     clf.predict(x)
@@ -143,6 +151,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                 "kb_bytes": sum(f.stat().st_size for f in kb_dir.rglob("*") if f.is_file()),
                 "merged_cache_bytes": clf.model_.merged_nbytes(),
                 "rss_mb": (_rss_bytes() or 0) / 2**20,
+                # GPU memory the learner holds after task k (tensors, not the allocator's cache)
+                "gpu_allocated_mb": torch.cuda.memory_allocated(dev) / 2**20 if dev.type == "cuda" else None,
             })  # fmt: skip
             r = rows[-1]
             r["ranks_min"] = stats.train.ranks_min if stats.train is not None else None
@@ -194,6 +204,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "rss_mb_last": rows[-1]["rss_mb"],
         "merged_budget_mb": budget_mb, "model_mb": model_mb,
         "kb_mb_per_task": rows[-1]["kb_bytes"] / last / 1e6,
+        "gpu_allocated_mb_per_task": _gpu_slope(rows, ref) if dev.type == "cuda" and last > ref else None,
+        "gpu_peak_mb_last": rows[-1]["learn_peak_mb"] if dev.type == "cuda" else None,
         "rss_beyond_cache_mb_per_task": (beyond[last] - beyond[ref]) / span,
         "memory_account": {"tasks": [ref, last], "first": accounts[ref], "last": accounts[last],
                            "per_task_mb": slopes(accounts[ref], accounts[last], span)},
@@ -237,6 +249,8 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=100)
     ap.add_argument("--out", default="runs/long_stream")
     ap.add_argument("--backbone", default="mobilenet_v2")
+    ap.add_argument("--img", type=int, default=32, help="image size of the synthetic tasks and the backbone")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...: where the learner runs")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--merge-budget-mb", type=float, default=1024.0, help="eval.merge_budget_mb")
     ap.add_argument("--method", default="proteus", help="the method (proteus-budget: the decaying rank)")
@@ -252,7 +266,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     extra = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     rep = run(args.tasks, Path(args.out), backbone=args.backbone, merge_budget_mb=args.merge_budget_mb,
-              method=args.method, eval_every=args.eval_every, sets_extra=extra)  # fmt: skip
+              method=args.method, eval_every=args.eval_every, sets_extra=extra, device=args.device,
+              img=args.img)  # fmt: skip
     keys = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
     for key in keys:
         print(f"{key}: {rep[key]:.3f}")
@@ -270,6 +285,9 @@ def main() -> None:
         f"{acc['learner_tensors_total_mb']:.3f} "
         f"({owners}); every tensor {acc['all_tensors_mb']:.3f}; native {acc['native_mb']:.3f}"
     )
+    if rep["gpu_allocated_mb_per_task"] is not None:
+        print(f"GPU memory held: {rep['gpu_allocated_mb_per_task']:.3f} MiB per task from task {ref_k}; "
+              f"learning the last task peaked {rep['gpu_peak_mb_last']:.0f} MiB above it")  # fmt: skip
     print(f"wrote {Path(args.out) / 'long_stream.json'} and long_stream.png")
 
 
