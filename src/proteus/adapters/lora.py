@@ -210,18 +210,12 @@ class LoRAUnit(nn.Module):
         """What a knowledge base stores for one task: its own directions and its row of C, on the CPU. The
         same tensor objects at every call while the task is stored (a stored task's columns of A, B and its
         row of C over older columns never change; :meth:`truncate` forgets them), so that a knowledge base
-        re-committing a long stream copies and hashes each of them once (:mod:`proteus.kb.content`). Each is
-        its own copy: a view would keep alive the whole A, B or C it was cut from when it was stored, one
-        matrix per task (O(m^3) numbers over m tasks)."""
+        re-committing a long stream copies and hashes each of them once (:mod:`proteus.kb.content`); copies
+        (:func:`_own`), never views."""
         kept = self._stored.get(task)
         if kept is None or kept[0] != self.A.dtype:
-            cols = self.columns(task)
-            own = torch.contiguous_format  # copies: a view (a row of C is one) would keep the whole matrix
-            tensors = {
-                "A": self.A[:, cols].detach().cpu().clone(memory_format=own),
-                "B": self.B[:, cols].detach().cpu().clone(memory_format=own),
-                "s": self.C[task, : cols.start].detach().cpu().clone(memory_format=own),
-            }
+            c = self.columns(task)
+            tensors = {"A": _own(self.A[:, c]), "B": _own(self.B[:, c]), "s": _own(self.C[task, : c.start])}
             kept = self._stored[task] = (self.A.dtype, tensors)
         return dict(kept[1])
 
@@ -294,6 +288,12 @@ class LoRAUnit(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of ``t``: a view (a row of C is one) would keep alive the whole matrix it was cut
+    from when the task was stored, one matrix per stored task (O(m^3) numbers over m tasks)."""
+    return t.detach().cpu().clone(memory_format=torch.contiguous_format)
 
 
 def _orthonormal_complement(Q: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
