@@ -304,3 +304,16 @@ def test_basis_of_a_restored_unit_is_bit_identical() -> None:
         v.append_task(x["A"], x["B"], x["s"])
     v.begin_task(2, "learned", True, torch.Generator().manual_seed(1))
     assert torch.equal(u.basis, v.basis)
+
+
+def test_a_stored_task_holds_its_own_tensors_not_views_of_the_unit() -> None:
+    """A stored task's A, B and row of C are copies: a view would keep the whole matrix of its time alive,
+    one per stored task (O(m^3) numbers over m tasks on a long stream)."""
+    g = torch.Generator().manual_seed(0)
+    u = LoRAUnit(10, 4)
+    _stored_tasks(u, 4, g)
+    held = {id(u.A.untyped_storage()), u.A.untyped_storage().data_ptr(), u.C.untyped_storage().data_ptr()}
+    for t in range(u.num_tasks):
+        for name, x in u.task_tensors(t).items():
+            assert x.untyped_storage().data_ptr() not in held, (t, name)
+            assert x.untyped_storage().nbytes() == x.numel() * x.element_size(), (t, name)
