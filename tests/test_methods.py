@@ -272,3 +272,27 @@ def test_lda_keys_live_in_the_first_adapters_space(run_method: Callable[[str], P
     H2[1:] = torch.randn_like(H2[1:])  # other adapters' embeddings do not enter the keys
     assert torch.equal(learner.retrieve(H2).task, res.task)
     assert torch.equal(learner.predict(x).task, res.task)
+
+
+def test_a_finished_run_is_the_same_run_whichever_way_its_data_path_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--data ../shared/data` and `--data /work/shared/data` name one folder: the run is reused; another
+    folder is another run."""
+    from proteus.config import RunConfig
+    from proteus.errors import ConfigError
+    from proteus.experiment.compare import _finished
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "cwd").mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    stored = RunConfig.from_stored({"benchmark": {"name": "quickstart", "data": str(tmp_path / "data")}})
+    (run / "config.yaml").write_text(yaml.safe_dump(stored.to_dict()))
+    (run / "results.json").write_text('{"final_avg_acc": 1.0}')
+    monkeypatch.chdir(tmp_path / "cwd")
+    same = RunConfig.from_stored({"benchmark": {"name": "quickstart", "data": "../data"}})
+    assert _finished(run, same) == {"final_avg_acc": 1.0}
+    other = RunConfig.from_stored({"benchmark": {"name": "quickstart", "data": "../cwd"}})
+    with pytest.raises(ConfigError, match="benchmark.data"):
+        _finished(run, other)

@@ -129,6 +129,18 @@ def _comparable(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in flatten(cfg_dict).items() if not k.startswith("report.")}
 
 
+#: keys that name a file or folder: the same run whichever way the path is written (``../data``, ``/w/data``)
+PATH_KEYS = ("benchmark.data", "benchmark.tasks_file", "backbone.weights")
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    if a == b:
+        return True
+    if key in PATH_KEYS and isinstance(a, str) and isinstance(b, str):
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return False
+
+
 def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """The results of a finished run of ``cfg`` in ``run_dir``; None when there is none yet."""
     res_file, cfg_file = run_dir / "results.json", run_dir / "config.yaml"
@@ -146,7 +158,7 @@ def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
             f"{run_dir}: holds a run without a readable config.yaml; choose a new --out or remove it"
         )
     a, b = _comparable(old), _comparable(cfg.to_dict())
-    diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    diff = sorted(k for k in a.keys() | b.keys() if not _same(k, a.get(k), b.get(k)))
     if diff:
         shown = ", ".join(f"{k} ({a.get(k)!r} there, {b.get(k)!r} now)" for k in diff[:3])
         raise ConfigError(
