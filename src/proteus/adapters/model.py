@@ -29,6 +29,7 @@ adapted map (:meth:`LoRAUnit.task_tensors`), with the rules a knowledge base hol
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +55,13 @@ TENSOR_RULES.declare(
     SameGroups(r"adapter/(?P<g>.+)/A", "has_adapter", "adapter"),
     NeedsRecord("adapter/", "has_adapter"),  # read only for a task whose record says it has one
 )  # fmt: skip
+
+
+def ranks_from_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """A stored task's rank on each adapted map from its tensors' shapes (``adapter/<map>/A`` is (q, r)):
+    fewer than the task's rank where the map had no orthogonal room left (Eq. 15); empty without one."""
+    pat = re.compile(r"adapter/(?P<m>.+)/A")
+    return {m["m"]: s[1] for n, s in shapes.items() if (m := pat.fullmatch(n)) and len(s) == 2}
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:

@@ -375,7 +375,15 @@ def cmd_kb_show(args: argparse.Namespace) -> int:
     """``proteus kb info | list KB``."""
     import proteus.kb as kbmod
 
-    info = kbmod.info(kbmod.KnowledgeBase.open(args.kb, key=_kb_key(args)))
+    kb = kbmod.KnowledgeBase.open(args.kb, key=_kb_key(args))
+    info = kbmod.info(kb)
+    if args.action == "info":
+        from proteus.adapters.model import ranks_from_shapes
+
+        for t in info["tasks"]:  # each task's adapter rank per map, from its object's header
+            ranks = ranks_from_shapes(kbmod.object_shapes(kb, t.get("object")) or {})
+            if ranks:
+                t["ranks"] = ranks
     if args.json:
         print(json.dumps(info, indent=1))
         return 0

@@ -259,14 +259,13 @@ def _previous_bytes(kb: KnowledgeBase, current: set[str]) -> int:
     return len(data) + sum(_size(kb, rel) or 0 for rel in refs - current)
 
 
-#: the most header bytes ``kb info`` reads from a task's object to show its ranks
+#: the most header bytes :func:`object_shapes` reads
 _MAX_HEADER = 16 * 2**20
 
 
-def adapter_ranks(kb: KnowledgeBase, rel: Any) -> dict[str, int] | None:
-    """The rank a task's adapter has on each adapted map (``adapter/<map>/A`` of shape (q, r)), read from
-    the object's safetensors header alone: fewer than the task's rank where the map had no orthogonal room
-    left (Eq. 15). None where the object holds no adapter or cannot be read (``kb verify`` says why)."""
+def object_shapes(kb: KnowledgeBase, rel: Any) -> dict[str, tuple[int, ...]] | None:
+    """The shape of each tensor of object ``rel``, from its safetensors header alone (the parts that store
+    the tensors say what a shape means). None where the object cannot be read (``kb verify`` says why)."""
     if not isinstance(rel, str):
         return None
     try:
@@ -284,23 +283,21 @@ def adapter_ranks(kb: KnowledgeBase, rel: Any) -> dict[str, int] | None:
         header = json.loads(raw)
     except (OSError, ValueError, KBError):
         return None
-    out: dict[str, int] = {}
+    out: dict[str, tuple[int, ...]] = {}
     for name, entry in header.items() if isinstance(header, dict) else ():
         shape = entry.get("shape") if isinstance(entry, dict) else None
-        is_a = name.startswith("adapter/") and name.endswith("/A")
-        if is_a and isinstance(shape, list) and len(shape) == 2:
-            out[name.removeprefix("adapter/").removesuffix("/A")] = int(shape[1])
-    return out or None
+        if isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+            out[name] = tuple(shape)
+    return out
 
 
 def info(kb: KnowledgeBase) -> dict[str, Any]:
     """What the knowledge base holds, for display: format, dates, versions, backbone, method, benchmark,
     per task (0-based ``index``) its classes, size of train set, settings, sizes in bytes (None for a
-    missing object) and its adapter's rank per map (``ranks``, :func:`adapter_ranks`; absent without
-    one); ``total_bytes`` the current state's (manifest and objects), ``previous_bytes`` what is kept for
-    ``undo`` only (manifest.prev.json and the objects only it references), ``disk_bytes`` every file under
-    the directory (leftovers of failed commits included: ``proteus kb gc``); ``signature`` its algorithm and
-    key id (``checked``: verified with a key when opened), or None."""
+    missing object); ``total_bytes`` the current state's (manifest and objects), ``previous_bytes`` what
+    is kept for ``undo`` only (manifest.prev.json and the objects only it references), ``disk_bytes``
+    every file under the directory (leftovers of failed commits included: ``proteus kb gc``);
+    ``signature`` its algorithm and key id (``checked``: verified with a key when opened), or None."""
     m = kb.manifest
     cfg = _map(m.get("config"))
     tasks = []
@@ -316,9 +313,6 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
             if key in t:
                 rec[key] = t[key]
         rec.update(object=t.get("object"), sha256=t.get("sha256"), bytes=_size(kb, t.get("object")))
-        ranks = adapter_ranks(kb, t.get("object"))
-        if ranks:
-            rec["ranks"] = ranks
         tasks.append(rec)
     head = m.get("head")
     head_bytes = _size(kb, head.get("object")) if isinstance(head, dict) else None
