@@ -69,7 +69,6 @@ D = clf.embed_dim
 
 import proteus.baselines.adaptformer as af  # noqa: E402
 import proteus.baselines.mos as ours_mos  # noqa: E402
-from proteus.engine.runtime import task_seed  # noqa: E402
 
 common.add_path("theirs_mos")
 import backbone.vit_mos as vm  # noqa: E402
@@ -77,32 +76,9 @@ import models.mos as mm  # noqa: E402
 import utils.inc_net as inc  # noqa: E402
 
 mm.num_workers = 0
-_DataLoader = mm.DataLoader
 
 
-class OurOrder(torch.utils.data.Sampler):
-    """the order ours trains in: one torch.randperm per epoch from the generator seeded with the task's seed
-    (ContinualClassifier._batches); the dropout masks fall on the same images only in the same order"""
-
-    def __init__(self, n, k):
-        self.n, self.g = n, torch.Generator().manual_seed(task_seed(clf.config.seed, k))
-
-    def __len__(self):
-        return self.n
-
-    def __iter__(self):
-        return iter(torch.randperm(self.n, generator=self.g).tolist())
-
-
-def data_loader(ds, batch_size=1, shuffle=False, **kw):
-    """their DataLoader without worker processes; a shuffled one goes through the images in our order"""
-    kw["num_workers"] = 0
-    if shuffle:
-        return _DataLoader(ds, batch_size=batch_size, sampler=OurOrder(len(ds), L._cur_task), **kw)
-    return _DataLoader(ds, batch_size=batch_size, shuffle=False, **kw)
-
-
-mm.DataLoader = data_loader
+common.ordered_loaders(mm, clf, lambda: L)
 ARGS = {
     "memory_size": 0, "device": ["cpu"], "model_name": "mos", "backbone_type": "vit_base_patch16_224_mos",
     "nb_classes": 2 * TASKS, "init_cls": 2, "increment": 2, "tuned_epoch": EPOCHS, "init_lr": 0.03,
@@ -132,22 +108,7 @@ def their_backbone(args, pretrained=False):
         norm_layer=partial(nn.LayerNorm, eps=1e-6), num_classes=args["nb_classes"], global_pool=False,
         drop_path_rate=0.0, tuning_config=cfg,
     )  # fmt: skip
-    state = {k: v for k, v in plain.state_dict().items() if not k.startswith("head")}
-    for key in list(state):
-        if "qkv." in key:
-            w = state.pop(key)
-            for j, n in enumerate("qkv"):
-                state[key.replace("qkv.", f"{n}_proj.")] = w[j * D : (j + 1) * D]
-        elif "mlp.fc" in key:
-            state[key.replace("mlp.", "")] = state.pop(key)
-    missing, unexpected = m.load_state_dict(state, strict=False)
-    assert not unexpected and all("adapter" in k or k.startswith("head") for k in missing), (
-        missing,
-        unexpected,
-    )
-    for name, p in m.named_parameters():
-        p.requires_grad = "head" in name or "adapter" in name
-    return m
+    return common.load_adapter_vit(m, plain, D)
 
 
 inc.get_backbone = their_backbone

@@ -50,7 +50,6 @@ import timm.layers  # noqa: E402
 
 import proteus.baselines.adaptformer as af  # noqa: E402
 import proteus.baselines.tuna as ours_tuna  # noqa: E402
-from proteus.engine.runtime import task_seed  # noqa: E402
 
 common.add_path("theirs_tuna")
 common.stub("timm.models.layers.weight_init", trunc_normal_=timm.layers.trunc_normal_)
@@ -59,31 +58,9 @@ import models.tuna as mt  # noqa: E402
 import utils.inc_net as inc  # noqa: E402
 
 mt.num_workers = 0
-_DataLoader = mt.DataLoader
 
 
-class OurOrder(torch.utils.data.Sampler):
-    """the order ours trains in: one torch.randperm per epoch from the generator seeded with the task's seed
-    (ContinualClassifier._batches); the dropout masks fall on the same images only in the same order"""
-
-    def __init__(self, n, k):
-        self.n, self.g = n, torch.Generator().manual_seed(task_seed(clf.config.seed, k))
-
-    def __len__(self):
-        return self.n
-
-    def __iter__(self):
-        return iter(torch.randperm(self.n, generator=self.g).tolist())
-
-
-def data_loader(ds, batch_size=1, shuffle=False, **kw):
-    """their DataLoader; a shuffled one (their training loader) goes through the images in our order"""
-    if shuffle:
-        return _DataLoader(ds, batch_size=batch_size, sampler=OurOrder(len(ds), L._cur_task), **kw)
-    return _DataLoader(ds, batch_size=batch_size, shuffle=False, **kw)
-
-
-mt.DataLoader = data_loader
+common.ordered_loaders(mt, clf, lambda: L)
 ARGS = {
     "memory_size": 0, "device": ["cpu"], "model_name": "tuna",
     "backbone_type": "vit_base_patch16_224_in21k_tuna", "nb_classes": 2 * TASKS, "init_cls": 2,
@@ -114,22 +91,7 @@ def their_backbone(args, pretrained=False):
         norm_layer=partial(nn.LayerNorm, eps=1e-6), num_classes=args["nb_classes"], global_pool=False,
         drop_path_rate=0.0, tuning_config=cfg, r=args["r"],
     )  # fmt: skip
-    state = {k: v for k, v in plain.state_dict().items() if not k.startswith("head")}
-    for key in list(state):
-        if "qkv." in key:
-            w = state.pop(key)
-            for j, n in enumerate("qkv"):
-                state[key.replace("qkv.", f"{n}_proj.")] = w[j * D : (j + 1) * D]
-        elif "mlp.fc" in key:
-            state[key.replace("mlp.", "")] = state.pop(key)
-    missing, unexpected = m.load_state_dict(state, strict=False)
-    assert not unexpected and all("adapter" in k or k.startswith("head") for k in missing), (
-        missing,
-        unexpected,
-    )
-    for name, p in m.named_parameters():
-        p.requires_grad = "head" in name or "adapter" in name
-    return m
+    return common.load_adapter_vit(m, plain, D)
 
 
 inc.get_backbone = their_backbone

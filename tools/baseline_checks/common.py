@@ -212,3 +212,55 @@ def summary():
     print(f"SUMMARY: {n_pass} pass, {n_fail} fail, {n_info} info")
     if n_fail:
         sys.exit(1)
+
+
+# ---------------------------------------------------------------- parallel-adapter releases (TUNA, MOS)
+class OurOrder(torch.utils.data.Sampler):
+    """the order ours trains in: one torch.randperm per epoch from the generator seeded with the task's seed
+    (ContinualClassifier._batches); the dropout masks fall on the same images only in the same order"""
+
+    def __init__(self, n, seed):
+        self.n, self.g = n, torch.Generator().manual_seed(seed)
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=self.g).tolist())
+
+
+def ordered_loaders(module, clf, learner):
+    """make ``module.DataLoader`` (their models/*.py's) go through a shuffled set (their training loader) in
+    our order for the learner's current task; other loaders unchanged. ``learner()`` returns their Learner."""
+    from proteus.engine.runtime import task_seed
+
+    their = module.DataLoader
+
+    def data_loader(ds, batch_size=1, shuffle=False, **kw):
+        if shuffle:
+            order = OurOrder(len(ds), task_seed(clf.config.seed, learner()._cur_task))
+            return their(ds, batch_size=batch_size, sampler=order, **kw)
+        return their(ds, batch_size=batch_size, shuffle=False, **kw)
+
+    module.DataLoader = data_loader
+
+
+def load_adapter_vit(m, plain, d):
+    """our timm ViT's weights into their AdaptFormer-style VisionTransformer ``m`` (qkv split into q/k/v,
+    mlp.fc* renamed, as their in21k builders do), only heads and adapters left trainable; returns ``m``"""
+    state = {k: v for k, v in plain.state_dict().items() if not k.startswith("head")}
+    for key in list(state):
+        if "qkv." in key:
+            w = state.pop(key)
+            for j, n in enumerate("qkv"):
+                state[key.replace("qkv.", f"{n}_proj.")] = w[j * d : (j + 1) * d]
+        elif "mlp.fc" in key:
+            state[key.replace("mlp.", "")] = state.pop(key)
+    missing, unexpected = m.load_state_dict(state, strict=False)
+    assert not unexpected and all("adapter" in k or k.startswith("head") for k in missing), (
+        missing,
+        unexpected,
+    )
+    for name, p in m.named_parameters():
+        p.requires_grad = "head" in name or "adapter" in name
+    return m
