@@ -43,9 +43,11 @@ from proteus.tensor_rules import TENSOR_RULES, NeedsRecord, SameGroups, ShapeRul
 
 #: a task's adapter of map m: A (q, r) and B (p, r) its own r directions (Eq. 9), s its coefficients of the
 #: earlier tasks' directions of the map (its row of S)
+#: a stored task's A of map m, (q, r)
+ADAPTER_A = r"adapter/(?P<m>.+)/A"
 TENSOR_RULES.declare(
     "proteus", "AdaptedBackbone",
-    ShapeRule(r"adapter/(?P<m>.+)/A", ("kb.q[{m}]", "obj.r[{m}]"),
+    ShapeRule(ADAPTER_A, ("kb.q[{m}]", "obj.r[{m}]"),
               "A (q, r) and B (p, r) share the rank r; every task's A of a map has the same q"),
     ShapeRule(r"adapter/(?P<m>.+)/B", ("kb.p[{m}]", "obj.r[{m}]"),
               "A (q, r) and B (p, r) share the rank r; every task's B of a map has the same p"),
@@ -60,7 +62,7 @@ TENSOR_RULES.declare(
 def ranks_from_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
     """A stored task's rank on each adapted map from its tensors' shapes (``adapter/<map>/A`` is (q, r)):
     fewer than the task's rank where the map had no orthogonal room left (Eq. 15); empty without one."""
-    pat = re.compile(r"adapter/(?P<m>.+)/A")
+    pat = re.compile(ADAPTER_A)
     return {m["m"]: s[1] for n, s in shapes.items() if (m := pat.fullmatch(n)) and len(s) == 2}
 
 
