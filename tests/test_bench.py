@@ -101,3 +101,15 @@ def test_without_a_checkout_bench_says_so(tmp_path: Path, monkeypatch: pytest.Mo
     err = capsys.readouterr().err
     assert err.startswith("error: proteus bench runs the performance harness of a source checkout")
     assert str(tmp_path / "tools" / "perf" / "run.py") in err and err.count("\n") == 1
+
+
+def test_the_performance_page_states_each_figures_declared_target() -> None:
+    """Each ``### `figure` — target OP V`` of docs/performance.md matches :data:`FIGURES` (no slow run)."""
+    import re
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    ops = {"≥": ">=", "≤": "<="}
+    stated = {
+        name: (ops[op], float(v)) for name, op, v in re.findall(r"`(\w+)` — target ([≥≤]) ([\d.]+)", page)
+    }
+    assert stated == FIGURES, "docs/performance.md's '### `figure` — target' headings differ from FIGURES"

@@ -17,6 +17,7 @@ from proteus import Proteus
 from proteus.adapters import AdaptedBackbone, LoRAWrapper
 from proteus.backbones import build_backbone
 from proteus.config import ConfigError, resolve_config
+from proteus.engine.embedder import suffix_peak_bytes
 from proteus.experiment.batches import predict_images
 from proteus.streams import build_benchmark
 from tiny import TINY_SETS
@@ -223,6 +224,40 @@ def test_embedding_chunks_over_tasks_and_images(shortlisted: tuple[Proteus, torc
     t = torch.tensor([2, 0, 1, 1] * (len(x) // 4) + [0] * (len(x) % 4))
     each = clf.embedder_.embed_each(z, t, batch_size=5)
     assert torch.allclose(each, H[t, torch.arange(len(x))], rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_chunks_follow_the_suffixs_largest_activation(shortlisted: tuple[Proteus, torch.Tensor]) -> None:
+    """On a CPU the images per adapted forward are capped by ``cpu_chunk_bytes`` over the suffix's largest
+    activation per image (measured once, in evaluation mode, every module's mode restored after); the
+    embeddings do not depend on the cap beyond round-off."""
+    clf, x = shortlisted
+    E = clf.embedder_
+    z = E.prefix(x)
+    model = clf.model_
+    model.backbone.train()
+    modes = [m.training for m in model.backbone.modules()]
+    E._peak_bytes.clear()
+    peak = suffix_peak_bytes(model.backbone, z[:1])
+    assert peak >= z[:1].numel() * z.element_size() and [m.training for m in model.backbone.modules()] == modes
+    model.backbone.eval()
+    saved = E.cpu_chunk_bytes
+    try:
+        E.cpu_chunk_bytes = 3 * peak
+        assert E.images_per_forward(z) == min(3, E.batch_size)
+        assert E.images_per_forward(z, batch_size=2) == 2
+        calls: list[int] = []
+        suffix = model.backbone.forward_suffix
+        model.backbone.forward_suffix = lambda zz: (calls.append(zz.shape[0]), suffix(zz))[1]
+        try:
+            H3 = E.embed_prefix(z, [0, 1], shard=False)
+        finally:
+            del model.backbone.forward_suffix
+        assert max(calls) <= 3 and sum(calls) == 2 * len(x)
+        E.cpu_chunk_bytes = 2**62
+        assert E.images_per_forward(z) == E.batch_size
+        assert torch.allclose(H3, E.embed_prefix(z, [0, 1], shard=False), rtol=1e-4, atol=1e-5)
+    finally:
+        E.cpu_chunk_bytes = saved
 
 
 def test_candidates_are_validated() -> None:

@@ -9,7 +9,7 @@ cancel most of the noise of a shared machine, absolute times do not.
 Figures (the JSON keys; each record holds ``value``, ``target``, ``op``, ``pass``, ``reason`` and
 ``details``; ``value`` is ``null`` with a ``reason`` when a figure could not be measured):
 
-``predict_vs_limit`` (>= 0.7)
+``predict_vs_limit`` (>= 0.8)
     Throughput of Algorithm 2 as the learner runs it (:meth:`Proteus.predict`: prefix once,
     one batched forward of all m task compositions, signature scores, retrieval, RanPAC head) divided by
     the compute limit, m plain forwards of the frozen backbone (no LoRA) on the same batch. m = 10,

@@ -129,7 +129,12 @@ def _plot_latency(cases: list[dict], s: Settings, out_path: Path) -> str | None:
         a2.set_ylabel("speed-up over the m-forward path")
         a2.legend(fontsize=7)
         a3.plot(m, [r["ratio"] for r in rows], "o-", label="m-forward path")
-        a3.axhline(FIGURES["predict_vs_limit"][1], color="r", ls="--", label="target 0.7")
+        a3.axhline(
+            FIGURES["predict_vs_limit"][1],
+            color="r",
+            ls="--",
+            label=f"target {FIGURES['predict_vs_limit'][1]}",
+        )
         a3.set_xlabel("number of tasks m")
         a3.set_ylabel("throughput / compute limit")
         a3.set_ylim(bottom=0)

@@ -176,10 +176,12 @@ class _State:
             L.keys_, keys.candidates = keys, None
 
     @torch.no_grad()
-    def plain_forward(self, times: int = 1) -> None:
+    def plain_forward(self, times: int = 1, chunk: int | None = None) -> None:
+        """``times`` plain forwards of the batch, each in pieces of ``chunk`` images (default whole)."""
         with _autocast(self.dev):
             for _ in range(times):
-                self.plain(self.x)
+                for x in self.x.split(chunk or len(self.x)):
+                    self.plain(x)
 
 
 def _predict_case(case: Case, dev: torch.device, s: Settings, reps: int, memory: bool = False) -> dict:
@@ -190,8 +192,15 @@ def _predict_case(case: Case, dev: torch.device, s: Settings, reps: int, memory:
     t0 = time.perf_counter()
     cache = L.model_.prepare_merged()  # the merged weights, built once (a server's warm-up)
     build_s = time.perf_counter() - t0
-    t = interleaved({"ours": st.predict, "limit": lambda: st.plain_forward(m)}, dev, reps, warmup=1)
+    # predict embeds in chunks of ``chunk`` images on a CPU (Embedder.images_per_forward); the limit is the
+    # plain forwards of the whole batch, and the same forwards in those chunks are reported beside it
+    chunk = L.embedder_.images_per_forward(L.embedder_.prefix(st.x[:1]))
+    runs = {"ours": st.predict, "limit": lambda: st.plain_forward(m)}
+    if chunk < s.batch:
+        runs["limit_chunked"] = lambda: st.plain_forward(m, chunk)
+    t = interleaved(runs, dev, reps, warmup=1)
     ours, limit = _median(t["ours"]), _median(t["limit"])
+    chunked = _median(t["limit_chunked"]) if chunk < s.batch else limit
     # absolute breakdown of the non-backbone parts on embeddings of the shape predict produces (their
     # cost does not depend on the values; this saves another batched forward)
     d = L.model_.embed_dim
@@ -221,6 +230,9 @@ def _predict_case(case: Case, dev: torch.device, s: Settings, reps: int, memory:
         "limit_s": limit,
         "plain_forward_s": limit / m,
         "ratio": limit / ours,
+        "images_per_forward": chunk,
+        "limit_chunked_s": chunked,
+        "ratio_chunked": chunked / ours,
         "ours_times_s": t["ours"],
         "limit_times_s": t["limit"],
         "retrieval_s": _median(tp["retrieval"]),

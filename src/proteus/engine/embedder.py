@@ -10,18 +10,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
-from proteus.backbones.base import pooled_stats
+from proteus.backbones.base import Backbone, pooled_stats
 from proteus.devices import autocast as precision_autocast
 from proteus.engine.errors import TaskError
 from proteus.progress import bar as progress_bar
 
-__all__ = ["Embedder", "ImageDataset", "pooled_stats"]
+__all__ = ["Embedder", "ImageDataset", "pooled_stats", "suffix_peak_bytes"]
 
 
 class ImageDataset(Dataset):
@@ -53,6 +55,13 @@ class Embedder:
         progress: show progress bars (only rank 0 shows them under torchrun).
     """
 
+    #: on a CPU, an adapted forward takes at most as many images as keep the suffix's largest activation
+    #: within this many bytes (:func:`suffix_peak_bytes`): on 2 cores, MobileNetV2 at 96 px and ViT-Ti/16
+    #: at 224 px ran their m compositions 1.2-1.3x faster in chunks of 16-32 images than of 64, whose
+    #: activations (39-56 MiB) leave the caches and, past glibc's 32 MiB mmap threshold, are fresh pages
+    #: every time (docs/performance.md, "Images per forward on a CPU"). Elsewhere ``batch_size`` alone.
+    cpu_chunk_bytes: int = 16 * 2**20
+
     def __init__(
         self,
         model: AdaptedBackbone,
@@ -70,6 +79,20 @@ class Embedder:
         self.transform = transform
         self.progress = progress and dist.is_main()
         self.precision = precision
+        self._peak_bytes: dict[tuple, int] = {}
+
+    def images_per_forward(self, z: torch.Tensor, batch_size: int | None = None) -> int:
+        """Images per adapted forward of prefix outputs shaped like ``z``: ``batch_size`` (default the
+        evaluation batch size), on a CPU at most :attr:`cpu_chunk_bytes` over the suffix's largest
+        activation per image (measured once per row shape)."""
+        bs = batch_size or self.batch_size
+        if self.device.type != "cpu" or not isinstance(self.model, AdaptedBackbone) or z.shape[0] == 0:
+            return bs
+        key = (tuple(z.shape[1:]), z.dtype)
+        if key not in self._peak_bytes:
+            with self.autocast():
+                self._peak_bytes[key] = suffix_peak_bytes(self.model.backbone, z[:1].to(self.device))
+        return max(1, min(bs, self.cpu_chunk_bytes // self._peak_bytes[key]))
 
     def loader(self, ds: Dataset, shuffle: bool, seed: int, batch_size: int) -> DataLoader:
         g = torch.Generator().manual_seed(seed)
@@ -156,7 +179,7 @@ class Embedder:
 
         Under torchrun (and ``shard``) each rank embeds its block of whole image chunks and the result is
         gathered in the original order; every rank must then call this with the same ``z``."""
-        bs = batch_size or self.batch_size
+        bs = self.images_per_forward(z, batch_size)
         groups = tasks if tasks is not None else [None]
         G, N = len(groups), z.shape[0]
         per, per_g = (max(1, N), G) if G * N <= bs else (min(N, bs), max(1, bs // min(N, bs)))
@@ -191,7 +214,7 @@ class Embedder:
         """(N, d): prefix output i under the composition of ``tasks[i]``. Rows are sorted by task and
         embedded ``batch_size`` at a time, each chunk in one forward with one group per task
         (:meth:`AdaptedBackbone.suffix_each`); the result is in the original order."""
-        bs = batch_size or self.batch_size
+        bs = self.images_per_forward(z, batch_size)
         order = torch.argsort(tasks.cpu(), stable=True)
         out = torch.empty(z.shape[0], self.model.embed_dim)
         for i in range(0, len(order), bs):
@@ -217,3 +240,27 @@ class Embedder:
             idx = todo.nonzero().flatten()
             out[idx] = self.embed_each(z[idx.to(z.device)], task[idx])
         return out
+
+
+@torch.no_grad()
+def suffix_peak_bytes(backbone: Backbone, z1: torch.Tensor) -> int:
+    """Bytes of the largest tensor a module of ``backbone``'s suffix outputs for the prefix output ``z1``
+    (one image), the input included: an eager forward in evaluation mode with a hook on every module."""
+    peak = z1.numel() * z1.element_size()
+
+    def hook(_m: nn.Module, _i: Any, out: Any) -> None:
+        nonlocal peak
+        if isinstance(out, torch.Tensor):
+            peak = max(peak, out.numel() * out.element_size())
+
+    modes = {m: m.training for m in backbone.modules()}
+    handles = [m.register_forward_hook(hook) for m in modes]
+    backbone.eval()
+    try:
+        backbone.forward_suffix(z1)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+        for h in handles:
+            h.remove()
+    return peak
