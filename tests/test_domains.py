@@ -163,3 +163,27 @@ def test_the_five_real_domains() -> None:
     assert x.shape == (5, 3, 32, 32) and torch.isfinite(x).all()
     mixed = build_benchmark(resolve_config("domains-mixed", sets=[f"benchmark.data={SHARED_DATA}"]).benchmark)
     assert len(mixed.tasks) == 10 and mixed.manifest["max_train_per_class"] is None
+
+
+@needs_shared
+def test_the_orthogonal_room_table_gives_each_presets_own_stream_length() -> None:
+    """docs/performance.md's orthogonal-room table: its "stream" column is the length of the preset's stream
+    as built (``tools/studies/orthogonal_room.py``: ``num_tasks``, the benchmark's default, or the tasks the
+    data gives), and "fits" follows from it."""
+    import re
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "studies"))
+    from orthogonal_room import stream_length
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    row = r"^\| ([\w-]+)( \+ mobilenet_cpu)? \| \w+ \| \d+ \(\w+\) \| [\d-]+ \| (\d+) \| (\d+) \| "
+    row += r"([\d?]+) \| (\w+|\?) \|"
+    rows = re.findall(row, page, re.M)
+    assert len(rows) >= 20, "the orthogonal-room table was not found"
+    for preset, cpu, full, room, stream, fits in rows:
+        cfg = resolve_config(preset, config_files=["mobilenet_cpu"] if cpu else [])
+        n = stream_length(cfg.benchmark, SHARED_DATA)
+        assert stream == str(n or "?"), (preset, cpu, stream, n)
+        want = "?" if n is None else "yes" if n <= int(full) else ("partly" if n <= int(room) else "no")
+        assert fits == want, (preset, cpu, fits, want)

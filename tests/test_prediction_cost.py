@@ -238,7 +238,9 @@ def test_cpu_chunks_follow_the_suffixs_largest_activation(shortlisted: tuple[Pro
     modes = [m.training for m in model.backbone.modules()]
     E._peak_bytes.clear()
     peak = suffix_peak_bytes(model.backbone, z[:1])
-    assert peak >= z[:1].numel() * z.element_size() and [m.training for m in model.backbone.modules()] == modes
+    assert (
+        peak >= z[:1].numel() * z.element_size() and [m.training for m in model.backbone.modules()] == modes
+    )
     model.backbone.eval()
     saved = E.cpu_chunk_bytes
     try:

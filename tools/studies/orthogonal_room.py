@@ -10,25 +10,29 @@ download), reads the adapted maps' input dimensions and counts:
 
 * ``full``: tasks learned with the full rank on every map;
 * ``room``: tasks that still add at least one direction on the narrowest map;
-* the paper's stream length for the preset (``benchmark.num_tasks``), and whether it fits.
+* the stream's length (``benchmark.num_tasks``, else the benchmark's default), and whether it fits. A stream
+  whose tasks come from its data (one per domain or source dataset: ``domains5``, ``domains-sim``,
+  ``domains-mixed``, ``vtab-sim50``) is built from ``--data`` to count them; without that data its length
+  shows as ``?``.
 
-    python tools/studies/orthogonal_room.py            # a Markdown table (docs/performance.md)
+    python tools/studies/orthogonal_room.py --data ../shared/data   # a Markdown table (docs/performance.md)
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 import sys
+from pathlib import Path
 
 from proteus.adapters import AdaptedBackbone
 from proteus.backbones import build_backbone
 from proteus.config import packaged_configs, resolve_config
+from proteus.streams import build_benchmark
+from proteus.streams.builtin import DEFAULT_NUM_TASKS
+from proteus.streams.options import BenchmarkConfig
 
-#: the streams' lengths when a preset leaves benchmark.num_tasks to the benchmark's own default
-DEFAULT_TASKS = {
-    "cifar10": 5, "cifar100": 10, "imagenet-r": 10, "imagenet-a": 10, "vtab5t": 5, "vtab-sim50": 50,
-    "quickstart": 5, "domains5": 5, "domains-sim": 50, "domains-mixed": 10,
-}  # fmt: skip
 #: the rank budget of ``--method proteus-budget`` (r_m = r_0 exp(-0.05 (m - 1)), at least 1)
 BUDGET = 0.05
 
@@ -55,7 +59,20 @@ def room(q: int, rank: int, decay: float | None, min_rank: int, limit: int = 100
     return full, any_room
 
 
-def rows() -> list[tuple[str, ...]]:
+def stream_length(b: BenchmarkConfig, data: Path | None) -> int | None:
+    """The preset's number of tasks: ``num_tasks``, the benchmark's default, or (a stream made from its
+    data) the tasks its data gives when ``data`` holds it; None when unknown."""
+    if b.num_tasks is not None or b.name in DEFAULT_NUM_TASKS:
+        return b.num_tasks or DEFAULT_NUM_TASKS[b.name]
+    if data is None:
+        return None
+    try:
+        return build_benchmark(dataclasses.replace(b, data=str(data))).num_tasks
+    except Exception:  # noqa: BLE001 - the data for this stream is not there
+        return None
+
+
+def rows(data: Path | None = None) -> list[tuple[str, ...]]:
     out = []
     for name in sorted(packaged_configs("benchmarks")):
         for extra in ([], ["mobilenet_cpu"]):
@@ -65,9 +82,9 @@ def rows() -> list[tuple[str, ...]]:
             qs = sorted({u.in_features for u in AdaptedBackbone(bb).units.values()})
             full, any_room = room(qs[0], a.rank, a.budget_decay, a.min_rank)
             b_full, b_room = room(qs[0], a.rank, BUDGET, 1)
-            n = cfg.benchmark.num_tasks or DEFAULT_TASKS.get(cfg.benchmark.name)
+            n = stream_length(cfg.benchmark, data)
             budget = f"budget {a.budget_decay}" if a.budget_decay is not None else "fixed"
-            fits = "yes" if n is None or n <= full else ("partly" if n <= any_room else "no")
+            fits = "?" if n is None else "yes" if n <= full else ("partly" if n <= any_room else "no")
             out.append((
                 name + (" + mobilenet_cpu" if extra else ""), b.name, f"{a.rank} ({budget})",
                 f"{qs[0]}-{qs[-1]}", str(full), str(any_room), str(n or "?"), fits, f"{b_full} / {b_room}",
@@ -76,11 +93,14 @@ def rows() -> list[tuple[str, ...]]:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, help="the data root of the streams made from their data")
+    args = ap.parse_args()
     head = ("preset", "backbone", "rank", "map inputs q", "tasks at full rank", "tasks with room", "stream",
             "fits", "proteus-budget: full / room")  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for r in rows():
+    for r in rows(args.data):
         print("| " + " | ".join(r) + " |")
     return 0
 
