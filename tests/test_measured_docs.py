@@ -1,5 +1,7 @@
-"""docs/experiments.md shows what `proteus reproduce` measured: every number of every record in docs/measured/
-(tools/docs/record_reproduce.py) is the one the page shows in that table's section."""
+"""The docs show what the runs measured: every number of every record of `proteus reproduce` in docs/measured/
+(tools/docs/record_reproduce.py) is the one docs/experiments.md shows in that table's section, and every
+number of every record of `proteus compare` in docs/measured/compare/ (tools/docs/record_compare.py) the one
+docs/retrieval.md shows in the section headed by the record's name."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = sorted((ROOT / "docs" / "measured").glob("*.json"))
 PAGE = (ROOT / "docs" / "experiments.md").read_text()
+COMPARED = sorted((ROOT / "docs" / "measured" / "compare").glob("*.json"))
 
 
 def _section(table: str, bench: str) -> list[str]:
@@ -40,3 +43,19 @@ def test_the_page_shows_every_measured_number(path: Path) -> None:
             continue
         value = f"{row['ours_mean']:.2f} ± {row['ours_std']:.2f}"
         assert any(value in line for line in cells), f"{path.name}: {row['variant']} {row['metric']} {value}"
+
+
+@pytest.mark.parametrize("path", COMPARED, ids=[p.stem for p in COMPARED])
+def test_the_retrieval_page_shows_every_compared_number(path: Path) -> None:
+    rec = json.loads(path.read_text())
+    lines = (ROOT / "docs" / "retrieval.md").read_text().splitlines()
+    head = [i for i, line in enumerate(lines) if line.startswith("#") and f"`{rec['name']}`" in line]
+    assert head, f"docs/retrieval.md has no heading naming `{rec['name']}`"
+    end = next((j for j in range(head[0] + 1, len(lines)) if lines[j].startswith("#")), len(lines))
+    section = lines[head[0] + 1 : end]
+    for method, figures in rec["methods"].items():
+        row = [line for line in section if line.startswith(f"| {method} |")]
+        assert len(row) == 1, f"{path.name}: one table line for {method} expected in `{rec['name']}`"
+        for key, (mean, std, n) in figures.items():
+            value = f"{mean:.2f}" + (f" ± {std:.2f}" if n > 1 else "")
+            assert value in row[0], f"{path.name}: {method} {key} {value} is not on the page"

@@ -1,0 +1,45 @@
+"""Keep what ``proteus compare`` measured, for the docs:
+``python tools/docs/record_compare.py OUT/compare.json --name NAME --command "proteus compare ..."``
+writes ``docs/measured/compare/NAME.json`` (the stream, the seeds, the command and, per method, the mean and
+sample std of each final figure). ``tests/test_measured_docs.py`` checks that the page section headed
+`` `NAME` `` (docs/retrieval.md) shows every one of them, so the page cannot drift from what the runs gave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+#: the final figures kept, in the order of compare's table
+KEEP = ("final_avg_acc", "forgetting", "retrieval_acc", "oracle_acc")
+
+
+def record(path: Path, name: str, command: str, out_dir: Path) -> Path:
+    d = json.loads(path.read_text())
+    seeds = sorted({int(s) for runs in d["runs"].values() for s in runs})
+    methods = {
+        m: {k: [s[k]["mean"], s[k]["std"], s[k]["n"]] for k in KEEP if s[k]["n"]}
+        for m, s in d["summary"].items()
+    }
+    kept = {"name": name, "benchmark": d["benchmark"], "seeds": seeds, "command": command, "methods": methods}
+    out = out_dir / f"{name}.json"
+    out.write_text(json.dumps(kept, indent=1) + "\n")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("compare_json", type=Path, help="OUT/compare.json of proteus compare")
+    ap.add_argument("--name", required=True, help="the record's name: the page's section heading names it")
+    ap.add_argument("--command", required=True, help="the command that made it (shown in the docs)")
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[2] / "docs" / "measured" / "compare"
+    )
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(record(args.compare_json, args.name, args.command, args.out))
+
+
+if __name__ == "__main__":
+    main()
