@@ -59,3 +59,17 @@ def test_the_retrieval_page_shows_every_compared_number(path: Path) -> None:
         for key, (mean, std, n) in figures.items():
             value = f"{mean:.2f}" + (f" ± {std:.2f}" if n > 1 else "")
             assert value in row[0], f"{path.name}: {method} {key} {value} is not on the page"
+
+
+@pytest.mark.parametrize("path", COMPARED, ids=[p.stem for p in COMPARED])
+def test_the_readme_shows_each_rivals_final_accuracy(path: Path) -> None:
+    """The README's table of the newer rivals shows each recorded method's mean final accuracy."""
+    rec = json.loads(path.read_text())
+    if not rec["name"].startswith("rivals-"):
+        pytest.skip("not a record of the rivals' comparison")
+    readme = (ROOT / "README.md").read_text().splitlines()
+    row = [line for line in readme if line.startswith(f"| {rec['benchmark']} |")]
+    assert len(row) == 1, f"the README has no single line for {rec['benchmark']} in the rivals' table"
+    for method, figures in rec["methods"].items():
+        value = f"{figures['final_avg_acc'][0]:.2f}"
+        assert value in row[0], f"README: {method} on {rec['benchmark']} should read {value}"
