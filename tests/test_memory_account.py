@@ -43,3 +43,14 @@ def test_an_account_and_its_slopes_say_what_grows_per_task() -> None:
     assert last["all_tensors_mb"] >= last["learner_tensors_total_mb"]
     if first["rss_anon_mb"] is not None:
         assert first["native_mb"] == first["rss_anon_mb"] - first["all_tensors_mb"]
+
+
+def test_the_process_count_skips_tensors_without_memory_of_their_own() -> None:
+    """A fake tensor (torch.compile leaves them in the process) has no data pointer: it is skipped."""
+    from memory_account import _all_tensor_bytes
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(1000)
+    assert fake.numel() == 1000
+    assert _all_tensor_bytes() > 0

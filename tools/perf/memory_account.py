@@ -81,11 +81,16 @@ def tensor_owners(root: Any) -> dict[str, int]:
 
 
 def _all_tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages of every tensor the garbage collector tracks; tensors without
+    memory of their own (the fake and functional tensors torch.compile leaves behind) are skipped."""
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
-            st = obj.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
+            try:
+                st = obj.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+            except (RuntimeError, NotImplementedError):
+                continue
     return sum(storages.values())
 
 
