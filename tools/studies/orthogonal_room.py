@@ -29,7 +29,7 @@ from pathlib import Path
 from proteus.adapters import AdaptedBackbone
 from proteus.backbones import build_backbone
 from proteus.config import packaged_configs, resolve_config
-from proteus.streams import build_benchmark
+from proteus.streams import BenchmarkError, build_benchmark
 from proteus.streams.builtin import DEFAULT_NUM_TASKS
 from proteus.streams.options import BenchmarkConfig
 
@@ -68,7 +68,7 @@ def stream_length(b: BenchmarkConfig, data: Path | None) -> int | None:
         return None
     try:
         return build_benchmark(dataclasses.replace(b, data=str(data))).num_tasks
-    except Exception:  # noqa: BLE001 - the data for this stream is not there
+    except BenchmarkError:  # the data for this stream is not there
         return None
 
 
