@@ -41,6 +41,21 @@ def test_ppca_scores_with_its_covariance(rank: int) -> None:
     assert torch.allclose(p.nll(Z), want, rtol=1e-4, atol=1e-3)
 
 
+def test_ppca_of_few_rows_keeps_only_their_directions_and_the_same_density() -> None:
+    """n rows span n - 1 directions: a task of 20 rows keeps 19 (not RANK) and scores as the whole shrunk
+    covariance does, to round-off."""
+    g = torch.Generator().manual_seed(1)
+    scales = torch.linspace(0.5, 3.0, 96, dtype=torch.float64)
+    X = torch.randn(20, 96, generator=g, dtype=torch.float64) * scales
+    p = PPCA.fit(X)
+    assert p.basis.shape == (96, 19) and p.var.shape == (19,)
+    C = _oas(X)
+    Z = torch.randn(6, 96, generator=g, dtype=torch.float64) * 2
+    D = Z - p.mean.double()
+    want = (D @ torch.linalg.inv(C) * D).sum(1) + torch.logdet(C)
+    torch.testing.assert_close(p.nll(Z), want, rtol=1e-5, atol=1e-4)
+
+
 def test_the_taps_are_the_last_block_of_each_third_of_the_prefix() -> None:
     b = MobileNetV2Backbone(pretrained=False)
     b.set_adapt_last(6)  # prefix: blocks 0..11

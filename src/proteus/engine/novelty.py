@@ -244,7 +244,10 @@ class PPCA:
     """A Gaussian whose covariance keeps the ``rank`` leading eigen-directions ``basis`` (D, r) of an
     OAS-shrunk sample covariance with their variances ``var`` (r,) and gives every other direction one
     variance ``noise``, the mean of the remaining eigenvalues (probabilistic PCA, Tipping & Bishop, JRSS-B
-    1999): r (D + 1) + D + 1 numbers instead of D^2, and a score in O(N D r)."""
+    1999): r (D + 1) + D + 1 numbers instead of D^2, and a score in O(N D r). Fitted on n rows it keeps at
+    most n - 1 directions: the sample covariance of n rows has rank n - 1 at most, so every further eigenvalue
+    of the shrunk covariance is the shrinkage floor that ``noise`` already gives those directions (the same
+    density, in fewer numbers per task)."""
 
     mean: Tensor
     basis: Tensor
@@ -267,7 +270,7 @@ class PPCA:
         S.diagonal().add_(rho * m + 1e-12 * max(m, 1e-300))
         lam, U = torch.linalg.eigh((S + S.T) / 2)
         lam, U = lam.flip(0).clamp_min(1e-12 * max(m, 1e-300)), U.flip(1)
-        r = min(int(rank), dim)
+        r = min(int(rank), dim, n - 1)
         noise = float(lam[r:].mean()) if r < dim else float(lam[-1])
         return cls(mu.float(), U[:, :r].float().contiguous(), lam[:r].float(), noise)
 
