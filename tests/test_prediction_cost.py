@@ -15,6 +15,7 @@ from torch import nn
 
 from proteus import Proteus
 from proteus.adapters import AdaptedBackbone, LoRAWrapper
+from proteus.adapters.lora import MergedCache
 from proteus.backbones import build_backbone
 from proteus.config import ConfigError, resolve_config
 from proteus.engine.embedder import suffix_peak_bytes
@@ -112,6 +113,24 @@ def test_merge_budget_limits_the_cache() -> None:
     assert model.merge_plan() == []
     model.merge_budget_bytes = None
     assert len(model.merge_plan()) > 0
+
+
+def test_an_evicted_merged_weight_frees_its_memory() -> None:
+    """Weights merged together in one batched product are cached each in its own storage: evicting one
+    frees it, so the memory the cache keeps alive is what it counts against its budget."""
+    torch.manual_seed(0)
+    w = LoRAWrapper(nn.Linear(16, 24), {}, 1.0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        for u in w.units.values():
+            u.begin_task(2, "learned", True, g)
+            u.end_task()
+    w.cache = MergedCache(budget=3 * w.merged_bytes_per_task())
+    w.merged_weights([0, 1, 2])  # one batched product
+    w.merged_weights([3])  # task 0 evicted (least recently used)
+    held = {e.untyped_storage().data_ptr(): e.untyped_storage().nbytes() for e in w.cache.entries.values()}
+    assert sorted(k[2] for k in w.cache.entries) == [1, 2, 3]
+    assert sum(held.values()) == w.cache.nbytes == 3 * w.merged_bytes_per_task()
 
 
 def test_merged_cache_stays_within_its_budget_at_m_100() -> None:

@@ -464,7 +464,9 @@ class LoRAWrapper(nn.Module):
                 for u, (s, e) in zip(units, self.slices.values()):
                     W[:, s:e] += u.merged_updates(missing, kind).to(W.dtype)
             for t, w in zip(missing, W):
-                found[t] = w
+                # each entry owns its storage: a view of W would keep every task of this batch alive
+                # until the last of them is evicted, beyond the budget the cache counts
+                found[t] = w = w.clone() if len(missing) > 1 else w
                 self.cache.put((id(self), kind, t), w)
             self.cache.evict(frozenset((id(self), kind, t) for t in found))
         return [found[t] for t in tasks]  # type: ignore[misc]
