@@ -76,3 +76,32 @@ def test_the_rivals_summary_shows_each_final_accuracy(path: Path, page: str) -> 
     assert any(all(v in row for v in values) for row in rows), (
         f"{page}: no {rec['benchmark']} line shows {values}"
     )
+
+
+LONG = sorted((ROOT / "docs" / "measured" / "long").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", LONG, ids=[p.stem for p in LONG])
+def test_the_performance_page_shows_each_long_stream_figure(path: Path) -> None:
+    """Each run of a long-stream record (tools/docs/record_long.py) has its table line in the section of
+    docs/performance.md naming the record, showing its ratios and its memory per task, part by part."""
+    rec = json.loads(path.read_text())
+    lines = (ROOT / "docs" / "performance.md").read_text().splitlines()
+    head = [i for i, line in enumerate(lines) if line.startswith("#") and f"`{rec['name']}`" in line]
+    assert head, f"docs/performance.md has no heading naming `{rec['name']}`"
+    end = next((j for j in range(head[0] + 1, len(lines)) if lines[j].startswith("#")), len(lines))
+    section = "\n".join(lines[head[0] + 1 : end])
+    assert rec["command"] in section, f"{path.name}: the command is not shown"
+    for run in rec["runs"]:
+        label = f"| {run['label']} |"
+        rows = [line for line in lines[head[0] + 1 : end] if line.startswith(label)]
+        assert len(rows) == 2, f"{path.name}: two lines starting {label!r} expected (figures, seconds)"
+        ratios = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
+        want = [f"{run[k]:.2f}" for k in (*ratios, "rss_beyond_cache_mb_per_task")]
+        want += [f"{v:.3f}" for v in run["parts_mb_per_task"].values()]
+        seconds = [" / ".join(f"{v:g}" for v in pair) for pair in run["seconds"].values()]
+        for row, expected in zip(rows, (want, seconds), strict=True):
+            cells = [c.strip(" *") for c in row.strip("|").split("|")]
+            assert cells[1 : 1 + len(expected)] == expected, (
+                f"{path.name}: {label} shows {cells[1:]}, not {expected}"
+            )

@@ -1,0 +1,97 @@
+"""Keep what ``tools/perf/perf_long.py`` measured, for the docs:
+``python tools/docs/record_long.py RUN/long_stream.json [...] --name NAME --command "python tools/perf/..."``
+writes ``docs/measured/long/NAME.json``: per run its merged-weight budget, the ratios of the last task to
+task 10 (learn, training step, predict), the resident memory beyond the merged cache per task and where it
+goes (the learner's tensors by the attribute holding them, the native rest), MiB per task, and the seconds
+behind the ratios at task 10 and at the last task.
+``tests/test_measured_docs.py`` checks that docs/performance.md shows each of them on the run's two table
+lines (figures, then seconds) in the section naming `` `NAME` ``, so the page cannot drift from the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+#: the ratios kept, in the order of the page's columns
+RATIOS = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
+#: the parts of the resident memory kept (MiB per task; the learner's by the attribute holding them)
+PARTS = {
+    "novelty detector": ("keys_.novelty",),
+    "adapters": ("model_.units",),
+    "LDA keys (+ rollback copy)": ("keys_.head", "keys_._before"),
+    "per-task heads": ("heads_.experts", "heads_.head"),
+}
+
+
+#: the settings every perf_long.py run makes; any other is the run's own and names it on the page
+COMMON = (
+    "backbone.name", "backbone.pretrained", "backbone.img_size", "backbone.adapt_last", "adapter.rank",
+    "train.epochs", "train.batch_size", "head.rp_dim", "seed", "eval.merge_budget_mb", "device",
+)  # fmt: skip
+
+
+def label(settings: dict[str, object]) -> str:
+    """The run's name on the page: its tasks, its merged-weight budget and any setting of its own."""
+    mb = float(settings["eval.merge_budget_mb"])  # type: ignore[arg-type]
+    own = [f"{k}={v}" for k, v in settings.items() if "." in k and k not in COMMON]
+    return ", ".join(
+        [f"{settings['tasks']} tasks", f"{mb / 1024:g} GiB" if mb >= 1024 else f"{mb:g} MiB", *own]
+    )
+
+
+#: the seconds kept at task 10 and at the last task (medians of the tasks within 2 of each, as the ratios)
+SECONDS = {"learn": "learn_s", "signature": "signature_s", "commit": "commit_s", "train step": "train_step_s"}
+
+
+def _window(rows: list[dict[str, float]], key: str, k: int) -> float:
+    return float(statistics.median(r[key] for r in rows if abs(r["task"] - k) <= 2))
+
+
+def summary(path: Path) -> dict[str, object]:
+    """One run's figures, rounded as the page shows them."""
+    d = json.loads(path.read_text())
+    per_task = d["memory_account"]["per_task_mb"]
+    learner = per_task["learner_tensors_mb"]
+    last = d["settings"]["tasks"]
+    parts = {name: round(sum(learner.get(k, 0.0) for k in keys), 3) for name, keys in PARTS.items()}
+    return {
+        "label": label(d["settings"]),
+        "tasks": d["settings"]["tasks"],
+        "merge_budget_mb": d["settings"]["eval.merge_budget_mb"],
+        "seconds_total": round(d["seconds_total"]),
+        **{k: round(d[k], 2) for k in RATIOS},
+        "rss_beyond_cache_mb_per_task": round(d["rss_beyond_cache_mb_per_task"], 2),
+        "parts_mb_per_task": {**parts, "native rest": round(per_task["native_mb"], 3)},
+        "seconds": {
+            **{
+                name: [round(_window(d["rows"], key, k), 3) for k in (10, last)]
+                for name, key in SECONDS.items()
+            },
+            "predict (ms)": [round(_window(d["rows"], "predict_s", k) * 1e3) for k in (10, last)],
+        },
+        "rss_mb_start": round(d["rss_mb_start"]),
+        "rss_mb_last": round(d["rss_mb_last"]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", type=Path, nargs="+", help="long_stream.json of perf_long.py runs")
+    ap.add_argument("--name", required=True, help="the record's name: the page's section names it")
+    ap.add_argument("--command", required=True, help="the command that made them (shown in the docs)")
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[2] / "docs" / "measured" / "long"
+    )
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rec = {"name": args.name, "command": args.command, "runs": [summary(p) for p in args.runs]}
+    out = args.out / f"{args.name}.json"
+    out.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
