@@ -12,15 +12,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = sorted((ROOT / "docs" / "measured").glob("*.json"))
-PAGE = (ROOT / "docs" / "experiments.md").read_text()
 COMPARED = sorted((ROOT / "docs" / "measured" / "compare").glob("*.json"))
 
 
-def _section(table: str, bench: str) -> list[str]:
-    """The lines of the page's section headed by ``table`` on ``bench`` (up to the next heading)."""
-    lines = PAGE.splitlines()
-    head = [i for i, line in enumerate(lines) if line.startswith("#") and f"`{table}` on {bench}" in line]
-    assert head, f"docs/experiments.md has no heading for `{table}` on {bench}"
+def _section(page: str, heading: str) -> list[str]:
+    """The lines of the section of ``page`` (under the repository) whose heading contains ``heading``, up to
+    the next heading."""
+    lines = (ROOT / page).read_text().splitlines()
+    head = [i for i, line in enumerate(lines) if line.startswith("#") and heading in line]
+    assert head, f"{page} has no heading naming {heading}"
     end = next((j for j in range(head[0] + 1, len(lines)) if lines[j].startswith("#")), len(lines))
     return lines[head[0] + 1 : end]
 
@@ -33,7 +33,7 @@ def test_there_are_records() -> None:
 def test_the_page_shows_every_measured_number(path: Path) -> None:
     rec = json.loads(path.read_text())
     bench = path.stem.removeprefix(f"{rec['table']}-")
-    section = _section(rec["table"], bench)
+    section = _section("docs/experiments.md", f"`{rec['table']}` on {bench}")
     for row in rec["rows"]:
         first = (f"| {row['variant']}", f"| {row['benchmark']} |")
         cells = [line for line in section if line.startswith(first)]
@@ -48,11 +48,7 @@ def test_the_page_shows_every_measured_number(path: Path) -> None:
 @pytest.mark.parametrize("path", COMPARED, ids=[p.stem for p in COMPARED])
 def test_the_retrieval_page_shows_every_compared_number(path: Path) -> None:
     rec = json.loads(path.read_text())
-    lines = (ROOT / "docs" / "retrieval.md").read_text().splitlines()
-    head = [i for i, line in enumerate(lines) if line.startswith("#") and f"`{rec['name']}`" in line]
-    assert head, f"docs/retrieval.md has no heading naming `{rec['name']}`"
-    end = next((j for j in range(head[0] + 1, len(lines)) if lines[j].startswith("#")), len(lines))
-    section = lines[head[0] + 1 : end]
+    section = _section("docs/retrieval.md", f"`{rec['name']}`")
     for method, figures in rec["methods"].items():
         row = [line for line in section if line.startswith(f"| {method} |")]
         assert len(row) == 1, f"{path.name}: one table line for {method} expected in `{rec['name']}`"
@@ -85,15 +81,11 @@ def test_the_performance_page_shows_each_long_stream_figure(path: Path) -> None:
     """Each run of a long-stream record (tools/docs/record_long.py) has its table line in the section of
     docs/performance.md naming the record, showing its ratios and its memory per task, part by part."""
     rec = json.loads(path.read_text())
-    lines = (ROOT / "docs" / "performance.md").read_text().splitlines()
-    head = [i for i, line in enumerate(lines) if line.startswith("#") and f"`{rec['name']}`" in line]
-    assert head, f"docs/performance.md has no heading naming `{rec['name']}`"
-    end = next((j for j in range(head[0] + 1, len(lines)) if lines[j].startswith("#")), len(lines))
-    section = "\n".join(lines[head[0] + 1 : end])
-    assert rec["command"] in section, f"{path.name}: the command is not shown"
+    section = _section("docs/performance.md", f"`{rec['name']}`")
+    assert rec["command"] in "\n".join(section), f"{path.name}: the command is not shown"
     for run in rec["runs"]:
         label = f"| {run['label']} |"
-        rows = [line for line in lines[head[0] + 1 : end] if line.startswith(label)]
+        rows = [line for line in section if line.startswith(label)]
         assert len(rows) == 2, f"{path.name}: two lines starting {label!r} expected (figures, seconds)"
         ratios = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
         want = [f"{run[k]:.2f}" for k in (*ratios, "rss_beyond_cache_mb_per_task")]

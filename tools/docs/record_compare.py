@@ -7,9 +7,10 @@ sample std of each final figure). ``tests/test_measured_docs.py`` checks that th
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from records import parser, write
 
 #: the final figures kept, in the order of compare's table
 KEEP = ("final_avg_acc", "forgetting", "retrieval_acc", "oracle_acc")
@@ -23,21 +24,13 @@ def record(path: Path, name: str, command: str, out_dir: Path) -> Path:
         for m, s in d["summary"].items()
     }
     kept = {"name": name, "benchmark": d["benchmark"], "seeds": seeds, "command": command, "methods": methods}
-    out = out_dir / f"{name}.json"
-    out.write_text(json.dumps(kept, indent=1) + "\n")
-    return out
+    return write(out_dir, name, kept)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "compare")
     ap.add_argument("compare_json", type=Path, help="OUT/compare.json of proteus compare")
-    ap.add_argument("--name", required=True, help="the record's name: the page's section heading names it")
-    ap.add_argument("--command", required=True, help="the command that made it (shown in the docs)")
-    ap.add_argument(
-        "--out", type=Path, default=Path(__file__).resolve().parents[2] / "docs" / "measured" / "compare"
-    )
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     print(record(args.compare_json, args.name, args.command, args.out))
 
 

@@ -10,10 +10,14 @@ lines (figures, then seconds) in the section naming `` `NAME` ``, so the page ca
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
+
+from records import parser, write
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+from perf_long import _window  # noqa: E402  (the harness's own window, so the seconds match its ratios)
 
 #: the ratios kept, in the order of the page's columns
 RATIOS = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
@@ -46,10 +50,6 @@ def label(settings: dict[str, object]) -> str:
 SECONDS = {"learn": "learn_s", "signature": "signature_s", "commit": "commit_s", "train step": "train_step_s"}
 
 
-def _window(rows: list[dict[str, float]], key: str, k: int) -> float:
-    return float(statistics.median(r[key] for r in rows if abs(r["task"] - k) <= 2))
-
-
 def summary(path: Path) -> dict[str, object]:
     """One run's figures, rounded as the page shows them."""
     d = json.loads(path.read_text())
@@ -78,19 +78,11 @@ def summary(path: Path) -> dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "long")
     ap.add_argument("runs", type=Path, nargs="+", help="long_stream.json of perf_long.py runs")
-    ap.add_argument("--name", required=True, help="the record's name: the page's section names it")
-    ap.add_argument("--command", required=True, help="the command that made them (shown in the docs)")
-    ap.add_argument(
-        "--out", type=Path, default=Path(__file__).resolve().parents[2] / "docs" / "measured" / "long"
-    )
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     rec = {"name": args.name, "command": args.command, "runs": [summary(p) for p in args.runs]}
-    out = args.out / f"{args.name}.json"
-    out.write_text(json.dumps(rec, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(write(args.out, args.name, rec))
 
 
 if __name__ == "__main__":

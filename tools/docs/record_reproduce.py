@@ -8,9 +8,10 @@ shows in that table's section, so the page cannot drift from what the runs gave.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from records import parser, write
 
 KEEP = ("variant", "method", "metric", "benchmark", "ours_mean", "ours_std", "seeds", "paper", "skip")
 
@@ -18,19 +19,14 @@ KEEP = ("variant", "method", "metric", "benchmark", "ours_mean", "ours_std", "se
 def record(path: Path, command: str, out_dir: Path) -> Path:
     d = json.loads(path.read_text())
     rows = [{k: r.get(k) for k in KEEP} for r in d["rows"]]
-    out = out_dir / path.name
     kept = {"table": d["table"], "title": d["title"], "seeds": d["seeds"], "command": command, "rows": rows}
-    out.write_text(json.dumps(kept, indent=1) + "\n")
-    return out
+    return write(out_dir, path.stem, kept)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, named=False)
     ap.add_argument("tables", nargs="+", type=Path, help="OUT/NAME-BENCH.json of proteus reproduce")
-    ap.add_argument("--command", required=True, help="the command that made them (shown in the docs)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "docs" / "measured")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     for p in args.tables:
         print(record(p, args.command, args.out))
 
