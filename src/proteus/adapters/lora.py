@@ -346,12 +346,17 @@ class MergedCache:
             self.entries.move_to_end(key)
         return w
 
-    def put(self, key: tuple[int, str, int], w: torch.Tensor) -> None:
+    def put(self, key: tuple[int, str, int], w: torch.Tensor) -> torch.Tensor:
+        """Keep ``w`` under ``key`` in storage of its own (a view of a larger block would keep the whole block
+        alive past its eviction, beyond the bytes counted here); returns the tensor kept."""
+        if w.untyped_storage().nbytes() != w.numel() * w.element_size():
+            w = w.clone()
         old = self.entries.pop(key, None)
         if old is not None:
             self.nbytes -= old.numel() * old.element_size()
         self.entries[key] = w
         self.nbytes += w.numel() * w.element_size()
+        return w
 
     def evict(self, keep: frozenset[tuple[int, str, int]] = frozenset()) -> None:
         """Drop least recently used entries (other than ``keep``) until the cache fits its budget."""
@@ -464,10 +469,7 @@ class LoRAWrapper(nn.Module):
                 for u, (s, e) in zip(units, self.slices.values()):
                     W[:, s:e] += u.merged_updates(missing, kind).to(W.dtype)
             for t, w in zip(missing, W):
-                # each entry owns its storage: a view of W would keep every task of this batch alive
-                # until the last of them is evicted, beyond the budget the cache counts
-                found[t] = w = w.clone() if len(missing) > 1 else w
-                self.cache.put((id(self), kind, t), w)
+                found[t] = self.cache.put((id(self), kind, t), w)
             self.cache.evict(frozenset((id(self), kind, t) for t in found))
         return [found[t] for t in tasks]  # type: ignore[misc]
 
