@@ -330,6 +330,7 @@ def test_failure_after_the_lda_keys_update_rolls_them_back(tree: Path, tmp_path:
     learner.fit_task(stream.tasks[0])
     snap = _snapshot(learner)
     assert snap["task_head"] is not None
+    assert learner.keys_._before is None  # the copy to roll back to is dropped once a task is learned
 
     def interrupted(k: int):  # runs after the key update, before the head update
         raise KeyboardInterrupt

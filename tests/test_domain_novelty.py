@@ -12,7 +12,13 @@ import torch
 
 from proteus.backbones.mobilenet import MobileNetV2Backbone
 from proteus.engine.embedder import pooled_stats
-from proteus.engine.novelty import PPCA, ClassNovelty
+from proteus.engine.novelty import (
+    PPCA,
+    ClassNovelty,
+    TaskGaussians,
+    shrunk_spectrum,
+    shrunk_spectrum_gram,
+)
 from proteus.signatures.fitting import oas_rho
 
 
@@ -54,6 +60,48 @@ def test_ppca_of_few_rows_keeps_only_their_directions_and_the_same_density() -> 
     D = Z - p.mean.double()
     want = (D @ torch.linalg.inv(C) * D).sum(1) + torch.logdet(C)
     torch.testing.assert_close(p.nll(Z), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("duplicated", [False, True])
+def test_the_gram_spectrum_of_few_rows_is_the_covariance_spectrum(duplicated: bool) -> None:
+    """n <= D rows: the Gram matrix's route (n x n) gives the (D, D) covariance's eigenvalues, directions
+    and noise; rows repeated (fewer directions of variance than n - 1) keep only the directions with
+    variance, and score the same."""
+    g = torch.Generator().manual_seed(2)
+    X = torch.randn(12, 40, generator=g, dtype=torch.float64) * torch.linspace(
+        0.5, 3.0, 40, dtype=torch.float64
+    )
+    if duplicated:
+        X = torch.cat([X[:6], X[:6]])
+    R = X - X.mean(0)
+    lam, U, noise = shrunk_spectrum(R, 11)
+    lam_g, U_g, noise_g = shrunk_spectrum_gram(R, 11)
+    r = 5 if duplicated else 11
+    assert U_g.shape == (40, r)
+    torch.testing.assert_close(lam_g, lam[:r], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close((U[:, :r].T @ U_g).abs().diagonal(), torch.ones(r, dtype=torch.float64))
+    Z = torch.randn(4, 40, generator=g)
+    mu = X.mean(0).float()
+    full = PPCA(mu, U.float(), lam.float(), noise).nll(Z)
+    torch.testing.assert_close(
+        PPCA(mu, U_g.float(), lam_g.float(), noise_g).nll(Z), full, rtol=1e-5, atol=1e-4
+    )
+    torch.testing.assert_close(PPCA.fit(X, 11).nll(Z), full, rtol=1e-5, atol=1e-4)
+
+
+def test_the_tasks_gaussians_scored_together_are_each_ppca_nll() -> None:
+    """:class:`TaskGaussians` (every task's Gaussian of one component in one pass) gives each task's
+    :meth:`PPCA.nll` to float64 round-off, for tasks of different ranks and inputs far from the origin."""
+    g = torch.Generator().manual_seed(3)
+    offset = 50.0 * torch.rand(48, generator=g, dtype=torch.float64)
+    gaussians = [
+        PPCA.fit(offset + torch.randn(n, 48, generator=g, dtype=torch.float64) * (1 + t), rank=8)
+        for t, n in enumerate((5, 12, 30, 80))
+    ]
+    assert [q.basis.shape[1] for q in gaussians] == [4, 8, 8, 8]
+    Z = (offset + 3 * torch.randn(7, 48, generator=g, dtype=torch.float64)).float()
+    want = torch.stack([q.nll(Z) for q in gaussians], 1)
+    torch.testing.assert_close(TaskGaussians(gaussians).scores(Z), want, rtol=1e-9, atol=1e-9)
 
 
 def test_the_taps_are_the_last_block_of_each_third_of_the_prefix() -> None:

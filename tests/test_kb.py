@@ -146,6 +146,33 @@ def test_commit_hashes_each_unchanged_tensor_object_once(tmp_path, monkeypatch) 
     assert all(torch.equal(got[k]["a"], tensors[k]["a"]) for k in range(3)) and torch.equal(got[3]["p"], p)
 
 
+def test_commit_keys_each_unchanged_object_once(tmp_path, monkeypatch) -> None:
+    """An object whose kind comes back with the same tensor objects, unmodified, keeps its content key (no
+    key rebuilt: a commit of a long stream checks its old tasks by identity); one tensor changed in place,
+    replaced, or one more tensor, and the key is built again."""
+    import proteus.kb.content as content
+
+    built: list[str] = []
+    real = content.content_key
+    monkeypatch.setattr(content, "content_key", lambda kind, *a: built.append(kind) or real(kind, *a))
+    kb = _kb(tmp_path)
+    tensors = [{"a": torch.randn(4, 3), "n": torch.tensor([k])} for k in range(4)]
+    kb.commit_state([({"index": k}, dict(t)) for k, t in enumerate(tensors)], None)
+    assert built == ["task000", "task001", "task002", "task003"]
+    built.clear()
+    kb.commit_state([({"index": k}, dict(t)) for k, t in enumerate(tensors)], None)  # new dicts, same tensors
+    assert built == []
+    tensors[1]["a"][0, 0] += 1.0
+    tensors[2]["n"] = tensors[2]["n"].clone()
+    tensors[3]["b"] = torch.zeros(1)
+    kb.commit_state([({"index": k}, dict(t)) for k, t in enumerate(tensors)], None)
+    assert built == ["task001", "task002", "task003"]
+    objects = [t["object"] for t in kb.manifest["tasks"]]
+    assert len(set(objects)) == 4 and KnowledgeBase.open(tmp_path / "kb").read(
+        kb.manifest["tasks"][1]["object"], kb.manifest["tasks"][1]["sha256"]
+    )["a"].equal(tensors[1]["a"])
+
+
 def test_commit_refuses_a_changed_record_the_schema_rejects(tmp_path) -> None:
     """A commit re-validates only the task records that differ from the committed ones: a changed record
     that breaks the schema is refused, whether it is a new dict or the committed record edited in place."""

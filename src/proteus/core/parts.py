@@ -161,12 +161,14 @@ class ProteusParts:
         before (each rolls back what task k added)."""
         m0, head0 = self.num_adapters, self.heads.head
         try:
-            return self._learn(task, k, records)
+            record = self._learn(task, k, records)
         except BaseException:
             self.model.truncate(m0)
             self.keys.truncate(k)
             self.heads.truncate(k, head0)
             raise
+        self.keys.settle()
+        return record
 
     def _learn(self, task: Task, k: int, records: TaskRecords) -> TaskRecord:
         cfg, stats = self.config, TaskStats(task=k)

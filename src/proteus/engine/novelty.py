@@ -51,7 +51,7 @@ from torch import Tensor
 
 from proteus.config import ConfigError
 from proteus.registry import Registry
-from proteus.signatures.fitting import oas_rho
+from proteus.signatures.fitting import oas_rho, oas_rho_of
 from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord, Schema, ShapeRule, Together
 
 __all__ = [
@@ -60,12 +60,15 @@ __all__ = [
     "NOVELTY",
     "PPCA",
     "RANK",
+    "TaskGaussians",
     "Calibration",
     "CalibrationRows",
     "ClassGaussians",
     "ClassNovelty",
     "check_tpr",
     "holdout_split",
+    "shrunk_spectrum",
+    "shrunk_spectrum_gram",
 ]
 
 #: held-out scores (``retrieval.reject``) or calibration rows (``class-gaussian``) kept per task
@@ -256,23 +259,17 @@ class PPCA:
 
     @classmethod
     def fit(cls, X: Tensor, rank: int = RANK) -> PPCA:
-        """From rows X (n, D), n >= 2."""
+        """From rows X (n, D), n >= 2: the spectrum from the n x n Gram matrix of the centred rows when
+        n <= D (:func:`shrunk_spectrum_gram`, O(n^2 D)), else from the (D, D) covariance
+        (:func:`shrunk_spectrum`, O(D^3)); the same Gaussian to round-off."""
         X = X.double()
         n, dim = X.shape
         if n < 2:
             raise ValueError(f"a task Gaussian needs at least 2 rows, got {n}")
         mu = X.mean(0)
-        R = X - mu
-        S = R.T @ R / n
-        rho = oas_rho(S, n)
-        m = float(S.diagonal().mean())
-        S = (1.0 - rho) * S
-        S.diagonal().add_(rho * m + 1e-12 * max(m, 1e-300))
-        lam, U = torch.linalg.eigh((S + S.T) / 2)
-        lam, U = lam.flip(0).clamp_min(1e-12 * max(m, 1e-300)), U.flip(1)
         r = min(int(rank), dim, n - 1)
-        noise = float(lam[r:].mean()) if r < dim else float(lam[-1])
-        return cls(mu.float(), U[:, :r].float().contiguous(), lam[:r].float(), noise)
+        var, U, noise = (shrunk_spectrum_gram if n <= dim else shrunk_spectrum)(X - mu, r)
+        return cls(mu.float(), U.float().contiguous(), var.float(), noise)
 
     def nll(self, Z: Tensor) -> Tensor:
         """(N,): each row's squared Mahalanobis distance plus the log-determinant (minus twice the log
@@ -283,6 +280,88 @@ class PPCA:
         rest = ((D * D).sum(1) - (P * P).sum(1)).clamp_min(0.0)
         logdet = float(torch.log(var).sum()) + (D.shape[1] - P.shape[1]) * math.log(self.noise)
         return (P * P / var).sum(1) + rest / self.noise + logdet
+
+
+class TaskGaussians:
+    """One component's Gaussians of many tasks, scored together: ``scores(Z)`` is ``(N, T)``, column t
+    :meth:`PPCA.nll` under task t's Gaussian, to float64 round-off. Written as
+    ``||d||^2 / noise + sum_j (P_j^2 (1 / var_j - 1 / noise)) + logdet`` with ``d = z - mean`` and
+    ``P = d^T basis``: the squared distances to every task's mean come from one product with the stacked
+    means and each task's projection from one product with its basis (``z`` and the means first centred on
+    the means' average, so that the expanded squares keep their precision); what per-task arithmetic is
+    left runs once over every task's columns together. Holds each task's basis by reference: beside the
+    Gaussians, only the (T, D) centred means and a few numbers per direction."""
+
+    def __init__(self, gaussians: list[PPCA]) -> None:
+        means = torch.stack([g.mean for g in gaussians]).double()
+        self.center = means.mean(0)
+        self.means = means - self.center  # (T, D)
+        self.norms = (self.means * self.means).sum(1)
+        self.bases = [g.basis for g in gaussians]
+        ranks = torch.tensor([b.shape[1] for b in self.bases])
+        self.owner = torch.repeat_interleave(torch.arange(len(gaussians)), ranks)  # column -> task
+        self.offsets = torch.cat(
+            [self.means[t] @ b.double() for t, b in enumerate(self.bases)]
+        )  # (sum r,): each mean's projection
+        self.weights = torch.cat([1.0 / g.var.double() - 1.0 / g.noise for g in gaussians])
+        self.inv_noise = torch.tensor([1.0 / g.noise for g in gaussians], dtype=torch.float64)
+        dim = means.shape[1]
+        self.logdet = torch.tensor(
+            [
+                float(torch.log(g.var.double()).sum()) + (dim - g.basis.shape[1]) * math.log(g.noise)
+                for g in gaussians
+            ],
+            dtype=torch.float64,
+        )
+
+    def scores(self, Z: Tensor) -> Tensor:
+        Zc = Z.cpu().double() - self.center
+        d2 = (Zc * Zc).sum(1, keepdim=True) - 2.0 * (Zc @ self.means.T) + self.norms
+        P = torch.cat([Zc @ b.double() for b in self.bases], 1) - self.offsets
+        quad = torch.zeros_like(d2).index_add_(1, self.owner, P * P * self.weights)
+        return d2 * self.inv_noise + quad + self.logdet
+
+
+def _floors(m: float, rho: float) -> tuple[float, float]:
+    """The OAS shift of every eigenvalue (``rho`` times the mean eigenvalue ``m``, plus a relative 1e-12)
+    and the floor an eigenvalue is clamped to."""
+    return rho * m + 1e-12 * max(m, 1e-300), 1e-12 * max(m, 1e-300)
+
+
+def shrunk_spectrum(R: Tensor, r: int) -> tuple[Tensor, Tensor, float]:
+    """The OAS-shrunk covariance of the centred rows R (n, D), float64: its ``r`` leading eigenvalues
+    (descending), their eigenvectors (D, r) and the mean of the other eigenvalues, by one (D, D) ``eigh``."""
+    n, dim = R.shape
+    S = R.T @ R / n
+    rho = oas_rho(S, n)
+    m = float(S.diagonal().mean())
+    shift, floor = _floors(m, rho)
+    S = (1.0 - rho) * S
+    S.diagonal().add_(shift)
+    lam, U = torch.linalg.eigh((S + S.T) / 2)
+    lam, U = lam.flip(0).clamp_min(floor), U.flip(1)
+    noise = float(lam[r:].mean()) if r < dim else float(lam[-1])
+    return lam[:r], U[:, :r], noise
+
+
+def shrunk_spectrum_gram(R: Tensor, r: int) -> tuple[Tensor, Tensor, float]:
+    """:func:`shrunk_spectrum` for n <= D rows from the Gram matrix ``K = R R^T / n``: the sample covariance
+    ``R^T R / n`` has K's eigenvalues (its eigenvectors ``R^T v / sqrt(n kappa)``) and D - n zeros, and OAS
+    shrinkage shifts every eigenvalue alike. Directions of no variance (degenerate rows) are not kept:
+    their shrunk eigenvalue is the shift, which ``noise`` gives them."""
+    n, dim = R.shape
+    K = R @ R.T / n
+    m = float(K.diagonal().sum()) / dim
+    rho = oas_rho_of(m, float((K * K).sum()) / (dim * dim), dim, n)
+    shift, floor = _floors(m, rho)
+    kappa, V = torch.linalg.eigh((K + K.T) / 2)
+    kappa, V = kappa.flip(0).clamp_min(0.0), V.flip(1)
+    r = int((kappa[:r] > 1e-12 * max(float(kappa[0]), 1e-300)).sum())
+    lam = ((1.0 - rho) * kappa + shift).clamp_min(floor)
+    W = R.T @ V[:, :r]
+    U = W / W.norm(dim=0).clamp_min(1e-300)
+    noise = (float(lam[r:].sum()) + (dim - n) * max(shift, floor)) / (dim - r)
+    return lam[:r], U, noise
 
 
 @dataclass
@@ -344,10 +423,10 @@ class ClassNovelty:
         assert self.tap_sizes is not None
         return [*taps.float().split(self.tap_sizes, 1), X.float()]
 
-    def _task_scores(self, parts: list[Tensor], tasks: list[int]) -> list[Tensor]:
-        """Per component, (N, T) the NLL of the rows under each of ``tasks``' Gaussians."""
+    def _stacked(self, tasks: list[int]) -> list[TaskGaussians]:
+        """Per component, ``tasks``' Gaussians scored together."""
         return [
-            torch.stack([self.gaussians[k][c].nll(part) for k in tasks], 1) for c, part in enumerate(parts)
+            TaskGaussians([self.gaussians[k][c] for k in tasks]) for c in range(len(self.gaussians[tasks[0]]))
         ]
 
     def _fit_tasks(self, live: dict[int, CalibrationRows], stamp: Any) -> None:
@@ -356,7 +435,8 @@ class ClassNovelty:
         tasks = sorted(live)
         X = torch.cat([live[k].X for k in tasks])
         taps = torch.cat([t for t in (live[k].taps for k in tasks) if t is not None])
-        per = self._task_scores(self._components(X, taps), tasks)
+        stacked = self._stacked(tasks)
+        per = [g.scores(part) for g, part in zip(stacked, self._components(X, taps), strict=True)]
         loc, scale = [], []
         for nll in per:
             best = nll.min(1).values
@@ -368,7 +448,7 @@ class ClassNovelty:
         assert isinstance(combined, Tensor)
         thr = threshold_at(combined.min(1).values, self.tpr)
         n = max(tasks) + 1
-        self._fitted = (stamp, ("tasks", tasks, loc, scale), torch.full((n,), thr, dtype=torch.float64))
+        self._fitted = (stamp, ("tasks", stacked, loc, scale), torch.full((n,), thr, dtype=torch.float64))
 
     def invalidate(self) -> None:
         """The statistics changed: rebuild the Gaussians and thresholds on next use."""
@@ -408,8 +488,10 @@ class ClassNovelty:
         if isinstance(g, tuple):
             if taps is None:
                 return None
-            _, tasks, loc, scale = g
-            per = self._task_scores(self._components(X.cpu(), taps.cpu()), tasks)
+            _, stacked, loc, scale = g
+            per = [
+                t.scores(part) for t, part in zip(stacked, self._components(X.cpu(), taps.cpu()), strict=True)
+            ]
             combined = sum((nll - a) / b for nll, a, b in zip(per, loc, scale, strict=True))
             assert isinstance(combined, Tensor)
             return combined.min(1).values - float(thr[0])

@@ -47,7 +47,7 @@ from proteus.kb.files import (
 )
 from proteus.kb.manifests import previous_manifest
 from proteus.kb.objects import ObjectStore
-from proteus.kb.schema import manifest_problems
+from proteus.kb.schema import manifest_problems, object_dirs
 from proteus.kb.signing import signature
 from proteus.kb.sweep import previous_names
 from proteus.untrusted import file_kind, load_json
@@ -121,8 +121,9 @@ class Commit:
         """The size of every object ``manifest`` references; refuses one that is neither written nor
         pending (``known``: a manifest whose records were checked, to find sizes in)."""
         out = {}
+        dirs = object_dirs(self.root)
         for label, rel, sha in _refs(manifest):
-            self.objects.path(manifest, rel, sha)  # confined, or refused by name
+            self.objects.path(manifest, rel, sha, dirs)  # confined, or refused by name
             n = self.objects.size(known, rel)
             if rel not in self.objects.pending:
                 try:

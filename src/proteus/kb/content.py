@@ -8,6 +8,8 @@ and is not modified in place (torch's version counter), so a tensor that a learn
 every commit -- a stored task's adapter directions (:meth:`proteus.adapters.lora.LoRAUnit.task_tensors`) --
 is hashed once, not once per commit. A tensor that requires a gradient is live training state (an optimiser
 may write it through ``.data``, which the version counter does not see): it is hashed every time.
+:class:`ContentKeys` also keeps each object's key while the same tensor objects, unmodified, come back under
+the same kind: a commit then checks an unchanged object's tensors by identity instead of rebuilding its key.
 """
 
 from __future__ import annotations
@@ -74,3 +76,32 @@ def content_key(kind: str, tensors: dict[str, torch.Tensor], digest: TensorDiges
         h.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
         h.update(tensor_digest(t) if digest is None else digest(t))
     return h.hexdigest()
+
+
+class ContentKeys:
+    """:func:`content_key` of the objects one store writes, each kept while its kind comes back with the
+    same tensor objects (same names, each alive, the same object and the same version) and rebuilt
+    otherwise; tensors that :class:`TensorDigests` would hash every time are never kept."""
+
+    def __init__(self) -> None:
+        self.digests = TensorDigests()
+        #: kind -> ((name, weak reference, version) per tensor in name order, its key)
+        self._kept: dict[str, tuple[tuple[tuple[str, weakref.ref[torch.Tensor], int], ...], str]] = {}
+
+    def __call__(self, kind: str, tensors: dict[str, torch.Tensor]) -> str:
+        kept = self._kept.get(kind)
+        names = sorted(tensors)
+        if kept is not None and len(kept[0]) == len(names):
+            if all(
+                n == name and ref() is tensors[n] and version == tensors[n]._version
+                for n, (name, ref, version) in zip(names, kept[0], strict=True)
+            ):
+                return kept[1]
+        key = content_key(kind, tensors, self.digests)
+        if all(
+            not t.requires_grad and t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()
+        ):
+            self._kept[kind] = (tuple((n, weakref.ref(tensors[n]), tensors[n]._version) for n in names), key)
+        else:
+            self._kept.pop(kind, None)
+        return key

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from proteus.kb.content import TensorDigests, content_key
+from proteus.kb.content import ContentKeys
 from proteus.kb.files import (
     MANIFEST,
     OBJECTS,
@@ -58,13 +58,20 @@ class ObjectStore:
         self.written: list[str] = []
         #: rel -> bytes of every object this process wrote or read
         self.sizes: dict[str, int] = {}
-        self.digests = TensorDigests()  # each unchanged tensor object hashed once
+        self.keys = ContentKeys()  # each unchanged tensor hashed once, each unchanged object keyed once
 
     # ------------------------------------------------------------------ reading
-    def path(self, manifest: dict[str, Any], rel: str, sha: str | None = None) -> Path:
-        """The resolved path of object ``rel`` (refused unless inside ``objects/``, naming its record)."""
+    def path(
+        self,
+        manifest: dict[str, Any],
+        rel: str,
+        sha: str | None = None,
+        dirs: tuple[Path, Path] | None = None,
+    ) -> Path:
+        """The resolved path of object ``rel`` (refused unless inside ``objects/``, naming its record);
+        ``dirs``: :func:`~proteus.kb.schema.object_dirs`, for many objects."""
         try:
-            return object_path(self.root, rel, sha)
+            return object_path(self.root, rel, sha, dirs)
         except KBError as e:
             label = next((label for label, r, _ in _refs(manifest) if r == rel), "not in the manifest")
             raise KBError(f"{self.root / MANIFEST}: {label}: {e}") from None
@@ -134,7 +141,7 @@ class ObjectStore:
     def write(self, kind: str, tensors: dict[str, torch.Tensor], reuse: bool = True) -> tuple[str, str]:
         """Write a content-addressed object (in memory while the knowledge base is not on disk); returns
         (rel, sha256). ``reuse``: look its content up among the objects written before serialising it."""
-        key = content_key(kind, tensors, self.digests) if reuse else None
+        key = self.keys(kind, tensors) if reuse else None
         known = None if key is None else self.known.get(key)
         if known is not None and (
             known[0] in self.pending or (self.on_disk and (self.root / known[0]).is_file())

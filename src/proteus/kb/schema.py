@@ -43,7 +43,8 @@ from proteus.untrusted import InputError, load_json
 
 __all__ = [
     "MANIFEST", "MAX_DIM", "OBJECT_NAME", "TASK", "F", "Schema", "field_problems", "fields_problems",
-    "head_kind", "manifest_issues", "manifest_problems", "object_path", "task_label", "type_problem",
+    "head_kind", "manifest_issues", "manifest_problems", "object_dirs", "object_path", "task_label",
+    "type_problem",
 ]  # fmt: skip
 
 log = logging.getLogger("proteus")
@@ -203,23 +204,28 @@ def manifest_problems(
     return out
 
 
-def object_path(root: Path, rel: Any, sha: Any = None) -> Path:
+def object_path(root: Path, rel: Any, sha: Any = None, dirs: tuple[Path, Path] | None = None) -> Path:
     """The path of object ``rel`` of the knowledge base at ``root``, refused (:class:`KBError`, the reason
     without the file) unless ``rel`` is a name the store writes (no ``..``, not absolute; carrying the first
     16 hex digits of ``sha``) and the file, symlinks followed, is inside ``root``'s ``objects/``. The
-    returned path is the resolved one: read it with ``O_NOFOLLOW``."""
+    returned path is the resolved one: read it with ``O_NOFOLLOW``. ``dirs``: ``root`` and its ``objects/``
+    resolved once for many objects (:func:`object_dirs`)."""
     if not isinstance(rel, str) or OBJECT_NAME.fullmatch(rel) is None:
         raise KBError(_refused(rel))
     if isinstance(sha, str) and not sha.startswith(rel[-len(".safetensors") - 16 : -len(".safetensors")]):
         raise KBError(f"object path {rel!r} refused: its name does not carry its sha256 ({sha[:16]}...)")
-    base = root.resolve()
-    objects = (root / OBJECTS).resolve()
+    base, objects = object_dirs(root) if dirs is None else dirs
     path = (root / rel).resolve()
     if not objects.is_relative_to(base):
         raise KBError(f"object path {rel!r} refused: {root / OBJECTS} resolves to {objects}, outside {base}")
     if not path.is_relative_to(objects):
         raise KBError(f"object path {rel!r} refused: it resolves to {path}, outside {objects}")
     return path
+
+
+def object_dirs(root: Path) -> tuple[Path, Path]:
+    """``root`` and its ``objects/``, resolved (symlinks followed), for :func:`object_path`."""
+    return root.resolve(), (root / OBJECTS).resolve()
 
 
 def manifest_issues(path: Path, data: bytes, hint: str) -> tuple[dict[str, Any] | None, list[str]]:

@@ -239,6 +239,7 @@ class KnowledgeBase:
         ... commit. A manifest this proteus could not read back is refused; a failed commit leaves the KB as
         it was."""
         commit = Commit(self.root, self.objects, self._manifest_sha)
+        replaced = {Path(rel).name for _, rel, _ in _refs(self.manifest)} if self._on_disk else set()
         try:
             sizes = commit.sizes(manifest, self.manifest)
             manifest = seal(manifest, self.manifest, sizes, self.key, self.root)
@@ -253,7 +254,7 @@ class KnowledgeBase:
         if self.key is not None:
             accept(manifest, self.key)
         crash_point("commit:manifest")
-        self.sweep()
+        self.sweep(replaced)  # manifest.prev.json now holds the state replaced
 
     def commit_state(
         self, tasks: list[Part], head: Part | None, evaluation: list[dict[str, Any]] | None = None
@@ -321,11 +322,12 @@ class KnowledgeBase:
         self._manifest_sha = _sha(data)
         accept(self.manifest, key)
 
-    def sweep(self) -> list[tuple[Path, int]]:
-        """Delete the objects referenced neither by the manifest nor by manifest.prev.json, and the temporary
-        files of interrupted commits (:func:`~proteus.kb.sweep.sweep`); returns each file removed with its
-        size. Only a writer (holding the lock) sweeps."""
-        return sweep(self.root, {Path(rel).name for _, rel, _ in _refs(self.manifest)})
+    def sweep(self, previous: set[str] | None = None) -> list[tuple[Path, int]]:
+        """Delete the objects referenced neither by the manifest nor by manifest.prev.json (``previous``: its
+        objects' names, when known), and the temporary files of interrupted commits
+        (:func:`~proteus.kb.sweep.sweep`); returns each file removed with its size. Only a writer (holding
+        the lock) sweeps."""
+        return sweep(self.root, {Path(rel).name for _, rel, _ in _refs(self.manifest)}, previous)
 
     def gc(self) -> list[tuple[Path, int]]:
         """``proteus kb gc``: :meth:`sweep` outside a commit (after a failed one, on a full disk); the caller

@@ -25,11 +25,12 @@ from proteus.kb.files import (
 from proteus.untrusted import load_json
 
 
-def restore_kept(root: Path) -> None:
+def restore_kept(root: Path) -> bool:
     """Put back a manifest.prev.json that a failed commit could not restore: its hard link
     (:func:`~proteus.kb.files.kept_name`, left only when the rename back failed) replaces manifest.prev.json
     when that is now a copy of manifest.json (the failed commit's first step); otherwise it is stale and
-    removed."""
+    removed. Returns whether manifest.prev.json was put back."""
+    restored = False
     for p in sorted(root.glob(f".{PREV_MANIFEST}.tmp-*.kept")):
         pid = _tmp_pid(p.name)
         if pid is not None and pid != os.getpid() and _pid_running(pid):
@@ -41,10 +42,12 @@ def restore_kept(root: Path) -> None:
         with contextlib.suppress(OSError):
             if copy:
                 os.replace(p, root / PREV_MANIFEST)
+                restored = True
                 log.warning(
                     "%s: put back the previous commit a failed commit had replaced", root / PREV_MANIFEST
                 )
             os.unlink(p)  # stale, or left by a rename onto the same file
+    return restored
 
 
 def previous_names(root: Path) -> set[str] | None:
@@ -60,13 +63,14 @@ def previous_names(root: Path) -> set[str] | None:
     return {Path(rel).name for _, rel, _ in _refs(prev)} if isinstance(prev, dict) else None
 
 
-def sweep(root: Path, keep: set[str]) -> list[tuple[Path, int]]:
+def sweep(root: Path, keep: set[str], previous: set[str] | None = None) -> list[tuple[Path, int]]:
     """Delete the objects whose names are neither in ``keep`` (the current commit's) nor referenced by
     manifest.prev.json, and the temporary files of interrupted commits; returns each file removed with its
     size. Directories and symlinks' targets are never touched (a symlink itself is removed); an unreadable
-    manifest.prev.json keeps every object."""
-    restore_kept(root)
-    previous = previous_names(root)
+    manifest.prev.json keeps every object. ``previous``: the names manifest.prev.json references, known
+    to a commit that just wrote it (read from the file when None, or when a kept copy was put back)."""
+    if restore_kept(root) or previous is None:
+        previous = previous_names(root)
     if previous is None:
         log.warning("%s: unreadable; no object is swept until the next commit", root / PREV_MANIFEST)
     else:

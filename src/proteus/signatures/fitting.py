@@ -50,6 +50,7 @@ __all__ = [
     "fit_kmeans",
     "ledoit_wolf_shrinkage",
     "oas_rho",
+    "oas_rho_of",
     "oas_shrinkage",
     "task_covariance",
 ]
@@ -129,10 +130,15 @@ def oas_shrinkage(Xc: Tensor) -> float:
 def oas_rho(S: Tensor, n: int) -> float:
     """OAS's shrinkage intensity (:func:`oas_shrinkage`) of a ``1 / n`` sample covariance ``S`` (d, d)."""
     d = S.shape[0]
-    mu = float(S.diagonal().sum()) / d
+    return oas_rho_of(float(S.diagonal().sum()) / d, float((S * S).mean()), d, n)
+
+
+def oas_rho_of(mu: float, alpha: float, d: int, n: int) -> float:
+    """:func:`oas_rho` from the mean eigenvalue ``mu`` (trace / d) and ``alpha`` (squared Frobenius norm /
+    d^2) of the (d, d) sample covariance; both follow from the n x n Gram matrix ``R R^T / n`` of the
+    centred rows, which has the same trace and Frobenius norm (no (d, d) matrix needed)."""
     if mu <= 0.0:
         return 0.0
-    alpha = float((S * S).mean())
     den = (n + 1.0) * (alpha - mu * mu / d)
     return 1.0 if den <= 0.0 else min(1.0, (alpha + mu * mu) / den)
 

@@ -202,6 +202,10 @@ class RetrievalKeys:
     def truncate(self, m: int) -> None:
         raise NotImplementedError
 
+    def settle(self) -> None:
+        """The task added last is learned for good: drop what only rolling it back needed (:meth:`truncate`
+        is not called again for it)."""
+
     def forget(self, k: int, classes: list[int]) -> None:
         """Remove task k's key (``proteus kb forget``): it is never retrieved again. Subclasses drop or
         subtract what they hold; :meth:`check_forget` says beforehand whether they can."""

@@ -185,6 +185,10 @@ class GaussianKeys(RetrievalKeys):
         if self.shortlist_keys is not None:
             self.shortlist_keys.truncate(m)
 
+    def settle(self) -> None:
+        if self.shortlist_keys is not None:
+            self.shortlist_keys.settle()
+
     def check_forget(self, k: int) -> None:
         if self.shortlist_keys is not None:
             self.shortlist_keys.check_forget(k)

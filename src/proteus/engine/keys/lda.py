@@ -32,20 +32,23 @@ from proteus.tensor_rules import TENSOR_RULES, Check, Mount, ShapeRule, Together
 
 __all__ = ["TASK_SCORES", "LDAKeys", "task_scores"]
 
-#: ``signature.task_score``: how class scores f (N, C) and a task's classes c become its score (N,), lower
-#: is better; ``temperature`` is ``signature.class_temperature``
-TASK_SCORES: Registry[Callable[[Tensor, list[int], float], Tensor]] = Registry("signature.task_score")
+#: ``signature.task_score``: how class scores f (N, C) become each task's score (N,), lower is better: an
+#: entry takes f and ``temperature`` (``signature.class_temperature``) and returns the score of a task's
+#: classes c (what every task shares, the softmax over all classes, is computed once per call)
+TASK_SCORES: Registry[Callable[[Tensor, float], Callable[[list[int]], Tensor]]] = Registry(
+    "signature.task_score"
+)
 
 
 @TASK_SCORES.register("mean", help="-log mean_{c in t} softmax(f / T)_c: the posterior over tasks")
-def _mean_score(logits: Tensor, c: list[int], temperature: float) -> Tensor:
+def _mean_score(logits: Tensor, temperature: float) -> Callable[[list[int]], Tensor]:
     logp = torch.log_softmax(logits.double() / temperature, dim=1)
-    return (math.log(len(c)) - torch.logsumexp(logp[:, c], 1)).float()
+    return lambda c: (math.log(len(c)) - torch.logsumexp(logp[:, c], 1)).float()
 
 
 @TASK_SCORES.register("max", help="-max_{c in t} f_c: the task's best class score")
-def _max_score(logits: Tensor, c: list[int], temperature: float) -> Tensor:
-    return -logits[:, c].max(1).values
+def _max_score(logits: Tensor, temperature: float) -> Callable[[list[int]], Tensor]:
+    return lambda c: -logits[:, c].max(1).values
 
 
 def task_scores(logits: Tensor, classes: list[list[int]], how: str, temperature: float) -> Tensor:
@@ -54,11 +57,11 @@ def task_scores(logits: Tensor, classes: list[list[int]], how: str, temperature:
     "mean": ``-log mean_{c in t} p(c|x)`` with ``p = softmax(logits / temperature)`` over every class,
     so that ``softmax_t(-scores)`` is the posterior over tasks under a uniform prior on tasks (a task's
     classes share its prior); "max": ``-max_{c in t} logits_c``."""
-    score = TASK_SCORES.get(how)
+    score = TASK_SCORES.get(how)(logits, temperature)
     out = torch.full((logits.shape[0], len(classes)), float("inf"))
     for j, c in enumerate(classes):
         if c:  # a task left with no class (forgotten) is never retrieved
-            out[:, j] = score(logits, c, temperature)
+            out[:, j] = score(c)
     return out
 
 
@@ -155,6 +158,9 @@ class LDAKeys(RetrievalKeys):
         self.inputs.pop(m, None)
         if self.novelty is not None:
             self.novelty.drop(m)
+
+    def settle(self) -> None:
+        self._before = None  # the rollback copy of the key head (a full head: its statistics grow with C)
 
     @contextlib.contextmanager
     def without(self, embedder: Embedder, z: Tensor, y: Tensor) -> Iterator[None]:
