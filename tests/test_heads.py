@@ -314,3 +314,33 @@ def test_tiny_update_keeps_working() -> None:
     head = RanPACHead(8, rp_dim=0).update(H, y)
     assert head.gamma_ == 1.0
     assert head.predict(H).shape == (1,)
+
+
+@pytest.mark.parametrize("classes", [12, 400])
+def test_the_accumulated_gamma_search_scores_every_candidate_alike_with_many_classes(classes: int) -> None:
+    """The accumulated rule's held-out losses, with ``U^T Q`` formed (few classes) or the candidates' rows
+    stacked instead (many classes: :func:`proteus.heads.gamma._losses_by_rows`), are each candidate's ridge
+    on everything so far, solved directly, to round-off."""
+    from proteus.heads.gamma import gamma_grid, select_accumulated
+
+    g = torch.Generator().manual_seed(0)
+    d = 24
+    G_prev = torch.randn(60, d, generator=g, dtype=torch.float64)
+    Q_prev = G_prev.T @ torch.randn(60, classes - 2, generator=g, dtype=torch.float64)
+    G_prev = G_prev.T @ G_prev
+    phi_tr, phi_va = (torch.randn(n, d, generator=g, dtype=torch.float64) for n in (10, 4))
+    Y_tr = torch.nn.functional.one_hot(torch.tensor([classes - 2, classes - 1] * 5), classes).double()
+    Y_va = torch.nn.functional.one_hot(torch.tensor([classes - 2, classes - 1] * 2), classes).double()
+    gammas = gamma_grid(-4, 4)
+    got = select_accumulated(phi_tr, Y_tr, phi_va, Y_va, gammas, G_prev, Q_prev)
+    Q = phi_tr.T @ Y_tr
+    Q[:, : classes - 2] += Q_prev
+    G = G_prev + phi_tr.T @ phi_tr
+    want = torch.stack(
+        [
+            ((phi_va @ torch.linalg.solve(G + c * torch.eye(d, dtype=G.dtype), Q) - Y_va) ** 2).mean()
+            for c in gammas
+        ]
+    )
+    torch.testing.assert_close(got.losses, want, rtol=1e-9, atol=1e-12)
+    assert got.gamma == float(gammas[int(want.argmin())])

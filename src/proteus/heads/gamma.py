@@ -88,6 +88,15 @@ def _losses(A: Tensor, B: Tensor, lam: Tensor, Y_va: Tensor, gammas: Tensor) -> 
     return torch.stack(per_gamma).to(device="cpu", dtype=torch.float64)  # one device sync
 
 
+def _losses_by_rows(A: Tensor, U: Tensor, Q: Tensor, lam: Tensor, Y_va: Tensor, gammas: Tensor) -> Tensor:
+    """:func:`_losses` with ``B = U^T Q`` not formed: every candidate's held-out rows ``A diag(1 / (lam +
+    g)) U^T`` stacked, then one product with Q. Costs ``n_gammas * n_val * d * (d + C)`` instead of
+    ``d^2 C``: less once the classes outnumber the stacked rows (a long stream's accumulated head)."""
+    rows = torch.cat([A / (lam + g) for g in gammas.tolist()]) @ U.T
+    pred = (rows @ Q).view(len(gammas), *Y_va.shape)
+    return ((pred - Y_va) ** 2).mean((1, 2)).to(device="cpu", dtype=torch.float64)
+
+
 def select_fast(phi_tr: Tensor, Y_tr: Tensor, phi_va: Tensor, Y_va: Tensor, gammas: Tensor) -> GammaSelection:
     """RanPAC's search with one eigendecomposition: ``W(g) = U diag(1 / (lam + g)) U^T Phi^T Y`` (primal,
     ``G_tr = U diag(lam) U^T``) or, when ``n_train < feature_dim``, ``W(g) = Phi^T V diag(1 / (mu + g))
@@ -128,8 +137,9 @@ def select_accumulated(
     lam, U = torch.linalg.eigh(G)
     lam = lam.clamp_min(0.0)
     A = phi_va @ U
-    B = U.T @ Q
-    return finish_selection(gammas, _losses(A, B, lam, Y_va, gammas), "accumulated-eigh")
+    if len(gammas) * A.shape[0] < Q.shape[1]:  # many classes: (A diag U^T) Q costs less than U^T Q
+        return finish_selection(gammas, _losses_by_rows(A, U, Q, lam, Y_va, gammas), "accumulated-eigh")
+    return finish_selection(gammas, _losses(A, U.T @ Q, lam, Y_va, gammas), "accumulated-eigh")
 
 
 def select_naive(
