@@ -25,7 +25,7 @@ RATIOS = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_rati
 PARTS = {
     "novelty detector": ("keys_.novelty",),
     "adapters": ("model_.units",),
-    "LDA keys (+ rollback copy)": ("keys_.head", "keys_._before"),
+    "LDA keys": ("keys_.head", "keys_._before"),  # (a rollback copy while a task is learned)
     "per-task heads": ("heads_.experts", "heads_.head"),
 }
 

@@ -254,7 +254,7 @@ class KnowledgeBase:
         if self.key is not None:
             accept(manifest, self.key)
         crash_point("commit:manifest")
-        self.sweep(replaced)  # manifest.prev.json now holds the state replaced
+        self.sweep(replaced)  # manifest.prev.json holds the state replaced
 
     def commit_state(
         self, tasks: list[Part], head: Part | None, evaluation: list[dict[str, Any]] | None = None
@@ -301,8 +301,7 @@ class KnowledgeBase:
         """Make the previous commit the current state again (a commit itself, with a new sequence number:
         ``undo`` twice redoes); returns what it restored and what it replaced (``restored``, ``replaced``:
         each its ``updated`` time stamp, ``tasks``, and ``forgotten`` task numbers, 1-based)."""
-        prev = self.previous_manifest()
-        replaced = self.manifest
+        prev, replaced = self.previous_manifest(), self.manifest
         self.commit(prev)
         return {"restored": _summary(prev), "replaced": _summary(replaced)}
 
@@ -324,9 +323,8 @@ class KnowledgeBase:
 
     def sweep(self, previous: set[str] | None = None) -> list[tuple[Path, int]]:
         """Delete the objects referenced neither by the manifest nor by manifest.prev.json (``previous``: its
-        objects' names, when known), and the temporary files of interrupted commits
-        (:func:`~proteus.kb.sweep.sweep`); returns each file removed with its size. Only a writer (holding
-        the lock) sweeps."""
+        names, if known), and temporary files (:func:`~proteus.kb.sweep.sweep`); returns each file removed
+        with its size. Only a writer (holding the lock) sweeps."""
         return sweep(self.root, {Path(rel).name for _, rel, _ in _refs(self.manifest)}, previous)
 
     def gc(self) -> list[tuple[Path, int]]:
