@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from records import parser, write
 
@@ -50,12 +51,27 @@ def label(settings: dict[str, object]) -> str:
 SECONDS = {"learn": "learn_s", "signature": "signature_s", "commit": "commit_s", "train step": "train_step_s"}
 
 
+def _seconds(d: dict[str, Any]) -> dict[str, list[float]]:
+    """The seconds behind the ratios: measured side by side at the end of the run when it was (task 10's
+    learner and the last one each learning one more task, in turns), else the rows' windows."""
+    side, last = d.get("side_by_side"), d["settings"]["tasks"]
+    if side:
+        pairs = {name: [side[s][key] for s in ("ref", "last")] for name, key in SECONDS.items()}
+        predict = [side[s]["predict_s"] for s in ("ref", "last")]
+    else:
+        pairs = {name: [_window(d["rows"], key, k) for k in (10, last)] for name, key in SECONDS.items()}
+        predict = [_window(d["rows"], "predict_s", k) for k in (10, last)]
+    return {
+        **{name: [round(v, 3) for v in pair] for name, pair in pairs.items()},
+        "predict (ms)": [round(v * 1e3) for v in predict],
+    }
+
+
 def summary(path: Path) -> dict[str, object]:
     """One run's figures, rounded as the page shows them."""
     d = json.loads(path.read_text())
     per_task = d["memory_account"]["per_task_mb"]
     learner = per_task["learner_tensors_mb"]
-    last = d["settings"]["tasks"]
     parts = {name: round(sum(learner.get(k, 0.0) for k in keys), 3) for name, keys in PARTS.items()}
     return {
         "label": label(d["settings"]),
@@ -65,13 +81,8 @@ def summary(path: Path) -> dict[str, object]:
         **{k: round(d[k], 2) for k in RATIOS},
         "rss_beyond_cache_mb_per_task": round(d["rss_beyond_cache_mb_per_task"], 2),
         "parts_mb_per_task": {**parts, "native rest": round(per_task["native_mb"], 3)},
-        "seconds": {
-            **{
-                name: [round(_window(d["rows"], key, k), 3) for k in (10, last)]
-                for name, key in SECONDS.items()
-            },
-            "predict (ms)": [round(_window(d["rows"], "predict_s", k) * 1e3) for k in (10, last)],
-        },
+        "seconds": _seconds(d),
+        "window_ratios": {k: round(v, 2) for k, v in (d.get("window_ratios") or {}).items()},
         "rss_mb_start": round(d["rss_mb_start"]),
         "rss_mb_last": round(d["rss_mb_last"]),
     }

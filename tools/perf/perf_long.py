@@ -17,8 +17,11 @@ knowledge base on disk as ``proteus learn`` does, and records for every k:
 It writes ``long_stream.json`` (every row) and ``long_stream.png`` (each quantity against k) and reports
 the ratios the issue sets: learn time of the last task over task 10 (<= 1.3), predict time per batch at
 the last task over task 10 (<= 1.5), peak RSS at the last task within the merged-cache budget plus the
-model. Each ratio takes the median of a window of tasks (k-2 .. k+2) so that one noisy task on a shared
-machine does not decide it.
+model. The time ratios are measured side by side at the end of the run (:func:`side_by_side`): the learner
+as it was at task 10 (loaded from a copy of its knowledge base kept then) and the final one each learn one
+more task and predict, in turns, so that a change of the machine's load during a long run cannot decide
+them; the ratios of the rows (the median of a window of tasks k-2 .. k+2) are kept beside them
+(``window_ratios``).
 
     python tools/perf/perf_long.py --tasks 100 --out runs/long_stream
     python tools/perf/perf_long.py --tasks 100 --device cuda --backbone vit_s16 --img 224 --out runs/long_gpu
@@ -27,6 +30,7 @@ machine does not decide it.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import statistics
@@ -81,6 +85,46 @@ def _window(rows: list[dict[str, Any]], key: str, k: int) -> float:
     return statistics.median(vals)
 
 
+def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, img: int, seed: int,
+                 device: str, rounds: int = 3) -> dict[str, dict[str, float]]:  # fmt: skip
+    """For each named state (a knowledge base's folder, a predict batch, the next task's index), the learner
+    loaded from it, then ``rounds`` turns, the states one after the other in each, of learning the next task
+    on a copy of the learner and committing it to a copy of the knowledge base (copies made, and the copy's
+    store warmed by one commit, outside the clock), then three predictions of the batch by the loaded
+    learner; returns per state the medians over the turns (``learn_s`` fit plus commit, ``signature_s``,
+    ``commit_s``, ``train_step_s``, ``predict_s``: the median of its three)."""
+    loaded = {name: Proteus.load(kb_dir, device=device) for name, (kb_dir, _, _) in states.items()}
+    got: dict[str, dict[str, list[float]]] = {name: {} for name in states}
+    for _ in range(rounds):
+        for name, (kb_dir, x, k) in states.items():
+            learner = copy.deepcopy(loaded[name])
+            tmp = Path(tempfile.mkdtemp(prefix="proteus-side-"))
+            try:
+                shutil.copytree(kb_dir, tmp / "kb")
+                kb = KnowledgeBase.open(tmp / "kb")
+                commit(kb, learner)  # the store learns the copy's tensors (a long run's store knows them)
+                t0 = time.perf_counter()
+                stats = learner.fit_task(synthetic_task(k, per_class, img, seed))
+                t1 = time.perf_counter()
+                commit(kb, learner)
+                t2 = time.perf_counter()
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            steps = len(getattr(learner.trainer_, "train_log_", []) or []) or 1
+            del learner
+            predict = []
+            for _ in range(3):
+                p0 = time.perf_counter()
+                loaded[name].predict(x)
+                predict.append(time.perf_counter() - p0)
+            sec = stats.seconds
+            for key, v in (("learn_s", t2 - t0), ("signature_s", sec.get("signature", 0.0)),
+                           ("commit_s", t2 - t1), ("train_step_s", sec.get("train", 0.0) / steps),
+                           ("predict_s", statistics.median(predict))):  # fmt: skip
+                got[name].setdefault(key, []).append(v)
+    return {name: {key: statistics.median(v) for key, v in d.items()} for name, d in got.items()}
+
+
 def evaluate(clf: Proteus, images: list[Any], truth: list[tuple[int, int]], batch: int) -> dict[str, float]:
     """Accuracy and task retrieval (%) on every held-out image of the tasks learned so far."""
     hits = found = 0
@@ -114,6 +158,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
     held: list[Any] = []
     held_y: list[tuple[int, int]] = []  # (class, task) of every held-out image
     accounts: dict[int, dict[str, Any]] = {}
+    ref = min(10, tasks)
+    kept: tuple[Path, Any] | None = None  # a copy of the knowledge base at task ref, and its predict batch
     t_start = time.perf_counter()
     try:
         for k in range(tasks):
@@ -161,6 +207,9 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
             if k + 1 in (min(10, tasks), tasks):
                 accounts[k + 1] = account(clf)
                 r["rss_mb"] = accounts[k + 1]["rss_anon_mb"] + accounts[k + 1]["rss_file_mb"]
+            if k + 1 == ref and tasks > ref:  # kept on disk (not in memory) for the side-by-side measurement
+                kept = (Path(tempfile.mkdtemp(prefix="proteus-long-ref-")) / "kb", x)
+                shutil.copytree(kb_dir, kept[0])
             if (k + 1) % 10 == 0 or k == 0:
                 log(f"task {k + 1:3d}: learn {r['learn_s']:.2f} s (train {r['train_s']:.2f}, signature "
                     f"{r['signature_s']:.2f}, head {r['head_s']:.2f}, commit {r['commit_s']:.2f}), predict "
@@ -168,16 +217,23 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                     f"{r['merged_cache_bytes'] / 1e6:.1f} MB, peak RSS learn {r['learn_peak_mb']:.0f} "
                     f"MiB, rank {r['ranks_min']}" + (f", accuracy {r['acc']:.1f}%, retrieval "
                     f"{r['retrieval']:.1f}%" if "acc" in r else ""))  # fmt: skip
+        side = None
+        if kept is not None:
+            log(f"side by side: the learner at task {ref} and at task {tasks}, in turns")
+            side = side_by_side({"ref": (*kept, ref), "last": (kb_dir, x, tasks)},
+                                per_class=per_class, img=img, seed=seed, device=device)  # fmt: skip
     finally:
         shutil.rmtree(kb_dir, ignore_errors=True)
+        if kept is not None:
+            shutil.rmtree(kept[0].parent, ignore_errors=True)
     last = rows[-1]["task"]
-    ref = min(10, last)
     budget_mb = (clf.model_.merge_budget_bytes or 0) / 2**20
     model_mb = sum(p.numel() * p.element_size() for p in clf.model_.parameters()) / 2**20
-    ratio = {
+    window = {
         key: _window(rows, key, last) / _window(rows, key, ref)
         for key in ("learn_s", "train_step_s", "predict_s")
     }
+    ratio = window if side is None else {key: side["last"][key] / side["ref"][key] for key in window}
     slope_keys = (
         "learn_s",
         "train_s",
@@ -199,6 +255,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "learn_ratio_last_vs_10": ratio["learn_s"],
         "train_step_ratio_last_vs_10": ratio["train_step_s"],
         "predict_ratio_last_vs_10": ratio["predict_s"],
+        "side_by_side": side,
+        "window_ratios": window,
         "peak_rss_mb_last": max(rows[-1]["learn_peak_mb"], rows[-1]["predict_peak_mb"]),
         "rss_mb_start": rows[0]["rss_mb"] - rows[0]["merged_cache_bytes"] / 2**20,
         "rss_mb_last": rows[-1]["rss_mb"],
@@ -271,6 +329,9 @@ def main() -> None:
     keys = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
     for key in keys:
         print(f"{key}: {rep[key]:.3f}")
+    if rep["side_by_side"] is not None:
+        window = ", ".join(f"{k} {v:.3f}" for k, v in rep["window_ratios"].items())
+        print(f"(measured side by side at the end; from the rows, medians of 5-task windows: {window})")
     slopes = {k: round(v, 5) for k, v in rep["slopes_per_task"].items()}
     print(f"resident {rep['rss_mb_start']:.0f} MiB after task 1, {rep['rss_mb_last']:.0f} MiB after the last")
     print(f"peak RSS at the last task {rep['peak_rss_mb_last']:.0f} MiB (merged-cache budget "
