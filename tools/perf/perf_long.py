@@ -85,6 +85,15 @@ def _window(rows: list[dict[str, Any]], key: str, k: int) -> float:
     return statistics.median(vals)
 
 
+def _warm(clf: Proteus) -> Proteus:
+    """``clf`` (just loaded) with what a learner that kept running has built and a loaded one builds at its
+    first task: each map's orthonormal basis of the old directions (``LoRAUnit._extend_basis``, O(k) after a
+    load), so that the side-by-side turns time a task of a long run, not the first task of a new process."""
+    for unit in getattr(getattr(clf, "model_", None), "units", {}).values():
+        unit._extend_basis()
+    return clf
+
+
 def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, img: int, seed: int,
                  device: str, rounds: int = 3) -> dict[str, dict[str, float]]:  # fmt: skip
     """For each named state (a knowledge base's folder, a predict batch, the next task's index), the learner
@@ -93,7 +102,7 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
     store warmed by one commit, outside the clock), then three predictions of the batch by the loaded
     learner; returns per state the medians over the turns (``learn_s`` fit plus commit, ``signature_s``,
     ``commit_s``, ``train_step_s``, ``predict_s``: the median of its three)."""
-    loaded = {name: Proteus.load(kb_dir, device=device) for name, (kb_dir, _, _) in states.items()}
+    loaded = {name: _warm(Proteus.load(kb_dir, device=device)) for name, (kb_dir, _, _) in states.items()}
     got: dict[str, dict[str, list[float]]] = {name: {} for name in states}
     for _ in range(rounds):
         for name, (kb_dir, x, k) in states.items():
