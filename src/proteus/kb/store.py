@@ -239,7 +239,7 @@ class KnowledgeBase:
         ... commit. A manifest this proteus could not read back is refused; a failed commit leaves the KB as
         it was."""
         commit = Commit(self.root, self.objects, self._manifest_sha)
-        replaced = {Path(rel).name for _, rel, _ in _refs(self.manifest)} if self._on_disk else set()
+        replaced = _object_names(self.manifest) if self._on_disk and self._manifest_sha else None
         try:
             sizes = commit.sizes(manifest, self.manifest)
             manifest = seal(manifest, self.manifest, sizes, self.key, self.root)
@@ -254,7 +254,7 @@ class KnowledgeBase:
         if self.key is not None:
             accept(manifest, self.key)
         crash_point("commit:manifest")
-        self.sweep(replaced)  # manifest.prev.json holds the state replaced
+        self.sweep(replaced)  # manifest.prev.json holds the state replaced (write checked it is this one)
 
     def commit_state(
         self, tasks: list[Part], head: Part | None, evaluation: list[dict[str, Any]] | None = None
@@ -325,7 +325,7 @@ class KnowledgeBase:
         """Delete the objects referenced neither by the manifest nor by manifest.prev.json (``previous``: its
         names, if known), and temporary files (:func:`~proteus.kb.sweep.sweep`); returns each file removed
         with its size. Only a writer (holding the lock) sweeps."""
-        return sweep(self.root, {Path(rel).name for _, rel, _ in _refs(self.manifest)}, previous)
+        return sweep(self.root, _object_names(self.manifest), previous)
 
     def gc(self) -> list[tuple[Path, int]]:
         """``proteus kb gc``: :meth:`sweep` outside a commit (after a failed one, on a full disk); the caller
@@ -356,6 +356,10 @@ class KnowledgeBase:
 def _fresh_manifest(header: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "created": _now(), **header, "tasks": [],
             "head": None}  # fmt: skip
+
+
+def _object_names(manifest: dict[str, Any]) -> set[str]:
+    return {Path(rel).name for _, rel, _ in _refs(manifest)}
 
 
 def _summary(manifest: dict[str, Any]) -> dict[str, Any]:
