@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ from proteus.streams.datasets import ArrayImageDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from memory_account import account, slopes  # noqa: E402
-from perf_timing import PeakMemory, _rss_bytes  # noqa: E402
+from perf_timing import PeakMemory, _rss_bytes, _time_call  # noqa: E402
 
 
 def synthetic_task(k: int, per_class: int, img: int, seed: int) -> Task:
@@ -102,6 +103,7 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
     store warmed by one commit, outside the clock), then three predictions of the batch by the loaded
     learner; returns per state the medians over the turns (``learn_s`` fit plus commit, ``signature_s``,
     ``commit_s``, ``train_step_s``, ``predict_s``: the median of its three)."""
+    dev = torch.device(device)
     loaded = {name: _warm(Proteus.load(kb_dir, device=device)) for name, (kb_dir, _, _) in states.items()}
     got: dict[str, dict[str, list[float]]] = {name: {} for name in states}
     for _ in range(rounds):
@@ -121,15 +123,11 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
                 shutil.rmtree(tmp, ignore_errors=True)
             steps = len(getattr(learner.trainer_, "train_log_", []) or []) or 1
             del learner
-            predict = []
-            for _ in range(3):
-                p0 = time.perf_counter()
-                loaded[name].predict(x)
-                predict.append(time.perf_counter() - p0)
+            predict = statistics.median(_time_call(partial(loaded[name].predict, x), dev) for _ in range(3))
             sec = stats.seconds
             for key, v in (("learn_s", t2 - t0), ("signature_s", sec.get("signature", 0.0)),
-                           ("commit_s", t2 - t1), ("train_step_s", sec.get("train", 0.0) / steps),
-                           ("predict_s", statistics.median(predict))):  # fmt: skip
+                           ("commit_s", t2 - t1), ("predict_s", predict),
+                           ("train_step_s", sec.get("train", 0.0) / steps)):  # fmt: skip
                 got[name].setdefault(key, []).append(v)
     return {name: {key: statistics.median(v) for key, v in d.items()} for name, d in got.items()}
 
@@ -186,12 +184,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
             x = clf.transform_images(
                 [held[i % len(held)] for i in range(0, len(held), max(1, len(held) // batch))][:batch]
             )
-            times = []
             with PeakMemory(dev) as pm_pred:
-                for _ in range(3):
-                    p0 = time.perf_counter()
-                    clf.predict(x)
-                    times.append(time.perf_counter() - p0)
+                predict_s = statistics.median(_time_call(partial(clf.predict, x), dev) for _ in range(3))
             sec = stats.seconds
             steps = len(getattr(clf.trainer_, "train_log_", []) or []) or None
             rows.append({
@@ -200,7 +194,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                 "prefix_s": sec.get("prefix"), "train_s": sec.get("train"),
                 "signature_s": sec.get("signature"), "head_s": sec.get("head"),
                 "train_step_s": None if not steps else sec.get("train", 0.0) / steps,
-                "predict_s": statistics.median(times),
+                "predict_s": predict_s,
                 "learn_peak_mb": pm_learn.result.get("peak_mb"),
                 "predict_peak_mb": pm_pred.result.get("peak_mb"),
                 "kb_bytes": sum(f.stat().st_size for f in kb_dir.rglob("*") if f.is_file()),

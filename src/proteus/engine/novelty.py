@@ -278,8 +278,13 @@ class PPCA:
         P = D @ self.basis.double().to(Z.device)
         var = self.var.double().to(Z.device)
         rest = ((D * D).sum(1) - (P * P).sum(1)).clamp_min(0.0)
-        logdet = float(torch.log(var).sum()) + (D.shape[1] - P.shape[1]) * math.log(self.noise)
-        return (P * P / var).sum(1) + rest / self.noise + logdet
+        return (P * P / var).sum(1) + rest / self.noise + self.logdet
+
+    @property
+    def logdet(self) -> float:
+        """The covariance's log-determinant: the kept variances, and ``noise`` for every other direction."""
+        rest = self.mean.numel() - self.basis.shape[1]
+        return float(torch.log(self.var.double()).sum()) + rest * math.log(self.noise)
 
 
 class TaskGaussians:
@@ -305,14 +310,7 @@ class TaskGaussians:
         )  # (sum r,): each mean's projection
         self.weights = torch.cat([1.0 / g.var.double() - 1.0 / g.noise for g in gaussians])
         self.inv_noise = torch.tensor([1.0 / g.noise for g in gaussians], dtype=torch.float64)
-        dim = means.shape[1]
-        self.logdet = torch.tensor(
-            [
-                float(torch.log(g.var.double()).sum()) + (dim - g.basis.shape[1]) * math.log(g.noise)
-                for g in gaussians
-            ],
-            dtype=torch.float64,
-        )
+        self.logdet = torch.tensor([g.logdet for g in gaussians], dtype=torch.float64)
 
     def scores(self, Z: Tensor) -> Tensor:
         Zc = Z.cpu().double() - self.center

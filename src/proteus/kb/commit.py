@@ -38,6 +38,7 @@ from proteus.kb.files import (
     _fsync_dir,
     _not_writable,
     _now,
+    _object_names,
     _refs,
     _sha,
     kept_name,
@@ -261,7 +262,7 @@ def _names(data: bytes | None) -> set[str]:
     if not data:
         return set()
     try:
-        return {Path(rel).name for _, rel, _ in _refs(load_json(data, MANIFEST))}
+        return _object_names(load_json(data, MANIFEST))
     except (ProteusError, AttributeError):
         return set()
 

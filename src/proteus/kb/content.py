@@ -43,6 +43,12 @@ def tensor_digest(t: torch.Tensor) -> bytes:
     ).digest()
 
 
+def _stable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be recognised later by identity and version: a contiguous CPU tensor that requires
+    no gradient (an optimiser may write a parameter through ``.data``, unseen by the version counter)."""
+    return not t.requires_grad and t.device.type == "cpu" and t.is_contiguous()
+
+
 class TensorDigests:
     """``tensor_digest`` of tensor objects, remembered while each object lives and keeps its version."""
 
@@ -51,7 +57,7 @@ class TensorDigests:
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, bytes]] = {}
 
     def __call__(self, t: torch.Tensor) -> bytes:
-        if t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
+        if not _stable(t):
             return tensor_digest(t.contiguous().cpu())
         seen = self._seen.get(id(t))
         if seen is not None and seen[0]() is t and seen[1] == t._version:
@@ -81,7 +87,7 @@ def content_key(kind: str, tensors: dict[str, torch.Tensor], digest: TensorDiges
 class ContentKeys:
     """:func:`content_key` of the objects one store writes, each kept while its kind comes back with the
     same tensor objects (same names, each alive, the same object and the same version) and rebuilt
-    otherwise; tensors that :class:`TensorDigests` would hash every time are never kept."""
+    otherwise; an object with a tensor that is not stable (:func:`_stable`: hashed every time) never is."""
 
     def __init__(self) -> None:
         self.digests = TensorDigests()
@@ -98,9 +104,7 @@ class ContentKeys:
             ):
                 return kept[1]
         key = content_key(kind, tensors, self.digests)
-        if all(
-            not t.requires_grad and t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()
-        ):
+        if all(_stable(t) for t in tensors.values()):
             self._kept[kind] = (tuple((n, weakref.ref(tensors[n]), tensors[n]._version) for n in names), key)
         else:
             self._kept.pop(kind, None)

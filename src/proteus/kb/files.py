@@ -425,6 +425,11 @@ def _refs(manifest: dict[str, Any]) -> list[tuple[str, str, str]]:
     return out
 
 
+def _object_names(manifest: dict[str, Any]) -> set[str]:
+    """The file names of every object ``manifest`` references (what a sweep keeps)."""
+    return {Path(rel).name for _, rel, _ in _refs(manifest)}
+
+
 # ====================================================================== the writers' lock
 
 

@@ -85,6 +85,7 @@ from proteus.kb.files import (
     _kb_files,
     _MissingObject,
     _now,
+    _object_names,
     _refs,
     _sha,
     _shown,
@@ -356,10 +357,6 @@ class KnowledgeBase:
 def _fresh_manifest(header: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "created": _now(), **header, "tasks": [],
             "head": None}  # fmt: skip
-
-
-def _object_names(manifest: dict[str, Any]) -> set[str]:
-    return {Path(rel).name for _, rel, _ in _refs(manifest)}
 
 
 def _summary(manifest: dict[str, Any]) -> dict[str, Any]:

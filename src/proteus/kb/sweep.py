@@ -16,8 +16,8 @@ from proteus.kb.files import (
     MANIFEST,
     OBJECTS,
     PREV_MANIFEST,
+    _object_names,
     _pid_running,
-    _refs,
     _tmp_pid,
     log,
     read_kb_file,
@@ -60,7 +60,7 @@ def previous_names(root: Path) -> set[str] | None:
         prev = load_json(data, str(root / PREV_MANIFEST))
     except (OSError, ProteusError):
         return None
-    return {Path(rel).name for _, rel, _ in _refs(prev)} if isinstance(prev, dict) else None
+    return _object_names(prev) if isinstance(prev, dict) else None
 
 
 def sweep(root: Path, keep: set[str], previous: set[str] | None = None) -> list[tuple[Path, int]]:
