@@ -45,8 +45,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------------- merged weights
-@pytest.mark.parametrize("conv", [False, True])
-def test_merged_map_is_w0_plus_eq9_update(conv: bool) -> None:
+# a linear map, and 1x1 maps over fewer and over at least 16 positions
+@pytest.mark.parametrize(("conv", "side"), [(False, 0), (True, 3), (True, 5)])
+def test_merged_map_is_w0_plus_eq9_update(conv: bool, side: int) -> None:
     torch.manual_seed(0)
     base = nn.Conv2d(6, 10, 1) if conv else nn.Linear(6, 10)
     w = LoRAWrapper(base, {"q": (0, 4), "v": (6, 10)} if not conv else {}, 1.5)
@@ -65,7 +66,7 @@ def test_merged_map_is_w0_plus_eq9_update(conv: bool) -> None:
         for u, (s, e) in zip(w.units.values(), w.slices.values()):
             ref[s:e] += 1.5 * u.B @ torch.diag(u.C[k]) @ u.A.T  # Eq. 9
         assert torch.allclose(W_k, ref, atol=1e-6)
-    x = torch.randn(6, 6, 3, 3) if conv else torch.randn(6, 5, 6)
+    x = torch.randn(6, 6, side, side) if conv else torch.randn(6, 5, 6)
     outs = {}
     for merged in (False, True):
         for u in w.units.values():

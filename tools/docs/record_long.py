@@ -2,8 +2,8 @@
 ``python tools/docs/record_long.py RUN/long_stream.json [...] --name NAME --command "python tools/perf/..."``
 writes ``docs/measured/long/NAME.json``: per run its merged-weight budget, the ratios of the last task to
 task 10 (learn, training step, predict), the resident memory beyond the merged cache per task and where it
-goes (the learner's tensors by the attribute holding them, the native rest), MiB per task, and the seconds
-behind the ratios at task 10 and at the last task.
+goes (the learner's tensors by the attribute holding them, the native rest, malloc'd or not), MiB per task,
+and the seconds behind the ratios at task 10 and at the last task.
 ``tests/test_measured_docs.py`` checks that docs/performance.md shows each of them on the run's two table
 lines (figures, then seconds) in the section naming `` `NAME` ``, so the page cannot drift from the runs.
 """
@@ -30,6 +30,9 @@ PARTS = {
     "per-task heads": ("heads_.experts", "heads_.head"),
 }
 
+#: the native rest split (:mod:`memory_account`): what malloc handed out beyond the tensors, and the rest
+NATIVE = {"native: malloc'd": "native_malloc_mb", "native: other": "native_other_mb"}
+
 
 #: the settings every perf_long.py run makes; any other is the run's own and names it on the page
 COMMON = (
@@ -42,6 +45,8 @@ def label(settings: dict[str, object]) -> str:
     """The run's name on the page: its tasks, its merged-weight budget and any setting of its own."""
     mb = float(settings["eval.merge_budget_mb"])  # type: ignore[arg-type]
     own = [f"{k}={v}" for k, v in settings.items() if "." in k and k not in COMMON]
+    if settings.get("kernel_caches") == "off":
+        own.append("kernel caches off")
     return ", ".join(
         [f"{settings['tasks']} tasks", f"{mb / 1024:g} GiB" if mb >= 1024 else f"{mb:g} MiB", *own]
     )
@@ -80,7 +85,13 @@ def summary(path: Path) -> dict[str, object]:
         "seconds_total": round(d["seconds_total"]),
         **{k: round(d[k], 2) for k in RATIOS},
         "rss_beyond_cache_mb_per_task": round(d["rss_beyond_cache_mb_per_task"], 2),
-        "parts_mb_per_task": {**parts, "native rest": round(per_task["native_mb"], 3)},
+        "parts_mb_per_task": {
+            **parts,
+            "native rest": round(per_task["native_mb"], 3),
+            **{
+                name: round(per_task[key], 3) for name, key in NATIVE.items() if per_task.get(key) is not None
+            },
+        },
         "seconds": _seconds(d),
         "window_ratios": {k: round(v, 2) for k, v in (d.get("window_ratios") or {}).items()},
         "rss_mb_start": round(d["rss_mb_start"]),

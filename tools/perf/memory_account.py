@@ -8,13 +8,18 @@ anonymous and file-backed resident memory (``/proc/self/status``) after ``gc.col
 
     native = anonymous resident - every tensor
 
-is what neither the learner's nor any other Python-visible tensor holds: the allocator's free but kept
-pages, oneDNN's primitive cache (bounded: ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024 kernels by default),
-the interpreter's own objects. :func:`slopes` turns two accounts into MiB per task.
+is what neither the learner's nor any other Python-visible tensor holds. glibc's ``mallinfo2`` splits it:
+what ``malloc`` has handed out beyond the tensors (``native_malloc_mb``: C and C++ objects such as oneDNN's
+primitive descriptors, the interpreter's larger objects) and the rest (``native_other_mb``: pages mapped
+outside ``malloc`` -- the kernels oneDNN compiles, the interpreter's small-object arenas -- and free pages
+the allocator keeps). oneDNN and PyTorch's mkldnn bridge cache compiled kernels per shape, at most 1024
+each (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``), so a computation whose shapes change
+with every task grows them until the caps. :func:`slopes` turns two accounts into MiB per task.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import re
 from collections import deque
@@ -94,6 +99,27 @@ def _all_tensor_bytes() -> int:
     return sum(storages.values())
 
 
+#: glibc's ``struct mallinfo2``, field by field
+_MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+              "keepcost")  # fmt: skip
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in _MALLINFO2]
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes glibc's ``malloc`` has handed out and not taken back, every arena and mapped chunk (glibc >=
+    2.33; None elsewhere)."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
+
+
 def _status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
@@ -110,14 +136,19 @@ def account(learner: Any) -> dict[str, Any]:
     owners = tensor_owners(learner)
     tensors = _all_tensor_bytes()
     anon, file = _status_kib("RssAnon"), _status_kib("RssFile")
+    in_use = _malloc_in_use()
     mib = 2**20
+    native = None if anon is None else anon / 1024 - tensors / mib
+    malloced = None if in_use is None else (in_use - tensors) / mib
     return {
         "learner_tensors_mb": {k: v / mib for k, v in sorted(owners.items())},
         "learner_tensors_total_mb": sum(owners.values()) / mib,
         "all_tensors_mb": tensors / mib,
         "rss_anon_mb": None if anon is None else anon / 1024,
         "rss_file_mb": None if file is None else file / 1024,
-        "native_mb": None if anon is None else anon / 1024 - tensors / mib,
+        "native_mb": native,
+        "native_malloc_mb": malloced,
+        "native_other_mb": None if native is None or malloced is None else native - malloced,
     }
 
 
@@ -134,6 +165,14 @@ def slopes(first: dict[str, Any], last: dict[str, Any], tasks: int) -> dict[str,
             for k in sorted(keys)
         }
     }
-    for k in ("learner_tensors_total_mb", "all_tensors_mb", "rss_anon_mb", "rss_file_mb", "native_mb"):
-        out[k] = per(first[k], last[k])
+    for k in (
+        "learner_tensors_total_mb",
+        "all_tensors_mb",
+        "rss_anon_mb",
+        "rss_file_mb",
+        "native_mb",
+        "native_malloc_mb",
+        "native_other_mb",
+    ):
+        out[k] = per(first.get(k), last.get(k))
     return out

@@ -11,8 +11,8 @@ knowledge base on disk as ``proteus learn`` does, and records for every k:
 * the peak resident set size during learn and during predict (MiB above the process's size at start);
 * the knowledge base's bytes on disk and the merged-weight cache's bytes;
 * at task 10 and at the last task, where the resident memory goes (:mod:`memory_account`: the learner's
-  tensors by the attribute holding them, every tensor, and the native rest), and from the two the resident
-  memory beyond the merged-weight cache per task.
+  tensors by the attribute holding them, every tensor, and the native rest, malloc'd or not), and from
+  the two the resident memory beyond the merged-weight cache per task.
 
 It writes ``long_stream.json`` (every row) and ``long_stream.png`` (each quantity against k) and reports
 the ratios the issue sets: learn time of the last task over task 10 (<= 1.3), predict time per batch at
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -54,6 +55,14 @@ from proteus.streams.datasets import ArrayImageDataset
 sys.path.insert(0, str(Path(__file__).parent))
 from memory_account import account, slopes  # noqa: E402
 from perf_timing import PeakMemory, _rss_bytes, _time_call  # noqa: E402
+
+#: the environment that turns oneDNN's primitive cache and PyTorch's mkldnn bridge cache off (read when
+#: torch loads)
+KERNEL_CACHES_OFF = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "LRU_CACHE_CAPACITY": "1"}
+
+
+def _kernel_caches_off() -> bool:
+    return all(os.environ.get(k) == v for k, v in KERNEL_CACHES_OFF.items())
 
 
 def synthetic_task(k: int, per_class: int, img: int, seed: int) -> Task:
@@ -252,6 +261,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
     span = max(last - ref, 1)
     report = {
         "settings": {"method": method, "tasks": tasks, "backbone": backbone, "img": img,
+                     "kernel_caches": "off" if _kernel_caches_off() else "on",
                      "per_class": per_class,
                      "batch": batch, **{k: v for k, v in sets.items() if k != "device"}},
         "seconds_total": time.perf_counter() - t_start,
@@ -322,7 +332,16 @@ def main() -> None:
         help="every N tasks (and after the last) accuracy and retrieval on all held-out images",
     )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting")
+    ap.add_argument(
+        "--no-kernel-caches",
+        action="store_true",
+        help="with oneDNN's and the mkldnn bridge's kernel caches off (the process starts again under "
+        f"{' '.join(f'{k}={v}' for k, v in KERNEL_CACHES_OFF.items())}): every kernel compiled per call, so "
+        "the native memory the caches hold is the difference from a run without this flag",
+    )
     args = ap.parse_args()
+    if args.no_kernel_caches and not _kernel_caches_off():
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **KERNEL_CACHES_OFF})
     if args.threads:
         torch.set_num_threads(args.threads)
     extra = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
@@ -348,6 +367,11 @@ def main() -> None:
         f"(tasks {ref_k} to {rep['settings']['tasks']}): the learner's tensors "
         f"{acc['learner_tensors_total_mb']:.3f} "
         f"({owners}); every tensor {acc['all_tensors_mb']:.3f}; native {acc['native_mb']:.3f}"
+        + (
+            f" (malloc'd {acc['native_malloc_mb']:.3f}, other {acc['native_other_mb']:.3f})"
+            if acc.get("native_malloc_mb") is not None
+            else ""
+        )
     )
     if rep["gpu_allocated_mb_per_task"] is not None:
         print(f"GPU memory held: {rep['gpu_allocated_mb_per_task']:.3f} MiB per task from task {ref_k}; "

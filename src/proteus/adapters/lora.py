@@ -277,14 +277,24 @@ class LoRAUnit(nn.Module):
         return d if self.scaling == 1.0 else d * self.scaling
 
     def delta_conv(self, x: torch.Tensor, groups: int) -> torch.Tensor | None:
-        """Grouped update for a 1x1 convolution on NCHW input, as two 1x1 convolutions (no layout
-        copies): (G*n, q, H, W) -> (G*n, p, H, W). Returns None when nothing is composed."""
+        """Grouped update for a 1x1 convolution on NCHW input, (G*n, q, H, W) -> (G*n, p, H, W), as two
+        GEMMs: channels first, (cols, q) @ (n, q, HW), over >= 16 positions, else rows of q channels (as
+        the merged form, :meth:`LoRAMap._merged_forward`). Not as convolutions: the composed columns grow
+        with every task, and oneDNN compiles and caches kernels per shape, so a long stream would grow its
+        kernel caches by about 1 MiB per task (``tools/perf/native_memory.py``). Returns None when nothing
+        is composed; the result may be a channels-last view."""
         if self.coef is None or self.coef.shape[1] == 0:
             return None
         dt, cols = x.dtype, self.coef.shape[1]
-        u = F.conv2d(x, self.A[:, :cols].T.to(dt)[:, :, None, None])  # (G*n, cols, H, W)
-        u = u.unflatten(0, (groups, -1)) * self.coef.to(dt)[:, None, :, None, None]
-        return self._scale(F.conv2d(u.flatten(0, 1), self.B[:, :cols].to(dt)[:, :, None, None]))
+        A, B, coef = self.A[:, :cols].to(dt), self.B[:, :cols].to(dt), self.coef.to(dt)
+        n, q, h, w = x.shape
+        if h * w >= 16 and x.is_contiguous():
+            u = A.T @ x.view(groups, n // groups, q, h * w)  # (G, n/G, cols, HW)
+            d = B @ (u * coef[:, None, :, None])  # (G, n/G, p, HW)
+            return self._scale(d.view(n, -1, h, w))
+        rows = x.movedim(1, -1).reshape(groups, -1, q)  # (G, n/G HW, q)
+        d = ((rows @ A) * coef[:, None, :]) @ B.T  # (G, n/G HW, p)
+        return self._scale(d.view(n, h, w, -1).movedim(-1, 1))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
