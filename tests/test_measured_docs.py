@@ -88,7 +88,7 @@ def test_the_performance_page_shows_each_long_stream_figure(path: Path) -> None:
         rows = [line for line in section if line.startswith(label)]
         assert len(rows) == 2, f"{path.name}: two lines starting {label!r} expected (figures, seconds)"
         ratios = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
-        want = [f"{run[k]:.2f}" for k in (*ratios, "rss_beyond_cache_mb_per_task")]
+        want = [f"{run[k]:.2f}" for k in (*ratios, "rss_beyond_cache_mb_per_task", "kb_mb_per_task")]
         want += [f"{v:.3f}" for v in run["parts_mb_per_task"].values()]
         seconds = [" / ".join(f"{v:g}" for v in pair) for pair in run["seconds"].values()]
         for row, expected in zip(rows, (want, seconds), strict=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -43,6 +44,21 @@ def test_an_account_and_its_slopes_say_what_grows_per_task() -> None:
     assert last["all_tensors_mb"] >= last["learner_tensors_total_mb"]
     if first["rss_anon_mb"] is not None:
         assert first["native_mb"] == first["rss_anon_mb"] - first["all_tensors_mb"]
+    if first["native_malloc_mb"] is not None:  # glibc: the native rest is split in two parts that add up
+        assert abs(first["native_malloc_mb"] + first["native_other_mb"] - first["native_mb"]) < 1e-9
+
+
+def test_malloc_in_use_counts_a_new_tensors_bytes() -> None:
+    """The split's ``malloc`` figure: a new 8 MiB tensor is memory malloc handed out (torch's CPU allocator
+    takes its storage from malloc)."""
+    from memory_account import _malloc_in_use
+
+    before = _malloc_in_use()
+    if before is None:
+        pytest.skip("glibc's mallinfo2 is not available here")
+    t = torch.ones(2**21)
+    after = _malloc_in_use()
+    assert after is not None and after - before >= t.numel() * t.element_size()
 
 
 def test_the_process_count_skips_tensors_without_memory_of_their_own() -> None:

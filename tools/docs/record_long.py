@@ -2,8 +2,9 @@
 ``python tools/docs/record_long.py RUN/long_stream.json [...] --name NAME --command "python tools/perf/..."``
 writes ``docs/measured/long/NAME.json``: per run its merged-weight budget, the ratios of the last task to
 task 10 (learn, training step, predict), the resident memory beyond the merged cache per task and where it
-goes (the learner's tensors by the attribute holding them, the native rest, malloc'd or not), MiB per task,
-and the seconds behind the ratios at task 10 and at the last task.
+goes (the learner's tensors by the attribute holding them, the native rest, malloc'd or not), the growth of
+the knowledge base on disk per task, MiB per task, and the seconds behind the ratios at task 10 and at the
+last task.
 ``tests/test_measured_docs.py`` checks that docs/performance.md shows each of them on the run's two table
 lines (figures, then seconds) in the section naming `` `NAME` ``, so the page cannot drift from the runs.
 """
@@ -72,6 +73,13 @@ def _seconds(d: dict[str, Any]) -> dict[str, list[float]]:
     }
 
 
+def _kb_slope(d: dict[str, Any]) -> float:
+    """MiB the knowledge base on disk grows per task from task 10 to the last: the learned state itself."""
+    rows, ref = d["rows"], min(10, d["settings"]["tasks"])
+    span = max(rows[-1]["task"] - ref, 1)
+    return (rows[-1]["kb_bytes"] - rows[ref - 1]["kb_bytes"]) / span / 2**20
+
+
 def summary(path: Path) -> dict[str, object]:
     """One run's figures, rounded as the page shows them."""
     d = json.loads(path.read_text())
@@ -85,6 +93,7 @@ def summary(path: Path) -> dict[str, object]:
         "seconds_total": round(d["seconds_total"]),
         **{k: round(d[k], 2) for k in RATIOS},
         "rss_beyond_cache_mb_per_task": round(d["rss_beyond_cache_mb_per_task"], 2),
+        "kb_mb_per_task": round(_kb_slope(d), 2),
         "parts_mb_per_task": {
             **parts,
             "native rest": round(per_task["native_mb"], 3),
