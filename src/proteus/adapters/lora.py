@@ -277,27 +277,33 @@ class LoRAUnit(nn.Module):
         return d if self.scaling == 1.0 else d * self.scaling
 
     def delta_conv(self, x: torch.Tensor, groups: int) -> torch.Tensor | None:
-        """Grouped update for a 1x1 convolution on NCHW input, (G*n, q, H, W) -> (G*n, p, H, W), as two
-        GEMMs: channels first, (cols, q) @ (n, q, HW), over >= 16 positions, else rows of q channels (as
-        the merged form, :meth:`LoRAMap._merged_forward`). Not as convolutions: the composed columns grow
-        with every task, and oneDNN compiles and caches kernels per shape, so a long stream would grow its
-        kernel caches by about 1 MiB per task (``tools/perf/native_memory.py``). Returns None when nothing
-        is composed; the result may be a channels-last view."""
+        """Grouped update for a 1x1 convolution on NCHW input, (G*n, q, H, W) -> (G*n, p, H, W)
+        (:func:`_grouped_1x1`); None when nothing is composed."""
         if self.coef is None or self.coef.shape[1] == 0:
             return None
         dt, cols = x.dtype, self.coef.shape[1]
-        A, B, coef = self.A[:, :cols].to(dt), self.B[:, :cols].to(dt), self.coef.to(dt)
-        n, q, h, w = x.shape
-        if h * w >= 16 and x.is_contiguous():
-            u = A.T @ x.view(groups, n // groups, q, h * w)  # (G, n/G, cols, HW)
-            d = B @ (u * coef[:, None, :, None])  # (G, n/G, p, HW)
-            return self._scale(d.view(n, -1, h, w))
-        rows = x.movedim(1, -1).reshape(groups, -1, q)  # (G, n/G HW, q)
-        d = ((rows @ A) * coef[:, None, :]) @ B.T  # (G, n/G HW, p)
-        return self._scale(d.view(n, h, w, -1).movedim(-1, 1))
+        A, B = self.A[:, :cols].to(dt), self.B[:, :cols].to(dt)
+        return self._scale(_grouped_1x1(x, A, B, self.coef.to(dt), groups))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
+
+
+def _grouped_1x1(
+    x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, coef: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """``B diag(coef[g]) A^T`` applied to each group g of x (G*n, q, H, W) as a 1x1 map, as two GEMMs:
+    channels first, (cols, q) @ (n, q, HW), over >= 16 positions, else rows of q channels (as the merged
+    form, :meth:`LoRAWrapper._merged_forward`). Not as convolutions: the composed columns grow with every
+    task, and oneDNN compiles and caches kernels per shape, so a long stream grew its native memory with
+    every task (docs/performance.md, "`long-300`"). The result may be a channels-last view."""
+    n, q, h, w = x.shape
+    if h * w >= 16 and x.is_contiguous():
+        u = A.T @ x.view(groups, n // groups, q, h * w)  # (G, n/G, cols, HW)
+        return (B @ (u * coef[:, None, :, None])).view(n, -1, h, w)  # (G, n/G, p, HW)
+    rows = x.movedim(1, -1).reshape(groups, -1, q)  # (G, n/G HW, q)
+    d = ((rows @ A) * coef[:, None, :]) @ B.T  # (G, n/G HW, p)
+    return d.view(n, h, w, -1).movedim(-1, 1)
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
