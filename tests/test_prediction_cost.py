@@ -76,6 +76,38 @@ def test_merged_map_is_w0_plus_eq9_update(conv: bool, side: int) -> None:
     assert _rel(outs[True], outs[False]) < 1e-5
 
 
+@pytest.mark.parametrize("side", [3, 5])
+def test_the_factored_1x1_update_runs_no_convolution(side: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1x1 map's factored update is two matrix products, equal to the two 1x1 convolutions it replaces:
+    oneDNN compiles and caches kernels per convolution shape, and the composed columns grow with every task
+    (docs/performance.md, "`long-300`")."""
+    torch.manual_seed(0)
+    w = LoRAWrapper(nn.Conv2d(6, 10, 1), {}, 1.0)
+    g = torch.Generator().manual_seed(0)
+    u = next(iter(w.units.values()))
+    for _ in range(3):
+        u.begin_task(2, "learned", True, g)
+        with torch.no_grad():
+            u.B_new.normal_(generator=g)
+            if u.s is not None:
+                u.s.normal_(generator=g)
+        u.end_task()
+    u.coef = u.coefficients([2, 0, 1])
+    x = torch.randn(6, 6, side, side)
+    cols = u.coef.shape[1]
+    conv = torch.nn.functional.conv2d(x, u.A[:, :cols].T[:, :, None, None]).unflatten(0, (3, -1))
+    conv = torch.nn.functional.conv2d((conv * u.coef[:, None, :, None, None]).flatten(0, 1),
+                                      u.B[:, :cols, None, None])  # fmt: skip
+
+    def refused(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("a convolution in the factored update")
+
+    monkeypatch.setattr(torch.nn.functional, "conv2d", refused)
+    monkeypatch.setattr(torch, "conv2d", refused)
+    d = u.delta_conv(x, 3)
+    assert d is not None and _rel(d, conv) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["mobilenet_v2", "vit_ti16"])
 def test_merged_and_factored_backbones_agree(name: str) -> None:
     torch.manual_seed(0)
