@@ -40,6 +40,19 @@ def _add_tasks(model: AdaptedBackbone, m: int, seed: int = 0) -> None:
         model.end_task()
 
 
+def _add_unit_tasks(w: LoRAWrapper, m: int) -> None:
+    """m tasks of rank 2 on every unit of ``w``, with non-zero B and S (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(m):
+        for u in w.units.values():
+            u.begin_task(2, "learned", True, g)
+            with torch.no_grad():
+                u.B_new.normal_(generator=g)
+                if u.s is not None:
+                    u.s.normal_(generator=g)
+            u.end_task()
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
@@ -51,15 +64,7 @@ def test_merged_map_is_w0_plus_eq9_update(conv: bool, side: int) -> None:
     torch.manual_seed(0)
     base = nn.Conv2d(6, 10, 1) if conv else nn.Linear(6, 10)
     w = LoRAWrapper(base, {"q": (0, 4), "v": (6, 10)} if not conv else {}, 1.5)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        for u in w.units.values():
-            u.begin_task(2, "learned", True, g)
-            with torch.no_grad():
-                u.B_new.normal_(generator=g)
-                if u.s is not None:
-                    u.s.normal_(generator=g)
-            u.end_task()
+    _add_unit_tasks(w, 3)
     W = w.merged_weights([2, 0])
     for W_k, k in zip(W, (2, 0)):
         ref = base.weight.detach().reshape(10, 6).clone()
@@ -83,15 +88,8 @@ def test_the_factored_1x1_update_runs_no_convolution(side: int, monkeypatch: pyt
     (docs/performance.md, "`long-300`")."""
     torch.manual_seed(0)
     w = LoRAWrapper(nn.Conv2d(6, 10, 1), {}, 1.0)
-    g = torch.Generator().manual_seed(0)
+    _add_unit_tasks(w, 3)
     u = next(iter(w.units.values()))
-    for _ in range(3):
-        u.begin_task(2, "learned", True, g)
-        with torch.no_grad():
-            u.B_new.normal_(generator=g)
-            if u.s is not None:
-                u.s.normal_(generator=g)
-        u.end_task()
     u.coef = u.coefficients([2, 0, 1])
     x = torch.randn(6, 6, side, side)
     cols = u.coef.shape[1]

@@ -26,7 +26,7 @@ from collections import deque
 from typing import Any
 
 import torch
-from perf_timing import _malloc_trim
+from perf_timing import _malloc_trim, glibc_function
 
 #: attributes whose tensors are reported one level deeper (``model_.units`` rather than ``model_``)
 SPLIT = ("model_", "keys_", "heads_")
@@ -111,9 +111,8 @@ class _MallInfo2(ctypes.Structure):
 def _malloc_in_use() -> int | None:
     """Bytes glibc's ``malloc`` has handed out and not taken back, every arena and mapped chunk (glibc >=
     2.33; None elsewhere)."""
-    try:
-        fn = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    fn = glibc_function("mallinfo2")
+    if fn is None:
         return None
     fn.restype = _MallInfo2
     info = fn()

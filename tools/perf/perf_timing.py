@@ -67,15 +67,23 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def _malloc_trim() -> bool:
-    """Return free heap memory to the system (glibc only), so that RSS growth measures new memory."""
+def glibc_function(name: str) -> Any | None:
+    """glibc's function ``name`` through ctypes (None without glibc, or in a glibc without it)."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return True
+        return getattr(ctypes.CDLL("libc.so.6"), name)
     except (OSError, AttributeError):
+        return None
+
+
+def _malloc_trim() -> bool:
+    """Return free heap memory to the system (glibc only), so that RSS growth measures new memory."""
+    trim = glibc_function("malloc_trim")
+    if trim is None:
         return False
+    trim(0)
+    return True
 
 
 def _maxrss_bytes() -> int:
