@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kbfiles import as_released, read_manifest
 from proteus.cli import main
 from proteus.kb import KnowledgeBase
 from tiny import TINY, folder_args, write_spec
@@ -185,17 +186,17 @@ def test_kb_verify_and_info(world: dict, tmp_path: Path, capsys) -> None:
     assert "1 task(s)" in out and "task 1: 2 classes ['a', 'b']" in out and "train.epochs=1" in out
     assert main(["kb", "list", str(kb), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["num_tasks"] == 1
-    m = json.loads((kb / "manifest.json").read_text())
-    m["tasks"][0]["class_names"] = ["zebra", "b"]  # an edited class name changes what predict reports
-    (kb / "manifest.json").write_text(json.dumps(m))
-    obj = next((kb / "objects").iterdir())
+    segment = kb / json.loads((kb / "manifest.json").read_text())["segments"][0]["object"]
+    text = segment.read_text()  # an edited class name would change what predict reports
+    segment.write_text(text.replace('"class_names": ["a"', '"class_names": ["z"', 1))
+    obj = next(p for p in (kb / "objects").iterdir() if p.suffix == ".safetensors")
     obj.write_bytes(obj.read_bytes()[:100])
     assert main(["kb", "verify", str(kb)]) == 1
     out = capsys.readouterr().out
-    assert "checksum mismatch" in out and "manifest.json was edited" in out
+    assert "checksum mismatch" in out and f"{segment}: checksum mismatch" in out and "edited" in out
     img = world["tree"] / "test" / "a" / "0.png"
     assert main(["predict", "--kb", str(kb), str(img)]) == 2
-    assert "manifest.json was edited" in capsys.readouterr().err
+    assert f"{segment}: checksum mismatch" in capsys.readouterr().err
 
 
 def test_predict_skip_unreadable_and_size_limit(world: dict, tmp_path: Path, capsys) -> None:
@@ -213,23 +214,21 @@ def test_predict_skip_unreadable_and_size_limit(world: dict, tmp_path: Path, cap
 
 
 def test_previous_release_kb_loads_and_upgrades(world: dict, tmp_path: Path, capsys) -> None:
-    """Format 1 (the previous release: no manifest checksum, no per-task settings) still loads, predicts
-    the same, and its next commit writes format 3. (Checked by hand against a KB written by the previous
-    release itself, too: identical predictions and scores.)"""
+    """Format 1 (an early release: no manifest checksum, no per-task settings) still loads, predicts the
+    same, and its next commit writes format 4. (Checked by hand against a KB written by that release
+    itself, too: identical predictions and scores.)"""
     kb = _copy_kb(world, tmp_path)
     img = world["tree"] / "test" / "a" / "0.png"
     assert main(["predict", "--kb", str(kb), str(img), "--json"]) == 0
     before = json.loads(capsys.readouterr().out)
-    m = json.loads((kb / "manifest.json").read_text())
-    for key in ("checksum", "sequence", "kb_id", "object_bytes"):  # what formats 2 and 3 added
-        m.pop(key)
+    m = as_released(read_manifest(kb), 1)
     for t in m["tasks"]:
         t.pop("settings"), t.pop("learned")
-    m["format_version"] = 1
     (kb / "manifest.json").write_text(json.dumps(m, indent=1))
     (kb / "manifest.prev.json").unlink(missing_ok=True)
+    shutil.rmtree(kb / "history", ignore_errors=True)
     assert main(["predict", "--kb", str(kb), str(img), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == before
     assert _learn(world, kb, 2) == 0
-    m = json.loads((kb / "manifest.json").read_text())
-    assert m["format_version"] == 3 and m["checksum"] and len(m["tasks"]) == 2 and m["sequence"] == 1
+    m = read_manifest(kb)
+    assert m["format_version"] == 4 and m["checksum"] and len(m["tasks"]) == 2 and m["sequence"] == 1

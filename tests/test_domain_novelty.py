@@ -178,3 +178,44 @@ def test_prefix_taps_give_the_prefix_and_each_taps_statistics() -> None:
     z, taps = clf.embedder_.prefix_taps(x)
     assert torch.equal(z, clf.embedder_.prefix(x))
     assert clf.embedder_.tap_sizes() == [64, 128, 192] and taps.shape == (3, 384)  # 2 x 32, 64, 96 channels
+
+
+def test_a_shortlist_scores_each_input_under_its_candidate_tasks_only() -> None:
+    """``retrieval.shortlist``: with at least as many candidates as tasks the detector is the one over every
+    task, bit for bit; with fewer, an input's score is its combined score minimised over its candidate
+    tasks only (each pair scored as :meth:`PPCA.nll` scores it), and the calibration rows are scored under
+    theirs, so the threshold still accepts the rate asked of them."""
+    g = torch.Generator().manual_seed(3)
+    shifts = (0.0, 3.0, 6.0, 9.0)
+    tasks = [_task(g, s) for s in shifts]
+    task_of = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    full, wide, short = (ClassNovelty(holdout=0.25, tpr=0.95, tasks=True, shortlist=k) for k in (None, 4, 2))
+    for det in (full, wide, short):
+        for k, (X, taps, y) in enumerate(tasks):
+            det.draw(k, X, y, seed=k, taps=taps, tap_sizes=[4, 2])
+
+    def nearest(X: torch.Tensor, k: int) -> torch.Tensor:  # the keys' stand-in: the closest task means
+        means = torch.tensor([[s] for s in shifts])
+        return (X.mean(1, keepdim=True) - means.T).abs().topk(k, dim=1, largest=False).indices
+
+    assert full.fit(torch.zeros(1), torch.zeros(1), torch.zeros(1), task_of, stamp=1)
+    assert wide.fit(torch.zeros(1), torch.zeros(1), torch.zeros(1), task_of, 1, lambda X: nearest(X, 4))
+    assert short.fit(torch.zeros(1), torch.zeros(1), torch.zeros(1), task_of, 1, lambda X: nearest(X, 2))
+    X, taps, _ = _task(g, 3.0, n=50)
+    every = full.novelty(X, task_of, taps)
+    assert torch.equal(wide.novelty(X, task_of, taps), every)  # 4 candidates of 4 tasks: the same detector
+    cand = nearest(X, 2)
+    got = short.novelty(X, task_of, taps, cand)
+    _, fitted, _ = short._fitted
+    _, _, loc, scale = fitted
+    parts = short._components(X, taps)
+    want = torch.stack([
+        torch.stack([sum((short.gaussians[int(t)][c].nll(parts[c][i : i + 1]) - loc[c]) / scale[c]
+                         for c in range(3))[0] for t in cand[i]]).min()
+        for i in range(len(X))
+    ]) - short.thresholds()[0]  # fmt: skip
+    assert torch.allclose(got, want, rtol=1e-9, atol=1e-9)
+    cal = torch.cat([short.novelty(r.X, task_of, r.taps, nearest(r.X, 2)) for r in short.rows.values()])
+    assert abs(float((cal <= 0).double().mean()) - 0.95) < 0.02
+    with pytest.raises(ValueError, match="candidate tasks"):
+        short.novelty(X, task_of, taps)

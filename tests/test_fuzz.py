@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import proteus.core  # noqa: E402, F401 - before presets (an import cycle when presets comes first)
+from kbfiles import read_manifest, write_manifest  # noqa: E402
 from proteus.cli import main  # noqa: E402
 from proteus.config import (  # noqa: E402
     RunConfig,
@@ -43,7 +44,6 @@ from proteus.config import (  # noqa: E402
     resolve_config,  # noqa: E402
 )
 from proteus.errors import ProteusError  # noqa: E402
-from proteus.kb.files import manifest_checksum  # noqa: E402
 from tiny import write_image  # noqa: E402
 
 #: random inputs per target in the suite, besides the @example cases
@@ -167,8 +167,9 @@ def fuzz_kb(world: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     shutil.copytree(world["kb1"], kb)
     img = root / "x.png"
     write_image(img, 3)
-    manifest = json.loads((kb / "manifest.json").read_text())
-    return {"kb": kb, "img": img, "manifest": manifest, "paths": _paths(manifest)}
+    manifest = read_manifest(kb)  # format 4: with its records, which write_manifest packs into segments
+    text = (kb / "manifest.json").read_text()
+    return {"kb": kb, "img": img, "manifest": manifest, "paths": _paths(manifest), "text": text}
 
 
 def _commands(kb: Path, img: Path) -> list[tuple[list[str], tuple[int, ...]]]:
@@ -213,23 +214,25 @@ def test_generated_manifests_never_end_in_a_traceback(fuzz_kb: dict, capsys, edi
     path = where if isinstance(where, tuple) else fuzz_kb["paths"][where % len(fuzz_kb["paths"])]
     delete = delete and bool(path)
     bad = _set_path(copy.deepcopy(good), path, value, delete)
-    if hostile and isinstance(bad, dict):
-        bad["checksum"] = manifest_checksum(bad)
-    text = json.dumps(bad) if valid else json.dumps(bad)[:-3]
-    (kb / "manifest.json").write_text(text)
+    if isinstance(bad, dict):  # format 4: its records into new record segments, as an editor can
+        write_manifest(kb, bad, checksum=hostile)
+    else:
+        (kb / "manifest.json").write_text(json.dumps(bad))
+    if not valid:
+        (kb / "manifest.json").write_text((kb / "manifest.json").read_text()[:-3])
     try:
         _check_commands(fuzz_kb, capsys)
     finally:
-        (kb / "manifest.json").write_text(json.dumps(good, indent=1))
+        (kb / "manifest.json").write_text(fuzz_kb["text"])
 
 
 #: text edits of a manifest that no JSON value can express: nesting, integer size, duplicate keys, escapes
 TEXT_EDITS = {
     "nest": lambda t, n: "[" * n + "]" * n,
-    "nest-inside": lambda t, n: t.replace('"tasks":', '"x": ' + "[" * n + "]" * n + ', "tasks":', 1),
-    "digits": lambda t, n: t.replace('"tasks":', '"n": ' + "9" * n + ', "tasks":', 1),
-    "duplicate": lambda t, n: '{"tasks": [], ' + t[1:],
-    "surrogate": lambda t, n: t.replace('"class_names": ["', '"class_names": ["\\ud800', 1),
+    "nest-inside": lambda t, n: t.replace('"segments":', '"x": ' + "[" * n + "]" * n + ', "segments":', 1),
+    "digits": lambda t, n: t.replace('"segments":', '"n": ' + "9" * n + ', "segments":', 1),
+    "duplicate": lambda t, n: '{"segments": [], ' + t[1:],
+    "surrogate": lambda t, n: t.replace('"kb_id": "', '"kb_id": "\\ud800', 1),
     "truncate": lambda t, n: t[: n % max(len(t), 1)],
     "bom": lambda t, n: "\ufeff" + t,
 }
@@ -241,17 +244,17 @@ TEXT_EDITS = {
 @example("duplicate", 0)
 @example("surrogate", 0)
 def test_generated_manifest_texts_never_end_in_a_traceback(fuzz_kb: dict, capsys, edit: str, n: int) -> None:
-    kb, good = fuzz_kb["kb"], fuzz_kb["manifest"]
-    (kb / "manifest.json").write_text(TEXT_EDITS[edit](json.dumps(good), n))
+    kb, good = fuzz_kb["kb"], fuzz_kb["text"]
+    (kb / "manifest.json").write_text(TEXT_EDITS[edit](good, n))
     try:
         _check_commands(fuzz_kb, capsys)
     finally:
-        (kb / "manifest.json").write_text(json.dumps(good, indent=1))
+        (kb / "manifest.json").write_text(good)
 
 
 #: what a file of the knowledge base may be replaced by
 KINDS = ("fifo", "dev-zero", "outside-copy", "directory", "empty", "sparse-3g", "half", "etc-passwd")
-FILES = ("manifest.json", "manifest.prev.json", "object", "head", ".lock", "objects")
+FILES = ("manifest.json", "manifest.prev.json", "object", "head", "segment", ".lock", "objects")
 
 
 @given(st.sampled_from(FILES), st.sampled_from(KINDS))
@@ -268,7 +271,12 @@ def test_special_files_never_hang_or_end_in_a_traceback(
     kb = tmp_path_factory.mktemp("special") / "kb"
     shutil.copytree(good, kb)
     m = fuzz_kb["manifest"]
-    rel = {"object": m["tasks"][0]["object"], "head": m["head"]["object"]}.get(name, name)
+    named = {
+        "object": m["tasks"][0]["object"],
+        "head": m["head"]["object"],
+        "segment": m["segments"][0]["object"],
+    }
+    rel = named.get(name, name)
     target = kb / rel
     if name == "manifest.prev.json" and not target.exists():
         target.write_bytes((kb / "manifest.json").read_bytes())

@@ -344,3 +344,34 @@ def test_the_accumulated_gamma_search_scores_every_candidate_alike_with_many_cla
     )
     torch.testing.assert_close(got.losses, want, rtol=1e-9, atol=1e-12)
     assert got.gamma == float(gammas[int(want.argmin())])
+
+
+def test_many_classes_score_through_the_factor_without_solving_w_out() -> None:
+    """With more classes than a quarter of the features, an update (and a downdate) leaves ``W_out``
+    unsolved: the scores go through the Cholesky factor of ``G + gamma I`` and equal those of the solved
+    weights to round-off; ``W_out_`` solves them when asked for. With fewer classes nothing changes."""
+    g = torch.Generator().manual_seed(0)
+    d, n_classes = 16, 6  # 6 > 16 / 4
+    head = RanPACHead(d, rp_dim=0, seed=0)
+    for t in range(3):
+        X = torch.randn(40, d, generator=g, dtype=torch.float64)
+        head.update(X, torch.arange(2 * t, 2 * t + 2).repeat(20), num_classes=2 * t + 2)
+    assert 4 * head.num_classes_ > d and head._W is None  # the update did not solve it
+    H = torch.randn(7, d, generator=g, dtype=torch.float64)
+    factored = head.decision_function(H)
+    assert head._W is None and head._L is not None  # scored through the factor, still unsolved
+    W = head.W_out_  # solved when asked for, then used
+    assert W is not None and head._W is W and W.shape == (d, n_classes)
+    assert torch.allclose(factored, H @ W, rtol=1e-9, atol=1e-12)
+    A = head.G_ + head.gamma_ * torch.eye(d, dtype=torch.float64)
+    assert torch.allclose(W, torch.linalg.solve(A, head.Q_), rtol=1e-8, atol=1e-12)
+    X = torch.randn(4, d, generator=g, dtype=torch.float64)  # a downdate leaves it unsolved again
+    head.downdate(X[:2], torch.tensor([0, 1]), [])
+    assert head._W is None
+    A = head.G_ + head.gamma_ * torch.eye(d, dtype=torch.float64)
+    assert torch.allclose(
+        head.decision_function(H), H @ torch.linalg.solve(A, head.Q_), rtol=1e-7, atol=1e-12
+    )
+    few = RanPACHead(64, rp_dim=0, seed=0)  # 2 classes <= 64 / 4: solved by the update, as always
+    few.update(torch.randn(20, 64, generator=g, dtype=torch.float64), torch.arange(2).repeat(10))
+    assert few._W is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -188,3 +189,41 @@ def test_commit_refuses_a_changed_record_the_schema_rejects(tmp_path) -> None:
         kb.commit(dict(kb.manifest))
     kb.manifest["tasks"][2]["classes"] = [2]
     kb.commit(dict(kb.manifest))  # unchanged records pass
+
+
+def test_a_task_unchanged_since_its_record_was_stored_is_not_built(tmp_path) -> None:
+    """A learner hands its tasks over as :class:`~proteus.learners.TaskParts`: a task whose token is the
+    record the knowledge base holds for it (the one committed, or read: an equal record in another
+    :class:`KnowledgeBase` of the same directory) keeps that record without its part being built; a task
+    whose token was dropped (it changed) is built and written again."""
+    from proteus.learners import TaskParts
+
+    kb = _kb(tmp_path)
+    built: list[int] = []
+    tokens: dict[int, Any] = {}
+
+    def parts(n: int, offset: float = 0.0) -> TaskParts:
+        def build(k: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+            built.append(k)
+            return {"index": k}, {"a": torch.full((2,), k + offset)}
+
+        return TaskParts(n, build, tokens.get, tokens.__setitem__)
+
+    kb.commit_state(parts(3), None)
+    assert built == [0, 1, 2] and [tokens[k] for k in range(3)] == kb.manifest["tasks"]
+    built.clear()
+    kb.commit_state(parts(4), None)
+    assert built == [3]
+    del tokens[1]  # task 2 changed
+    built.clear()
+    kb.commit_state(parts(4, offset=0.5), None)
+    second = kb.manifest["tasks"][1]
+    assert built == [1] and float(kb.read(second["object"], second["sha256"])["a"][0]) == 1.5
+    built.clear()
+    again = KnowledgeBase.open(tmp_path / "kb")  # records read again: equal to the tokens, not the same dicts
+    again.commit_state(parts(5), None)
+    assert built == [4] and len(again.manifest["tasks"]) == 5
+    other = _kb(tmp_path / "other")  # another knowledge base holds other records: every part is built
+    built.clear()
+    other.commit_state(parts(2), None)
+    assert built == [0, 1]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import proteus.kb as kbmod
+from kbfiles import read_manifest, write_manifest
 from proteus.cli import main
 from proteus.kb import KBError, KnowledgeBase, manifest_checksum
 from tiny import TINY, folder_args
@@ -87,12 +88,25 @@ def _img(world: dict) -> Path:
 
 
 def _manifest(kb: Path, name: str = "manifest.json") -> dict[str, Any]:
-    return json.loads((kb / name).read_text())
+    """Manifest ``name`` with its task records (format 4: read from its record segments)."""
+    return read_manifest(kb, name)
 
 
 def _write(kb: Path, m: dict[str, Any], name: str = "manifest.json") -> None:
+    write_manifest(kb, m, name)
+
+
+def _edit_segment(kb: Path, edit: Any) -> None:
+    """Edit the text of the first record segment as someone who received the knowledge base could: the
+    segment written under the name of its new hash, its reference and the manifest's checksum updated."""
+    m = json.loads((kb / "manifest.json").read_text())
+    ref = m["segments"][0]
+    data = edit((kb / ref["object"]).read_text()).encode()
+    sha = hashlib.sha256(data).hexdigest()
+    ref.update(object=f"objects/records-{sha[:16]}.json", sha256=sha, bytes=len(data))
+    (kb / ref["object"]).write_bytes(data)
     m["checksum"] = manifest_checksum(m)
-    (kb / name).write_text(json.dumps(m))
+    (kb / "manifest.json").write_text(json.dumps(m))
 
 
 @pytest.mark.parametrize("attack", ["outside", "etc-passwd", "dev-zero", "fifo", "directory"])
@@ -158,7 +172,8 @@ def test_a_sparse_object_is_refused_by_its_size_before_it_is_read(
         rc, text = _run(argv, capsys)
         assert rc == expected and "size mismatch" in text and "3221225472" in text, (argv, text)
     m = _manifest(kb)  # a manifest of format 2 records no size: the budget refuses it
-    del m["object_bytes"], m["kb_id"], m["sequence"]
+    for key in ("object_bytes", "kb_id", "sequence", "segments", "parent", "num_tasks"):
+        del m[key]
     m["format_version"] = 2
     (kb / "manifest.prev.json").unlink()
     _write(kb, m)
@@ -167,21 +182,31 @@ def test_a_sparse_object_is_refused_by_its_size_before_it_is_read(
 
 
 @pytest.mark.parametrize(
-    ("edit", "words"),
+    ("edit", "words", "where"),
     [
-        (lambda text: "[" * 200_000 + "]" * 200_000, "nested too deeply"),
-        (lambda text: text.replace('"tasks":', '"n": ' + "9" * 5000 + ', "tasks":', 1), "5000 digits"),
-        (lambda text: '{"tasks": [], ' + text[1:], "appears twice"),
-        (lambda text: text.replace('"class_names": ["', '"class_names": ["\\ud800', 1), "lone surrogate"),
+        (lambda text: "[" * 200_000 + "]" * 200_000, "nested too deeply", "manifest"),
+        (lambda text: text.replace('"segments":', '"n": ' + "9" * 5000 + ', "segments":', 1), "5000 digits",
+         "manifest"),
+        (lambda text: '{"segments": [], ' + text[1:], "appears twice", "manifest"),
+        (lambda text: text.replace('"class_names": ["', '"class_names": ["\\ud800', 1), "lone surrogate",
+         "segment"),
+        (lambda text: '{"tasks": [], ' + text[1:], "appears twice", "segment"),
+        (lambda text: text.replace('"tasks":', '"n": ' + "9" * 5000 + ', "tasks":', 1), "5000 digits",
+         "segment"),
     ],
-)
+)  # fmt: skip
 def test_json_the_parser_refuses(
-    kb2: Path, world: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Any, words: str
-) -> None:
+    kb2: Path, world: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Any, words: str,
+    where: str,
+) -> None:  # fmt: skip
+    """manifest.json, and a record segment (format 4) renamed to its new hash and named in a manifest whose
+    checksum was recomputed: every JSON the parser refuses is refused by name."""
     kb = tmp_path / "kb"
     shutil.copytree(kb2, kb)
-    text = edit((kb / "manifest.json").read_text())
-    (kb / "manifest.json").write_text(text)
+    if where == "segment":
+        _edit_segment(kb, edit)
+    else:
+        (kb / "manifest.json").write_text(edit((kb / "manifest.json").read_text()))
     before = _files(kb)
     for argv, expected in _commands(kb, _img(world)):
         rc, out = _run(argv, capsys)
@@ -204,7 +229,12 @@ def test_a_lowered_format_version_is_refused(
     for key in ("sequence", "kb_id", "object_bytes"):
         del m[key]
     (kb / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(KBError, match="the previous commit has version 3: the version was lowered by hand"):
+    with pytest.raises(KBError, match="which only version 4 writes: the version was lowered by hand"):
+        KnowledgeBase.open(kb)
+    for key in ("segments", "parent", "num_tasks"):
+        del m[key]
+    (kb / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(KBError, match="the previous commit has version 4: the version was lowered by hand"):
         KnowledgeBase.open(kb)
     rc, text = _run(["kb", "verify", str(kb)], capsys)
     assert rc == 1 and "downgrade" in text
@@ -218,7 +248,7 @@ def test_a_signed_kb_cannot_be_rolled_back(
     key = tmp_path / "kb.key"
     key.write_text("0123456789abcdef" * 4)
     assert _run(["kb", "sign", str(kb), "--key-file", str(key)], capsys)[0] == 0
-    m = _manifest(kb)
+    m = json.loads((kb / "manifest.json").read_text())
     rc, text = _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)
     assert rc == 0 and f"OK, signed commit {m['sequence']} of knowledge base {m['kb_id'][:8]}" in text, text
     assert json.loads((tmp_path / "kb.key.sequences").read_text()) == {m["kb_id"]: m["sequence"]}
@@ -226,9 +256,10 @@ def test_a_signed_kb_cannot_be_rolled_back(
     rc, text = _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)
     assert rc == 1 and f"rollback refused: manifest.json is commit {m['sequence'] - 1}" in text, text
     assert _run(["kb", "info", str(kb), "--key-file", str(key)], capsys)[0] == 2
-    other = tmp_path / "copy.key"  # the same key elsewhere, nothing recorded beside it: --min-sequence
-    other.write_text("0123456789abcdef" * 4)
-    assert _run(["kb", "verify", str(kb), "--key-file", str(other)], capsys)[0] == 0
+    other = tmp_path / "copy.key"  # the same key elsewhere, nothing recorded beside it: the history of
+    other.write_text("0123456789abcdef" * 4)  # commits (format 4) still holds the newer one
+    rc, text = _run(["kb", "verify", str(kb), "--key-file", str(other)], capsys)
+    assert rc == 1 and f"is commit {m['sequence']} of the same knowledge base" in text and "put back" in text
     rc, text = _run(
         ["kb", "verify", str(kb), "--key-file", str(other), "--min-sequence", str(m["sequence"])], capsys
     )

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import proteus.kb as kbmod
+from kbfiles import read_manifest, write_manifest
 from proteus.cli import main
 from proteus.faults import ENV
 from proteus.kb import (
@@ -337,7 +338,7 @@ def test_sweep_keeps_the_previous_commit(tmp_path: Path) -> None:
     for name in ("c", "d"):
         _append(KnowledgeBase.open(root), name)
         heads.append(KnowledgeBase.open(root).manifest["head"]["object"])
-    prev = json.loads((root / "manifest.prev.json").read_text())
+    prev = read_manifest(root, "manifest.prev.json")
     assert [t["name"] for t in prev["tasks"]] == [*SEEDS, "c"]
     assert not (root / heads[0]).exists()  # referenced two commits ago: swept
     assert (root / heads[1]).exists() and (root / heads[2]).exists()  # previous and current
@@ -358,7 +359,8 @@ def test_new_writes_nothing_before_its_first_commit(tmp_path: Path) -> None:
     assert KnowledgeBase.exists(root) and (root / "objects").is_dir()
     assert _names(KnowledgeBase.open(root)) == ["x"]
     assert not (root / FIRST_COMMIT).exists() and kbmod.problems(root) == []
-    assert len(list((root / "objects").iterdir())) == 2  # the unreferenced pending object was never written
+    # the task's object, the head's and the record segment: the unreferenced pending object was never written
+    assert len(list((root / "objects").iterdir())) == 3
     with pytest.raises(KBError, match="already exists"):
         KnowledgeBase.new(root, HEADER)
 
@@ -431,8 +433,20 @@ def test_interrupted_first_commit_can_start_over(tmp_path: Path) -> None:
         _append(KnowledgeBase.new(root, HEADER), "y")
     assert _names(KnowledgeBase.open(root)) == ["y"]
     assert kbmod.problems(root) == []
-    assert _files(root) == sorted(
-        [".lock", "manifest.json", "objects", *(f"objects/{n}" for n in _objnames(root))]
+    history = [f"history/{p.name}" for p in (root / "history").iterdir()]  # the first commit's manifest
+    assert (
+        _files(root)
+        == sorted(
+            [
+                ".lock",
+                "manifest.json",
+                "objects",
+                *(f"objects/{n}" for n in _objnames(root)),
+                "history",
+                *history,
+            ]
+        )
+        and len(history) == 1
     )
 
 
@@ -445,8 +459,8 @@ def test_edited_manifest_is_detected(tmp_path: Path) -> None:
     root = tmp_path / "kb"
     _seed(root)
     m = json.loads((root / "manifest.json").read_text())
-    assert m["format_version"] == FORMAT_VERSION == 3 and m["checksum"] == manifest_checksum(m)
-    m["tasks"][0]["class_names"][0] = "edited"
+    assert m["format_version"] == FORMAT_VERSION == 4 and m["checksum"] == manifest_checksum(m)
+    m["config"]["method"] = "edited"
     (root / "manifest.json").write_text(json.dumps(m, indent=1))
     with pytest.raises(KBError) as e:
         KnowledgeBase.open(root)
@@ -460,7 +474,28 @@ def test_edited_manifest_is_detected(tmp_path: Path) -> None:
         KnowledgeBase.open(root)
     m["format_version"] = 7
     (root / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(KBError, match=r"format version 7 is not supported .*reads versions 1, 2, 3"):
+    with pytest.raises(KBError, match=r"format version 7 is not supported .*reads versions 1, 2, 3, 4"):
+        KnowledgeBase.open(root)
+
+
+def test_an_edited_record_segment_is_detected(tmp_path: Path) -> None:
+    """A task record is edited in its record segment (format 4): the segment no longer has the sha256 the
+    manifest names; a segment renamed to its new hash and named in a manifest whose checksum was recomputed
+    is read, and the record checked."""
+    root = tmp_path / "kb"
+    _seed(root)
+    m = json.loads((root / "manifest.json").read_text())
+    segment = root / m["segments"][0]["object"]
+    body = json.loads(segment.read_text())
+    body["tasks"][0]["class_names"][0] = "edited"
+    segment.write_text(json.dumps(body))
+    with pytest.raises(KBError, match=r"records-.*\.json: (size|checksum) mismatch"):
+        KnowledgeBase.open(root)
+    assert any("records-" in p and "mismatch" in p for p in kbmod.problems(root))
+    edited = read_manifest(root)
+    edited["tasks"][0]["classes"] = "zero"
+    write_manifest(root, edited)
+    with pytest.raises(KBError, match=r"tasks\[0\] \(task index 0\)\.classes: expected"):
         KnowledgeBase.open(root)
 
 
@@ -487,8 +522,8 @@ def test_version_1_manifest_opens_and_gets_a_checksum(tmp_path: Path) -> None:
     kb = KnowledgeBase.open(root)
     assert _names(kb) == ["v1"] and kbmod.problems(root) == []
     _append(kb, "v2")
-    m = json.loads((root / "manifest.json").read_text())
-    assert m["format_version"] == 3 and m["checksum"] == manifest_checksum(m)
+    m = read_manifest(root)
+    assert m["format_version"] == 4 and m["checksum"] == manifest_checksum(m)
     assert (
         m["sequence"] == 1
         and len(m["kb_id"]) == 32
@@ -503,7 +538,7 @@ def test_problems_lists_every_problem(tmp_path: Path) -> None:
     root = tmp_path / "kb"
     _seed(root)
     assert kbmod.problems(root) == []
-    m = json.loads((root / "manifest.json").read_text())
+    m = read_manifest(root)
     t0, t1 = (root / t["object"] for t in m["tasks"])
     t0.unlink()
     t1.write_bytes(t1.read_bytes()[:-3])
@@ -513,8 +548,7 @@ def test_problems_lists_every_problem(tmp_path: Path) -> None:
     m_head_before = m["head"]["object"]
     m["head"]["object"] = f"objects/{bad.name}"
     m["head"]["sha256"] = bad_sha
-    m["checksum"] = manifest_checksum(m)
-    (root / "manifest.json").write_text(json.dumps(m))
+    write_manifest(root, m)
     (root / ".manifest.json.tmp-4194304999").write_text("{partial")
     (root / "objects" / "orphan-0.safetensors").write_bytes(b"x")
     old_head = root / m_head_before
@@ -541,7 +575,7 @@ def test_info_reports_tasks_and_sizes(tmp_path: Path) -> None:
     m["tasks"] = [{**m["tasks"][0], "settings": {"rank": 4}, "learned": {"epochs": 2}}, m["tasks"][1]]
     kb.commit(m)
     info = kbmod.info(KnowledgeBase.open(root))
-    assert info["format_version"] == 3 and info["created"] and info["updated"] and info["committed"]
+    assert info["format_version"] == 4 and info["created"] and info["updated"] and info["committed"]
     assert (info["proteus_version"], info["method"], info["backbone_name"], info["benchmark"]) == (
         "test",
         "proteus",
@@ -558,7 +592,8 @@ def test_info_reports_tasks_and_sizes(tmp_path: Path) -> None:
     head = (root / kb.manifest["head"]["object"]).stat().st_size
     assert info["head_bytes"] == head
     assert info["manifest_bytes"] == (root / "manifest.json").stat().st_size
-    assert info["total_bytes"] == info["manifest_bytes"] + sum(sizes) + head
+    segments = sum((root / s["object"]).stat().st_size for s in kb.manifest["segments"])
+    assert info["total_bytes"] == info["manifest_bytes"] + sum(sizes) + head + segments
 
 
 def test_info_shows_each_tasks_rank_per_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,6 @@ line and its rule, added from outside the package, and ``proteus kb verify`` enf
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +18,12 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 import proteus.kb as kbmod
+from kbfiles import read_manifest, write_manifest
 from proteus import Proteus
 from proteus.cli import main
 from proteus.config import resolve_config
 from proteus.engine.keys import KEYS, KeyFit, KeyKind, LDAKeys
 from proteus.engine.keys.space import FIRST_ADAPTER
-from proteus.kb import manifest_checksum
 from proteus.streams import build_benchmark
 from proteus.tensor_rules import (
     TENSOR_RULES,
@@ -166,8 +165,10 @@ class CountingKeys(LDAKeys):
         super().truncate(m)
         self.counts = {k: v for k, v in self.counts.items() if k < m}
 
-    def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        meta, tensors = super().task_state(k)
+    def task_state(
+        self, k: int, classes: list[int] | None = None
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        meta, tensors = super().task_state(k, classes)
         return meta, {**tensors, "counts/n": self.counts[k]}
 
     def load_task(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -195,7 +196,7 @@ def counting_keys() -> Iterator[None]:
 def _halve_counts(kb: Path, index: int) -> Path:
     """Task ``index``'s ``counts/n`` cut to one entry, the object re-hashed and re-named as the store would
     (manifest checksum recomputed): only the rule can tell."""
-    m = json.loads((kb / "manifest.json").read_text())
+    m = read_manifest(kb)
     t = m["tasks"][index]
     tensors = st_load((kb / t["object"]).read_bytes())
     tensors["counts/n"] = tensors["counts/n"][:1].clone()
@@ -204,8 +205,8 @@ def _halve_counts(kb: Path, index: int) -> Path:
     rel = re.sub(r"-[0-9a-f]{16}\.safetensors$", f"-{sha[:16]}.safetensors", t["object"])
     (kb / rel).write_bytes(data)
     t.update(object=rel, sha256=sha)
-    m["checksum"] = manifest_checksum(m)
-    (kb / "manifest.json").write_text(json.dumps(m))
+    m["object_bytes"][rel] = len(data)
+    write_manifest(kb, m)
     return kb / rel
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kbfiles import read_manifest
 from proteus import Proteus
 from tiny import sets
 
@@ -61,8 +62,7 @@ def test_one_and_two_threads_give_the_same_results(tmp_path: Path) -> None:
     r2 = json.loads((two / "results.json").read_text())
     assert r1["num_tasks"] == 5 and r1["tasks"][0]["train"]["loss_last"] is not None
     assert _strip(r1) == _strip(r2)  # accuracies, losses, gamma, kb_bytes: identical
-    m1 = json.loads((one / "kb" / "manifest.json").read_text())
-    m2 = json.loads((two / "kb" / "manifest.json").read_text())
+    m1, m2 = read_manifest(one / "kb"), read_manifest(two / "kb")
     assert [t["sha256"] for t in m1["tasks"]] == [t["sha256"] for t in m2["tasks"]]  # adapters bit-identical
     h1 = Proteus.load(one / "kb", progress=False).head_.state_tensors()
     h2 = Proteus.load(two / "kb", progress=False).head_.state_tensors()

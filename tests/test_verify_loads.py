@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from kbfiles import read_manifest, write_manifest  # noqa: E402
 from proteus.cli import main  # noqa: E402
 from proteus.kb import KnowledgeBase, manifest_checksum  # noqa: E402
 from proteus.learners import load_from_kb  # noqa: E402
@@ -121,7 +122,7 @@ def good(world: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
     kb = root / "kb"
     shutil.copytree(world["kb1"], kb)
     write_image(root / "x.png", 3)
-    return {"kb": kb, "img": root / "x.png", "manifest": json.loads((kb / "manifest.json").read_text())}
+    return {"kb": kb, "img": root / "x.png", "manifest": read_manifest(kb)}
 
 
 def _set(m: dict[str, Any], path: tuple, value: Any) -> Any:
@@ -146,7 +147,7 @@ REVIEWED = {
 def _check(good: dict[str, Any], manifest: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> str:
     """The property for one manifest: what verify printed when it refused it, else "" (it loaded)."""
     kb = good["kb"]
-    (kb / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(kb, manifest)  # format 4: its records into new record segments, as an editor can
     if os.environ.get("VERIFY_LOADS_DUMP"):  # the manifest tried last, for a long fuzz run's post-mortem
         Path(os.environ["VERIFY_LOADS_DUMP"]).write_text(json.dumps(manifest))
     capsys.readouterr()
@@ -167,7 +168,7 @@ def _check(good: dict[str, Any], manifest: dict[str, Any], capsys: pytest.Captur
             assert main(argv) == 0, (argv, capsys.readouterr().err)
         return ""
     finally:
-        (kb / "manifest.json").write_text(json.dumps(good["manifest"], indent=1))
+        write_manifest(kb, copy.deepcopy(good["manifest"]))
 
 
 @pytest.mark.parametrize("case", sorted(REVIEWED))

@@ -18,8 +18,9 @@ a fresh learner), on a backbone of random weights.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, overload, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -33,8 +34,8 @@ from proteus.kb import KBError, KnowledgeBase
 from proteus.streams import Task
 
 __all__ = [
-    "CAPABILITIES", "LEARNERS", "ContinualLearner", "LearnerState", "TestCache", "TestOutcome",
-    "check_supports", "learner_header", "load_from_kb", "load_problems",
+    "CAPABILITIES", "LEARNERS", "ContinualLearner", "LearnerState", "Part", "TaskParts", "TestCache",
+    "TestOutcome", "check_supports", "learner_header", "load_from_kb", "load_problems",
 ]  # fmt: skip
 
 #: what a learner may support beyond ``fit_task`` and evaluation: ``load`` (rebuilt from a knowledge base:
@@ -64,13 +65,65 @@ class TestCache(Protocol):
     def embedding(self, tau: int, kind: str, j: int | None) -> Tensor: ...
 
 
+#: one task's share of a learner's state: its record (JSON) and its tensors
+Part = tuple[dict[str, Any], dict[str, Tensor]]
+
+
+class TaskParts(Sequence[Part]):
+    """A learner's per-task parts, each built when it is first asked for (``parts[k]``; kept while this
+    object lives, so that it reads like a list), with what a knowledge base
+    needs to leave the unchanged ones alone: ``stored(k)``, the record task k was committed as or read from
+    while the task has not changed since (None once it has, or before it was ever stored), which the store
+    keeps without building the part; and ``committed(k, record)``, called by the store for every task after
+    a commit, so that the learner keeps the record as task k's token. A learner invalidates a token wherever
+    it changes a stored task (``kb forget``, ``kb calibrate``)."""
+
+    def __init__(
+        self,
+        n: int,
+        build: Callable[[int], Part],
+        stored: Callable[[int], Any] | None = None,
+        committed: Callable[[int, Any], None] | None = None,
+    ) -> None:
+        self._n, self._build = n, build
+        self._stored, self._committed = stored, committed
+        self._built: dict[int, Part] = {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, k: int) -> Part: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[Part]: ...
+
+    def __getitem__(self, k: int | slice) -> Part | list[Part]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._n))]
+        if not -self._n <= k < self._n:
+            raise IndexError(f"task index {k} out of range ({self._n} tasks)")
+        k %= self._n
+        if k not in self._built:
+            self._built[k] = self._build(k)
+        return self._built[k]
+
+    def stored(self, k: int) -> Any:
+        return None if self._stored is None else self._stored(k)
+
+    def committed(self, k: int, record: Any) -> None:
+        if self._committed is not None:
+            self._committed(k, record)
+
+
 @dataclass
 class LearnerState:
-    """What a learner leaves in a knowledge base: one (record, tensors) per task and one global
-    (meta, tensors) or None (:mod:`proteus.experiment.store` writes it, content-addressed)."""
+    """What a learner leaves in a knowledge base: one (record, tensors) per task (a list, or
+    :class:`TaskParts` built on demand) and one global (meta, tensors) or None
+    (:mod:`proteus.experiment.store` writes it, content-addressed)."""
 
-    tasks: list[tuple[dict[str, Any], dict[str, Tensor]]] = field(default_factory=list)
-    head: tuple[dict[str, Any], dict[str, Tensor]] | None = None
+    tasks: Sequence[Part] = field(default_factory=list)
+    head: Part | None = None
 
 
 @runtime_checkable

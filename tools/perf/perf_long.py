@@ -156,8 +156,9 @@ def evaluate(clf: Proteus, images: list[Any], truth: list[tuple[int, int]], batc
 def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32, per_class: int = 16,
         batch: int = 32, seed: int = 0, merge_budget_mb: float | None = 1024.0, method: str = "proteus",
         eval_every: int = 0, sets_extra: dict[str, Any] | None = None, device: str = "cpu",
-        log: Any = print) -> dict[str, Any]:  # fmt: skip
-    """Learn ``tasks`` synthetic tasks, measuring every k; returns the report (also written to ``out``)."""
+        keep_kb: Path | None = None, log: Any = print) -> dict[str, Any]:  # fmt: skip
+    """Learn ``tasks`` synthetic tasks, measuring every k; returns the report (also written to ``out``);
+    ``keep_kb``: copy the final knowledge base there (for profiling a long stream's learner)."""
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(device)
     sets = {
@@ -234,6 +235,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
             log(f"side by side: the learner at task {ref} and at task {tasks}, in turns")
             side = side_by_side({"ref": (*kept, ref), "last": (kb_dir, x, tasks)},
                                 per_class=per_class, img=img, seed=seed, device=device)  # fmt: skip
+        if keep_kb is not None:
+            shutil.copytree(kb_dir, keep_kb, dirs_exist_ok=True)
     finally:
         shutil.rmtree(kb_dir, ignore_errors=True)
         if kept is not None:
@@ -332,6 +335,7 @@ def main() -> None:
         help="every N tasks (and after the last) accuracy and retrieval on all held-out images",
     )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting")
+    ap.add_argument("--keep-kb", metavar="DIR", help="copy the final knowledge base to DIR")
     ap.add_argument(
         "--no-kernel-caches",
         action="store_true",
@@ -347,7 +351,7 @@ def main() -> None:
     extra = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     rep = run(args.tasks, Path(args.out), backbone=args.backbone, merge_budget_mb=args.merge_budget_mb,
               method=args.method, eval_every=args.eval_every, sets_extra=extra, device=args.device,
-              img=args.img)  # fmt: skip
+              img=args.img, keep_kb=Path(args.keep_kb) if args.keep_kb else None)  # fmt: skip
     keys = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
     for key in keys:
         print(f"{key}: {rep[key]:.3f}")

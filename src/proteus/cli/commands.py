@@ -324,6 +324,23 @@ def cmd_kb_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kb_upgrade(args: argparse.Namespace) -> int:
+    from proteus.kb import FORMAT_VERSION, KnowledgeBase, write_lock
+
+    with write_lock(args.kb, wait=args.wait):
+        kb = KnowledgeBase.open(args.kb, key=_kb_key(args))
+        was = kb.upgrade()
+    if was is None:
+        print(f"{args.kb}: already in format {FORMAT_VERSION}; nothing to do")
+        return 0
+    print(
+        f"{args.kb}: upgraded from format {was} to format {FORMAT_VERSION} ({len(kb.manifest['tasks'])} "
+        f"task(s) in {len(kb.manifest['segments'])} record segment(s), commit {kb.manifest['sequence']}); "
+        "`proteus kb undo` goes back to the same state"
+    )
+    return 0
+
+
 def cmd_kb_calibrate(args: argparse.Namespace) -> int:
     from proteus.experiment.manage import calibrate_images, recalibrate
 

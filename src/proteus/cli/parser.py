@@ -18,6 +18,7 @@ from proteus.cli.commands import (
     cmd_kb_show,
     cmd_kb_sign,
     cmd_kb_undo,
+    cmd_kb_upgrade,
     cmd_kb_verify,
     cmd_learn,
     cmd_list,
@@ -219,6 +220,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kb list": ("One line per learned task: its classes and how it was learned.", "proteus kb list kb/"),
     "kb sign": ("Sign the knowledge base's manifest with a key (HMAC-SHA256).", ""),
     "kb gc": ("Remove files no commit refers to (left by an interrupted commit).", "proteus kb gc kb/"),
+    "kb upgrade": (
+        "Write a knowledge base of an older format again in this proteus's format, as a commit.",
+        "proteus kb upgrade kb/",
+    ),
     "kb calibrate": ("", "proteus kb calibrate kb/ --tpr 0.9\nproteus kb calibrate kb/ --images held_out/"),
     "kb forget": ("Never predict a task again (its head statistics subtracted exactly).", ""),
     "kb undo": (
@@ -412,6 +417,16 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("kb", help="knowledge base directory")
     _wait_option(kg)
     kg.set_defaults(func=cmd_kb_gc)
+    kup = ksub.add_parser(
+        "upgrade",
+        help="write a knowledge base of an older format (1-3) again in this proteus's format (a commit: "
+        "atomic; `proteus kb undo` goes back); a KB in an older format is read as it is, and upgraded at its "
+        "next commit anyway",
+    )
+    kup.add_argument("kb", help="knowledge base directory")
+    _key_option(kup)
+    _wait_option(kup)
+    kup.set_defaults(func=cmd_kb_upgrade)
     kc = ksub.add_parser(
         "calibrate",
         help="fit the thresholds that flag inputs from no learned task as unknown: from a folder of your "

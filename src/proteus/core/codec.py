@@ -21,7 +21,7 @@ from proteus.engine.errors import TaskError
 from proteus.engine.keys.base import GLOBAL_PREFIX as KEYS_PREFIX
 from proteus.engine.records import TaskRecord, TaskRecords, without_timings
 from proteus.heads.persist import is_head_meta
-from proteus.learners import LearnerState
+from proteus.learners import LearnerState, TaskParts
 from proteus.tensor_rules import TENSOR_RULES, Claim
 
 __all__ = ["KB_LAYOUT", "learner_state", "load_head", "restore"]
@@ -33,14 +33,26 @@ TENSOR_RULES.declare(KB_LAYOUT, "Proteus", Claim(is_head_meta))
 
 
 def learner_state(parts: ProteusParts, records: TaskRecords) -> LearnerState:
-    """Everything learned: per task its record (timings left out) and tensors, and the head's object."""
-    tasks = []
-    for k, rec in enumerate(records):
+    """Everything learned: per task its record (timings left out) and tensors, built when a knowledge base
+    asks for it (a task unchanged since it was stored is not: :class:`~proteus.learners.TaskParts`), and
+    the head's object."""
+
+    def build(k: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        rec = records[k]
         tensors = parts.model.task_tensors(k) if rec.has_adapter else {}
-        key_meta, key_tensors = parts.keys.task_state(k)
-        head_meta, head_tensors = parts.heads.task_state(k)
+        key_meta, key_tensors = parts.keys.task_state(k, rec.classes)
+        head_meta, head_tensors = parts.heads.task_state(k, rec.classes)
         meta = without_timings({**rec.to_dict(), **key_meta, **head_meta})
-        tasks.append((meta, {**tensors, **key_tensors, **head_tensors}))
+        return meta, {**tensors, **key_tensors, **head_tensors}
+
+    def stored(k: int) -> Any:
+        rec = records[k]
+        return rec.stored if rec.stored_at == parts.generation else None
+
+    def committed(k: int, record: Any) -> None:
+        records[k].stored, records[k].stored_at = record, parts.generation
+
+    tasks = TaskParts(len(records), build, stored, committed)
     return LearnerState(tasks, _head_state(parts))
 
 
@@ -102,6 +114,7 @@ def _load_task(
     parts.keys.load_task(meta, tensors)
     parts.heads.load_task(k, meta, tensors)
     records.append(TaskRecord.from_dict(meta))
+    records[-1].stored, records[-1].stored_at = meta, parts.generation  # kept while the task is unchanged
 
 
 @contextlib.contextmanager

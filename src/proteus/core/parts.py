@@ -142,6 +142,12 @@ class ProteusParts:
         return self.retrieves and self.keys.needs_frozen
 
     @property
+    def generation(self) -> int:
+        """Bumped whenever a learned task's stored share changes after its task (``kb forget``, a new
+        calibration): every task's record is then written again at the next commit."""
+        return self.keys.generation + self.heads.generation
+
+    @property
     def route(self) -> str:
         """How prediction embeds: ``one-space`` (keys in one space: a forward there, then one under the
         retrieved adapter), ``candidates`` (``retrieval.candidates``: the shortlist's c adapters),

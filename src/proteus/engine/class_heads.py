@@ -23,10 +23,16 @@ from torch import Tensor
 from proteus.engine.errors import TaskError
 from proteus.engine.experts import HEAD_SCOPES, TaskExpert, TaskExperts
 from proteus.heads import PROTOTYPES, RanPACHead
-from proteus.heads.persist import classes_outside
+from proteus.heads.persist import assemble_columns, classes_outside
 from proteus.tensor_rules import TENSOR_RULES, Check, Mount, ShapeRule, Together
 
 __all__ = ["ClassHeads"]
+
+
+def _under(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The tensors named ``prefix<name>``, by ``<name>``."""
+    return {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
+
 
 #: a task's part of the knowledge base: its record's keys (JSON) and its tensors
 Part = tuple[dict[str, Any], dict[str, Tensor]]
@@ -35,6 +41,7 @@ Part = tuple[dict[str, Any], dict[str, Tensor]]
 TENSOR_RULES.declare(
     "proteus", "ClassHeads",
     Mount("ranpac", on="head"),  # the head over every class (state(): its meta and tensors)
+    Mount("ranpac columns", prefix="head/", on="task"),  # its columns of each task's classes (task_state)
     Check(classes_outside),  # every learned class is one the head scores
     ShapeRule(r"forget/h", ("obj.forget_n", "kb.forget_d"), "forget/h (n, d) and forget/y (n) have n rows"),
     ShapeRule(r"forget/y", ("obj.forget_n",), "forget/h (n, d) and forget/y (n) have n rows", "int"),
@@ -56,6 +63,10 @@ class ClassHeads:
         #: ``head.forgettable``: task -> (its head inputs, labels), what :meth:`forget` subtracts
         self.inputs: dict[int, tuple[Tensor, Tensor]] = {}
         self._before: RanPACHead | None = None
+        #: bumped when a learned task's stored share changes after its task (:meth:`forget`)
+        self.generation = 0
+        #: each loaded task's classes and columns of the head (:meth:`load_task`), until :meth:`load`
+        self._columns: list[tuple[list[int], dict[str, Tensor]]] = []
 
     def update(self, k: int, h: Tensor, y: Tensor, classes: list[int], num_classes: int) -> float:
         """Task k's embeddings h (N, d) and labels y into the heads; returns the γ chosen. Atomic for the
@@ -151,12 +162,16 @@ class ClassHeads:
         h, y = self.inputs[k]
         self.head.downdate(h.to(self.device), y.to(self.device), classes)
         del self.inputs[k]
+        self.generation += 1
 
-    # knowledge base: per task (in the task's object) and the head over every class (the head's object)
-    def task_state(self, k: int) -> Part:
+    # knowledge base: per task (in the task's object: its expert, its inputs, the head's columns of its
+    # classes) and the head over every class (the head's object: the statistics of a fixed size)
+    def task_state(self, k: int, classes: list[int]) -> Part:
         meta, tensors = self.experts.task_state(k) if self.experts is not None else ({}, {})
         if k in self.inputs:
             tensors = {**tensors, "forget/h": self.inputs[k][0], "forget/y": self.inputs[k][1]}
+        if self.head is not None:
+            tensors = {**tensors, **{f"head/{n}": t for n, t in self.head.columns(classes).items()}}
         return meta, tensors
 
     def load_task(self, k: int, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
@@ -164,10 +179,18 @@ class ClassHeads:
             self.experts.load_task(meta, tensors, self.device)
         if "forget/h" in tensors:
             self.inputs[k] = (tensors["forget/h"].float(), tensors["forget/y"].long())
+        self._columns.append(([int(c) for c in meta["classes"]], _under("head/", tensors)))
 
     def state(self) -> Part | None:
-        return None if self.head is None else (self.head.meta(), dict(self.head.state_tensors()))
+        if self.head is None:
+            return None
+        return self.head.meta(columns=False), dict(self.head.state_tensors(columns=False))
 
     def load(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+        """Load the head over every class: its object's tensors, with the columns its tasks hold (read by
+        :meth:`load_task`) when its meta says they live there."""
+        if meta.get("columns") == "tasks":
+            tensors = {**tensors, **assemble_columns(meta, self._columns)}
+        self._columns = []
         self.head = self.new_head()
         self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)

@@ -42,7 +42,7 @@ needs no data: the stored scores suffice (``proteus kb calibrate --tpr``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,9 @@ __all__ = [
 
 #: held-out scores (``retrieval.reject``) or calibration rows (``class-gaussian``) kept per task
 MAX_STORED = 256
+#: the most calibration rows the ``task-gaussian`` detector pools for its scale and threshold: beyond, a
+#: seeded uniform sample of every task's rows (so that refitting it costs the same at task 1,000)
+MAX_POOLED = 8192
 #: a task with fewer calibration rows is thresholded on the pooled rows of every task
 MIN_PER_TASK = 20
 
@@ -320,6 +323,34 @@ class TaskGaussians:
         return d2 * self.inv_noise + quad + self.logdet
 
 
+def pair_scores(gaussians: dict[int, list[PPCA]], parts: list[Tensor], cand: Tensor) -> list[Tensor]:
+    """Per component, (n, K): each row's negative log-density (:meth:`PPCA.nll`) under each of its candidate
+    tasks ``cand`` (n, K) (``gaussians``: each task's, per component; ``parts``: the rows' components); +inf
+    for a candidate without Gaussians (forgotten, too few rows)."""
+    out = [torch.full(cand.shape, float("inf"), dtype=torch.float64) for _ in parts]
+    for t in cand.unique().tolist():
+        gs = gaussians.get(int(t))
+        if gs is None:
+            continue
+        r, j = (cand == t).nonzero(as_tuple=True)
+        for c, part in enumerate(parts):
+            out[c][r, j] = gs[c].nll(part[r])
+    return out
+
+
+def _pooled(live: dict[int, CalibrationRows]) -> tuple[Tensor, Tensor]:
+    """Every live task's calibration rows (key features, tap statistics) in task order, or a seeded uniform
+    sample of :data:`MAX_POOLED` of them."""
+    tasks = sorted(live)
+    X = torch.cat([live[k].X for k in tasks])
+    taps = torch.cat([t for t in (live[k].taps for k in tasks) if t is not None])
+    if len(X) > MAX_POOLED:
+        keep = torch.randperm(len(X), generator=torch.Generator().manual_seed(len(X)))[:MAX_POOLED]
+        keep = keep.sort().values
+        X, taps = X[keep], taps[keep]
+    return X, taps
+
+
 def _floors(m: float, rho: float) -> tuple[float, float]:
     """The OAS shift of every eigenvalue (``rho`` times the mean eigenvalue ``m``, plus a relative 1e-12)
     and the floor an eigenvalue is clamped to."""
@@ -378,6 +409,11 @@ class ClassNovelty:
     gaussians: dict[int, list[PPCA]] = field(default_factory=dict)
     #: the widths of the tap blocks' statistics (the components before the key features)
     tap_sizes: list[int] | None = None
+    #: bumped when the stored tasks' rows or rate change (:meth:`replace`, :meth:`set_tpr`)
+    generation: int = 0
+    #: ``retrieval.shortlist``: score an input under the Gaussians of only the ``shortlist`` tasks the keys
+    #: rank highest for it (None: every task), its calibration rows alike (module doc)
+    shortlist: int | None = None
 
     def draw(
         self, k: int, X: Tensor, y: Tensor, seed: int, taps: Tensor | None = None,
@@ -401,9 +437,37 @@ class ClassNovelty:
                 self.gaussians[k] = [PPCA.fit(c[rest]) for c in parts]
         self._fitted = None
 
+    def calibrate(
+        self, X: Tensor, labels: Tensor, task_of: Tensor, statistics: tuple[Tensor, Tensor, Tensor],
+        forgotten: set[int], tpr: float | None, taps: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """New calibration rows from held-out inputs with key features X (N, d) that were never part of the
+        keys' ``statistics`` (G, Q, counts; ``kb calibrate --images``), ``taps`` their tap statistics;
+        ``labels`` (N,) their global classes, -1 where unknown (the nearest class is taken), ``task_of``
+        each class's task (-1: none); no rows for a ``forgotten`` task; ``tpr`` a new rate."""
+        X, labels = X.float().cpu(), labels.long().clone()
+        if (labels < 0).any():
+            g = ClassGaussians.from_statistics(*statistics)
+            labels[labels < 0] = g.distances(X[labels < 0])[1].cpu()
+        tasks = task_of[labels]
+        kept = taps if taps is not None and self.tasks else None
+        rows = {
+            k: CalibrationRows(
+                X[tasks == k],
+                labels[tasks == k],
+                False,
+                kept[tasks == k].float() if kept is not None else None,
+            )
+            for k in sorted(set(tasks.tolist()) - {-1} - forgotten)
+        }
+        self.replace(rows)
+        if tpr is not None:
+            self.set_tpr(tpr)
+
     def replace(self, rows: dict[int, CalibrationRows]) -> None:
         """New calibration rows for every task (``kb calibrate --images``); tasks absent get none."""
         self.rows, self._fitted = dict(rows), None
+        self.generation += 1
 
     def drop(self, k: int) -> None:
         self.rows.pop(k, None)
@@ -427,14 +491,25 @@ class ClassNovelty:
             TaskGaussians([self.gaussians[k][c] for k in tasks]) for c in range(len(self.gaussians[tasks[0]]))
         ]
 
-    def _fit_tasks(self, live: dict[int, CalibrationRows], stamp: Any) -> None:
+    def shortlisted(self, m: int) -> bool:
+        """Whether inputs are scored under a shortlist of the ``m`` tasks rather than under every task."""
+        return self.shortlist is not None and self.shortlist < m
+
+    def _fit_tasks(
+        self, live: dict[int, CalibrationRows], stamp: Any, shortlist_of: Callable[[Tensor], Tensor] | None
+    ) -> None:
         """The ``task-gaussian`` detector (module doc): each component's scale from the pooled calibration
-        rows, the combined score, and one threshold at ``tpr`` of the pooled rows."""
+        rows, the combined score, and one threshold at ``tpr`` of the pooled rows; with a shortlist, each row
+        scored under its own ``shortlist_of`` candidates (as an input is)."""
         tasks = sorted(live)
-        X = torch.cat([live[k].X for k in tasks])
-        taps = torch.cat([t for t in (live[k].taps for k in tasks) if t is not None])
-        stacked = self._stacked(tasks)
-        per = [g.scores(part) for g, part in zip(stacked, self._components(X, taps), strict=True)]
+        X, taps = _pooled(live)
+        n = max(tasks) + 1
+        if shortlist_of is not None and self.shortlisted(n):
+            per = pair_scores(self.gaussians, self._components(X, taps), shortlist_of(X))
+            stacked: list[TaskGaussians] | None = None
+        else:
+            stacked = self._stacked(tasks)
+            per = [g.scores(part) for g, part in zip(stacked, self._components(X, taps), strict=True)]
         loc, scale = [], []
         for nll in per:
             best = nll.min(1).values
@@ -445,7 +520,6 @@ class ClassNovelty:
         combined = sum((nll - a) / b for nll, a, b in zip(per, loc, scale, strict=True))
         assert isinstance(combined, Tensor)
         thr = threshold_at(combined.min(1).values, self.tpr)
-        n = max(tasks) + 1
         self._fitted = (stamp, ("tasks", stacked, loc, scale), torch.full((n,), thr, dtype=torch.float64))
 
     def invalidate(self) -> None:
@@ -454,17 +528,22 @@ class ClassNovelty:
 
     def set_tpr(self, tpr: float) -> None:
         self.tpr, self._fitted = check_tpr(tpr), None
+        self.generation += 1
 
-    def fit(self, G: Tensor, Q: Tensor, counts: Tensor, task_of: Tensor, stamp: Any) -> bool:
+    def fit(
+        self, G: Tensor, Q: Tensor, counts: Tensor, task_of: Tensor, stamp: Any,
+        shortlist_of: Callable[[Tensor], Tensor] | None = None,
+    ) -> bool:  # fmt: skip
         """(Re)build the Gaussians and each task's threshold when ``stamp`` (the statistics' version)
-        changed; False when there is nothing to calibrate on."""
+        changed; False when there is nothing to calibrate on. ``shortlist_of``: a row's candidate tasks
+        (n, K) from its key features (the task Gaussians with a shortlist)."""
         if self._fitted is not None and self._fitted[0] == stamp:
             return True
         live = {k: r for k, r in self.rows.items() if len(r.y)}
         if not live:
             return False
         if self.uses_taps:
-            self._fit_tasks(live, stamp)
+            self._fit_tasks(live, stamp, shortlist_of)
             return True
         g = ClassGaussians.from_statistics(G, Q, counts, [(r.X, r.y) for r in live.values() if r.in_stats])
         scores = {k: g.distances(r.X)[0] for k, r in live.items()}
@@ -477,19 +556,26 @@ class ClassNovelty:
         self._fitted = (stamp, g, thr)
         return True
 
-    def novelty(self, X: Tensor, task_of: Tensor, taps: Tensor | None = None) -> Tensor | None:
+    def novelty(
+        self, X: Tensor, task_of: Tensor, taps: Tensor | None = None, cand: Tensor | None = None
+    ) -> Tensor | None:
         """Each row's score minus its threshold (after :meth:`fit`): the class Gaussians' distance to the
         nearest class minus that class's task's threshold, or the task Gaussians' combined score minus
-        the pooled threshold (None when the inputs' tap statistics ``taps`` are missing)."""
+        the pooled threshold (None when the inputs' tap statistics ``taps`` are missing); ``cand`` (N, K):
+        each row's shortlisted tasks, when the detector was fitted with a shortlist."""
         assert self._fitted is not None
         _, g, thr = self._fitted
         if isinstance(g, tuple):
             if taps is None:
                 return None
             _, stacked, loc, scale = g
-            per = [
-                t.scores(part) for t, part in zip(stacked, self._components(X.cpu(), taps.cpu()), strict=True)
-            ]
+            parts = self._components(X.cpu(), taps.cpu())
+            if stacked is None:  # fitted with a shortlist: scored under the row's candidates
+                if cand is None:
+                    raise ValueError("the detector scores under a shortlist: give each row's candidate tasks")
+                per = pair_scores(self.gaussians, parts, cand.cpu())
+            else:
+                per = [t.scores(part) for t, part in zip(stacked, parts, strict=True)]
             combined = sum((nll - a) / b for nll, a, b in zip(per, loc, scale, strict=True))
             assert isinstance(combined, Tensor)
             return combined.min(1).values - float(thr[0])

@@ -7,9 +7,9 @@ measured; :class:`Prediction` is the answer of Algorithm 2 for a batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -151,6 +151,23 @@ class TaskRecord:
     #: the temperature that calibrates the confidence of this task's classes (None: a knowledge base
     #: learned before it was fitted, or too few rows; :mod:`proteus.engine.confidence`)
     confidence: Confidence | None = None
+    #: the record this task was last committed as or read from, while the task has not changed since (a
+    #: knowledge base keeps it without rebuilding the task's part: :class:`proteus.learners.TaskParts`);
+    #: not part of the record itself
+    stored: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    #: the learner's :attr:`~proteus.core.parts.ProteusParts.generation` when :attr:`stored` was set
+    stored_at: int = field(default=-1, repr=False, compare=False)
+
+    #: bumped by every change of any record's fields (what :class:`TaskRecords` derives is then redone)
+    changes: ClassVar[int] = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Any change of the record itself (``forgotten``, ``confidence`` ...) forgets :attr:`stored`."""
+        if name not in ("stored", "stored_at"):
+            TaskRecord.changes += 1
+            if getattr(self, "stored", None) is not None:
+                object.__setattr__(self, "stored", None)
+        object.__setattr__(self, name, value)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -250,43 +267,69 @@ TENSOR_RULES.declare(
 
 class TaskRecords(list[TaskRecord]):
     """The learned tasks' records, in order, with what follows from them: every task's classes, the class
-    names by global label, the classes never to predict again and each task's rejection threshold."""
+    names by global label, the classes never to predict again and each task's rejection threshold. Each is
+    derived once and kept while no task is added and no record changes (:attr:`TaskRecord.changes`): a
+    prediction reads them without a pass over every task. What they return is shared: not to be modified."""
+
+    def _derived(self, name: str, fn: Callable[[], Any]) -> Any:
+        key = (len(self), TaskRecord.changes)
+        memo: tuple[tuple[int, int], dict[str, Any]] | None = self.__dict__.get("_memo")
+        if memo is None or memo[0] != key:
+            memo = (key, {})
+            self.__dict__["_memo"] = memo
+        if name not in memo[1]:
+            memo[1][name] = fn()
+        return memo[1][name]
 
     def classes(self) -> list[list[int]]:
-        return [t.classes for t in self]
+        return self._derived("classes", lambda: [t.classes for t in self])
 
     @property
     def num_classes(self) -> int:
-        return 1 + max((max(t.classes) for t in self), default=-1)
+        return self._derived("num_classes", lambda: 1 + max((max(t.classes) for t in self), default=-1))
 
     def class_names(self) -> list[str]:
         """The learned classes' names, indexed by global label."""
-        names: dict[int, str] = {}
-        for t in self:
-            names.update(zip(t.classes, t.class_names))
-        return [names.get(c, str(c)) for c in range(self.num_classes)]
+
+        def names() -> list[str]:
+            found: dict[int, str] = {}
+            for t in self:
+                found.update(zip(t.classes, t.class_names))
+            return [found.get(c, str(c)) for c in range(self.num_classes)]
+
+        return self._derived("class_names", names)
 
     def task_of(self) -> torch.Tensor:
         """(C,) the task of each global class."""
-        out = torch.zeros(self.num_classes, dtype=torch.long)
-        for t in self:
-            out[t.classes] = t.index
-        return out
+
+        def task_of() -> torch.Tensor:
+            out = torch.zeros(self.num_classes, dtype=torch.long)
+            for t in self:
+                out[t.classes] = t.index
+            return out
+
+        return self._derived("task_of", task_of)
 
     def forgotten_classes(self) -> list[int]:
-        return [c for t in self if t.forgotten for c in t.classes]
+        return self._derived("forgotten", lambda: [c for t in self if t.forgotten for c in t.classes])
 
     def temperatures(self) -> list[float | None]:
         """Each task's confidence temperature (None for a task without one: its answers show ``p_all``)."""
-        return [None if t.confidence is None else t.confidence.temperature for t in self]
+        return self._derived(
+            "temperatures", lambda: [None if t.confidence is None else t.confidence.temperature for t in self]
+        )
 
     def thresholds(self) -> torch.Tensor | None:
         """Each task's rejection threshold on its key score (``retrieval.reject``), or None unless every
         task is calibrated."""
-        cals = [t.calibration for t in self]
-        if not cals or any(c is None for c in cals):
-            return None
-        return torch.tensor([float(c["threshold"]) for c in cals if c is not None])
+
+        def thresholds() -> torch.Tensor | None:
+            cals = [t.calibration for t in self]
+            if not cals or any(c is None for c in cals):
+                return None
+            return torch.tensor([float(c["threshold"]) for c in cals if c is not None])
+
+        return self._derived("thresholds", thresholds)
 
 
 @dataclass

@@ -20,11 +20,12 @@ import torch
 from torch import Tensor
 
 from proteus.heads.prototypes import PROTOTYPES
-from proteus.tensor_rules import TENSOR_RULES, F, Fields, Required, Schema, ShapeRule
+from proteus.tensor_rules import TENSOR_RULES, F, Fields, Required, Schema, ShapeRule, Together
 
 __all__ = [
-    "RANPAC_META", "SUPPORTED_DTYPES", "HeadFields", "classes_outside", "dtype_name", "head_meta",
-    "head_tensors", "is_head_meta", "load_head_state", "meta_dtype",
+    "COLUMNS", "RANPAC_META", "SUPPORTED_DTYPES", "HeadFields", "assemble_columns", "classes_outside",
+    "dtype_name", "head_columns", "head_meta", "head_tensors", "is_head_meta", "load_head_state",
+    "meta_dtype",
 ]  # fmt: skip
 
 SUPPORTED_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -50,7 +51,14 @@ RANPAC_META: Schema = {
     "holdout": F("number"),
     "selection": F("str"),
     "prototypes": F("str"),
+    "columns": F("str"),
 }
+
+#: the tensors of a head with one column per class: a learner whose tasks own disjoint classes stores each
+#: task's columns in that task's object (:func:`head_columns`, written once) and the head's meta says so
+#: (``"columns": "tasks"``): the head's own object then keeps the same size however many classes there are
+#: (``W_out``, derived from the rest, is not stored: it is solved when the head is loaded or first used)
+COLUMNS = ("Q", "counts", "P")
 
 
 def is_head_meta(meta: Any) -> TypeGuard[dict[str, Any]]:
@@ -66,6 +74,11 @@ def _fitted(meta: Any) -> bool:
 def _projects(meta: Any) -> bool:
     rp = meta.get("rp_dim") if isinstance(meta, dict) else None
     return _fitted(meta) and isinstance(rp, int) and not isinstance(rp, bool) and rp > 0
+
+
+def _in_tasks(meta: Any) -> bool:
+    """Whether a head's class columns live in its tasks' objects (``"columns": "tasks"``)."""
+    return isinstance(meta, dict) and meta.get("columns") == "tasks"
 
 
 def _stores_prototypes(meta: Any) -> bool:
@@ -86,9 +99,18 @@ TENSOR_RULES.declare(
     ShapeRule("counts", ("meta:num_classes",), "one count per class of the head", "int", on="head"),
     ShapeRule("W_rand", ("meta:embed_dim", _M), "W_rand (embed_dim, m) projects into G's m dimensions",
               "meta:dtype", on="head"),
-    Required(("G", "Q", "counts", "W_out"), _fitted, on="head"),
+    Required(("G",), _fitted, on="head"),
+    Required(("Q", "counts", "W_out"), lambda m: _fitted(m) and not _in_tasks(m), on="head"),
     Required(("W_rand",), _projects, on="head"),
-    Required(("P",), _stores_prototypes, on="head"),
+    Required(("P",), lambda m: _stores_prototypes(m) and not _in_tasks(m), on="head"),
+)  # fmt: skip
+#: a task's columns of a head (:func:`head_columns`), mounted in a task's object where a part keeps them
+TENSOR_RULES.declare(
+    "ranpac columns", "RanPACHead",
+    ShapeRule("(?:Q|P)", ("kb.m", "classes"), "a task's columns of the head (its m features, one column per "
+              "class of the task): every task's have the same m"),
+    ShapeRule("counts", ("classes",), "one count per class of the task", "int"),
+    Together("(?:Q|counts)", ("Q", "counts")),
 )  # fmt: skip
 
 
@@ -154,8 +176,10 @@ class HeadFields(Protocol):
     def num_classes_(self) -> int: ...
 
 
-def head_meta(head: HeadFields) -> dict[str, Any]:
-    """JSON-serialisable description of the head (hyper-parameters and scalar fitted state)."""
+def head_meta(head: HeadFields, columns: bool = True) -> dict[str, Any]:
+    """JSON-serialisable description of the head (hyper-parameters and scalar fitted state); without
+    ``columns``: its class columns are stored by task (``"columns": "tasks"``, :data:`COLUMNS`)."""
+    extra = {} if columns else {"columns": "tasks"}
     return {
         "format": _FORMAT,
         "format_version": _FORMAT_VERSION,
@@ -173,22 +197,66 @@ def head_meta(head: HeadFields) -> dict[str, Any]:
         "num_classes": head.num_classes_,
         "n_samples": head.n_samples_,
         "n_updates": head.n_updates_,
+        **extra,
     }
 
 
-def head_tensors(head: HeadFields) -> dict[str, Tensor]:
-    """Fitted tensors for safetensors storage (contiguous CPU copies). ``W_rand`` is stored too."""
+def head_tensors(head: HeadFields, columns: bool = True) -> dict[str, Tensor]:
+    """Fitted tensors for safetensors storage (contiguous CPU copies). ``W_rand`` is stored too. Without
+    ``columns``, only those of a fixed size (``W_rand``, ``G``): the class columns are stored by task
+    (:func:`head_columns`) and ``W_out`` not at all (:data:`COLUMNS`)."""
     out: dict[str, Tensor] = {}
-    for key, t in (
-        ("W_rand", head.W_rand_),
-        ("G", head.G_),
-        ("Q", head.Q_),
-        ("counts", head.counts_),
-        ("W_out", head.W_out_),
-        ("P", head.P_),
-    ):
+    fixed = (("W_rand", head.W_rand_), ("G", head.G_))
+    by_class = (("Q", head.Q_), ("counts", head.counts_), ("W_out", head.W_out_), ("P", head.P_))
+    for key, t in (*fixed, *by_class) if columns else fixed:
         if t is not None:
             out[key] = t.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def head_columns(head: HeadFields, classes: list[int]) -> dict[str, Tensor]:
+    """The columns of ``classes`` (a task's, in its order) of the head's class statistics: ``Q``, ``counts``
+    (and ``P`` where the prototypes keep it), contiguous CPU copies; none before the head is fitted."""
+    if head.Q_ is None or head.counts_ is None:
+        return {}
+    idx = torch.as_tensor(classes, dtype=torch.long, device=head.Q_.device)
+    out = {"Q": head.Q_[:, idx], "counts": head.counts_[idx]}
+    if head.P_ is not None:
+        out["P"] = head.P_[:, idx]
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}
+
+
+def assemble_columns(
+    meta: dict[str, Any], pieces: list[tuple[list[int], dict[str, Tensor]]]
+) -> dict[str, Tensor]:
+    """The class statistics (:data:`COLUMNS`) of a head whose tasks hold its columns: each task's classes and
+    columns (:func:`head_columns`) in place, every other class's zero; a ValueError names the task whose
+    columns do not fit the head's meta."""
+    dtype = meta_dtype(meta) or torch.float64
+    m = int(meta["rp_dim"]) or int(meta["embed_dim"])
+    c = int(meta["num_classes"])
+    Q = torch.zeros(m, c, dtype=dtype)
+    counts = torch.zeros(c, dtype=torch.long)
+    P = torch.zeros(m, c, dtype=dtype) if any("P" in cols for _, cols in pieces) else None
+    for k, (classes, cols) in enumerate(pieces):
+        idx = torch.as_tensor(classes, dtype=torch.long)
+        q, n = cols.get("Q"), cols.get("counts")
+        if q is None or n is None:
+            raise ValueError(f"task {k + 1}: no columns of the head in its object (Q and counts)")
+        if tuple(q.shape) != (m, len(classes)) or tuple(n.shape) != (len(classes),):
+            raise ValueError(
+                f"task {k + 1}: the head's columns have shapes {tuple(q.shape)} and {tuple(n.shape)}, the "
+                f"head expects ({m}, {len(classes)}) and ({len(classes)},)"
+            )
+        if len(classes) and (int(idx.max()) >= c or int(idx.min()) < 0):
+            raise ValueError(f"task {k + 1}: classes outside the head's {c}")
+        Q[:, idx] = q.to(dtype)
+        counts[idx] = n.long()
+        if P is not None and "P" in cols:
+            P[:, idx] = cols["P"].to(dtype)
+    out = {"Q": Q, "counts": counts}
+    if P is not None:
+        out["P"] = P
     return out
 
 
@@ -228,8 +296,10 @@ def load_head_state(head: HeadFields, tensors: dict[str, Tensor], meta: dict[str
         "G": ((m, m), dtype),
         "Q": ((m, c), dtype),
         "counts": ((c,), torch.long),
-        "W_out": ((m, c), dtype),
     }
+    solved = "W_out" in tensors or not _in_tasks(meta)  # else solved when first used (:data:`COLUMNS`)
+    if solved:
+        expected["W_out"] = ((m, c), dtype)
     if keeps_P:
         expected["P"] = ((m, c), dtype)
     if head.rp_dim > 0:
@@ -247,7 +317,7 @@ def load_head_state(head: HeadFields, tensors: dict[str, Tensor], meta: dict[str
     head.G_ = tensors["G"].to(device)
     head.Q_ = tensors["Q"].to(device)
     head.counts_ = tensors["counts"].to(device)
-    head.W_out_ = tensors["W_out"].to(device)
+    head.W_out_ = tensors["W_out"].to(device) if solved else None
     head.P_ = tensors["P"].to(device) if keeps_P else None
     head.gamma_ = None if meta.get("gamma") is None else float(meta["gamma"])
     head.n_samples_ = int(meta.get("n_samples", int(head.counts_.sum())))

@@ -33,6 +33,14 @@ Notes on fidelity:
 Memory: ``G`` is ``rp_dim x rp_dim`` in ``dtype``: 800 MB at RanPAC's ``rp_dim = 10000`` in
 float64 (200 MB at 5000), plus a Cholesky factor of the same size while ``W_out`` is computed and
 the ``N x rp_dim`` projected features of the update being processed.
+
+Long streams. ``W_out`` (m x C) is solved with the statistics while the classes are at most a quarter of
+the features (``C <= m / 4``: the solve then costs a fraction of the gamma search's eigendecomposition, and
+every packaged preset stays there); beyond, it is left unsolved, and
+:meth:`RanPACHead.decision_function` scores through the Cholesky factor of ``G + gamma I`` instead,
+``((G + gamma I)^{-1} phi(H)^T)^T Q`` -- O(N m^2 + N m C) per call rather than O(m^2 C) per update, so
+that an update costs the same at 2,000 classes as at 20 (the same scores, to round-off). ``W_out_`` solves
+it whenever it is asked for.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from proteus.heads.gamma import (
 from proteus.heads.persist import (
     SUPPORTED_DTYPES,
     dtype_name,
+    head_columns,
     head_meta,
     head_tensors,
     load_head_state,
@@ -143,7 +152,8 @@ class RanPACHead:
         self.Q_: Tensor | None = None
         self.counts_: Tensor | None = None
         self.gamma_: float | None = None
-        self.W_out_: Tensor | None = None
+        self._W: Tensor | None = None  # W_out, solved (None: not yet; scores go through the factor)
+        self._L: Tensor | None = None  # the Cholesky factor of G + gamma I, once computed for scoring
         self.gamma_selection_: GammaSelection | None = None
         self.n_samples_: int = 0
         self.n_updates_: int = 0
@@ -161,7 +171,29 @@ class RanPACHead:
 
     @property
     def is_fitted(self) -> bool:
-        return self.W_out_ is not None
+        return self._W is not None or (self.G_ is not None and self.gamma_ is not None)
+
+    @property
+    def W_out_(self) -> Tensor | None:
+        """Eq. 23's weights ``(G + gamma I)^{-1} Q`` (``P`` for prototypes that keep their own matrix): solved
+        when first asked for if the update left them unsolved (many classes: module doc), then kept until
+        the statistics change."""
+        if self._W is None and self.G_ is not None and self.gamma_ is not None:
+            self._W = self._ridge_solve(self.G_, self._prototypes(), self.gamma_)
+        return self._W
+
+    @W_out_.setter
+    def W_out_(self, W: Tensor | None) -> None:
+        self._W, self._L = W, None
+
+    def _prototypes(self) -> Tensor:
+        assert self.Q_ is not None
+        return self.Q_ if self.P_ is None else self.P_
+
+    def _solved(self, G: Tensor, prototypes: Tensor, gamma: float) -> Tensor | None:
+        """``W_out`` for new statistics while the classes are at most a quarter of the features, else None
+        (solved when asked for: module doc)."""
+        return self._ridge_solve(G, prototypes, gamma) if 4 * prototypes.shape[1] <= G.shape[0] else None
 
     def gamma_grid(self) -> Tensor:
         """The candidate noise levels ``10 ** arange(gamma_min_exp, gamma_max_exp)`` (float64, CPU)."""
@@ -171,7 +203,7 @@ class RanPACHead:
     def _state_device(self, like: Tensor | None = None) -> torch.device:
         if self.device is not None:
             return torch.device(self.device)
-        for t in (self.G_, self.W_out_, self.W_rand_):
+        for t in (self.G_, self._W, self.W_rand_):
             if t is not None:
                 return t.device
         return like.device if like is not None else torch.device("cpu")
@@ -286,7 +318,7 @@ class RanPACHead:
         P_new = PROTOTYPES.get(self.prototypes).add(self.P_, phi, y_dev, total)
 
         gamma, selection = self._choose_gamma(phi, y, total, device, G_old, Q_old)
-        W_out = self._ridge_solve(G_new, Q_new if P_new is None else P_new, gamma)
+        W_out = self._solved(G_new, Q_new if P_new is None else P_new, gamma)
 
         self.G_, self.Q_, self.P_, self.counts_ = G_new, Q_new, P_new, counts_new
         self.gamma_, self.gamma_selection_, self.W_out_ = gamma, selection, W_out
@@ -298,8 +330,8 @@ class RanPACHead:
         """Subtract one earlier update exactly (``proteus kb forget``): ``H``, ``y`` the embeddings and
         labels that update accumulated, ``classes`` its classes (their prototype columns become exactly 0).
         ``G_``, ``Q_`` (``P_``), ``counts_`` then equal a head accumulated without that update, to float
-        round-off; ``W_out_`` is re-solved with the current ``gamma_`` (the data that chose it is gone).
-        Atomic like :meth:`update`."""
+        round-off; ``W_out_`` is re-solved with the current ``gamma_`` (the data that chose it is gone; with
+        many classes, when it is next needed). Atomic like :meth:`update`."""
         if self.G_ is None or self.Q_ is None or self.counts_ is None:
             raise RuntimeError("RanPACHead has no statistics yet: nothing to subtract")
         H = check_embeddings(H, self.embed_dim)
@@ -317,7 +349,7 @@ class RanPACHead:
         counts[cls] = 0
         P = PROTOTYPES.get(self.prototypes).subtract(self.P_, phi, y_dev, cls)
         assert self.gamma_ is not None
-        W_out = self._ridge_solve(G, Q if P is None else P, self.gamma_)
+        W_out = self._solved(G, Q if P is None else P, self.gamma_)
         self.G_, self.Q_, self.P_, self.counts_, self.W_out_ = G, Q, P, counts, W_out
         self.n_samples_ -= int(H.shape[0])
         self.n_updates_ -= 1
@@ -340,13 +372,19 @@ class RanPACHead:
     _ridge_solve = staticmethod(ridge_solve)
 
     # ------------------------------------------------------------------ persistence
-    def meta(self) -> dict[str, Any]:
-        """JSON-serialisable description of the head (:func:`~proteus.heads.persist.head_meta`)."""
-        return head_meta(self)
+    def meta(self, columns: bool = True) -> dict[str, Any]:
+        """JSON-serialisable description of the head (:func:`~proteus.heads.persist.head_meta`; without
+        ``columns``: its class columns are stored by task)."""
+        return head_meta(self, columns)
 
-    def state_tensors(self) -> dict[str, Tensor]:
-        """Fitted tensors for safetensors storage, ``W_rand`` included (contiguous CPU copies)."""
-        return head_tensors(self)
+    def state_tensors(self, columns: bool = True) -> dict[str, Tensor]:
+        """Fitted tensors for safetensors storage, ``W_rand`` included (contiguous CPU copies); without
+        ``columns``, only those of a fixed size (:func:`~proteus.heads.persist.head_tensors`)."""
+        return head_tensors(self, columns)
+
+    def columns(self, classes: list[int]) -> dict[str, Tensor]:
+        """The class statistics' columns of ``classes`` (:func:`~proteus.heads.persist.head_columns`)."""
+        return head_columns(self, classes)
 
     def load_state_tensors(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> RanPACHead:
         """Restore a head saved with :meth:`state_tensors` and :meth:`meta` (bit-exact; no dtype casts)."""
@@ -354,15 +392,29 @@ class RanPACHead:
         return self
 
     # ------------------------------------------------------------------ prediction
-    def _check_fitted(self) -> Tensor:
-        if self.W_out_ is None:
+    def _check_fitted(self) -> None:
+        if not self.is_fitted:
             raise RuntimeError("RanPACHead is not fitted: call update() (or load_state_tensors()) first")
-        return self.W_out_
 
     def decision_function(self, H: Tensor) -> Tensor:
-        """Eq. 23 scores ``phi(H)^T (G + gamma I)^{-1} e(c)`` for every class: shape ``(N, num_classes_)``."""
-        W = self._check_fitted()
-        return self.features(H) @ W
+        """Eq. 23 scores ``phi(H)^T (G + gamma I)^{-1} e(c)`` for every class: shape ``(N, num_classes_)``;
+        through the Cholesky factor of ``G + gamma I`` while ``W_out`` is unsolved (module doc)."""
+        self._check_fitted()
+        phi = self.features(H)
+        if self._W is not None:
+            return phi @ self._W
+        assert self.G_ is not None
+        if self._L is None:
+            assert self.gamma_ is not None
+            A = self.G_.clone()
+            A.diagonal().add_(self.gamma_)
+            L, info = torch.linalg.cholesky_ex(A)
+            if int(info) != 0:  # not numerically positive definite: the solve's LU path
+                W = self.W_out_
+                assert W is not None
+                return phi @ W
+            self._L = L
+        return torch.cholesky_solve(phi.T, self._L).T @ self._prototypes()
 
     def predict(self, H: Tensor, classes: Tensor | None = None) -> Tensor:
         """Predicted global labels ``(N,)``; ``classes`` restricts the argmax.

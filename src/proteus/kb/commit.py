@@ -22,12 +22,15 @@ import json
 import os
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from proteus.errors import ProteusError
 from proteus.faults import crash_point
+from proteus.kb.chain import keep_in_history
 from proteus.kb.files import (
+    EXPANDED_KEYS,
     FIRST_COMMIT,
     FORMAT_VERSION,
     MANIFEST,
@@ -49,6 +52,7 @@ from proteus.kb.files import (
 from proteus.kb.manifests import previous_manifest
 from proteus.kb.objects import ObjectStore
 from proteus.kb.schema import manifest_problems, object_dirs
+from proteus.kb.segments import Segments
 from proteus.kb.signing import signature
 from proteus.kb.sweep import previous_names
 from proteus.untrusted import file_kind, load_json
@@ -59,17 +63,32 @@ def _int(v: Any) -> int:
 
 
 def seal(
-    manifest: dict[str, Any], current: dict[str, Any], sizes: dict[str, int], key: bytes | None, root: Path
-) -> dict[str, Any]:
-    """``manifest`` as a commit replacing ``current`` writes it (the module docstring): signed with
-    ``key`` (unsigned without one, with a warning when the knowledge base was signed)."""
+    manifest: dict[str, Any],
+    current: dict[str, Any],
+    sizes: dict[str, int],
+    key: bytes | None,
+    root: Path,
+    parent: str | None,
+    pack: Callable[[dict[str, Any]], list[dict[str, Any]]],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``manifest`` (expanded) as a commit replacing ``current`` writes it (the module docstring): the
+    manifest.json of format 4 -- its records packed into segments (``pack``: the references, writing the
+    segments that changed), ``parent`` the sha256 of the manifest.json it replaces (None for a first commit)
+    -- and the same manifest expanded, as the knowledge base then holds it. Signed with ``key`` (unsigned
+    without one, with a warning when the knowledge base was signed)."""
     signed = "signature" in manifest
-    out = {k: v for k, v in manifest.items() if k not in ("checksum", "signature")}
+    out = {k: v for k, v in manifest.items() if k not in ("checksum", "signature", *EXPANDED_KEYS)}
     out["format_version"] = FORMAT_VERSION
     kb_id = current.get("kb_id") if isinstance(current.get("kb_id"), str) else manifest.get("kb_id")
     out["kb_id"] = kb_id if isinstance(kb_id, str) else uuid.uuid4().hex
     out["sequence"] = max(_int(current.get("sequence")), _int(manifest.get("sequence"))) + 1
-    out["object_bytes"] = sizes
+    out["parent"] = parent
+    tasks = list(manifest.get("tasks") or [])
+    out["num_tasks"] = len(tasks)
+    out["segments"] = pack(manifest)
+    head = manifest.get("head")
+    if isinstance(head, dict) and isinstance(head.get("object"), str):
+        out["head"] = {**head, "bytes": sizes.get(head["object"], 0)}
     out["updated"] = _now()
     if key is not None:
         out["signature"] = signature(out, key)
@@ -80,14 +99,20 @@ def seal(
             root,
         )
     out["checksum"] = manifest_checksum(out)
-    return out
+    objects = {**sizes, **{ref["object"]: ref["bytes"] for ref in out["segments"]}}
+    rows = list(manifest.get("evaluation") or [])
+    return out, {**out, "tasks": tasks, "evaluation": rows, "object_bytes": objects}
 
 
 def upgraded(manifest: dict[str, Any], kb_id: str, sequence: int, sizes: dict[str, int]) -> dict[str, Any]:
-    """``manifest`` (content and time stamps unchanged) in the newest format, for ``kb sign``: its identity,
-    a sequence number (kept when it has one) and its objects' sizes (kept when recorded)."""
+    """``manifest`` (content and time stamps unchanged) as ``kb sign`` writes it: format 3 at least (1 and 2
+    are brought to 3: its identity, a sequence number, its objects' sizes; kept when it has them), format 4
+    as it is on disk (its manifest.json's fields)."""
+    version = manifest.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version >= 4:
+        return {k: v for k, v in manifest.items() if k not in ("checksum", "signature", *EXPANDED_KEYS)}
     out = {k: v for k, v in manifest.items() if k not in ("checksum", "signature")}
-    out["format_version"] = FORMAT_VERSION
+    out["format_version"] = 3
     out.setdefault("kb_id", kb_id)
     out.setdefault("sequence", sequence)
     out.setdefault("object_bytes", sizes)
@@ -120,10 +145,19 @@ class Commit:
 
     def sizes(self, manifest: dict[str, Any], known: dict[str, Any]) -> dict[str, int]:
         """The size of every object ``manifest`` references; refuses one that is neither written nor
-        pending (``known``: a manifest whose records were checked, to find sizes in)."""
-        out = {}
-        dirs = object_dirs(self.root)
+        pending (``known``: a manifest whose records were checked, to find sizes in: an object it references
+        under the same sha256, with its size, is taken as it is)."""
+        out: dict[str, int] = {}
+        dirs: tuple[Path, Path] | None = None
+        found = known.get("object_bytes")
+        committed: dict[str, Any] = found if isinstance(found, dict) else {}
+        refs = {rel: sha for _, rel, sha in _refs(known)} if committed else {}
         for label, rel, sha in _refs(manifest):
+            n = committed.get(rel)
+            if refs.get(rel) == sha and isinstance(n, int) and not isinstance(n, bool):
+                out[rel] = n  # checked when it was committed or read
+                continue
+            dirs = dirs or object_dirs(self.root)
             self.objects.path(manifest, rel, sha, dirs)  # confined, or refused by name
             n = self.objects.size(known, rel)
             if rel not in self.objects.pending:
@@ -141,6 +175,28 @@ class Commit:
             out[rel] = n if n is not None else 0
         return out
 
+    def prepare(
+        self, manifest: dict[str, Any], current: dict[str, Any], on_disk: bool, key: bytes | None,
+        segments: Segments,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+        """``manifest`` (expanded) sealed to replace ``current`` (:func:`seal`; its changed record segments
+        written, ``on_disk``: ``current`` is committed), and refused when this proteus could not read it
+        back; the manifest.json to write and the same expanded. Any failure: :meth:`abandon`, then the
+        error."""
+        try:
+            sizes = self.sizes(manifest, current)
+
+            def pack(m: dict[str, Any]) -> list[dict[str, Any]]:
+                return segments.pack(m, m.get("segments"), self.objects.write_segment, sizes.__getitem__)
+
+            parent = self.expected_sha if on_disk else None
+            physical, expanded = seal(manifest, current, sizes, key, self.root, parent, pack)
+            refuse_unreadable(self.root, expanded, current.get("tasks") if on_disk else None)
+        except BaseException:
+            self.abandon()
+            raise
+        return physical, expanded
+
     def begin_first(self, check_free: Any) -> None:
         """Create the directory and write the pending objects of a knowledge base (marked as a first
         commit)."""
@@ -157,14 +213,17 @@ class Commit:
             raise _not_writable(root / OBJECTS, e) from None
         _fsync_dir(root)
 
-    def write(self, manifest: dict[str, Any], first: bool, check_free: Any) -> bytes:
-        """Write the sealed ``manifest`` (after the objects it needs, and the copy of the current state to
-        manifest.prev.json); returns its bytes. Any failure: :meth:`abandon`, then the error."""
+    def write(
+        self, manifest: dict[str, Any], expanded: dict[str, Any], first: bool, check_free: Any
+    ) -> bytes:
+        """Write the sealed ``manifest`` (``expanded``: the same with its records, :func:`seal`) after the
+        objects it needs, the copy of the current state to manifest.prev.json and of that one to
+        ``history/``; returns its bytes. Any failure: :meth:`abandon`, then the error."""
         self.first = first
         try:
             if first:
                 self.begin_first(check_free)
-                self.objects.flush_pending(manifest)
+                self.objects.flush_pending(expanded)
             else:
                 self.previous = self.current()
             crash_point("commit:objects")
@@ -173,6 +232,7 @@ class Commit:
                 self.prev_before = b"" if prev is None else prev
                 if prev is not None:
                     self._keep_previous()
+                keep_in_history(self.root, self.previous)  # kept at its commit, as a rule
                 _atomic_write(self.root / PREV_MANIFEST, self.previous)
             data = json.dumps(manifest).encode()
             _atomic_write(self.root / MANIFEST, data, "commit:manifest-tmp")
@@ -181,6 +241,8 @@ class Commit:
             self.abandon()
             raise
         self._drop_kept()
+        with contextlib.suppress(OSError, ProteusError):  # the next commit keeps it otherwise
+            keep_in_history(self.root, data)
         return data
 
     def _keep_previous(self) -> None:
@@ -202,8 +264,9 @@ class Commit:
             self.kept = None
 
     def sign(self, manifest: dict[str, Any], key: bytes) -> tuple[dict[str, Any], bytes]:
-        """``kb sign``: write ``manifest`` (the current state) and manifest.prev.json again in the newest
-        format, signed with ``key``; returns the new manifest and its bytes."""
+        """``kb sign``: write ``manifest`` (the current state) and manifest.prev.json again, signed with
+        ``key`` (formats 1 and 2 brought to 3; format 4's ``parent`` then names the new manifest.prev.json);
+        returns the new manifest (expanded as ``manifest`` was) and its bytes."""
         found = manifest.get("kb_id")
         kb_id = found if isinstance(found, str) else uuid.uuid4().hex
         current = upgraded(manifest, kb_id, 1, self.sizes(manifest, manifest))
@@ -212,11 +275,19 @@ class Commit:
             if "sequence" not in manifest:  # the first signature of an older knowledge base: 0, then 1
                 current["sequence"] = _int(prev.get("sequence")) + 1
             prev = upgraded(prev, kb_id, max(current["sequence"] - 1, 0), self.sizes(prev, prev))
-            _atomic_write(self.root / PREV_MANIFEST, json.dumps(_resigned(prev, key)).encode())
+            prev_data = json.dumps(_resigned(prev, key)).encode()
+            _atomic_write(self.root / PREV_MANIFEST, prev_data)
+            if "parent" in current:  # format 4: the history holds every commit, as it is now
+                keep_in_history(self.root, prev_data)
+            if "parent" in current:
+                current["parent"] = _sha(prev_data)
         current = _resigned(current, key)
         data = json.dumps(current).encode()
         _atomic_write(self.root / MANIFEST, data)
-        return current, data
+        with contextlib.suppress(OSError, ProteusError):  # the next commit keeps it otherwise
+            keep_in_history(self.root, data)
+        expanded = {k: manifest[k] for k in EXPANDED_KEYS if k in manifest and "segments" in current}
+        return {**current, **expanded}, data
 
     def abandon(self) -> None:
         """After a failed write or commit: remove the objects written since the last commit that no manifest

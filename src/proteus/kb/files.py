@@ -31,17 +31,23 @@ from proteus.untrusted import SpecialFileError, file_kind, read_fd
 log = logging.getLogger("proteus")
 
 FORMAT = "proteus-kb"
-#: the format this proteus writes (3: a commit sequence number, the knowledge base's identity, each object's
-#: size, and a checksum that leaves out every time stamp)
-FORMAT_VERSION = 3
-#: the formats this proteus reads (1: no manifest checksum; 2: the checksum covers each task's ``learned``)
-READABLE_VERSIONS = (1, 2, 3)
-#: the keys only format 3 writes: a manifest of an older version holding one was downgraded by hand
+#: the format this proteus writes (4: written incrementally -- the task records in segments of
+#: :data:`~proteus.kb.segments.SEGMENT_TASKS`, each manifest naming its parent by hash, :mod:`.segments`)
+FORMAT_VERSION = 4
+#: the formats this proteus reads (1: no manifest checksum; 2: the checksum covers each task's ``learned``;
+#: 3: one manifest holding every task's record, with a commit sequence number, the knowledge base's
+#: identity, each object's size, and a checksum that leaves out every time stamp)
+READABLE_VERSIONS = (1, 2, 3, 4)
+#: the keys only format 3 and later write: a manifest of an older version holding one was downgraded by hand
 V3_KEYS = ("sequence", "kb_id", "object_bytes")
+#: the keys only format 4 writes (a manifest of format 3 holding one was downgraded by hand)
+V4_KEYS = ("segments", "parent", "num_tasks")
 
 MANIFEST = "manifest.json"
 PREV_MANIFEST = "manifest.prev.json"
 OBJECTS = "objects"
+#: every earlier commit's manifest, named by the sha256 of its bytes (:mod:`.chain`)
+HISTORY = "history"
 LOCK = ".lock"
 FIRST_COMMIT = ".first-commit"
 #: keys the manifest checksum leaves out (besides itself): time stamps, which change no prediction, and
@@ -49,6 +55,9 @@ FIRST_COMMIT = ".first-commit"
 UNCHECKED_KEYS = ("checksum", "created", "updated")
 UNCHECKED_KEYS_V3 = (*UNCHECKED_KEYS, "kb_id")
 UNCHECKED_TASK_KEYS_V3 = ("learned",)
+#: what an expanded manifest of format 4 holds beside the fields of its manifest.json: its segments'
+#: records and rows, and every object's size (:mod:`proteus.kb.segments`)
+EXPANDED_KEYS = ("tasks", "evaluation", "object_bytes")
 #: how many times ``open`` starts again when a concurrent commit swept an object while it read
 OPEN_ATTEMPTS = 10
 _TMP_PREFIXES = (f".{MANIFEST}.tmp-", f".{PREV_MANIFEST}.tmp-")
@@ -172,7 +181,15 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
     JSON first, so that what is checked is what a reader parses (integer dict keys become strings, tuples
     lists)."""
     version = manifest.get("format_version")
-    if isinstance(version, int) and not isinstance(version, bool) and version >= 3:
+    if isinstance(version, int) and not isinstance(version, bool) and version >= 4:
+        # format 4: what manifest.json holds (an expanded manifest's records are in its segments, which the
+        # manifest names by hash)
+        # (``parent`` is the hash of the parent's bytes, time stamps included: the signature covers it)
+        body = {k: v for k, v in manifest.items() if k not in (*UNCHECKED_KEYS_V3, "parent", *EXPANDED_KEYS)}
+        segments = body.get("segments")
+        if isinstance(segments, list):  # a segment by its content (time stamps left out), not its bytes
+            body["segments"] = [s.get("content") if isinstance(s, dict) else s for s in segments]
+    elif isinstance(version, int) and not isinstance(version, bool) and version >= 3:
         body = {k: v for k, v in manifest.items() if k not in UNCHECKED_KEYS_V3}
         tasks = body.get("tasks")
         if isinstance(tasks, list):
@@ -247,7 +264,7 @@ def kb_file_kind(root: Path, name: str) -> str | None:
 _CHUNK = 1 << 20
 
 
-def read_object(root: Path, rel: str, sha: str, size: int | None) -> bytes:
+def read_object(root: Path, rel: str, sha: str, size: int | None, budget: str = "kb_object_bytes") -> bytes:
     """The bytes of object ``rel`` (``objects/<name>``, a name :func:`~proteus.kb.schema.object_path`
     accepted) checked against ``sha``: ``objects/`` and the file opened without following a symbolic link
     and without blocking; refused unless it is a regular file whose size is the one its manifest records
@@ -280,9 +297,9 @@ def read_object(root: Path, rel: str, sha: str, size: int | None) -> bytes:
                 f"{shown}: size mismatch (the manifest records {size} bytes, the file has {st.st_size}): the "
                 "file was truncated or replaced"
             )
-        cap = limit("kb_object_bytes")
+        cap = limit(budget)
         if st.st_size > cap:
-            raise over("kb_object_bytes", str(shown), st.st_size, cap)
+            raise over(budget, str(shown), st.st_size, cap)
         if size is None:
             _check_sha(shown, sha, _stream_sha(fd))
             os.lseek(fd, 0, os.SEEK_SET)
@@ -425,9 +442,20 @@ def _refs(manifest: dict[str, Any]) -> list[tuple[str, str, str]]:
     return out
 
 
+def _segment_refs(manifest: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(label, relative path, sha256) of every record segment a manifest of format 4 references."""
+    segments = manifest.get("segments")
+    out = []
+    for i, s in enumerate(segments if isinstance(segments, list) else []):
+        if isinstance(s, dict) and isinstance(s.get("object"), str) and isinstance(s.get("sha256"), str):
+            out.append((f"record segment {i}", s["object"], s["sha256"]))
+    return out
+
+
 def _object_names(manifest: dict[str, Any]) -> set[str]:
-    """The file names of every object ``manifest`` references (what a sweep keeps)."""
-    return {Path(rel).name for _, rel, _ in _refs(manifest)}
+    """The file names of every object ``manifest`` references, its record segments included (what a sweep
+    keeps)."""
+    return {Path(rel).name for _, rel, _ in _refs(manifest) + _segment_refs(manifest)}
 
 
 # ====================================================================== the writers' lock

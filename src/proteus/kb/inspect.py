@@ -12,10 +12,12 @@ from typing import Any
 from safetensors.torch import load as st_load
 
 from proteus.errors import ProteusError
+from proteus.kb.chain import chain_problems
 from proteus.kb.files import (
     _TMP_PREFIXES,
     FIRST_COMMIT,
     FORMAT_VERSION,
+    HISTORY,
     MANIFEST,
     OBJECTS,
     PREV_MANIFEST,
@@ -23,18 +25,19 @@ from proteus.kb.files import (
     _is_file_error,
     _pid_running,
     _refs,
+    _segment_refs,
+    _sha,
     _tmp_pid,
     kb_file_kind,
     read_kb_file,
     read_object,
     recorded_size,
 )
-from proteus.kb.manifests import read_manifest
-from proteus.kb.schema import downgrade_problem, manifest_issues, object_path
+from proteus.kb.manifests import parse, read_manifest
+from proteus.kb.schema import downgrade_problem, object_path
 from proteus.kb.signing import accept, describe, key_from_env, sequence_problem, signature_problem
 from proteus.kb.store import KnowledgeBase
 from proteus.kb.tensors import Obj, check_objects, int_totals, nonfinite, parse_header
-from proteus.untrusted import load_json
 
 
 @dataclass
@@ -97,6 +100,16 @@ def check(root: str | Path, key: bytes | None = None) -> Report:
             if manifest is not None and manifest.get("format_version") != FORMAT_VERSION:
                 problem = downgrade_problem(manifest, prev, root / MANIFEST)
                 out += [problem] if problem else []
+    if manifest is not None and not out:
+        out += chain_problems(root, manifest)
+        parent = manifest.get("parent")
+        prev_data = read_kb_file(root, PREV_MANIFEST) if isinstance(parent, str) else None
+        copy = prev_data == read_kb_file(root, MANIFEST)  # an interrupted commit's first step (warned below)
+        if prev_data is not None and _sha(prev_data) != parent and not copy:
+            report.warnings.append(
+                f"{root / PREV_MANIFEST}: is not the parent manifest.json names (kept in {HISTORY}/): it was "
+                "edited or replaced; `proteus kb undo` would restore it as it is now"
+            )
     _leftovers(root, manifest, names, prev_names, report)
     if key is not None and manifest is not None and not out:
         accept(manifest, key)
@@ -113,7 +126,7 @@ def _parsed(root: Path, name: str, hint: str) -> tuple[dict[str, Any] | None, li
         return None, [str(e)]
     if data is None:
         return None, [f"{root / name}: missing"]
-    return manifest_issues(root / name, data, hint)
+    return parse(root, name, data, hint)
 
 
 def _current(root: Path, key: bytes | None, out: list[str]) -> dict[str, Any] | None:
@@ -138,7 +151,7 @@ def _check_commit(
 ) -> set[str]:
     """Check the objects of one commit (``name``: its manifest file) into ``out``; returns their names.
     ``seen`` holds the objects already read (another commit's), by path."""
-    names: set[str] = set()
+    names: set[str] = {Path(rel).name for _, rel, _ in _segment_refs(manifest)}
     objects: list[Obj] = []
     found = manifest.get("tasks")
     tasks: list[Any] = found if isinstance(found, list) else []
@@ -247,16 +260,24 @@ def _disk_bytes(root: Path) -> int:
 
 
 def _previous_bytes(kb: KnowledgeBase, current: set[str]) -> int:
-    """The bytes kept for ``undo`` only: manifest.prev.json and the objects only it references."""
+    """The bytes kept for ``undo`` only: manifest.prev.json and the objects only it references (its record
+    segments included)."""
     try:
         data = read_kb_file(kb.root, PREV_MANIFEST)
-        prev = load_json(data, str(kb.root / PREV_MANIFEST)) if data is not None else None
+        prev = kb.previous_manifest(check_signature=False) if data is not None else None
     except ProteusError:
         return 0
     if data is None:
         return 0
-    refs = {rel for _, rel, _ in _refs(prev)} if isinstance(prev, dict) else set()
-    return len(data) + sum(_size(kb, rel) or 0 for rel in refs - current)
+    refs = {rel for _, rel, _ in _refs(prev) + _segment_refs(prev)} if isinstance(prev, dict) else set()
+    sizes = prev.get("object_bytes") if isinstance(prev, dict) else None
+    sizes = sizes if isinstance(sizes, dict) else {}
+
+    def size(rel: str) -> int:
+        n = _size(kb, rel)
+        return n if n is not None else sizes.get(rel) or 0
+
+    return len(data) + sum(size(rel) for rel in refs - current)
 
 
 #: the most header bytes :func:`object_shapes` reads
@@ -297,6 +318,7 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
     missing object); ``total_bytes`` the current state's (manifest and objects), ``previous_bytes`` what
     is kept for ``undo`` only (manifest.prev.json and the objects only it references), ``disk_bytes``
     every file under the directory (leftovers of failed commits included: ``proteus kb gc``);
+    ``history_bytes`` the older commits' manifests (``history/``, the chain ``kb verify`` follows);
     ``signature`` its algorithm and key id (``checked``: verified with a key when opened), or None."""
     m = kb.manifest
     cfg = _map(m.get("config"))
@@ -320,7 +342,7 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
         manifest_bytes = (kb.root / MANIFEST).stat().st_size if kb._on_disk else 0
     except OSError:
         manifest_bytes = 0
-    objects = {rel: _size(kb, rel) for _, rel, _ in _refs(m)}
+    objects = {rel: _size(kb, rel) for _, rel, _ in _refs(m) + _segment_refs(m)}
     total = manifest_bytes + sum(n for n in objects.values() if n is not None)
     sig = m.get("signature")
     return {
@@ -340,6 +362,7 @@ def info(kb: KnowledgeBase) -> dict[str, Any]:
         "manifest_bytes": manifest_bytes,
         "total_bytes": total,
         "previous_bytes": _previous_bytes(kb, set(objects)) if kb._on_disk else 0,
+        "history_bytes": _disk_bytes(kb.root / HISTORY) if kb._on_disk else 0,
         "disk_bytes": _disk_bytes(kb.root) if kb._on_disk else 0,
         "signature": (
             {"alg": sig.get("alg"), "key_id": sig.get("key_id"), "checked": kb.key is not None}

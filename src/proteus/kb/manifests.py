@@ -1,9 +1,11 @@
-"""Reading a knowledge base's manifests: ``manifest.json`` (:func:`read_manifest`) and
-``manifest.prev.json`` (:func:`previous_manifest`), each read like every file of a knowledge base
+"""Reading a knowledge base's manifests: ``manifest.json`` (:func:`read_manifest`) and ``manifest.prev.json``
+(:func:`previous_manifest`), each read like every file of a knowledge base
 (:func:`~proteus.kb.files.read_kb_file`: inside it, no symbolic link, no FIFO, within
-``kb_manifest_bytes``), parsed within the JSON budgets and
-checked (:func:`~proteus.kb.schema.manifest_issues`: checksum, fields, a lowered format version), with
-every object path confined to ``objects/`` before any object is opened."""
+``kb_manifest_bytes``), parsed within the JSON budgets and checked
+(:func:`~proteus.kb.schema.manifest_issues`: checksum, fields, a lowered format version), with every object
+path confined to ``objects/`` before any object is opened. A manifest of format 4 is returned expanded
+(:mod:`.segments`): its record segments read, verified and checked, their records in ``tasks`` as in formats
+1-3."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 from proteus.errors import ProteusError
 from proteus.kb.files import (
     FORMAT_VERSION,
+    HISTORY,
     MANIFEST,
     PREV_MANIFEST,
     KBError,
@@ -21,17 +24,54 @@ from proteus.kb.files import (
     _is_file_error,
     _kb_files,
     _refs,
+    _segment_refs,
     _shown,
     read_kb_file,
+    read_object,
 )
-from proteus.kb.schema import downgrade_problem, manifest_issues, object_path
+from proteus.kb.schema import downgrade_problem, manifest_issues, manifest_problems, object_path
+from proteus.kb.segments import Segments
 from proteus.kb.signing import signature_problem
 from proteus.untrusted import load_json
 
 
-def read_manifest(root: Path) -> tuple[bytes, dict[str, Any]]:
-    """The bytes and the parsed, checked ``manifest.json`` of the knowledge base at ``root``; a
-    :class:`KBError` (or a :class:`~proteus.budgets.BudgetError`) naming the file and what to do."""
+def segmented(manifest: dict[str, Any]) -> bool:
+    """Whether ``manifest`` is of format 4 or later (its records in segments)."""
+    v = manifest.get("format_version")
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 4
+
+
+def read_segment(root: Path, rel: str, sha: str, size: int) -> bytes:
+    """The verified bytes of record segment ``rel`` (its path confined like an object's, its size and sha256
+    checked, within ``kb_manifest_bytes``)."""
+    object_path(root, rel, sha, segment=True)
+    return read_object(root, rel, sha, size, budget="kb_manifest_bytes")
+
+
+def parse(
+    root: Path, name: str, data: bytes, hint: str, segments: Segments | None = None
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """Manifest file ``name``'s bytes parsed and checked: (the manifest, expanded when it is of format 4, or
+    None; every problem found)."""
+    path = root / name
+    manifest, issues = manifest_issues(path, data, hint)
+    if issues or manifest is None or not segmented(manifest):
+        return manifest, issues
+    try:
+        for _, rel, sha in _segment_refs(manifest):
+            object_path(root, rel, sha, segment=True)
+        expanded = (segments or Segments()).expand(
+            manifest, lambda r, s, n: read_segment(root, r, s, n), str(path)
+        )
+    except ProteusError as e:
+        return manifest, [f"{e}" if str(path) in str(e) else f"{path}: {e}"]
+    return expanded, [f"{path}: {p}; {hint}" for p in manifest_problems(expanded)]
+
+
+def read_manifest(root: Path, segments: Segments | None = None) -> tuple[bytes, dict[str, Any]]:
+    """The bytes and the parsed, checked ``manifest.json`` of the knowledge base at ``root`` (expanded when it
+    is of format 4: ``segments`` keeps what it read); a :class:`KBError` (or a
+    :class:`~proteus.budgets.BudgetError`) naming the file and what to do."""
     path = root / MANIFEST
     if root.exists() and not root.is_dir():
         raise _is_file_error(root)
@@ -46,9 +86,15 @@ def read_manifest(root: Path) -> tuple[bytes, dict[str, Any]]:
         if files:
             raise _damaged(root, files, "the knowledge base cannot be opened")
         raise KBError(f"{root}: no knowledge base here (missing {MANIFEST})")
-    manifest, issues = manifest_issues(path, data, "restore it or manifest.prev.json")
+    manifest, issues = parse(root, MANIFEST, data, "restore it or manifest.prev.json", segments)
     if not issues and manifest is not None and manifest.get("format_version") != FORMAT_VERSION:
         problem = downgrade_problem(manifest, previous_or_none(root), path)
+        if problem is None and (root / HISTORY).is_dir() and not segmented(manifest):
+            problem = (
+                f"{path}: format version {manifest.get('format_version')}, but the knowledge base keeps a "
+                f"history of format {FORMAT_VERSION} commits: the version was lowered by hand (a downgrade); "
+                "restore it or manifest.prev.json"
+            )
         issues = [problem] if problem else []
     if issues:
         raise KBError(issues[0])
@@ -66,14 +112,18 @@ def check_paths(root: Path, manifest: dict[str, Any], path: Path) -> None:
             raise KBError(f"{path}: {label}: {e}") from None
 
 
-def previous_manifest(root: Path, key: bytes | None = None) -> dict[str, Any]:
-    """``manifest.prev.json``, checked like the current one (its signature too, with ``key``: an undo must
-    not sign what nobody signed)."""
+def previous_manifest(
+    root: Path, key: bytes | None = None, segments: Segments | None = None
+) -> dict[str, Any]:
+    """``manifest.prev.json``, checked like the current one (expanded when it is of format 4; its signature
+    too, with ``key``: an undo must not sign what nobody signed)."""
     path = root / PREV_MANIFEST
     data = read_kb_file(root, PREV_MANIFEST)
     if data is None:
         raise KBError(f"{root}: no previous commit to go back to (no {PREV_MANIFEST})")
-    manifest, issues = manifest_issues(path, data, "the previous commit cannot be restored from it")
+    manifest, issues = parse(
+        root, PREV_MANIFEST, data, "the previous commit cannot be restored from it", segments
+    )
     if issues or manifest is None:
         raise KBError(issues[0] if issues else f"{path}: not a manifest")
     check_paths(root, manifest, path)
@@ -85,7 +135,8 @@ def previous_manifest(root: Path, key: bytes | None = None) -> dict[str, Any]:
 
 
 def previous_or_none(root: Path) -> dict[str, Any] | None:
-    """manifest.prev.json parsed, or None when it is missing or cannot be used (for the downgrade rule)."""
+    """manifest.prev.json parsed (not expanded), or None when it is missing or cannot be used (for the
+    downgrade rule)."""
     try:
         data = read_kb_file(root, PREV_MANIFEST)
         prev = load_json(data, PREV_MANIFEST) if data is not None else None

@@ -27,6 +27,7 @@ from proteus.kb.files import (
     KBError,
     _atomic_write,
     _refs,
+    _segment_refs,
     _sha,
     _write_error,
     read_object,
@@ -159,6 +160,18 @@ class ObjectStore:
             self.write_new(rel, data)
         return rel, sha
 
+    def write_segment(self, data: bytes) -> tuple[str, str]:
+        """Write a record segment's bytes (format 4, :mod:`.segments`) as a content-addressed object (in
+        memory while the knowledge base is not on disk); returns (rel, sha256)."""
+        sha = _sha(data)
+        rel = f"{OBJECTS}/records-{sha[:16]}.json"
+        self.sizes[rel] = len(data)
+        if not self.on_disk:
+            self.pending[rel] = data
+        elif not (self.root / rel).exists():
+            self.write_new(rel, data)
+        return rel, sha
+
     def write_new(self, rel: str, data: bytes) -> None:
         """Write object ``rel`` to disk (atomically) and remember it as written since the last commit."""
         path = self.root / rel
@@ -171,7 +184,7 @@ class ObjectStore:
 
     def flush_pending(self, manifest: dict[str, Any]) -> None:
         """At a first commit: write the pending objects ``manifest`` references."""
-        for _, rel, _ in _refs(manifest):
+        for _, rel, _ in _refs(manifest) + _segment_refs(manifest):
             data = self.pending.get(rel)
             if data is not None and not (self.root / rel).exists():
                 self.write_new(rel, data)
@@ -182,6 +195,6 @@ class ObjectStore:
         self.written.clear()
         self.pending.clear()
         self.on_disk = True
-        keep = {rel: sha for _, rel, sha in _refs(manifest)}
+        keep = {rel: sha for _, rel, sha in _refs(manifest) + _segment_refs(manifest)}
         self.cache = {rel: v for rel, v in self.cache.items() if keep.get(rel) == v[0]}
         self.known = {key: v for key, v in self.known.items() if keep.get(v[0]) == v[1]}

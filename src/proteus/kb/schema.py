@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from proteus.budgets import BudgetError
-from proteus.kb.files import FORMAT, OBJECTS, READABLE_VERSIONS, V3_KEYS, KBError, manifest_checksum
+from proteus.kb.files import FORMAT, OBJECTS, READABLE_VERSIONS, V3_KEYS, V4_KEYS, KBError, manifest_checksum
 from proteus.tensor_rules import (
     ATOMS,
     MAX_DIM,
@@ -42,9 +42,9 @@ from proteus.tensor_rules import shown as _shown
 from proteus.untrusted import InputError, load_json
 
 __all__ = [
-    "MANIFEST", "MAX_DIM", "OBJECT_NAME", "TASK", "F", "Schema", "field_problems", "fields_problems",
-    "head_kind", "manifest_issues", "manifest_problems", "object_dirs", "object_path", "task_label",
-    "type_problem",
+    "MANIFEST", "MANIFEST_V4", "MAX_DIM", "OBJECT_NAME", "SEGMENT", "SEGMENT_NAME", "TASK", "F", "Schema",
+    "field_problems", "fields_problems", "head_kind", "manifest_issues", "manifest_problems", "object_dirs",
+    "object_path", "task_label", "type_problem",
 ]  # fmt: skip
 
 log = logging.getLogger("proteus")
@@ -58,6 +58,12 @@ ATOMS["object"] = (
     lambda v: isinstance(v, str) and OBJECT_NAME.fullmatch(v) is not None,
     f"an object name {OBJECTS}/<kind>-<16 hex digits>.safetensors",
 )
+#: the name of a record segment (format 4, :mod:`proteus.kb.segments`): JSON, content-addressed like an object
+SEGMENT_NAME = re.compile(rf"{OBJECTS}/records-(?P<sha>[0-9a-f]{{16}})\.json")
+ATOMS["segment"] = (
+    lambda v: isinstance(v, str) and SEGMENT_NAME.fullmatch(v) is not None,
+    f"a record segment name {OBJECTS}/records-<16 hex digits>.json",
+)
 
 
 def _refused(rel: Any) -> str:
@@ -68,6 +74,10 @@ def _refused(rel: Any) -> str:
 
 
 REFUSALS["object"] = _refused
+REFUSALS["segment"] = lambda rel: (
+    f"record segment path {_shown(rel)} refused: not a name this proteus writes "
+    f"({OBJECTS}/records-<16 hex digits>.json: no '..', not absolute)"
+)
 
 
 def _is_int(v: Any) -> TypeGuard[int]:
@@ -98,7 +108,9 @@ TASK: Schema = {
     "learned": F("any"),  # when (a time stamp); only shown, never parsed
     "settings": F("map"),
 }
-HEAD: Schema = {"meta": F("map", True), "object": F("object", True), "sha256": F("hex64", True)}
+HEAD: Schema = {
+    "meta": F("map", True), "object": F("object", True), "sha256": F("hex64", True), "bytes": F("count"),
+}  # fmt: skip
 #: an accuracy row kept with the state (``Evaluation.to_dict``, read by ``build_results``)
 EVALUATION_ROW: Schema = {
     "row": F("list[float|null]", True),
@@ -123,6 +135,39 @@ MANIFEST: Schema = {
     "sequence": F("count"),
     "kb_id": F("str"),
     "object_bytes": F("map"),
+    # format 4 (read back into the fields above by proteus.kb.segments): kept beside them in memory
+    "segments": F("list[map]"),
+    "num_tasks": F("count"),
+    "parent": F("hex64|null"),
+}
+#: a record segment's reference in a manifest of format 4: its object, and the tasks it holds
+SEGMENT_REF: Schema = {
+    "object": F("segment", True),
+    "sha256": F("hex64", True),
+    "bytes": F("count", True),
+    "first": F("count", True),
+    "count": F("count", True),
+    "content": F("hex64", True),
+}
+#: a manifest of format 4 as it is on disk: the task records and evaluation rows live in record segments
+#: (:data:`SEGMENT`), each object's size beside its reference
+MANIFEST_V4: Schema = {
+    **{k: f for k, f in MANIFEST.items() if k not in ("tasks", "evaluation", "object_bytes", "segments")},
+    "segments": F("list[map]", True, items=SEGMENT_REF),
+    "num_tasks": F("count", True),
+    "sequence": F("count", True),
+    "kb_id": F("str", True),
+    "parent": F("hex64|null", True),
+    "checksum": F("hex64", True),
+}
+#: a record segment's content (format 4): the records of tasks ``first`` .. ``first + len(tasks) - 1``
+#: (each with its object's size, ``bytes``) and their evaluation rows (at most one per task); the records'
+#: other fields are checked as the manifest's tasks, by the task's index (:func:`manifest_problems`)
+SEGMENT: Schema = {
+    "format": F("str", True),
+    "first": F("count", True),
+    "tasks": F("list[map]", True, items={"bytes": F("count", True)}),
+    "evaluation": F("list[map]", True, items=EVALUATION_ROW),
 }
 #: task fields that must have as many items as the first one names
 SAME_LENGTH: tuple[tuple[str, str], ...] = (("class_names", "classes"),)
@@ -204,15 +249,20 @@ def manifest_problems(
     return out
 
 
-def object_path(root: Path, rel: Any, sha: Any = None, dirs: tuple[Path, Path] | None = None) -> Path:
+def object_path(
+    root: Path, rel: Any, sha: Any = None, dirs: tuple[Path, Path] | None = None, *, segment: bool = False
+) -> Path:
     """The path of object ``rel`` of the knowledge base at ``root``, refused (:class:`KBError`, the reason
     without the file) unless ``rel`` is a name the store writes (no ``..``, not absolute; carrying the first
     16 hex digits of ``sha``) and the file, symlinks followed, is inside ``root``'s ``objects/``. The
     returned path is the resolved one: read it with ``O_NOFOLLOW``. ``dirs``: ``root`` and its ``objects/``
-    resolved once for many objects (:func:`object_dirs`)."""
-    if not isinstance(rel, str) or OBJECT_NAME.fullmatch(rel) is None:
-        raise KBError(_refused(rel))
-    if isinstance(sha, str) and not sha.startswith(rel[-len(".safetensors") - 16 : -len(".safetensors")]):
+    resolved once for many objects (:func:`object_dirs`). ``segment``: a record segment's name
+    (:data:`SEGMENT_NAME`), not a tensor object's."""
+    pattern, refuse = (SEGMENT_NAME, REFUSALS["segment"]) if segment else (OBJECT_NAME, _refused)
+    if not isinstance(rel, str) or pattern.fullmatch(rel) is None:
+        raise KBError(refuse(rel))
+    suffix = rel.rsplit(".", 1)[1]
+    if isinstance(sha, str) and not sha.startswith(rel[-len(suffix) - 17 : -len(suffix) - 1]):
         raise KBError(f"object path {rel!r} refused: its name does not carry its sha256 ({sha[:16]}...)")
     base, objects = object_dirs(root) if dirs is None else dirs
     path = (root / rel).resolve()
@@ -250,12 +300,13 @@ def manifest_issues(path: Path, data: bytes, hint: str) -> tuple[dict[str, Any] 
         ]
     issues = []
     recorded = manifest.get("checksum")
-    newer = sorted(k for k in V3_KEYS if k in manifest)
-    if version < 3 and newer:
-        issues.append(
-            f"{path}: format version {version}, but it holds {', '.join(newer)}, which only version 3 "
-            f"writes: the version was lowered by hand (a downgrade); {hint}"
-        )
+    for since, keys in ((3, V3_KEYS), (4, V4_KEYS)):
+        newer = sorted(k for k in keys if k in manifest)
+        if version < since and newer:
+            issues.append(
+                f"{path}: format version {version}, but it holds {', '.join(newer)}, which only version "
+                f"{since} writes: the version was lowered by hand (a downgrade); {hint}"
+            )
     if version == 1 and recorded is None:
         log.debug("%s: format version 1 (no checksum); it gets one at its next commit", path)
     elif not isinstance(recorded, str):
@@ -270,8 +321,48 @@ def manifest_issues(path: Path, data: bytes, hint: str) -> tuple[dict[str, Any] 
                 f"{path}: checksum mismatch: {path.name} was edited (recorded {recorded[:16]}…, computed "
                 f"{actual[:16]}…); {hint}"
             )
-    issues += [f"{path}: {p}; {hint}" for p in manifest_problems(manifest) + _size_problems(manifest)]
+    found = segmented_problems(manifest) if version >= 4 else manifest_problems(manifest)
+    issues += [f"{path}: {p}; {hint}" for p in found + _size_problems(manifest)]
     return manifest, issues
+
+
+def segmented_problems(manifest: dict[str, Any]) -> list[str]:
+    """Every way a manifest of format 4 as it is on disk breaks :data:`MANIFEST_V4`: its fields, and record
+    segments that do not hold tasks 0 .. ``num_tasks`` - 1 in order (the records themselves are checked when
+    the segments are read, :mod:`proteus.kb.segments`)."""
+    out = fields_problems(manifest, MANIFEST_V4, "")
+    out += [f"{k}: format 4 keeps it in the record segments, not in the manifest"
+            for k in ("tasks", "evaluation") if k in manifest]  # fmt: skip
+    head = manifest.get("head")
+    if isinstance(head, dict):
+        ref = OBJECT_NAME.fullmatch(head["object"]) if isinstance(head.get("object"), str) else None
+        if ref and isinstance(head.get("sha256"), str) and not head["sha256"].startswith(ref["sha"]):
+            out.append(f"head.object: its name does not carry its sha256 ({head['sha256'][:16]}...)")
+    segments, n = manifest.get("segments"), manifest.get("num_tasks")
+    if out or not isinstance(segments, list) or not _is_int(n):
+        return out
+    first = 0
+    for i, ref in enumerate(segments):
+        if not isinstance(ref, dict):
+            continue
+        name = SEGMENT_NAME.fullmatch(ref["object"]) if isinstance(ref.get("object"), str) else None
+        if name and not ref["sha256"].startswith(name["sha"]):
+            out.append(f"segments[{i}].object: its name does not carry its sha256 ({ref['sha256'][:16]}...)")
+        if ref.get("first") != first or not 0 < ref.get("count", 0) <= MAX_SEGMENT_TASKS:
+            out.append(
+                f"segments[{i}]: holds tasks {ref.get('first')} .. +{ref.get('count')}, but the segments "
+                f"must hold the tasks in order, from {first}, at most {MAX_SEGMENT_TASKS} each"
+            )
+            return out
+        first += ref["count"]
+    if first != n:
+        out.append(f"num_tasks: is {n}, but the record segments hold {first} tasks")
+    return out
+
+
+#: the most task records one record segment may hold (a reader's bound: the writer puts
+#: :data:`proteus.kb.segments.SEGMENT_TASKS` in each)
+MAX_SEGMENT_TASKS = 4096
 
 
 def _size_problems(manifest: dict[str, Any]) -> list[str]:

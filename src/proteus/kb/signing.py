@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from proteus.errors import ProteusError
-from proteus.kb.files import MANIFEST, KBError, log
+from proteus.kb.files import EXPANDED_KEYS, MANIFEST, KBError, log
 from proteus.untrusted import load_json, read_regular
 
 ALG = "hmac-sha256"
@@ -88,8 +88,16 @@ def key_id(key: bytes) -> str:
 def signed_bytes(manifest: dict[str, Any]) -> bytes:
     """What the MAC covers: the canonical JSON of ``manifest`` without :data:`UNSIGNED_KEYS` (round-tripped
     through JSON first, as the checksum is, so that what is signed is what a reader parses)."""
-    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k not in UNSIGNED_KEYS}))
+    skip = UNSIGNED_KEYS + (
+        EXPANDED_KEYS if _version(manifest) >= 4 else ()
+    )  # format 4: manifest.json's fields
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k not in skip}))
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _version(manifest: dict[str, Any]) -> int:
+    v = manifest.get("format_version")
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
 def signature(manifest: dict[str, Any], key: bytes) -> dict[str, str]:

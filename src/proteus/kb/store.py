@@ -66,13 +66,15 @@ Crash points (:func:`proteus.faults.crash_point`) mark the commit's steps for th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from proteus.faults import crash_point
-from proteus.kb.commit import Commit, refuse_unreadable, seal
+from proteus.kb.chain import keep_in_history
+from proteus.kb.commit import Commit
 from proteus.kb.files import (
     FORMAT,
     FORMAT_VERSION,
@@ -95,9 +97,10 @@ from proteus.kb.files import (
     read_kb_file,
 )
 from proteus.kb.lock import lock_holder, write_lock
-from proteus.kb.manifests import check_paths, previous_manifest, read_manifest
+from proteus.kb.manifests import check_paths, previous_manifest, read_manifest, segmented
 from proteus.kb.objects import ObjectStore, Part
 from proteus.kb.schema import head_kind, manifest_problems
+from proteus.kb.segments import Segments
 from proteus.kb.signing import accept, key_from_env, sequence_problem, signature_problem
 from proteus.kb.sweep import sweep
 
@@ -113,9 +116,18 @@ class KnowledgeBase:
     #: raise :class:`KBError` unless ``root`` is writable (:func:`proteus.kb.files.check_writable`)
     check_writable = staticmethod(check_writable)
 
-    def __init__(self, root: str | Path, manifest: dict[str, Any], key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        manifest: dict[str, Any],
+        key: bytes | None = None,
+        segments: Segments | None = None,
+    ) -> None:
         self.root = Path(root)
+        #: the committed state, expanded (format 4: its record segments read, :mod:`proteus.kb.segments`)
         self.manifest = manifest
+        #: the record segments read or written (a commit writes only those whose records changed)
+        self.segments = segments or Segments()
         #: the signing key: checked by open, used by every commit to sign (None: unsigned commits)
         self.key = key
         self.objects = ObjectStore(self.root)
@@ -132,28 +144,12 @@ class KnowledgeBase:
         return (Path(root) / MANIFEST).is_file()
 
     @classmethod
-    def _check_free(cls, root: Path) -> None:
-        """Refuse to start a knowledge base at ``root`` unless nothing of one is there."""
-        if root.exists() and not root.is_dir():
-            raise _is_file_error(root)
-        kind = kb_file_kind(root, MANIFEST)
-        if kind == "a regular file":
-            raise KBError(f"{root}: a knowledge base already exists here")
-        if kind is not None:
-            raise KBError(f"{root / MANIFEST}: {kind}, not a manifest; remove it, or choose another --kb")
-        files = _kb_files(root)
-        if files and not _interrupted_first_commit(root, files):
-            raise _damaged(root, files, "refusing to start a new knowledge base over them")
-        if files:
-            log.info("%s: starting over the files of an interrupted first commit (%s)", root, _shown(files))
-
-    @classmethod
     def new(cls, root: str | Path, header: dict[str, Any], key: bytes | None = None) -> KnowledgeBase:
         """A new knowledge base at ``root``, in memory only: nothing is written before its first
         :meth:`commit`, which creates the directory, ``objects/`` and ``manifest.json`` (signed with ``key``,
         or with the key of ``$PROTEUS_KB_KEY_FILE`` when it is set)."""
         root = Path(root)
-        cls._check_free(root)
+        _check_free(root)
         kb = cls(root, _fresh_manifest(header), key if key is not None else key_from_env())
         kb.objects.on_disk = False
         return kb
@@ -186,12 +182,13 @@ class KnowledgeBase:
         root = Path(root)
         key = key_from_env() if key is None else key
         for attempt in range(OPEN_ATTEMPTS):
-            data, manifest = cls._read_manifest(root)
+            segments = Segments()
+            data, manifest = cls._read_manifest(root, segments)
             if key is not None and require_signature:
                 problem = signature_problem(root, manifest, key) or sequence_problem(root, manifest, key)
                 if problem:
                     raise KBError(problem)
-            kb = cls(root, manifest, key)
+            kb = cls(root, manifest, key, segments)
             kb._manifest_sha = _sha(data)
             try:
                 if verify:
@@ -241,40 +238,37 @@ class KnowledgeBase:
         it was."""
         commit = Commit(self.root, self.objects, self._manifest_sha)
         replaced = _object_names(self.manifest) if self._on_disk and self._manifest_sha else None
-        try:
-            sizes = commit.sizes(manifest, self.manifest)
-            manifest = seal(manifest, self.manifest, sizes, self.key, self.root)
-            refuse_unreadable(self.root, manifest, self.manifest.get("tasks") if self._on_disk else None)
-        except BaseException:
-            commit.abandon()
-            raise
-        data = commit.write(manifest, not self._on_disk, self._check_free)
-        self.manifest = manifest
+        kept_segments = list(self.manifest.get("segments") or [])
+        physical, expanded = commit.prepare(manifest, self.manifest, self._on_disk, self.key, self.segments)
+        data = commit.write(physical, expanded, not self._on_disk, _check_free)
+        self.manifest = expanded
         self._manifest_sha = _sha(data)
-        self.objects.settle(manifest)
+        self.objects.settle(expanded)
+        self.segments.settle(expanded["segments"] + kept_segments)
         if self.key is not None:
             accept(manifest, self.key)
         crash_point("commit:manifest")
         self.sweep(replaced)  # manifest.prev.json holds the state replaced (write checked it is this one)
 
     def commit_state(
-        self, tasks: list[Part], head: Part | None, evaluation: list[dict[str, Any]] | None = None
+        self, tasks: Sequence[Part], head: Part | None, evaluation: list[dict[str, Any]] | None = None
     ) -> None:
         """Commit a learner's state (:class:`proteus.learners.LearnerState`'s parts): one object
         per task (its record in the manifest), one for the head (its meta in the manifest), and the
         evaluation rows to keep with it (None: the stored rows of the tasks kept)."""
         manifest = dict(self.manifest)
-        records = []
-        for k, (meta, tensors) in enumerate(tasks):
-            rel, sha = self.write_object(f"task{k:03d}", tensors)
-            records.append({**meta, "object": rel, "sha256": sha})
-        manifest["tasks"] = records
+        stored = (self.manifest.get("tasks") or []) if self._on_disk else []
+        manifest["tasks"] = records = task_records(tasks, stored, self.write_object)
         if head is not None:
             rel, sha = self.write_object("head", head[1], reuse=False)  # a learner's head changes every task
             manifest["head"] = {"meta": head[0], "object": rel, "sha256": sha}
-        stored = list(self.manifest.get("evaluation", []))
-        manifest["evaluation"] = stored[: len(tasks)] if evaluation is None else evaluation
+        rows = list(self.manifest.get("evaluation", []))
+        manifest["evaluation"] = rows[: len(tasks)] if evaluation is None else evaluation
         self.commit(manifest)
+        done = getattr(tasks, "committed", None)  # the learner keeps each record as its task's token
+        if done is not None:
+            for k, record in enumerate(records):
+                done(k, record)
 
     def read_state(self, learner: str | None = None) -> tuple[list[Part], Part | None]:
         """The committed state: (record, tensors) per task and the head's (meta, tensors) or None (every
@@ -296,7 +290,7 @@ class KnowledgeBase:
     def previous_manifest(self, check_signature: bool = True) -> dict[str, Any]:
         """The previous commit's manifest (``manifest.prev.json``), checked like the current one (its
         signature too, when this KB has a key: an undo must not sign what nobody signed)."""
-        return previous_manifest(self.root, self.key if check_signature else None)
+        return previous_manifest(self.root, self.key if check_signature else None, self.segments)
 
     def undo(self) -> dict[str, Any]:
         """Make the previous commit the current state again (a commit itself, with a new sequence number:
@@ -328,30 +322,85 @@ class KnowledgeBase:
         with its size. Only a writer (holding the lock) sweeps."""
         return sweep(self.root, _object_names(self.manifest), previous)
 
+    def upgrade(self) -> int | None:
+        """``proteus kb upgrade``: write the current state again in the newest format (a commit: atomic,
+        with a new sequence number; the caller holds :meth:`write_lock`); returns the format it was in, or
+        None when it is in the newest already."""
+        version = self.manifest.get("format_version")
+        if version == FORMAT_VERSION:
+            return None
+        self.commit(self.manifest)
+        return int(version) if isinstance(version, int) else None
+
     def gc(self) -> list[tuple[Path, int]]:
         """``proteus kb gc``: :meth:`sweep` outside a commit (after a failed one, on a full disk); the caller
         holds :meth:`write_lock`. Returns each file removed with its size."""
-        Commit(self.root, self.objects, self._manifest_sha).current()  # refuses if another writer committed
-        return self.sweep()
+        data = Commit(self.root, self.objects, self._manifest_sha).current()  # refuses if another committed
+        if data is not None and segmented(self.manifest):
+            keep_in_history(self.root, data)  # a commit whose own copy failed
+        return sweep(self.root, _object_names(self.manifest), None, history=True)
 
     # ------------------------------------------------------------------ checks
     def check_backbone(self, identity: dict[str, Any]) -> None:
         """Refuse a KB written under another backbone, other weights or another adapted split."""
-        mine = self.manifest.get("backbone", {})
-        for key in ("name", "weights_id", "weights_sha256", "embed_dim", "split"):
-            if mine.get(key) != identity.get(key):
-                raise KBError(
-                    f"{self.root}: knowledge base was written with backbone {key}={mine.get(key)!r}, "
-                    f"but this run uses {key}={identity.get(key)!r}"
-                )
+        _check_backbone(self.root, self.manifest, identity)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of the manifest and of each object (``task<index>``, ``head``)."""
-        out = {"manifest": (self.root / MANIFEST).stat().st_size}
-        for label, rel, sha in _refs(self.manifest):
-            name = "head" if label == "head" else f"task{label.rsplit(' ', 1)[1]}"
-            out[name] = self.objects.path(self.manifest, rel, sha).stat().st_size
-        return out
+        return _nbytes(self.root, self.manifest, self.objects)
+
+
+def task_records(
+    tasks: Sequence[Part], stored: list[Any], write: Callable[[str, dict[str, torch.Tensor]], tuple[str, str]]
+) -> list[Any]:
+    """The records of a learner's ``tasks`` (:class:`proteus.learners.TaskParts`, or any sequence of parts):
+    ``stored[k]`` where task k's token says it is unchanged since that record was committed or read (the
+    part is not even built), else a record of its part with its object written (``write``)."""
+    records = []
+    kept = getattr(tasks, "stored", None)  # a learner's token of an unchanged task
+    for k in range(len(tasks)):
+        token = kept(k) if kept is not None else None
+        if token is not None and k < len(stored) and (token is stored[k] or token == stored[k]):
+            records.append(stored[k])
+            continue
+        meta, tensors = tasks[k]
+        rel, sha = write(f"task{k:03d}", tensors)
+        records.append({**meta, "object": rel, "sha256": sha})
+    return records
+
+
+def _check_free(root: Path) -> None:
+    """Refuse to start a knowledge base at ``root`` unless nothing of one is there."""
+    if root.exists() and not root.is_dir():
+        raise _is_file_error(root)
+    kind = kb_file_kind(root, MANIFEST)
+    if kind == "a regular file":
+        raise KBError(f"{root}: a knowledge base already exists here")
+    if kind is not None:
+        raise KBError(f"{root / MANIFEST}: {kind}, not a manifest; remove it, or choose another --kb")
+    files = _kb_files(root)
+    if files and not _interrupted_first_commit(root, files):
+        raise _damaged(root, files, "refusing to start a new knowledge base over them")
+    if files:
+        log.info("%s: starting over the files of an interrupted first commit (%s)", root, _shown(files))
+
+
+def _check_backbone(root: Path, manifest: dict[str, Any], identity: dict[str, Any]) -> None:
+    mine = manifest.get("backbone", {})
+    for key in ("name", "weights_id", "weights_sha256", "embed_dim", "split"):
+        if mine.get(key) != identity.get(key):
+            raise KBError(
+                f"{root}: knowledge base was written with backbone {key}={mine.get(key)!r}, "
+                f"but this run uses {key}={identity.get(key)!r}"
+            )
+
+
+def _nbytes(root: Path, manifest: dict[str, Any], objects: ObjectStore) -> dict[str, int]:
+    out = {"manifest": (root / MANIFEST).stat().st_size}
+    for label, rel, sha in _refs(manifest):
+        name = "head" if label == "head" else f"task{label.rsplit(' ', 1)[1]}"
+        out[name] = objects.path(manifest, rel, sha).stat().st_size
+    return out
 
 
 def _fresh_manifest(header: dict[str, Any]) -> dict[str, Any]:

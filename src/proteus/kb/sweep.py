@@ -13,6 +13,7 @@ from proteus.errors import ProteusError
 from proteus.kb.files import (
     _TMP_PREFIXES,
     FIRST_COMMIT,
+    HISTORY,
     MANIFEST,
     OBJECTS,
     PREV_MANIFEST,
@@ -51,24 +52,33 @@ def restore_kept(root: Path) -> bool:
 
 
 def previous_names(root: Path) -> set[str] | None:
-    """Names of the objects manifest.prev.json references (an empty set when there is none; None when it
-    cannot be read: a FIFO, a link, too large, not JSON ...)."""
+    """Names of the objects manifest.prev.json references, its record segments' tasks included (an empty set
+    when there is none; None when it cannot be read: a FIFO, a link, too large, not JSON, a segment that
+    cannot be read ...)."""
+    from proteus.kb.manifests import read_segment, segmented
+    from proteus.kb.segments import expand
+
     try:
         data = read_kb_file(root, PREV_MANIFEST)
         if data is None:
             return set()
         prev = load_json(data, str(root / PREV_MANIFEST))
-    except (OSError, ProteusError):
+        if isinstance(prev, dict) and segmented(prev) and isinstance(prev.get("segments"), list):
+            prev = expand(prev, lambda r, s, n: read_segment(root, r, s, n), str(root / PREV_MANIFEST))
+    except (OSError, ProteusError, KeyError, TypeError):
         return None
     return _object_names(prev) if isinstance(prev, dict) else None
 
 
-def sweep(root: Path, keep: set[str], previous: set[str] | None = None) -> list[tuple[Path, int]]:
+def sweep(
+    root: Path, keep: set[str], previous: set[str] | None = None, history: bool = False
+) -> list[tuple[Path, int]]:
     """Delete the objects whose names are neither in ``keep`` (the current commit's) nor referenced by
     manifest.prev.json, and the temporary files of interrupted commits; returns each file removed with its
     size. Directories and symlinks' targets are never touched (a symlink itself is removed); an unreadable
     manifest.prev.json keeps every object. ``previous``: the names manifest.prev.json references, known
-    to a commit that just wrote it (read from the file when None, or when a kept copy was put back)."""
+    to a commit that just wrote it (read from the file when None, or when a kept copy was put back).
+    ``history``: also the temporary files of interrupted copies into ``history/`` (``kb gc``)."""
     if restore_kept(root) or previous is None:
         previous = previous_names(root)
     if previous is None:
@@ -88,11 +98,22 @@ def sweep(root: Path, keep: set[str], previous: set[str] | None = None) -> list[
         removed.append((p, st.st_size))
 
     objects = root / OBJECTS
-    for p in sorted(objects.iterdir()) if objects.is_dir() and not objects.is_symlink() else []:
-        temporary = p.name.startswith(".") and ".tmp-" in p.name
-        if temporary or (previous is not None and p.name not in keep):
-            remove(p)
-    for p in sorted(root.iterdir()):
-        if p.name.startswith(_TMP_PREFIXES) or p.name == FIRST_COMMIT:
-            remove(p)
+    for name in _names(objects):
+        temporary = name.startswith(".") and ".tmp-" in name
+        if temporary or (previous is not None and name not in keep):
+            remove(objects / name)
+    for name in _names(root):
+        if name.startswith(_TMP_PREFIXES) or name == FIRST_COMMIT:
+            remove(root / name)
+    for name in _names(root / HISTORY) if history else []:
+        if name.startswith(".") and ".tmp-" in name:
+            remove(root / HISTORY / name)
     return removed
+
+
+def _names(folder: Path) -> list[str]:
+    """The names in ``folder`` (sorted; none when it is not a directory, or a symbolic link to one)."""
+    if folder.is_symlink() or not folder.is_dir():
+        return []
+    with os.scandir(folder) as it:
+        return sorted(e.name for e in it)

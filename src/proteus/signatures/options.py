@@ -123,6 +123,14 @@ class RetrievalConfig:
         "class-gaussian (the class Gaussians of the LDA keys' statistics) or none",
         choices="retrieval.novelty",
     )
+    shortlist: int | None = option(
+        8,
+        help="the detector of inputs from no learned task scores an input under the Gaussians of only the "
+        "shortlist tasks its keys rank highest (its calibration rows alike), so that its cost does not grow "
+        "with the tasks learned; null: every task",
+        range=AT_LEAST_1,
+        legacy=None,
+    )
     calibration_holdout: float = option(
         0.1,
         help="the share of a task's inputs that calibrates its threshold",

@@ -118,6 +118,15 @@ class RetrievalKeys:
         self.keep_inputs = keep_inputs
         #: tasks removed by :meth:`forget`: never retrieved
         self.forgotten: set[int] = set()
+        self._generation = 0
+
+    @property
+    def generation(self) -> int:
+        """Bumped whenever a learned task's stored share changes after its task (:meth:`forget`, a new
+        calibration), so that a knowledge base writes every task again
+        (:class:`proteus.learners.TaskParts`)."""
+        novelty = getattr(self, "novelty", None)
+        return self._generation + (novelty.generation if novelty is not None else 0)
 
     @classmethod
     def from_config(
@@ -177,7 +186,8 @@ class RetrievalKeys:
     ) -> tuple[RetrievalResult, Under]:  # fmt: skip
         X = space.embed(embedder, z, shard=False)
         res = self.retrieve_space(X, m, classes)
-        res.novelty = self.novelty_of(X, classes, taps)  # answering a user: is the input from a learned task?
+        scores = res.task_scores if m == len(classes) else None
+        res.novelty = self.novelty_of(X, classes, taps, scores)  # answering a user: from a learned task?
 
         def under(cand: Tensor) -> Tensor:
             N, K = cand.shape
@@ -210,6 +220,7 @@ class RetrievalKeys:
         """Remove task k's key (``proteus kb forget``): it is never retrieved again. Subclasses drop or
         subtract what they hold; :meth:`check_forget` says beforehand whether they can."""
         self.forgotten.add(k)
+        self._generation += 1
 
     def check_forget(self, k: int) -> None:
         """Raise ValueError when :meth:`forget` cannot remove task k exactly."""
@@ -229,10 +240,12 @@ class RetrievalKeys:
         yield
 
     # the class-Gaussian detector of inputs from no learned task (LDA keys only: proteus.engine.novelty)
-    def novelty_of(self, X: Tensor, classes: list[list[int]], taps: Tensor | None = None) -> Tensor | None:
+    def novelty_of(
+        self, X: Tensor, classes: list[list[int]], taps: Tensor | None = None, scores: Tensor | None = None
+    ) -> Tensor | None:
         """The novelty of inputs X (N, d) in :attr:`space` (> 0: from no learned task), ``taps`` their tap
-        statistics; None for keys without a detector. Computed on :meth:`predict`'s route only, not in
-        evaluation."""
+        statistics, ``scores`` their task scores where known; None for keys without a detector. Computed on
+        :meth:`predict`'s route only, not in evaluation."""
         return None
 
     def novelty_thresholds(self, classes: list[list[int]]) -> list[float]:
@@ -250,7 +263,11 @@ class RetrievalKeys:
         )
 
     # knowledge base: per task (stored in the task's object) and global (stored in the head's object)
-    def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    def task_state(
+        self, k: int, classes: list[int] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """Task k's share of the knowledge base (its record's fields, its tensors); ``classes``: the task's
+        classes, in its record's order (keys with one column per class keep the task's columns)."""
         return {"signature": None, "frozen_signature": None}, {}
 
     def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:

@@ -40,6 +40,7 @@ TENSOR_RULES.declare(
         Mount("signature", prefix=f"{key}/", record=key, when=lambda r: isinstance(r, dict), on="task"),
     )),
     Mount("lda inputs", prefix="shortlist/", on="task"),
+    Mount("ranpac columns", prefix="shortlist/", on="task"),
     Mount("ranpac", prefix=GLOBAL_PREFIX, record=_SHORTLIST, when=is_head_meta, on="head"),
     Check(lambda tasks, meta, where: classes_outside(tasks, meta, where, _SHORTLIST)),
 )  # fmt: skip
@@ -226,11 +227,13 @@ class GaussianKeys(RetrievalKeys):
         res.component = component
         return res
 
-    def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    def task_state(
+        self, k: int, classes: list[int] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Tensor]]:
         meta: dict[str, Any] = {"signature": None, "frozen_signature": None}
         tensors: dict[str, Tensor] = {}
         if self.shortlist_keys is not None:
-            tensors.update(self.shortlist_keys.task_state(k)[1])
+            tensors.update(self.shortlist_keys.task_state(k, classes)[1])
         for key, sig in (("signature", self.signatures[k]), ("frozen_signature", self.frozen_signatures[k])):
             if sig is not None:
                 st, meta[key] = sig.to_tensors()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,35 +20,79 @@ from torch import Tensor
 from proteus.config import ConfigError, RunConfig
 from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
+from proteus.engine.experts import candidates
 from proteus.engine.keys.base import GLOBAL_PREFIX, GLOBAL_RECORD, KEYS, KeyFit, KeyKind, RetrievalKeys
 from proteus.engine.keys.space import FIRST_ADAPTER, FROZEN, KeySpace
 from proteus.engine.novelty import ClassNovelty
 from proteus.heads import PROTOTYPES, RanPACHead
-from proteus.heads.persist import classes_outside, is_head_meta
+from proteus.heads.persist import COLUMNS, assemble_columns, classes_outside, is_head_meta
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
 from proteus.signatures.signature import NORMALIZATIONS
 from proteus.tensor_rules import TENSOR_RULES, Check, Mount, ShapeRule, Together
 
-__all__ = ["TASK_SCORES", "LDAKeys", "task_scores"]
+__all__ = ["TASK_SCORES", "Groups", "LDAKeys", "groups", "task_scores"]
 
-#: ``signature.task_score``: how class scores f (N, C) become each task's score (N,), lower is better: an
-#: entry takes f and ``temperature`` (``signature.class_temperature``) and returns the score of a task's
-#: classes c (what every task shares, the softmax over all classes, is computed once per call)
-TASK_SCORES: Registry[Callable[[Tensor, float], Callable[[list[int]], Tensor]]] = Registry(
-    "signature.task_score"
-)
+
+@dataclass(frozen=True)
+class Groups:
+    """Which task owns each class: ``task_of`` (C,) the owner of each class the scores cover (-1: none) and
+    ``sizes`` (m,) each task's number of classes; built once per list of classes (:func:`groups`)."""
+
+    task_of: Tensor
+    sizes: Tensor
+
+    def reduce(self, values: Tensor, how: str) -> Tensor:
+        """(N, m): ``values`` (N, C) reduced over each task's classes (``"amax"`` or ``"sum"``); a task with
+        no class gets -inf (amax) or 0 (sum)."""
+        N, m = values.shape[0], self.sizes.shape[0]
+        own = self.task_of >= 0
+        idx = self.task_of[own].expand(N, -1)
+        if how == "amax":
+            out = values.new_full((N, m), float("-inf"))
+            return out.scatter_reduce(1, idx, values[:, own], "amax")
+        return values.new_zeros((N, m)).scatter_add(1, idx, values[:, own])
+
+
+#: (the classes list, C, its Groups): the last one computed, kept by identity
+_GROUPS: list[Any] = [None, None, None]
+
+
+def groups(classes: list[list[int]], n_classes: int) -> Groups:
+    """The :class:`Groups` of ``classes`` (each task's classes, as the records give them) over ``n_classes``
+    scored classes; the last one computed is kept for the same list object (a learner's records keep
+    theirs: :meth:`~proteus.engine.records.TaskRecords.classes`)."""
+    if _GROUPS[0] is classes and _GROUPS[1] == n_classes:
+        return _GROUPS[2]
+    task_of = torch.full((n_classes,), -1, dtype=torch.long)
+    sizes = torch.zeros(len(classes), dtype=torch.long)
+    for j, c in enumerate(classes):
+        kept = [i for i in c if i < n_classes]
+        task_of[kept] = j
+        sizes[j] = len(c)
+    out = Groups(task_of, sizes)
+    _GROUPS[:] = [classes, n_classes, out]
+    return out
+
+
+#: ``signature.task_score``: how class scores f (N, C) become every task's score (N, m), lower is better:
+#: an entry takes f, ``temperature`` (``signature.class_temperature``) and the tasks' :class:`Groups`, and
+#: scores every task at once (a task with no class: +inf)
+TASK_SCORES: Registry[Callable[[Tensor, float, Groups], Tensor]] = Registry("signature.task_score")
 
 
 @TASK_SCORES.register("mean", help="-log mean_{c in t} softmax(f / T)_c: the posterior over tasks")
-def _mean_score(logits: Tensor, temperature: float) -> Callable[[list[int]], Tensor]:
+def _mean_score(logits: Tensor, temperature: float, g: Groups) -> Tensor:
     logp = torch.log_softmax(logits.double() / temperature, dim=1)
-    return lambda c: (math.log(len(c)) - torch.logsumexp(logp[:, c], 1)).float()
+    top = g.reduce(logp, "amax")  # each task's logsumexp, from its largest term
+    shift = top.clamp_min(torch.finfo(logp.dtype).min).gather(1, g.task_of.clamp_min(0).expand_as(logp))
+    lse = torch.log(g.reduce(torch.exp(logp - shift), "sum")) + top
+    return (torch.log(g.sizes.clamp_min(1).double()) - lse).float()
 
 
 @TASK_SCORES.register("max", help="-max_{c in t} f_c: the task's best class score")
-def _max_score(logits: Tensor, temperature: float) -> Callable[[list[int]], Tensor]:
-    return lambda c: -logits[:, c].max(1).values
+def _max_score(logits: Tensor, temperature: float, g: Groups) -> Tensor:
+    return -g.reduce(logits, "amax")
 
 
 def task_scores(logits: Tensor, classes: list[list[int]], how: str, temperature: float) -> Tensor:
@@ -56,13 +100,11 @@ def task_scores(logits: Tensor, classes: list[list[int]], how: str, temperature:
 
     "mean": ``-log mean_{c in t} p(c|x)`` with ``p = softmax(logits / temperature)`` over every class,
     so that ``softmax_t(-scores)`` is the posterior over tasks under a uniform prior on tasks (a task's
-    classes share its prior); "max": ``-max_{c in t} logits_c``."""
-    score = TASK_SCORES.get(how)(logits, temperature)
-    out = torch.full((logits.shape[0], len(classes)), float("inf"))
-    for j, c in enumerate(classes):
-        if c:  # a task left with no class (forgotten) is never retrieved
-            out[:, j] = score(c)
-    return out
+    classes share its prior); "max": ``-max_{c in t} logits_c``. One pass over the classes, whatever the
+    number of tasks; a task left with no class (forgotten) scores +inf: it is never retrieved."""
+    g = groups(classes, logits.shape[1])
+    out = TASK_SCORES.get(how)(logits, temperature, g)
+    return out.masked_fill(g.sizes[None] == 0, float("inf"))
 
 
 #: what :meth:`LDAKeys.task_state` stores under its ``prefix`` with ``keep_inputs`` (``kb forget`` subtracts
@@ -79,6 +121,7 @@ TENSOR_RULES.declare(
 TENSOR_RULES.declare(
     "proteus", "LDAKeys",
     Mount("lda inputs", prefix="lda/", on="task"),
+    Mount("ranpac columns", prefix="lda/", on="task"),  # the key head's columns of the task's classes
     Mount("ranpac", prefix=GLOBAL_PREFIX, record=GLOBAL_RECORD, when=is_head_meta, on="head"),
     Check(lambda tasks, meta, where: classes_outside(tasks, meta, where, GLOBAL_RECORD)),
 )  # fmt: skip
@@ -109,13 +152,17 @@ class LDAKeys(RetrievalKeys):
         self.inputs: dict[int, tuple[Tensor, Tensor]] = {}
         self.prefix = prefix
         self.novelty = novelty
+        #: each loaded task's classes and columns of the key head (:meth:`load_task`), until the head loads
+        self._columns: list[tuple[list[int], dict[str, Tensor]]] = []
 
     @classmethod
     def from_config(cls, cfg: RunConfig, device: torch.device, new_head: Any, **options: Any) -> LDAKeys:
         rc = cfg.retrieval
         if rc.novelty in ("auto", "task-gaussian", "class-gaussian"):
             tasks = rc.novelty != "class-gaussian"
-            options["novelty"] = ClassNovelty(rc.calibration_holdout, rc.reject_tpr, tasks=tasks)
+            options["novelty"] = ClassNovelty(
+                rc.calibration_holdout, rc.reject_tpr, tasks=tasks, shortlist=rc.shortlist
+            )
         return super().from_config(cfg, device, new_head, **options)
 
     @property
@@ -201,11 +248,7 @@ class LDAKeys(RetrievalKeys):
     def retrieve_space(self, X: Tensor, m: int, classes: list[list[int]]) -> RetrievalResult:
         if self.head is None:
             raise ValueError(f"LDA keys in the {self.space.name} space need a fitted key head")
-        logits = self.head.decision_function(self.features(X).to(self.device)).float().cpu()
-        scores = task_scores(logits, classes[:m], self.cfg.task_score, self.cfg.class_temperature)
-        for j in self.forgotten:
-            if j < m:
-                scores[:, j] = float("inf")
+        scores = self._task_scores(self.features(X), m, classes)
         task = scores.argmin(1)
         rows = torch.arange(len(task))
         return RetrievalResult(
@@ -215,25 +258,48 @@ class LDAKeys(RetrievalKeys):
             task_scores=scores,
         )
 
+    def _task_scores(self, F: Tensor, m: int, classes: list[list[int]]) -> Tensor:
+        """(N, m): the first m tasks' scores of key features F (a forgotten task's: +inf)."""
+        assert self.head is not None
+        logits = self.head.decision_function(F.to(self.device)).float().cpu()
+        scores = task_scores(logits, classes[:m], self.cfg.task_score, self.cfg.class_temperature)
+        for j in self.forgotten:
+            if j < m:
+                scores[:, j] = float("inf")
+        return scores
+
     def _fit_novelty(self, classes: list[list[int]]) -> Tensor | None:
-        """The class-Gaussian detector fitted to the current statistics; returns each class's task (None:
-        no detector or no calibration rows)."""
-        head = self.head
-        if self.novelty is None or head is None or head.G_ is None:
+        """The detector fitted to the current statistics (its calibration rows shortlisted like inputs,
+        ``retrieval.shortlist``); returns each class's task (None: no detector or no calibration rows)."""
+        head, novelty = self.head, self.novelty
+        if novelty is None or head is None or head.G_ is None:
             return None
         assert head.Q_ is not None and head.counts_ is not None
-        task_of = torch.zeros(head.counts_.shape[0], dtype=torch.long)
-        for j, c in enumerate(classes):
-            task_of[[i for i in c if i < len(task_of)]] = j
-        return task_of if self.novelty.fit(head.G_, head.Q_, head.counts_, task_of, id(head)) else None
+        task_of = groups(classes, int(head.counts_.shape[0])).task_of.clamp_min(0)
+        k = novelty.shortlist
+        shortlist_of = (
+            None if k is None else lambda F: candidates(self._task_scores(F, len(classes), classes), k)
+        )
+        return (
+            task_of if novelty.fit(head.G_, head.Q_, head.counts_, task_of, id(head), shortlist_of) else None
+        )
 
-    def novelty_of(self, X: Tensor, classes: list[list[int]], taps: Tensor | None = None) -> Tensor | None:
+    def novelty_of(
+        self, X: Tensor, classes: list[list[int]], taps: Tensor | None = None, scores: Tensor | None = None
+    ) -> Tensor | None:
         """The novelty of key-space inputs X with tap statistics ``taps`` (None without calibration rows,
-        or without ``taps`` where the task Gaussians need them)."""
+        or without ``taps`` where the task Gaussians need them); ``scores``: their task scores, when the
+        caller has them (the shortlist reads them)."""
         task_of = self._fit_novelty(classes)
         if task_of is None or self.novelty is None:
             return None
-        return self.novelty.novelty(self.features(X).to(self.device), task_of, taps)
+        F = self.features(X)
+        cand = None
+        if self.novelty.shortlisted(len(classes)):
+            assert self.novelty.shortlist is not None
+            scores = scores if scores is not None else self._task_scores(F, len(classes), classes)
+            cand = candidates(scores, self.novelty.shortlist)
+        return self.novelty.novelty(F.to(self.device), task_of, taps, cand)
 
     def novelty_thresholds(self, classes: list[list[int]]) -> list[float]:
         """Each task's class-Gaussian threshold ([] without a detector or calibration rows)."""
@@ -255,39 +321,23 @@ class LDAKeys(RetrievalKeys):
                 "inputs from no learned task to calibrate (learn with retrieval.novelty=auto)"
             )
         assert self.head.Q_ is not None and self.head.counts_ is not None
-        from proteus.engine.novelty import CalibrationRows, ClassGaussians
-
-        X = self.features(X).float().cpu()
-        labels = labels.long().clone()
-        if (labels < 0).any():
-            g = ClassGaussians.from_statistics(self.head.G_, self.head.Q_, self.head.counts_)
-            labels[labels < 0] = g.distances(X[labels < 0])[1].cpu()
-        task_of = torch.full((int(self.head.counts_.shape[0]),), -1, dtype=torch.long)
-        for j, c in enumerate(classes):
-            task_of[[i for i in c if i < len(task_of)]] = j
-        tasks = task_of[labels]
-        kept = taps if taps is not None and self.novelty.tasks else None
-        rows = {
-            k: CalibrationRows(
-                X[tasks == k],
-                labels[tasks == k],
-                False,
-                kept[tasks == k].float() if kept is not None else None,
-            )
-            for k in range(len(classes))
-            if k not in self.forgotten and bool((tasks == k).any())
-        }
-        self.novelty.replace(rows)
-        if tpr is not None:
-            self.novelty.set_tpr(tpr)
+        statistics = (self.head.G_, self.head.Q_, self.head.counts_)
+        task_of = groups(classes, int(self.head.counts_.shape[0])).task_of
+        self.novelty.calibrate(self.features(X), labels, task_of, statistics, self.forgotten, tpr, taps)
         return self.novelty_thresholds(classes)
 
-    def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        meta, _ = super().task_state(k)
+    def task_state(
+        self, k: int, classes: list[int] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """Task k's share: its detector's rows and Gaussians, its key inputs (``head.forgettable``), and the
+        key head's columns of its ``classes`` (the head's object keeps only what has a fixed size)."""
+        meta, _ = super().task_state(k, classes)
         tensors: dict[str, Tensor] = {}
         if self.novelty is not None:
             nmeta, tensors = self.novelty.task_state(k)
             meta = {**meta, **nmeta}
+        if self.head is not None and classes is not None:
+            tensors = {**tensors, **{f"{self.prefix}{n}": t for n, t in self.head.columns(classes).items()}}
         if k not in self.inputs:
             return meta, tensors
         X, y = self.inputs[k]
@@ -301,17 +351,24 @@ class LDAKeys(RetrievalKeys):
                 tensors[f"{self.prefix}x"].float(),
                 tensors[f"{self.prefix}y"].long(),
             )
+        columns = {n: tensors[f"{self.prefix}{n}"] for n in COLUMNS if f"{self.prefix}{n}" in tensors}
+        self._columns.append(([int(c) for c in meta["classes"]], columns))
         self.n_tasks += 1
         super().load_task(meta, tensors)
 
     def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
         if self.head is None:
             return None, {}
-        return self.head.meta(), self.head.state_tensors()
+        return self.head.meta(columns=False), self.head.state_tensors(columns=False)
 
     def load_global(self, meta: dict[str, Any] | None, tensors: dict[str, Tensor]) -> None:
+        """The key head: its object's tensors, with the columns its tasks hold (:meth:`load_task`) when its
+        meta says they live there."""
         if meta is None:
             return
+        if meta.get("columns") == "tasks":
+            tensors = {**tensors, **assemble_columns(meta, self._columns)}
+        self._columns = []
         self.head = self.new_head(rp_dim=0, dim=int(meta["embed_dim"]))
         self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)
         if self.novelty is not None:

@@ -1,0 +1,193 @@
+"""Format 4 of a knowledge base (:mod:`proteus.kb.segments`, :mod:`proteus.kb.chain`): a commit writes what
+changed (the new task's object, the head, the last record segment, a manifest of one reference per segment),
+so a commit at task 100 writes as many files as at task 10; every manifest names its parent by hash, and
+``kb verify`` follows the chain; a knowledge base of the released format (3) opens and predicts unchanged and
+``kb upgrade`` converts it in place; a newer format is refused naming both versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import proteus.kb as kbmod
+import proteus.kb.objects
+from kbfiles import as_released, read_manifest
+from proteus.cli import main
+from proteus.kb import KBError, KnowledgeBase
+from proteus.kb.chain import walk
+from proteus.kb.segments import SEGMENT_TASKS
+from tiny import TINY, folder_args
+
+HEADER: dict[str, Any] = {
+    "proteus_version": "test",
+    "backbone": {"name": "b"},
+    "config": {"method": "proteus", "backbone": {"name": "b"}},
+    "split": {"benchmark": "toy"},
+}
+
+
+def _append(kb: KnowledgeBase, k: int) -> None:
+    """A store-level commit of one more task (with a record of a realistic size) and a new head."""
+    rel, sha = kb.write_object(f"task{k:03d}", {"w": torch.full((16,), float(k))})
+    record = {"index": k, "classes": [2 * k, 2 * k + 1], "class_names": [f"c{2 * k}", f"c{2 * k + 1}"],
+              "n_train": 32, "settings": {"train.epochs": 1}, "object": rel, "sha256": sha}  # fmt: skip
+    hrel, hsha = kb.write_object("head", {"G": torch.full((8, 8), float(k))}, reuse=False)
+    tasks = [*kb.manifest["tasks"], record]
+    kb.commit({**kb.manifest, "tasks": tasks, "head": {"meta": {"n": k + 1}, "object": hrel, "sha256": hsha}})
+
+
+def test_a_commit_writes_the_same_files_at_task_100_as_at_task_10(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "kb"
+    kb = KnowledgeBase.new(root, HEADER)
+    written: list[tuple[str, int]] = []
+    real = proteus.kb.objects.ObjectStore.write_new
+
+    def record(self: Any, rel: str, data: bytes) -> None:
+        written.append((rel.split("/")[1].split("-")[0], len(data)))
+        real(self, rel, data)
+
+    monkeypatch.setattr(proteus.kb.objects.ObjectStore, "write_new", record)
+    sizes = {}
+    for k in range(100):
+        written.clear()
+        _append(kb, k)
+        if k in (9, 99):
+            sizes[k + 1] = ((root / "manifest.json").stat().st_size, sorted(written))
+    (m10, w10), (m100, w100) = sizes[10], sizes[100]
+    # the new task's object, the head, and the one record segment that changed: at task 10 as at task 100
+    assert [kind for kind, _ in w10] == ["head", "records", "task009"]
+    assert [kind for kind, _ in w100] == ["head", "records", "task099"]
+    segment10, segment100 = dict(w10)["records"], dict(w100)["records"]  # tasks 1-10; tasks 97-100
+    assert segment100 < segment10 and SEGMENT_TASKS < 100
+    # the manifest holds one reference per segment of SEGMENT_TASKS tasks, not one record per task
+    m = json.loads((root / "manifest.json").read_text())
+    assert "tasks" not in m and len(m["segments"]) == -(-100 // SEGMENT_TASKS) and m["num_tasks"] == 100
+    assert m100 - m10 < 300 * (len(m["segments"]) - 1)  # a reference: names, two sha256, first, count
+    assert [t["index"] for t in KnowledgeBase.open(root).manifest["tasks"]] == list(range(100))
+    assert kbmod.problems(root) == []
+
+
+def test_every_commit_names_its_parent_and_verify_follows_the_chain(tmp_path: Path) -> None:
+    root = tmp_path / "kb"
+    kb = KnowledgeBase.new(root, HEADER)
+    for k in range(5):
+        _append(kb, k)
+    m = json.loads((root / "manifest.json").read_text())
+    chain = list(walk(root, m))
+    assert [p["sequence"] for _, _, p in chain] == [4, 3, 2, 1]
+    assert chain[0][0] == "manifest.prev.json" and all(n.startswith("history/") for n, _, _ in chain[1:])
+    assert json.loads((root / chain[-1][0]).read_text())["parent"] is None  # the first commit
+    assert kbmod.problems(root) == []
+    # a link of the chain removed: verify names it (the state itself still loads)
+    history = root / chain[2][0]
+    saved = history.read_bytes()
+    history.unlink()
+    problems = kbmod.check(root).errors
+    assert len(problems) == 1 and f"{history}: missing" in problems[0] and "history" in problems[0], problems
+    history.write_bytes(saved)
+    # the previous state put back: the newer commit is still in history/ (every commit is kept there)
+    shutil.copy(root / chain[0][0], root / "manifest.json")
+    problems = kbmod.check(root).errors
+    assert any("rollback" in p and "is commit 5" in p for p in problems), problems
+
+
+def test_undo_and_gc_keep_the_chain(tmp_path: Path) -> None:
+    root = tmp_path / "kb"
+    kb = KnowledgeBase.new(root, HEADER)
+    for k in range(3):
+        _append(kb, k)
+    before = read_manifest(root, "manifest.prev.json")["tasks"]
+    with KnowledgeBase.write_lock(root):
+        KnowledgeBase.open(root).undo()
+    now = KnowledgeBase.open(root).manifest
+    assert now["tasks"] == before and now["sequence"] == 4
+    assert [p["sequence"] for _, _, p in walk(root, json.loads((root / "manifest.json").read_text()))] == [
+        3, 2, 1
+    ]  # fmt: skip
+    (root / "objects" / "orphan-0123456789abcdef.safetensors").write_bytes(b"x")
+    with KnowledgeBase.write_lock(root):
+        removed = KnowledgeBase.open(root).gc()
+    assert [p.name for p, _ in removed] == ["orphan-0123456789abcdef.safetensors"]
+    assert kbmod.problems(root) == []
+
+
+@pytest.fixture(scope="module")
+def kb2(world: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    kb = tmp_path_factory.mktemp("kb2") / "kb"
+    shutil.copytree(world["kb1"], kb)
+    assert (
+        main(["learn", "--kb", str(kb), "--task", "2", *folder_args(world["tree"], world["spec"]), *TINY])
+        == 0
+    )
+    return kb
+
+
+@pytest.fixture
+def released(kb2: Path, tmp_path: Path) -> Path:
+    """A 2-task knowledge base as the released format (3) wrote it: both manifests with their records
+    inline, no record segment, no history."""
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+    for name in ("manifest.json", "manifest.prev.json"):
+        if (kb / name).exists():
+            (kb / name).write_text(json.dumps(as_released(read_manifest(kb, name), 3), indent=1))
+    shutil.rmtree(kb / "history", ignore_errors=True)
+    for p in (kb / "objects").glob("records-*.json"):
+        p.unlink()
+    return kb
+
+
+def _predict(kb: Path, img: Path, capsys: pytest.CaptureFixture[str]) -> Any:
+    assert main(["predict", "--kb", str(kb), str(img), "--json", "-q"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_released_kb_opens_predicts_and_upgrades_in_place(
+    world: dict, kb2: Path, released: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    img = world["tree"] / "test" / "a" / "0.png"
+    kb = released
+    before = _predict(kb2, img, capsys)
+    assert json.loads((kb / "manifest.json").read_text())["format_version"] == 3
+    assert _predict(kb, img, capsys) == before
+    assert main(["kb", "verify", str(kb)]) == 0
+    tasks = KnowledgeBase.open(kb).manifest["tasks"]
+    capsys.readouterr()
+    assert main(["kb", "upgrade", str(kb)]) == 0
+    assert "upgraded from format 3 to format 4" in capsys.readouterr().out
+    m = json.loads((kb / "manifest.json").read_text())
+    assert m["format_version"] == 4 and "tasks" not in m and m["parent"] is not None
+    assert KnowledgeBase.open(kb).manifest["tasks"] == tasks
+    assert _predict(kb, img, capsys) == before
+    assert main(["kb", "verify", str(kb)]) == 0 and "OK" in capsys.readouterr().out
+    assert main(["kb", "upgrade", str(kb)]) == 0 and "already in format 4" in capsys.readouterr().out
+    assert main(["kb", "undo", str(kb)]) == 0  # back to the format-3 commit's content, written in format 4
+    assert "restored" in capsys.readouterr().out
+    assert KnowledgeBase.open(kb).manifest["tasks"] == tasks and _predict(kb, img, capsys) == before
+
+
+def test_a_newer_format_is_refused_naming_both_versions(
+    world: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kb = tmp_path / "kb"
+    shutil.copytree(world["kb1"], kb)
+    m = json.loads((kb / "manifest.json").read_text())
+    m["format_version"] = 5
+    (kb / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(KBError) as e:
+        KnowledgeBase.open(kb)
+    text = str(e.value)
+    assert "format version 5" in text and "reads versions 1, 2, 3, 4" in text and text.count("\n") == 0
+    img = world["tree"] / "test" / "a" / "0.png"
+    assert main(["predict", "--kb", str(kb), str(img), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "format version 5" in err and "1, 2, 3, 4" in err and err.count("\n") == 1
+    assert os.path.getsize(kb / "manifest.json") == len(json.dumps(m))  # refused, not rewritten
