@@ -317,3 +317,28 @@ def test_a_stored_task_holds_its_own_tensors_not_views_of_the_unit() -> None:
         for name, x in u.task_tensors(t).items():
             assert x.untyped_storage().data_ptr() not in held, (t, name)
             assert x.untyped_storage().nbytes() == x.numel() * x.element_size(), (t, name)
+
+
+def test_an_appended_task_is_written_into_room_kept_for_it() -> None:
+    """A, B and C grow by half at a time: appending a task copies its own numbers, not every older task's
+    (else learning task k, and loading k tasks, costs O(k) per task), and what a truncation left behind in
+    the room is never read back as a later task's coefficients."""
+    g = torch.Generator().manual_seed(0)
+    u = LoRAUnit(64, 8)
+    storages = set()
+    for _ in range(30):
+        _stored_tasks(u, 1, g, rank=1)
+        storages.add(u.C.untyped_storage().data_ptr())
+    assert len(storages) <= 8  # about log_1.5(30) reallocations, not 30
+    rows = [u.C[k].clone() for k in range(u.num_tasks)]
+    u.truncate(20)
+    _stored_tasks(u, 3, g, rank=2)
+    assert u.total_rank == 20 + 6 and u.C.shape == (23, 26)
+    assert all(torch.equal(u.C[k, : k + 1], rows[k][: k + 1]) for k in range(20))
+    assert not u.C[:20, 20:].any()  # the old rows stop at their own columns: zeros after, not stale numbers
+    assert torch.equal(u.C[22, 24:], torch.ones(2))
+    v = LoRAUnit(64, 8)  # the same numbers appended into a fresh unit
+    for k in range(u.num_tasks):
+        t = u.task_tensors(k)
+        v.append_task(t["A"], t["B"], t["s"])
+    assert torch.equal(v.A, u.A) and torch.equal(v.B, u.B) and torch.equal(v.C, u.C)

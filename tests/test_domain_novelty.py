@@ -219,3 +219,23 @@ def test_a_shortlist_scores_each_input_under_its_candidate_tasks_only() -> None:
     assert abs(float((cal <= 0).double().mean()) - 0.95) < 0.02
     with pytest.raises(ValueError, match="candidate tasks"):
         short.novelty(X, task_of, taps)
+
+
+def test_a_long_streams_pool_is_a_seeded_sample_gathered_from_the_tasks_drawn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Beyond MAX_POOLED rows the detector pools a seeded uniform sample of every task's rows, in task
+    order: the same rows as drawing from their concatenation, gathered from the tasks that hold them."""
+    from proteus.engine import novelty
+
+    g = torch.Generator().manual_seed(0)
+    live = {
+        k: novelty.CalibrationRows(torch.randn(n, 3, generator=g), torch.zeros(n), True, torch.randn(n, 2))
+        for k, n in enumerate([5, 9, 1, 7, 4])
+    }
+    X_all, taps_all = novelty._pooled(live)
+    assert torch.equal(X_all, torch.cat([r.X for r in live.values()]))  # under the cap: every row
+    monkeypatch.setattr(novelty, "MAX_POOLED", 10)
+    X, taps = novelty._pooled(live)
+    keep = torch.randperm(26, generator=torch.Generator().manual_seed(26))[:10].sort().values
+    assert torch.equal(X, X_all[keep]) and torch.equal(taps, taps_all[keep])

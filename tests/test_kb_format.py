@@ -191,3 +191,45 @@ def test_a_newer_format_is_refused_naming_both_versions(
     err = capsys.readouterr().err
     assert "format version 5" in err and "1, 2, 3, 4" in err and err.count("\n") == 1
     assert os.path.getsize(kb / "manifest.json") == len(json.dumps(m))  # refused, not rewritten
+
+
+def _mapped_file(t: torch.Tensor) -> str | None:
+    """The file whose memory mapping holds ``t``'s data (Linux: /proc/self/maps), or None (anonymous)."""
+    address = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        lo, hi = (int(v, 16) for v in parts[0].split("-"))
+        if lo <= address < hi:
+            return parts[5] if len(parts) == 6 and parts[5].startswith("/") else None
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+def test_a_committed_or_loaded_task_is_held_from_its_mapped_object(tmp_path: Path) -> None:
+    """After a commit, a learner holds each task's detector rows and Gaussians and its expert as views of its
+    committed object, memory-mapped (the page cache, not the process's memory), and predicts the same; a
+    learner loaded from the knowledge base holds them so from the start."""
+    from proteus import Proteus
+    from proteus.streams import build_benchmark
+
+    tiny = {"backbone.pretrained": False, "backbone.img_size": 32, "train.epochs": 1}
+    clf = Proteus.from_method("proteus", benchmark="quickstart", progress=False, **tiny)
+    stream = build_benchmark(clf.config.benchmark)
+    for task in stream.tasks[:2]:
+        clf.fit_task(task)
+    x = clf.transform_images([stream.tasks[1].test[i][0] for i in range(8)])
+    before = clf.predict(x)
+    expert = clf.heads_.experts.experts[1].W
+    assert _mapped_file(expert) is None  # learned: in the process's memory
+    clf.save(tmp_path / "kb")
+    kb = KnowledgeBase.open(tmp_path / "kb")
+    for k, learner in ((1, clf), (0, Proteus.load(tmp_path / "kb", progress=False))):
+        obj = kb.manifest["tasks"][k]["object"]
+        w = learner.heads_.experts.experts[k].W
+        basis = learner.keys_.novelty.gaussians[k][0].basis
+        assert str(_mapped_file(w)).endswith(obj) and str(_mapped_file(basis)).endswith(obj)
+        after = learner.predict(x)
+        assert torch.equal(after.label, before.label) and torch.equal(after.known, before.known)
+        assert torch.allclose(after.logits, before.logits) and not torch.equal(
+            expert, torch.zeros_like(expert)
+        )

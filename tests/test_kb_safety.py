@@ -315,17 +315,17 @@ def test_open_starts_again_after_a_concurrent_commit(tmp_path: Path, monkeypatch
     root = tmp_path / "kb"
     _seed(root)
     writer = KnowledgeBase.open(root)
-    original = ObjectStore.load
+    original = ObjectStore.mapped
     calls = {"n": 0}
 
-    def commit_twice_first(self: ObjectStore, manifest: dict, rel: str, sha: str) -> bytes:
+    def commit_twice_first(self: ObjectStore, manifest: dict, rel: str, sha: str) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:  # between the reader's manifest and its first object: two commits
             _append(writer, "a")
             _append(writer, "b")
         return original(self, manifest, rel, sha)
 
-    monkeypatch.setattr(ObjectStore, "load", commit_twice_first)
+    monkeypatch.setattr(ObjectStore, "mapped", commit_twice_first)
     kb = KnowledgeBase.open(root, verify=True)
     monkeypatch.undo()
     assert _names(kb) == [*SEEDS, "a", "b"]

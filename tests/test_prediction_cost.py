@@ -15,7 +15,7 @@ from torch import nn
 
 from proteus import Proteus
 from proteus.adapters import AdaptedBackbone, LoRAWrapper
-from proteus.adapters.lora import MergedCache
+from proteus.adapters.lora import MergedCache, sparse_columns
 from proteus.backbones import build_backbone
 from proteus.config import ConfigError, resolve_config
 from proteus.engine.embedder import suffix_peak_bytes
@@ -339,3 +339,37 @@ def test_predict_images_streams_batches(shortlisted: tuple[Proteus, torch.Tensor
     assert torch.equal(labels, clf.predict(clf.transform_images(ims)).label)
     with pytest.raises(ValueError, match="bad.png"):
         list(predict_images(clf, items, batch_size=2, progress=False))
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_a_composition_runs_only_the_columns_its_s_keeps(conv: bool) -> None:
+    """The elastic net of Eq. 15 zeroes most of S: a task's composition then runs its own directions and the
+    few old ones its S keeps (at most half of 64 or more columns), not every older direction; factored and
+    merged, the same update as over every column (the columns left out add exact zeros)."""
+    torch.manual_seed(0)
+    base = nn.Conv2d(200, 12, 1) if conv else nn.Linear(200, 12)
+    w = LoRAWrapper(base, {}, 1.0)
+    g = torch.Generator().manual_seed(1)
+    u = w.unit_list()[0]
+    for _t in range(40):  # 80 columns; S keeps 2 old columns of each task
+        u.begin_task(2, "learned", True, g)
+        with torch.no_grad():
+            u.B_new.normal_(generator=g)
+            if u.s is not None:
+                u.s[torch.randperm(u.s.numel(), generator=g)[:2]] = torch.randn(2, generator=g)
+        u.end_task()
+    tasks = [39, 12, 39, 0]
+    coef = u.coefficients(tasks)[:, : u.used_columns(tasks)]
+    kept, cols = sparse_columns(coef)
+    assert cols is not None and len(cols) <= 2 * 4 + 2 * 4 and torch.equal(kept, coef[:, cols])
+    full = (u.B[None, :, :80] * coef[:, None, :]) @ u.A[:, :80].T
+    assert torch.allclose(u.merged_updates(tasks), full, rtol=1e-5, atol=1e-6)
+    x = torch.randn(len(tasks) * 3, 200, *((5, 5) if conv else ()))
+    w.groups = len(tasks)
+    u.coef, u.coef_cols = kept, cols
+    sparse_out = w(x)
+    u.coef, u.coef_cols = coef, None
+    assert torch.allclose(sparse_out, w(x), rtol=1e-5, atol=1e-5)
+    dense = torch.ones(2, 80)  # every column used: nothing to leave out
+    assert sparse_columns(dense)[1] is None  # every column kept
+    assert sparse_columns(torch.ones(2, 30))[1] is None  # under 64 columns

@@ -8,7 +8,9 @@ anonymous and file-backed resident memory (``/proc/self/status``) after ``gc.col
 
     native = anonymous resident - every tensor
 
-is what neither the learner's nor any other Python-visible tensor holds. glibc's ``mallinfo2`` splits it:
+is what neither the learner's nor any other Python-visible tensor holds. A tensor that is a view of a file
+(a knowledge base's memory-mapped object) is the page cache's, not the process's: it is counted apart
+(``learner_mapped_mb``) and not subtracted from the anonymous memory. glibc's ``mallinfo2`` splits it:
 what ``malloc`` has handed out beyond the tensors (``native_malloc_mb``: C and C++ objects such as oneDNN's
 primitive descriptors, the interpreter's larger objects) and the rest (``native_other_mb``: pages mapped
 outside ``malloc`` -- the kernels oneDNN compiles, the interpreter's small-object arenas -- and free pages
@@ -60,9 +62,35 @@ def _owner(path: str) -> str:
     return f"{head}.{attr}" if head in SPLIT and attr else head
 
 
-def tensor_owners(root: Any) -> dict[str, int]:
+def file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process's file-backed memory mappings (``/proc/self/maps``; none elsewhere):
+    a tensor whose data lies there is a view of a file (a knowledge base's memory-mapped object), held by the
+    page cache, not by the process's anonymous memory."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/") and not parts[5].startswith("/dev/"):
+                    lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                    out.append((lo, hi))
+    except OSError:
+        return []
+    return sorted(out)
+
+
+def _in(ranges: list[tuple[int, int]], address: int) -> bool:
+    import bisect
+
+    i = bisect.bisect_right(ranges, (address, float("inf"))) - 1
+    return i >= 0 and ranges[i][0] <= address < ranges[i][1]
+
+
+def tensor_owners(root: Any, mapped: list[tuple[int, int]] | None = None) -> dict[str, int]:
     """Bytes of the distinct CPU tensor storages reachable from ``root``, by the attribute reaching them first
-    (breadth-first, so the shortest path owns a shared storage)."""
+    (breadth-first, so the shortest path owns a shared storage); storages in ``mapped`` (file mappings) are
+    counted under ``"mapped"`` instead (the page cache's, not the process's memory)."""
+    mapped = mapped or []
     seen: set[int] = set()
     storages: set[int] = set()
     out: dict[str, int] = {}
@@ -77,7 +105,8 @@ def tensor_owners(root: Any) -> dict[str, int]:
                 st = obj.untyped_storage()
                 if st.data_ptr() not in storages:
                     storages.add(st.data_ptr())
-                    out[_owner(path)] = out.get(_owner(path), 0) + st.nbytes()
+                    owner = "mapped" if _in(mapped, st.data_ptr()) else _owner(path)
+                    out[owner] = out.get(owner, 0) + st.nbytes()
             continue
         if callable(obj) and not isinstance(obj, torch.nn.Module) and not hasattr(obj, "__dict__"):
             continue
@@ -85,15 +114,17 @@ def tensor_owners(root: Any) -> dict[str, int]:
     return out
 
 
-def _all_tensor_bytes() -> int:
-    """Bytes of the distinct CPU storages of every tensor the garbage collector tracks; tensors without
-    memory of their own (the fake and functional tensors torch.compile leaves behind) are skipped."""
+def _all_tensor_bytes(mapped: list[tuple[int, int]] | None = None) -> int:
+    """Bytes of the distinct CPU storages of every tensor the garbage collector tracks, but those in
+    ``mapped`` (file mappings: not anonymous memory); tensors without memory of their own (the fake and
+    functional tensors torch.compile leaves behind) are skipped."""
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
             try:
                 st = obj.untyped_storage()
-                storages[st.data_ptr()] = st.nbytes()
+                if not _in(mapped or [], st.data_ptr()):
+                    storages[st.data_ptr()] = st.nbytes()
             except (RuntimeError, NotImplementedError):
                 continue
     return sum(storages.values())
@@ -132,16 +163,19 @@ def account(learner: Any) -> dict[str, Any]:
     """One account of the process's memory, in MiB (see the module docstring)."""
     gc.collect()
     _malloc_trim()
-    owners = tensor_owners(learner)
-    tensors = _all_tensor_bytes()
+    mapped = file_mappings()
+    owners = tensor_owners(learner, mapped)
+    tensors = _all_tensor_bytes(mapped)
     anon, file = _status_kib("RssAnon"), _status_kib("RssFile")
     in_use = _malloc_in_use()
     mib = 2**20
     native = None if anon is None else anon / 1024 - tensors / mib
     malloced = None if in_use is None else (in_use - tensors) / mib
+    in_files = owners.pop("mapped", 0)
     return {
         "learner_tensors_mb": {k: v / mib for k, v in sorted(owners.items())},
         "learner_tensors_total_mb": sum(owners.values()) / mib,
+        "learner_mapped_mb": in_files / mib,
         "all_tensors_mb": tensors / mib,
         "rss_anon_mb": None if anon is None else anon / 1024,
         "rss_file_mb": None if file is None else file / 1024,
@@ -166,6 +200,7 @@ def slopes(first: dict[str, Any], last: dict[str, Any], tasks: int) -> dict[str,
     }
     for k in (
         "learner_tensors_total_mb",
+        "learner_mapped_mb",
         "all_tensors_mb",
         "rss_anon_mb",
         "rss_file_mb",

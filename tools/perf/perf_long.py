@@ -110,8 +110,9 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
     loaded from it, then ``rounds`` turns, the states one after the other in each, of learning the next task
     on a copy of the learner and committing it to a copy of the knowledge base (copies made, and the copy's
     store warmed by one commit, outside the clock), then three predictions of the batch by the loaded
-    learner; returns per state the medians over the turns (``learn_s`` fit plus commit, ``signature_s``,
-    ``commit_s``, ``train_step_s``, ``predict_s``: the median of its three)."""
+    learner, then opening the knowledge base anew and predicting one image; returns per state the medians
+    over the turns (``learn_s`` fit plus commit, ``train_s`` the training part of the fit, ``signature_s``,
+    ``commit_s``, ``train_step_s``, ``predict_s``: the median of its three, ``open_predict_s``)."""
     dev = torch.device(device)
     loaded = {name: _warm(Proteus.load(kb_dir, device=device)) for name, (kb_dir, _, _) in states.items()}
     got: dict[str, dict[str, list[float]]] = {name: {} for name in states}
@@ -133,10 +134,14 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
             steps = len(getattr(learner.trainer_, "train_log_", []) or []) or 1
             del learner
             predict = statistics.median(_time_call(partial(loaded[name].predict, x), dev) for _ in range(3))
+            t3 = time.perf_counter()  # a new reader: open the knowledge base, predict one image
+            Proteus.load(kb_dir, device=device).predict(x[:1])
+            open_predict = time.perf_counter() - t3
             sec = stats.seconds
             for key, v in (("learn_s", t2 - t0), ("signature_s", sec.get("signature", 0.0)),
-                           ("commit_s", t2 - t1), ("predict_s", predict),
-                           ("train_step_s", sec.get("train", 0.0) / steps)):  # fmt: skip
+                           ("commit_s", t2 - t1), ("predict_s", predict), ("train_s", sec.get("train", 0.0)),
+                           ("train_step_s", sec.get("train", 0.0) / steps),
+                           ("open_predict_s", open_predict)):  # fmt: skip
                 got[name].setdefault(key, []).append(v)
     return {name: {key: statistics.median(v) for key, v in d.items()} for name, d in got.items()}
 
@@ -220,6 +225,10 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
             if k + 1 in (min(10, tasks), tasks):
                 accounts[k + 1] = account(clf)
                 r["rss_mb"] = accounts[k + 1]["rss_anon_mb"] + accounts[k + 1]["rss_file_mb"]
+                r["rss_anon_mb"], r["rss_file_mb"] = (
+                    accounts[k + 1]["rss_anon_mb"],
+                    accounts[k + 1]["rss_file_mb"],
+                )
             if k + 1 == ref and tasks > ref:  # kept on disk (not in memory) for the side-by-side measurement
                 kept = (Path(tempfile.mkdtemp(prefix="proteus-long-ref-")) / "kb", x)
                 shutil.copytree(kb_dir, kept[0])
@@ -260,7 +269,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "kb_bytes",
     )
     ks = [r["task"] for r in rows]
-    beyond = {k: rows[k - 1]["rss_mb"] - rows[k - 1]["merged_cache_bytes"] / 2**20 for k in accounts}
+    # the process's own memory (anonymous) beyond the merged-weight cache; the page cache apart (file-backed)
+    beyond = {k: rows[k - 1]["rss_anon_mb"] - rows[k - 1]["merged_cache_bytes"] / 2**20 for k in accounts}
     span = max(last - ref, 1)
     report = {
         "settings": {"method": method, "tasks": tasks, "backbone": backbone, "img": img,
@@ -271,6 +281,15 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "learn_ratio_last_vs_10": ratio["learn_s"],
         "train_step_ratio_last_vs_10": ratio["train_step_s"],
         "predict_ratio_last_vs_10": ratio["predict_s"],
+        # side by side only: the commit, learning without what the training part grew (Eq. 9's O(k), shown
+        # apart), and a new reader's open and first prediction
+        "commit_ratio_last_vs_10": None if side is None
+        else side["last"]["commit_s"] / side["ref"]["commit_s"],
+        "learn_ratio_without_training_growth": None if side is None else (
+            side["last"]["learn_s"] - (side["last"]["train_s"] - side["ref"]["train_s"])
+        ) / side["ref"]["learn_s"],
+        "open_predict_ratio_last_vs_10": None if side is None
+        else side["last"]["open_predict_s"] / side["ref"]["open_predict_s"],
         "side_by_side": side,
         "window_ratios": window,
         "peak_rss_mb_last": max(rows[-1]["learn_peak_mb"], rows[-1]["predict_peak_mb"]),
@@ -281,6 +300,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "gpu_allocated_mb_per_task": _gpu_slope(rows, ref) if dev.type == "cuda" and last > ref else None,
         "gpu_peak_mb_last": rows[-1]["learn_peak_mb"] if dev.type == "cuda" else None,
         "rss_beyond_cache_mb_per_task": (beyond[last] - beyond[ref]) / span,
+        "rss_file_mb_per_task": (rows[last - 1]["rss_file_mb"] - rows[ref - 1]["rss_file_mb"]) / span,
         "memory_account": {"tasks": [ref, last], "first": accounts[ref], "last": accounts[last],
                            "per_task_mb": slopes(accounts[ref], accounts[last], span)},
         "slopes_per_task": {key: float(np.polyfit(ks, [r[key] for r in rows], 1)[0]) for key in slope_keys},
@@ -352,9 +372,12 @@ def main() -> None:
     rep = run(args.tasks, Path(args.out), backbone=args.backbone, merge_budget_mb=args.merge_budget_mb,
               method=args.method, eval_every=args.eval_every, sets_extra=extra, device=args.device,
               img=args.img, keep_kb=Path(args.keep_kb) if args.keep_kb else None)  # fmt: skip
-    keys = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
+    keys = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10",
+            "commit_ratio_last_vs_10", "learn_ratio_without_training_growth",
+            "open_predict_ratio_last_vs_10")  # fmt: skip
     for key in keys:
-        print(f"{key}: {rep[key]:.3f}")
+        if rep[key] is not None:
+            print(f"{key}: {rep[key]:.3f}")
     if rep["side_by_side"] is not None:
         window = ", ".join(f"{k} {v:.3f}" for k, v in rep["window_ratios"].items())
         print(f"(measured side by side at the end; from the rows, medians of 5-task windows: {window})")
@@ -367,8 +390,10 @@ def main() -> None:
     acc = rep["memory_account"]["per_task_mb"]
     owners = ", ".join(f"{k} {v:.3f}" for k, v in acc["learner_tensors_mb"].items() if abs(v) >= 0.0005)
     print(
-        f"resident memory beyond the merged cache: {rep['rss_beyond_cache_mb_per_task']:.2f} MiB per task "
-        f"(tasks {ref_k} to {rep['settings']['tasks']}): the learner's tensors "
+        f"resident memory (anonymous) beyond the merged cache: {rep['rss_beyond_cache_mb_per_task']:.3f} MiB "
+        f"per task (tasks {ref_k} to {rep['settings']['tasks']}; page cache "
+        f"{rep['rss_file_mb_per_task']:.3f} MiB per task, mapped tensors {acc['learner_mapped_mb']:.3f}): "
+        "the learner's tensors "
         f"{acc['learner_tensors_total_mb']:.3f} "
         f"({owners}); every tensor {acc['all_tensors_mb']:.3f}; native {acc['native_mb']:.3f}"
         + (

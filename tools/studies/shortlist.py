@@ -94,7 +94,6 @@ def novelty(
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--benchmark", dest="benchmark", default=None)
     ap.add_argument("--long18", metavar="DATA", help="the 18-task stream of the four domains of DATA")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--k", default="2,4,8", help="the shortlists compared with every task")

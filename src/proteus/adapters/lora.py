@@ -30,8 +30,10 @@ space no new orthogonal direction exists; the rank is reduced (and reported) ins
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -59,6 +61,8 @@ class LoRAUnit(nn.Module):
         self.register_buffer("A", torch.zeros(in_features, 0))
         self.register_buffer("B", torch.zeros(out_features, 0))
         self.register_buffer("C", torch.zeros(0, 0))
+        #: the buffers A, B and C are top-left views of (:func:`_grown`)
+        self._bufs: dict[str, torch.Tensor] = {}
         self.ranks: list[int] = []
         # the task being trained
         self.A_new: nn.Parameter | None = None
@@ -71,13 +75,16 @@ class LoRAUnit(nn.Module):
         self.orthogonal = True
         #: per-group composition coefficients (G, cols) for the next forward; None = the training composition
         self.coef: torch.Tensor | None = None
+        #: the columns of A and B that :attr:`coef`'s columns are (None: the first ``cols``): a composition
+        #: runs only the columns its coefficients keep when that saves most of them (:func:`sparse_columns`)
+        self.coef_cols: torch.Tensor | None = None
+        #: (the ranks list, each task's end column): the cumulative ranks (:meth:`_end`)
+        self._ends: tuple[list[int] | None, tuple[int, ...]] = (None, ())
         #: bumped whenever stored tasks are dropped (merged weights cached from them are then stale)
         self.generation = 0
         #: coefficient of the open task's own directions in the training forward (None: 1; SD-LoRA's
         #: learned magnitude of the current direction)
         self.new_scale: torch.Tensor | None = None
-        #: task -> (dtype, its :meth:`task_tensors`), built once per stored task
-        self._stored: dict[int, tuple[torch.dtype, dict[str, torch.Tensor]]] = {}
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -92,9 +99,13 @@ class LoRAUnit(nn.Module):
     def training_task(self) -> bool:
         return self.A_new is not None
 
+    def _end(self, task: int) -> int:
+        """The column after task ``task``'s (0 for task -1) (:func:`_cumulative`)."""
+        self._ends = _cumulative(self.ranks, self._ends)
+        return self._ends[1][task] if task >= 0 else 0
+
     def columns(self, task: int) -> slice:
-        start = sum(self.ranks[:task])
-        return slice(start, start + self.ranks[task])
+        return slice(self._end(task - 1), self._end(task))
 
     # ------------------------------------------------------------------ task life cycle
     def begin_task(self, rank: int, transfer: str, orthogonal: bool, generator: torch.Generator) -> int:
@@ -177,68 +188,53 @@ class LoRAUnit(nn.Module):
             self.C = self.C[:m, :start]
             self.ranks = self.ranks[:m]
             self.generation += 1
-            self._stored = {t: v for t, v in self._stored.items() if t < m}
             # the basis now covers more tasks than are left: _extend_basis rebuilds it at the next task
 
     @torch.no_grad()
     def append_task(self, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor) -> None:
-        """Append one task's directions (q x r, p x r) and its transfer coefficients over older columns."""
-        if a_k.ndim != 2 or b_k.ndim != 2 or a_k.shape[1] != b_k.shape[1]:
-            raise ValueError(
-                f"directions A {tuple(a_k.shape)} and B {tuple(b_k.shape)} must be (q, r) and (p, r)"
-            )
-        if (a_k.shape[0], b_k.shape[0]) != (self.in_features, self.out_features):
-            raise ValueError(
-                f"directions A {tuple(a_k.shape)}, B {tuple(b_k.shape)} do not fit a map of "
-                f"{self.in_features} -> {self.out_features} features"
-            )
-        R, r = self.total_rank, int(a_k.shape[1])
-        if s_k.numel() != R:
-            raise ValueError(f"transfer coefficients have {s_k.numel()} entries, expected {R}")
+        """Append one task's directions (q x r, p x r) and its transfer coefficients over older columns. A, B
+        and C are views of buffers grown by half at a time (:func:`_grown`): an append copies the new task's
+        numbers only, not every older task's, so learning task k, and loading k tasks, costs no more per task
+        on a long stream than on a short one."""
+        _check_directions(self, a_k, b_k, s_k)
+        R, r, m = self.total_rank, int(a_k.shape[1]), self.num_tasks
         dev, dt = self.A.device, self.A.dtype
-        self.A = torch.cat([self.A, a_k.to(dev, dt)], 1)
-        self.B = torch.cat([self.B, b_k.to(dev, dt)], 1)
-        m = self.num_tasks
-        C = torch.zeros(m + 1, R + r, device=dev, dtype=dt)
-        C[:m, :R] = self.C
+        self._bufs["A"], self.A = _grown(self._bufs.get("A"), self.A, (self.in_features, R + r))
+        self._bufs["B"], self.B = _grown(self._bufs.get("B"), self.B, (self.out_features, R + r))
+        self._bufs["C"], C = _grown(self._bufs.get("C"), self.C, (m + 1, R + r))
+        self.A[:, R:] = a_k.to(dev, dt)
+        self.B[:, R:] = b_k.to(dev, dt)
+        C[:m, R:] = 0.0  # the buffer may hold a truncated task's numbers there
         C[m, :R] = s_k.to(dev, dt)
         C[m, R:] = 1.0
         self.C = C
         self.ranks.append(r)
 
     def task_tensors(self, task: int) -> dict[str, torch.Tensor]:
-        """What a knowledge base stores for one task: its own directions and its row of C, on the CPU. The
-        same tensor objects at every call while the task is stored (a stored task's columns of A, B and its
-        row of C over older columns never change; :meth:`truncate` forgets them), so that a knowledge base
-        re-committing a long stream copies and hashes each of them once (:mod:`proteus.kb.content`); copies
-        (:func:`_own`), never views."""
-        kept = self._stored.get(task)
-        if kept is None or kept[0] != self.A.dtype:
-            c = self.columns(task)
-            tensors = {"A": _own(self.A[:, c]), "B": _own(self.B[:, c]), "s": _own(self.C[task, : c.start])}
-            kept = self._stored[task] = (self.A.dtype, tensors)
-        return dict(kept[1])
+        """What a knowledge base stores for one task: its own directions and its row of C, on the CPU, as
+        copies (:func:`_own`), never views. Built when asked for: a knowledge base asks only for a task it
+        has not stored as it is (:class:`proteus.learners.TaskParts`), so no second copy of every task is
+        kept for it."""
+        c = self.columns(task)
+        return {"A": _own(self.A[:, c]), "B": _own(self.B[:, c]), "s": _own(self.C[task, : c.start])}
 
     # ------------------------------------------------------------------ compositions
     def coefficients(self, tasks: list[int], kind: str = "task") -> torch.Tensor:
         """(G, R) coefficients of a composition ``kind`` (:data:`COMPOSITION_KINDS`) for each task."""
-        try:
-            fn = COMPOSITION_KINDS[kind]
-        except KeyError:
-            known = sorted(COMPOSITION_KINDS)
-            raise ValueError(f"unknown composition kind {kind!r}; one of {known}") from None
-        return fn(self, tasks)
+        return _composition(kind)(self, tasks)
 
     def used_columns(self, tasks: list[int]) -> int:
         """How many leading columns the compositions of ``tasks`` can use (later ones have coefficient 0
         in every kind: a task composes its own and older directions only)."""
-        return sum(self.ranks[: max(tasks) + 1]) if tasks else 0
+        return self._end(max(tasks)) if tasks else 0
 
     def merged_updates(self, tasks: list[int], kind: str = "task") -> torch.Tensor:
-        """(G, p, q): each task's whole update ``scaling * B diag(coef) A^T`` (Eq. 9) as one matrix."""
+        """(G, p, q): each task's whole update ``scaling * B diag(coef) A^T`` (Eq. 9) as one matrix, over the
+        columns the coefficients keep (:func:`sparse_columns`)."""
         cols = self.used_columns(tasks)
-        coef = self.coefficients(tasks, kind)[:, :cols]
-        dW = (self.B[None, :, :cols] * coef[:, None, :]) @ self.A[:, :cols].T
+        coef, keep = sparse_columns(self.coefficients(tasks, kind)[:, :cols])
+        A, B = (self.A[:, :cols], self.B[:, :cols]) if keep is None else (self.A[:, keep], self.B[:, keep])
+        dW = (B[None] * coef[:, None, :]) @ A.T
         return self._scale(dW)
 
     # ------------------------------------------------------------------ forward
@@ -248,8 +244,9 @@ class LoRAUnit(nn.Module):
             cols = self.coef.shape[1]
             if cols == 0:
                 return x.new_zeros(*x.shape[:-1], self.out_features)
-            u = (x @ self.A[:, :cols].to(x.dtype)) * self.coef.to(x.dtype)[:, None, :]
-            return self._scale(u @ self.B[:, :cols].to(x.dtype).T)
+            A, B = self._composed(x.dtype)
+            u = (x @ A) * self.coef.to(x.dtype)[:, None, :]
+            return self._scale(u @ B.T)
         if not self.training_task:  # no composition set and nothing being trained: frozen backbone
             return x.new_zeros(*x.shape[:-1], self.out_features)
         return self._scale(self._new_update(x) + self._old_update(x))
@@ -281,12 +278,92 @@ class LoRAUnit(nn.Module):
         (:func:`_grouped_1x1`); None when nothing is composed."""
         if self.coef is None or self.coef.shape[1] == 0:
             return None
-        dt, cols = x.dtype, self.coef.shape[1]
-        A, B = self.A[:, :cols].to(dt), self.B[:, :cols].to(dt)
-        return self._scale(_grouped_1x1(x, A, B, self.coef.to(dt), groups))
+        A, B = self._composed(x.dtype)
+        return self._scale(_grouped_1x1(x, A, B, self.coef.to(x.dtype), groups))
+
+    def _composed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns of A and B that the set composition (:attr:`coef`, :attr:`coef_cols`) runs."""
+        assert self.coef is not None
+        if self.coef_cols is None:
+            cols = self.coef.shape[1]
+            return self.A[:, :cols].to(dtype), self.B[:, :cols].to(dtype)
+        return self.A[:, self.coef_cols].to(dtype), self.B[:, self.coef_cols].to(dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
+
+
+def _cumulative(
+    ranks: list[int], known: tuple[list[int] | None, tuple[int, ...]]
+) -> tuple[list[int] | None, tuple[int, ...]]:
+    """(``ranks``, each task's end column): the cumulative ranks, extended from ``known`` (computed for the
+    same list, which only grows while tasks are appended) by the tasks added since."""
+    of, ends = known
+    if of is not ranks or len(ends) > len(ranks):
+        of, ends = ranks, ()
+    if len(ends) < len(ranks):
+        start = ends[-1] if ends else 0
+        ends = ends + tuple(itertools.accumulate(ranks[len(ends) :], initial=start))[1:]
+    return of, ends
+
+
+def _composition(kind: str) -> Callable[[LoRAUnit, list[int]], torch.Tensor]:
+    try:
+        return COMPOSITION_KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown composition kind {kind!r}; one of {sorted(COMPOSITION_KINDS)}") from None
+
+
+#: a composition selects its nonzero columns (:func:`sparse_columns`) from this many columns on
+SPARSE_FROM = 64
+
+
+def sparse_columns(coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``coef`` (G, cols) restricted to the columns some group's coefficient keeps, and their indices, when
+    those are at most half of at least :data:`SPARSE_FROM` columns (the elastic net of Eq. 15 zeroes most of
+    S: a task's composition then costs its own directions and the few old ones it uses, not every older
+    direction); else ``coef`` itself and None. The same update: the columns left out add exact zeros."""
+    cols = coef.shape[1]
+    if cols < SPARSE_FROM:
+        return coef, None
+    keep = coef.ne(0).any(0).nonzero().flatten()
+    if 2 * len(keep) > cols:
+        return coef, None
+    return coef[:, keep], keep
+
+
+def _grown(
+    buf: torch.Tensor | None, view: torch.Tensor, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A buffer and its top-left ``shape`` view that holds ``view``'s numbers: ``buf`` itself when ``view`` is
+    its top-left corner and it is large enough, else a new zeroed one with each growing dimension half as
+    large again (amortised O(1) copies per appended number). A device or dtype move, or a tensor assigned
+    in place of the view (a baseline's load), starts a new buffer."""
+    ours = (
+        buf is not None
+        and view.data_ptr() == buf.data_ptr()
+        and (view.numel() == 0 or view.stride() == buf.stride())
+        and (buf.device, buf.dtype) == (view.device, view.dtype)
+    )
+    if buf is None or not ours or buf.shape[0] < shape[0] or buf.shape[1] < shape[1]:
+        cap = [n if n <= have else max(n, have + have // 2, 4) for n, have in zip(shape, view.shape)]
+        buf = view.new_zeros(cap)
+        buf[: view.shape[0], : view.shape[1]] = view
+    return buf, buf[: shape[0], : shape[1]]
+
+
+def _check_directions(u: LoRAUnit, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor) -> None:
+    """Whether one task's directions and coefficients fit unit ``u`` (:meth:`LoRAUnit.append_task`)."""
+    if a_k.ndim != 2 or b_k.ndim != 2 or a_k.shape[1] != b_k.shape[1]:
+        shapes = f"A {tuple(a_k.shape)} and B {tuple(b_k.shape)}"
+        raise ValueError(f"directions {shapes} must be (q, r) and (p, r)")
+    if (a_k.shape[0], b_k.shape[0]) != (u.in_features, u.out_features):
+        raise ValueError(
+            f"directions A {tuple(a_k.shape)}, B {tuple(b_k.shape)} do not fit a map of "
+            f"{u.in_features} -> {u.out_features} features"
+        )
+    if s_k.numel() != u.total_rank:
+        raise ValueError(f"transfer coefficients have {s_k.numel()} entries, expected {u.total_rank}")
 
 
 def _grouped_1x1(

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache
+from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache, sparse_columns
 from proteus.backbones.base import Backbone
 from proteus.devices import CompiledForward, compile_failure
 from proteus.tensor_rules import TENSOR_RULES, NeedsRecord, SameGroups, ShapeRule, Together
@@ -226,7 +226,7 @@ class AdaptedBackbone(nn.Module):
                 w.merged = (tasks, kind)
             if name not in plan or self.merge == "auto":  # "auto": factored where merging does not pay
                 for u, c in zip(units, cols):
-                    coef = u.coefficients(tasks, kind)[:, :c]
+                    coef, u.coef_cols = sparse_columns(u.coefficients(tasks, kind)[:, :c])
                     reps = None if sizes is None else torch.as_tensor(sizes, device=coef.device)
                     u.coef = coef if reps is None else coef.repeat_interleave(reps, 0)
             w.groups = len(tasks) if sizes is None else sum(sizes)
@@ -235,7 +235,7 @@ class AdaptedBackbone(nn.Module):
             yield
         finally:
             for u in self.units.values():
-                u.coef = None
+                u.coef, u.coef_cols = None, None
             for w in self.wrappers.values():
                 w.groups, w.sizes, w.merged = 1, None, None
 
@@ -321,4 +321,4 @@ class AdaptedBackbone(nn.Module):
 
     def transfer_matrix(self, task: int) -> dict[str, torch.Tensor]:
         """Per unit: task's S coefficients over older directions (Fig. 8 heatmaps)."""
-        return {n: u.C[task, : u.columns(task).start].detach().cpu() for n, u in self.units.items()}
+        return {n: u.C[task, : u.columns(task).start].detach().cpu().clone() for n, u in self.units.items()}

@@ -115,6 +115,7 @@ def _load_task(
     parts.heads.load_task(k, meta, tensors)
     records.append(TaskRecord.from_dict(meta))
     records[-1].stored, records[-1].stored_at = meta, parts.generation  # kept while the task is unchanged
+    records[-1].adopted = meta  # its share read from its object (a knowledge base's mapping)
 
 
 @contextlib.contextmanager

@@ -295,6 +295,19 @@ class Proteus:
         restore(self.parts_, self.records_, state)
         return self
 
+    def adopt(self, kb: KnowledgeBase) -> None:
+        """After a commit to ``kb`` (or a load from it): each task committed since last time holds its share
+        of the keys and heads as the tensors of its object, memory-mapped (the same values), so that a
+        learner that keeps learning does not keep every task's detector and expert in its own memory."""
+        if not hasattr(self, "parts_"):
+            return
+        for k, rec in enumerate(self.records_):
+            record = rec.stored
+            if record is None or rec.adopted is record or kb.manifest["tasks"][k] is not record:
+                continue
+            self.parts_.adopt(k, kb.read(record["object"], record["sha256"]))
+            rec.adopted = record
+
     def kb_header(self) -> dict[str, Any]:
         """What a new knowledge base records about this learner (version, backbone identity, config)."""
         self._build()
@@ -310,6 +323,7 @@ class Proteus:
         kb.check_backbone(self.kb_header()["backbone"])
         state = self.state()
         kb.commit_state(state.tasks, state.head)
+        self.adopt(kb)
 
     @classmethod
     def load(cls, kb_dir: str | Path, **kw: Any) -> Proteus:

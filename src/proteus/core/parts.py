@@ -141,6 +141,14 @@ class ProteusParts:
         """Retrieval reads the frozen backbone's features (frozen-space keys)."""
         return self.retrieves and self.keys.needs_frozen
 
+    def adopt(self, k: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold task k's share of the keys and heads as ``tensors``, read from its committed object: the
+        same values, in the page cache rather than this process's memory (CPU learners; see
+        :meth:`proteus.Proteus.adopt`)."""
+        if self.device.type == "cpu":
+            self.keys.adopt(k, tensors)
+            self.heads.adopt(k, tensors)
+
     @property
     def generation(self) -> int:
         """Bumped whenever a learned task's stored share changes after its task (``kb forget``, a new

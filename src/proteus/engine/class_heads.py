@@ -174,6 +174,15 @@ class ClassHeads:
             tensors = {**tensors, **{f"head/{n}": t for n, t in self.head.columns(classes).items()}}
         return meta, tensors
 
+    def adopt(self, k: int, tensors: dict[str, Tensor]) -> None:
+        """Hold task k's expert and inputs as ``tensors``, the same values read from its committed object (a
+        knowledge base's mapping: the page cache instead of this process's memory)."""
+        if self.experts is not None and k < len(self.experts) and "expert/W" in tensors:
+            e = self.experts.experts[k]
+            self.experts.experts[k] = TaskExpert(e.classes, tensors["expert/W"], e.gamma)
+        if k in self.inputs and "forget/h" in tensors:
+            self.inputs[k] = (tensors["forget/h"], tensors["forget/y"])
+
     def load_task(self, k: int, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         if self.experts is not None:
             self.experts.load_task(meta, tensors, self.device)

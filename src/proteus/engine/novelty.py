@@ -340,15 +340,31 @@ def pair_scores(gaussians: dict[int, list[PPCA]], parts: list[Tensor], cand: Ten
 
 def _pooled(live: dict[int, CalibrationRows]) -> tuple[Tensor, Tensor]:
     """Every live task's calibration rows (key features, tap statistics) in task order, or a seeded uniform
-    sample of :data:`MAX_POOLED` of them."""
+    sample of :data:`MAX_POOLED` of them, gathered from the tasks holding the rows drawn (no concatenation of
+    every task's rows first: a long stream's refit reads the rows it pools, not all of them)."""
     tasks = sorted(live)
-    X = torch.cat([live[k].X for k in tasks])
-    taps = torch.cat([t for t in (live[k].taps for k in tasks) if t is not None])
-    if len(X) > MAX_POOLED:
-        keep = torch.randperm(len(X), generator=torch.Generator().manual_seed(len(X)))[:MAX_POOLED]
-        keep = keep.sort().values
-        X, taps = X[keep], taps[keep]
-    return X, taps
+    sizes = torch.as_tensor([len(live[k].X) for k in tasks], dtype=torch.long)
+    n = int(sizes.sum())
+    if n <= MAX_POOLED:
+        X = torch.cat([live[k].X for k in tasks])
+        taps = torch.cat([t for t in (live[k].taps for k in tasks) if t is not None])
+        return X, taps
+    keep = torch.randperm(n, generator=torch.Generator().manual_seed(n))[:MAX_POOLED].sort().values
+    ends = sizes.cumsum(0)
+    owner = torch.bucketize(keep, ends, right=True)
+    xs, ts = [], []
+    for i in owner.unique().tolist():
+        rows = keep[owner == i] - (ends[i] - sizes[i])
+        rec = live[tasks[i]]
+        xs.append(rec.X[rows])
+        if rec.taps is not None:
+            ts.append(rec.taps[rows])
+    return torch.cat(xs), torch.cat(ts)
+
+
+def _ppca_of(tensors: dict[str, Tensor], prefix: str, noise: float) -> PPCA:
+    """The Gaussian stored under ``prefix`` (``mean``, ``basis``, ``var``) with noise variance ``noise``."""
+    return PPCA(tensors[f"{prefix}mean"], tensors[f"{prefix}basis"], tensors[f"{prefix}var"], noise)
 
 
 def _floors(m: float, rho: float) -> tuple[float, float]:
@@ -601,6 +617,17 @@ class ClassNovelty:
                 tensors.update({f"novelty/g{c}/mean": g.mean, f"novelty/g{c}/basis": g.basis,
                                 f"novelty/g{c}/var": g.var})  # fmt: skip
         return {"novelty": info}, tensors
+
+    def adopt(self, k: int, tensors: dict[str, Tensor]) -> None:
+        """Hold task k's rows and Gaussians as ``tensors``, its committed object's (the same values: a
+        knowledge base's mapped object, so that they live in the page cache, not in this process)."""
+        r = self.rows.get(k)
+        if r is not None and "novelty/x" in tensors:
+            taps = tensors.get("novelty/taps") if r.taps is not None else None
+            self.rows[k] = CalibrationRows(tensors["novelty/x"], tensors["novelty/y"], r.in_stats, taps)
+        gs = self.gaussians.get(k)
+        if gs is not None and all(f"novelty/g{c}/basis" in tensors for c in range(len(gs))):
+            self.gaussians[k] = [_ppca_of(tensors, f"novelty/g{c}/", g.noise) for c, g in enumerate(gs)]
 
     def load_task(self, k: int, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         info = meta.get("novelty")

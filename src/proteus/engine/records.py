@@ -157,13 +157,15 @@ class TaskRecord:
     stored: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     #: the learner's :attr:`~proteus.core.parts.ProteusParts.generation` when :attr:`stored` was set
     stored_at: int = field(default=-1, repr=False, compare=False)
+    #: the stored record whose object the learner holds the task's share from (``Proteus.adopt``)
+    adopted: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     #: bumped by every change of any record's fields (what :class:`TaskRecords` derives is then redone)
     changes: ClassVar[int] = 0
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Any change of the record itself (``forgotten``, ``confidence`` ...) forgets :attr:`stored`."""
-        if name not in ("stored", "stored_at"):
+        if name not in ("stored", "stored_at", "adopted"):
             TaskRecord.changes += 1
             if getattr(self, "stored", None) is not None:
                 object.__setattr__(self, "stored", None)

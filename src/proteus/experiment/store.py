@@ -29,6 +29,9 @@ def commit(kb: KnowledgeBase, clf: ContinualLearner, evaluation: list[dict[str, 
     evaluation rows to keep (None: the stored rows of the tasks kept)."""
     state = clf.state()
     kb.commit_state(state.tasks, state.head, evaluation)
+    adopt = getattr(clf, "adopt", None)  # a learner that holds its tasks from the knowledge base
+    if adopt is not None:
+        adopt(kb)
 
 
 def load_learner(

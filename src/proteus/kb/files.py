@@ -16,6 +16,7 @@ import errno
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import stat
@@ -310,6 +311,51 @@ def read_object(root: Path, rel: str, sha: str, size: int | None, budget: str = 
         os.close(fd)
     _check_sha(shown, sha, _sha(data))
     return data
+
+
+def map_object(root: Path, rel: str, sha: str, size: int | None) -> mmap.mmap:
+    """Object ``rel`` memory-mapped (private, copy-on-write: its tensors are views of the page cache, not
+    copies, and a write to one never reaches the file) and checked against ``sha``: opened, compared with
+    its recorded size and its budget and hashed as :func:`read_object` does, before any tensor is made of
+    it. An object unlinked later (a sweep) stays readable through its mapping."""
+    shown = root / rel
+    objects, name = rel.split("/", 1)
+    try:
+        dfd = _dir_fd(root / objects, follow=False)
+    except FileNotFoundError:
+        raise _MissingObject(f"{shown}: missing from the knowledge base") from None
+    except OSError as e:
+        raise KBError(f"{root / objects}: cannot be read ({e.strerror or e})") from None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        raise _MissingObject(f"{shown}: missing from the knowledge base") from None
+    except OSError as e:
+        what = "a symbolic link, which is not followed" if e.errno == errno.ELOOP else e.strerror or str(e)
+        raise KBError(f"{shown}: cannot be read ({what})") from None
+    finally:
+        os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KBError(f"{shown}: not a regular file ({file_kind(st.st_mode)})")
+        if size is not None and st.st_size != size:
+            raise KBError(
+                f"{shown}: size mismatch (the manifest records {size} bytes, the file has {st.st_size}): the "
+                "file was truncated or replaced"
+            )
+        cap = limit("kb_object_bytes")
+        if st.st_size > cap:
+            raise over("kb_object_bytes", str(shown), st.st_size, cap)
+        if st.st_size == 0:
+            raise KBError(f"{shown}: empty, not a safetensors file")
+        mapped = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        raise KBError(f"{shown}: cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    _check_sha(shown, sha, hashlib.sha256(mapped).hexdigest())
+    return mapped
 
 
 def _stream_sha(fd: int) -> str:

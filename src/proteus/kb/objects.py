@@ -11,13 +11,13 @@ checked.
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from proteus.kb.content import ContentKeys
@@ -30,11 +30,12 @@ from proteus.kb.files import (
     _segment_refs,
     _sha,
     _write_error,
+    map_object,
     read_object,
     recorded_size,
 )
 from proteus.kb.schema import object_path, task_label
-from proteus.kb.tensors import Obj, check_objects, shapes_of
+from proteus.kb.tensors import Obj, check_objects, shapes_of, tensors_of
 
 #: one part of a learner's state: its JSON record (in the manifest) and its tensors (one object)
 Part = tuple[dict[str, Any], dict[str, torch.Tensor]]
@@ -48,8 +49,8 @@ class ObjectStore:
     def __init__(self, root: Path, on_disk: bool = True) -> None:
         self.root = root
         self.on_disk = on_disk
-        #: rel -> (sha256, verified bytes) of the snapshot ``open`` read
-        self.cache: dict[str, tuple[str, bytes]] = {}
+        #: rel -> (sha256, its verified mapping) of the snapshot ``open`` read: the page cache, not a copy
+        self.cache: dict[str, tuple[str, mmap.mmap]] = {}
         #: objects of a knowledge base not yet on disk, written at its first commit
         self.pending: dict[str, bytes] = {}
         #: content key -> (rel, sha256) of the objects written: a commit of a long stream serialises only
@@ -89,17 +90,32 @@ class ObjectStore:
         self.sizes[rel] = len(data)
         return data
 
+    def mapped(self, manifest: dict[str, Any], rel: str, sha: str) -> mmap.mmap:
+        """Object ``rel`` memory-mapped and checked (:func:`~proteus.kb.files.map_object`); a pending one's
+        bytes are mapped anonymously."""
+        if rel in self.pending:
+            data = self.load(manifest, rel, sha)
+            mapped = mmap.mmap(-1, len(data))
+            mapped[:] = data
+            return mapped
+        self.path(manifest, rel, sha)
+        mapped = map_object(self.root, rel, sha, recorded_size(manifest, rel))
+        self.sizes[rel] = len(mapped)
+        return mapped
+
     def verify(self, manifest: dict[str, Any]) -> None:
-        """Read every object ``manifest`` references and check it; keep the bytes as the snapshot."""
-        self.cache = {rel: (sha, self.load(manifest, rel, sha)) for _, rel, sha in _refs(manifest)}
+        """Map every object ``manifest`` references and check it; keep the mappings as the snapshot (a
+        later sweep cannot take a mapped file away)."""
+        self.cache = {rel: (sha, self.mapped(manifest, rel, sha)) for _, rel, sha in _refs(manifest)}
 
     def read(self, manifest: dict[str, Any], rel: str, sha: str) -> dict[str, torch.Tensor]:
-        """The tensors of object ``rel``: from the snapshot, or from disk."""
+        """The tensors of object ``rel``, views of its mapping (the page cache, copy-on-write): from the
+        snapshot, or mapped now."""
         cached = self.cache.get(rel)
-        data = cached[1] if cached is not None and cached[0] == sha else self.load(manifest, rel, sha)
+        mapped = cached[1] if cached is not None and cached[0] == sha else self.mapped(manifest, rel, sha)
         try:
-            return st_load(data)
-        except Exception as e:  # safetensors raises several types for bad headers
+            return tensors_of(mapped)
+        except ValueError as e:
             raise KBError(f"{self.root / rel}: not a valid safetensors file ({e})") from None
 
     def checked_state(

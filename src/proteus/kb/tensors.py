@@ -12,7 +12,10 @@ This module gathers them; it names no part's tensor.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
+
+import torch
 
 from proteus.tensor_rules import (
     DTYPES,
@@ -29,8 +32,11 @@ from proteus.tensor_rules import check_objects as _check
 
 __all__ = [
     "DTYPES", "META_DTYPES", "TORCH_DTYPES", "Obj", "ShapeRule", "check_objects", "int_totals", "nonfinite",
-    "parse_header", "shapes_of",
+    "parse_header", "shapes_of", "tensors_of",
 ]  # fmt: skip
+
+#: safetensors' dtype names -> torch's
+TORCH_BY_NAME = {name: dt for dt, name in TORCH_DTYPES.items()}
 
 
 def check_objects(tasks: list[dict[str, Any]], objects: list[Obj], learner: str | None = None) -> list[str]:
@@ -43,6 +49,28 @@ def check_objects(tasks: list[dict[str, Any]], objects: list[Obj], learner: str 
         learner = TENSOR_RULES.claimant(head) if head is not None else None
     rules = TENSOR_RULES.rules(learner) if learner else TENSOR_RULES.rules()
     return _check(tasks, objects, rules)
+
+
+def tensors_of(data: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held by ``data`` (a memory map, or bytes), as views of it (no copy;
+    a tensor keeps ``data`` alive); a ValueError names what is wrong with its header. Each tensor's bytes
+    are aligned to its dtype (safetensors orders tensors by alignment), else it is copied."""
+    header = parse_header(data)
+    n = int.from_bytes(data[:8], "little")
+    raw = json.loads(data[8 : 8 + n])
+    out: dict[str, torch.Tensor] = {}
+    for name, (dtype, shape) in header.items():
+        dt = TORCH_BY_NAME[dtype]
+        start = 8 + n + int(raw[name]["data_offsets"][0])
+        numel = math.prod(shape)
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dt)
+        elif start % torch.empty(0, dtype=dt).element_size():
+            out[name] = torch.frombuffer(bytearray(data[start : start + numel * DTYPES[dtype][1]]), dtype=dt)
+            out[name] = out[name].view(shape)
+        else:
+            out[name] = torch.frombuffer(data, dtype=dt, count=numel, offset=start).view(shape)
+    return out
 
 
 def parse_header(data: bytes) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -274,6 +274,11 @@ class RetrievalKeys:
         if meta.get("forgotten"):
             self.forgotten.add(int(meta["index"]))
 
+    def adopt(self, k: int, tensors: dict[str, Tensor]) -> None:
+        """Hold task k's share as ``tensors``, the same values read from its committed object (a knowledge
+        base's mapping: the page cache instead of this process's memory); keys without such a share keep
+        theirs."""
+
     def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
         return None, {}
 

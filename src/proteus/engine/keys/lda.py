@@ -346,15 +346,19 @@ class LDAKeys(RetrievalKeys):
     def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         if self.novelty is not None:
             self.novelty.load_task(self.n_tasks, meta, tensors)
-        if f"{self.prefix}x" in tensors:
-            self.inputs[self.n_tasks] = (
-                tensors[f"{self.prefix}x"].float(),
-                tensors[f"{self.prefix}y"].long(),
-            )
+        x, y = f"{self.prefix}x", f"{self.prefix}y"
+        if x in tensors:
+            self.inputs[self.n_tasks] = (tensors[x].float(), tensors[y].long())
         columns = {n: tensors[f"{self.prefix}{n}"] for n in COLUMNS if f"{self.prefix}{n}" in tensors}
         self._columns.append(([int(c) for c in meta["classes"]], columns))
         self.n_tasks += 1
         super().load_task(meta, tensors)
+
+    def adopt(self, k: int, tensors: dict[str, Tensor]) -> None:
+        if self.novelty is not None:
+            self.novelty.adopt(k, tensors)
+        if k in self.inputs and f"{self.prefix}x" in tensors:
+            self.inputs[k] = (tensors[f"{self.prefix}x"], tensors[f"{self.prefix}y"])
 
     def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
         if self.head is None:
