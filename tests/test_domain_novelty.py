@@ -239,3 +239,29 @@ def test_a_long_streams_pool_is_a_seeded_sample_gathered_from_the_tasks_drawn(
     X, taps = novelty._pooled(live)
     keep = torch.randperm(26, generator=torch.Generator().manual_seed(26))[:10].sort().values
     assert torch.equal(X, X_all[keep]) and torch.equal(taps, taps_all[keep])
+
+
+@pytest.mark.parametrize("block", [2**21, 200])
+def test_pair_scores_are_each_pairs_own_nll_in_blocks_of_tasks(
+    block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Candidates scored task block by task block (bases padded to one rank, rows to one count) give each
+    pair its Gaussian's :meth:`PPCA.nll`, for tasks of different ranks and row counts, however the tasks
+    fall into blocks; a task without Gaussians scores +inf."""
+    from proteus.engine import novelty
+
+    monkeypatch.setattr(novelty, "PAIR_BLOCK", block)
+    g = torch.Generator().manual_seed(5)
+    gaussians = {
+        t: [PPCA.fit(torch.randn(n, dim, generator=g, dtype=torch.float64) + t, rank=8) for dim in (6, 9)]
+        for t, n in enumerate([4, 12, 7, 30, 3, 9])
+        if t != 4
+    }
+    parts = [torch.randn(20, 6, generator=g) + 2, torch.randn(20, 9, generator=g) + 2]
+    cand = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(20)])
+    got = novelty.pair_scores(gaussians, parts, cand)
+    for c in range(2):
+        for i in range(20):
+            for j, t in enumerate(cand[i].tolist()):
+                want = gaussians[t][c].nll(parts[c][i : i + 1])[0] if t in gaussians else float("inf")
+                assert float(got[c][i, j]) == pytest.approx(float(want), rel=1e-9, abs=1e-9)

@@ -75,6 +75,22 @@ def test_a_commit_writes_the_same_files_at_task_100_as_at_task_10(
     assert kbmod.problems(root) == []
 
 
+def test_a_commit_checks_the_records_of_a_segment_it_keeps_only_against_the_new_ones(tmp_path: Path) -> None:
+    """A commit re-checks the fields of the records it writes, not those of a segment it references again
+    (a long stream's commit stays flat); a new task's class already held by a task of a kept segment is
+    still refused."""
+    kb = KnowledgeBase.new(tmp_path / "kb", HEADER)
+    for k in range(SEGMENT_TASKS + 2):
+        _append(kb, k)
+    _append(kb, SEGMENT_TASKS + 2)
+    assert kb.segments.reused == set(range(SEGMENT_TASKS))  # the first segment, referenced again unchecked
+    rel, sha = kb.write_object("clash", {"w": torch.zeros(16)})
+    clash = {"index": SEGMENT_TASKS + 3, "classes": [5, 999], "class_names": ["c5", "c999"], "n_train": 32,
+             "settings": {"train.epochs": 1}, "object": rel, "sha256": sha}  # fmt: skip
+    with pytest.raises(KBError, match=r"tasks\[35\].*class 5 is also in task index 2"):
+        kb.commit({**kb.manifest, "tasks": [*kb.manifest["tasks"], clash]})
+
+
 def test_every_commit_names_its_parent_and_verify_follows_the_chain(tmp_path: Path) -> None:
     root = tmp_path / "kb"
     kb = KnowledgeBase.new(root, HEADER)

@@ -45,12 +45,14 @@ def learner_state(parts: ProteusParts, records: TaskRecords) -> LearnerState:
         meta = without_timings({**rec.to_dict(), **key_meta, **head_meta})
         return meta, {**tensors, **key_tensors, **head_tensors}
 
+    generation = parts.generation  # a state is committed before any task changes again
+
     def stored(k: int) -> Any:
         rec = records[k]
-        return rec.stored if rec.stored_at == parts.generation else None
+        return rec.stored if rec.stored_at == generation else None
 
     def committed(k: int, record: Any) -> None:
-        records[k].stored, records[k].stored_at = record, parts.generation
+        records[k].stored, records[k].stored_at = record, generation
 
     tasks = TaskParts(len(records), build, stored, committed)
     return LearnerState(tasks, _head_state(parts))

@@ -42,7 +42,7 @@ needs no data: the stored scores suffice (``proteus kb calibrate --tpr``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,19 +323,73 @@ class TaskGaussians:
         return d2 * self.inv_noise + quad + self.logdet
 
 
+#: the most float64 numbers one block of :func:`pair_scores` holds (its inputs' rows, padded, or its bases)
+PAIR_BLOCK = 2**21
+
+
 def pair_scores(gaussians: dict[int, list[PPCA]], parts: list[Tensor], cand: Tensor) -> list[Tensor]:
     """Per component, (n, K): each row's negative log-density (:meth:`PPCA.nll`) under each of its candidate
     tasks ``cand`` (n, K) (``gaussians``: each task's, per component; ``parts``: the rows' components); +inf
-    for a candidate without Gaussians (forgotten, too few rows)."""
-    out = [torch.full(cand.shape, float("inf"), dtype=torch.float64) for _ in parts]
-    for t in cand.unique().tolist():
-        gs = gaussians.get(int(t))
-        if gs is None:
-            continue
-        r, j = (cand == t).nonzero(as_tuple=True)
-        for c, part in enumerate(parts):
-            out[c][r, j] = gs[c].nll(part[r])
-    return out
+    for a candidate without Gaussians (forgotten, too few rows). The pairs are grouped by task and each
+    block of tasks scored by one batched product, its bases padded to one rank and its rows to one count
+    (:func:`_pair_block`): a batch spread over hundreds of candidate tasks costs a few tensor operations per
+    block, not a dozen per task."""
+    n, K = cand.shape
+    flat = cand.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tasks, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    held = [i for i, t in enumerate(tasks.tolist()) if t in gaussians]
+    out = [torch.full((n * K,), float("inf"), dtype=torch.float64) for _ in parts]
+    if not held:
+        return [o.view(n, K) for o in out]
+    held_t = torch.as_tensor(held)
+    by_count = held_t[torch.argsort(counts[held_t], descending=True, stable=True)].tolist()
+    for c, part in enumerate(parts):
+        Z = part.double()
+        ranks = [gaussians[int(tasks[i])][c].basis.shape[1] for i in by_count]
+        for block in _blocks(by_count, counts, ranks, Z.shape[1]):
+            pairs = [order[int(starts[j]) : int(starts[j] + counts[j])] for j in block]
+            gs = [gaussians[int(tasks[j])][c] for j in block]
+            out[c][torch.cat(pairs)] = _pair_block(gs, Z, [p // K for p in pairs], counts[block])
+    return [o.view(n, K) for o in out]
+
+
+def _blocks(items: list[int], counts: Tensor, ranks: list[int], dim: int) -> Iterator[list[int]]:
+    """``items`` (tasks, most rows first) in consecutive blocks whose padded rows and bases stay within
+    :data:`PAIR_BLOCK` numbers."""
+    block: list[int] = []
+    cmax = rmax = 0
+    for i, r in zip(items, ranks, strict=True):
+        c, rr = max(cmax, int(counts[i])), max(rmax, r)
+        if block and (len(block) + 1) * max(c, rr) * dim > PAIR_BLOCK:
+            yield block
+            block, c, rr = [], int(counts[i]), r
+        block.append(i)
+        cmax, rmax = c, rr
+    if block:
+        yield block
+
+
+def _pair_block(gs: list[PPCA], Z: Tensor, rows: list[Tensor], counts: Tensor) -> Tensor:
+    """:meth:`PPCA.nll` of rows ``rows[u]`` of Z (float64) under Gaussian ``gs[u]``, every u in one batched
+    product: the rows padded to the largest count (``counts``), the bases to the largest rank with zero
+    columns (which add nothing to either square), concatenated in the order of ``rows``."""
+    U, cmax = len(gs), int(counts.max())
+    means = torch.stack([g.mean for g in gs]).double()  # (U, D)
+    bases = torch.nn.utils.rnn.pad_sequence([g.basis.T for g in gs], batch_first=True).double()  # (U, R, D)
+    weights = torch.nn.utils.rnn.pad_sequence([1.0 / g.var.double() for g in gs], batch_first=True)
+    inv_noise = torch.tensor([1.0 / g.noise for g in gs], dtype=torch.float64)
+    logdet = torch.tensor([g.logdet for g in gs], dtype=torch.float64)
+    owner = torch.repeat_interleave(torch.arange(U), counts)
+    slot = torch.arange(len(owner)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    D = Z.new_zeros(U, cmax, Z.shape[1])
+    D[owner, slot] = Z[torch.cat(rows)] - means[owner]
+    P = torch.bmm(D, bases.transpose(1, 2))  # (U, cmax, R)
+    P2 = P * P
+    rest = ((D * D).sum(2) - P2.sum(2)).clamp_min(0.0)
+    nll = (P2 * weights[:, None, :]).sum(2) + rest * inv_noise[:, None] + logdet[:, None]
+    return nll[owner, slot]
 
 
 def _pooled(live: dict[int, CalibrationRows]) -> tuple[Tensor, Tensor]:

@@ -22,7 +22,7 @@ import json
 import os
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +191,8 @@ class Commit:
 
             parent = self.expected_sha if on_disk else None
             physical, expanded = seal(manifest, current, sizes, key, self.root, parent, pack)
-            refuse_unreadable(self.root, expanded, current.get("tasks") if on_disk else None)
+            checked = current.get("tasks") if on_disk else None
+            refuse_unreadable(self.root, expanded, checked, segments.reused if on_disk else set())
         except BaseException:
             self.abandon()
             raise
@@ -346,8 +347,11 @@ def _resigned(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
     return out
 
 
-def refuse_unreadable(root: Path, manifest: dict[str, Any], checked: list[Any] | None) -> None:
-    """Refuse to commit a manifest this proteus could not read back."""
-    problems = manifest_problems(manifest, checked=checked)
+def refuse_unreadable(
+    root: Path, manifest: dict[str, Any], checked: list[Any] | None, kept: Collection[int] = frozenset()
+) -> None:
+    """Refuse to commit a manifest this proteus could not read back (``checked``, ``kept``:
+    :func:`~proteus.kb.schema.manifest_problems`)."""
+    problems = manifest_problems(manifest, checked=checked, kept=kept)
     if problems:
         raise KBError(f"{root}: refusing to commit a manifest this proteus cannot read: {problems[0]}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -192,22 +193,25 @@ def _where(i: int) -> str:
 
 
 def manifest_problems(
-    manifest: dict[str, Any], learner: str | None = None, checked: list[Any] | None = None
-) -> list[str]:
+    manifest: dict[str, Any], learner: str | None = None, checked: list[Any] | None = None,
+    kept: Collection[int] = frozenset(),
+) -> list[str]:  # fmt: skip
     """Every way ``manifest`` breaks the schema, as ``"<field>: <problem>"`` (task fields prefixed with
     their position). ``learner`` (a role of :data:`~proteus.tensor_rules.TENSOR_RULES`: a learner's
     ``kb_layout``) applies that learner's field rules and requires its fields whatever the head says
     (:meth:`~proteus.kb.store.KnowledgeBase.read_state`); without it, those of the learner whose head the
     manifest holds (:func:`head_kind`). ``checked``: task records that already passed this check (the
     committed manifest's, a commit re-validates only the records that differ from them at the same
-    position: a long stream's commit stays flat)."""
+    position) or that sit in a record segment the commit references again (``kept``: the very records it
+    was read as or written from, compared by identity): a long stream's commit checks the task it adds and
+    the classes of the others, not every record."""
     out = fields_problems(manifest, MANIFEST, "")
     tasks = manifest.get("tasks")
     tasks = tasks if isinstance(tasks, list) else []
     checked = checked or []
 
-    def unchanged(i: int) -> bool:  # the same object may have changed since it was checked
-        return i < len(checked) and tasks[i] is not checked[i] and tasks[i] == checked[i]
+    def unchanged(i: int) -> bool:  # the same object may have changed since it was checked, unless kept
+        return i in kept or (i < len(checked) and tasks[i] is not checked[i] and tasks[i] == checked[i])
 
     kind = learner or head_kind(manifest)
     owner: dict[int, int] = {}
@@ -215,6 +219,12 @@ def manifest_problems(
         if not isinstance(t, dict):
             continue  # reported above (list[map])
         where = _where(i)
+        if i in kept and isinstance(t.get("classes"), list):  # checked: its classes against the others'
+            if not owner.keys().isdisjoint(t["classes"]):
+                c = next(c for c in t["classes"] if c in owner)
+                out.append(f"{where}.classes: class {c} is also in {task_label(owner[c])}")
+            owner.update(dict.fromkeys(t["classes"], i))
+            continue
         if not unchanged(i):
             out += fields_problems(t, TASK, where)
         if _is_int(t.get("index")) and t["index"] != i:

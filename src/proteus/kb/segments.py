@@ -65,14 +65,31 @@ def _same(a: tuple[Any, ...] | list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
+def _fields(records: list[Any] | tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
+    """Each record's values (the objects themselves): a record edited in place since (a field set anew,
+    added or removed) no longer has the same ones."""
+    return tuple(tuple(r.values()) if isinstance(r, dict) else () for r in records)
+
+
+def _unedited(fields: tuple[tuple[Any, ...], ...], records: list[Any]) -> bool:
+    return all(
+        len(f) == len(r) and all(a is b for a, b in zip(f, r.values(), strict=True))
+        if isinstance(r, dict)
+        else True
+        for f, r in zip(fields, records, strict=True)
+    )
+
+
 class Segments:
     """The record segments one :class:`~proteus.kb.store.KnowledgeBase` has read or written: by sha256, the
     records and rows as it expanded or packed them (the same dict objects), so that :meth:`pack` recognises
     an unchanged segment by identity, without serialising it."""
 
     def __init__(self) -> None:
-        #: sha256 -> (records, rows, their objects' sizes)
-        self.known: dict[str, tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...]]] = {}
+        #: sha256 -> (records, rows, their objects' sizes, each record's values as it was written or read)
+        self.known: dict[str, tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...], tuple[Any, ...]]] = {}
+        #: the tasks whose segment the last :meth:`pack` referenced again (their records unchanged)
+        self.reused: set[int] = set()
 
     def expand(self, manifest: dict[str, Any], read: ReadSegment, where: str) -> dict[str, Any]:
         """The expanded form of the checked manifest of format 4 ``manifest`` (file ``where``): its
@@ -94,7 +111,7 @@ class Segments:
             sizes[rel] = ref["bytes"]
             for r, n in zip(records, objects, strict=True):
                 sizes[r["object"]] = n
-            self.known[sha] = (tuple(records), tuple(evaluation), tuple(objects))
+            self.known[sha] = (tuple(records), tuple(evaluation), tuple(objects), _fields(records))
             tasks += records
             rows += evaluation
         head = manifest.get("head")
@@ -109,7 +126,7 @@ class Segments:
         ``object_bytes``), rows and objects' sizes; the same objects as last time for a segment this store
         knows."""
         kept = self.known.get(ref["sha256"])
-        if kept is not None:
+        if kept is not None and _unedited(kept[3], list(kept[0])):
             return list(kept[0]), list(kept[1]), list(kept[2])
         body = load_json(read(ref["object"], ref["sha256"], ref["bytes"]), where)
         if not isinstance(body, dict):
@@ -146,13 +163,20 @@ class Segments:
         rows: list[Any] = list(manifest.get("evaluation") or [])
         previous = previous if isinstance(previous, list) else []
         refs = []
+        self.reused = set()
         for i, first in enumerate(range(0, len(tasks), SEGMENT_TASKS)):
             records, evaluation = tasks[first : first + SEGMENT_TASKS], rows[first : first + SEGMENT_TASKS]
             old = previous[i] if i < len(previous) and isinstance(previous[i], dict) else None
             if old is not None and old.get("first") == first and old.get("count") == len(records):
                 kept = self.known.get(old.get("sha256", ""))
-                if kept is not None and _same(kept[0], records) and _same(kept[1], evaluation):
+                if (
+                    kept is not None
+                    and _same(kept[0], records)
+                    and _same(kept[1], evaluation)
+                    and _unedited(kept[3], records)
+                ):
                     refs.append(old)
+                    self.reused.update(range(first, first + len(records)))
                     continue
             sizes = [size_of(r["object"]) for r in records]
             body = {
@@ -163,7 +187,7 @@ class Segments:
             }
             data = json.dumps(body).encode()
             rel, sha = write(data)
-            self.known[sha] = (tuple(records), tuple(evaluation), tuple(sizes))
+            self.known[sha] = (tuple(records), tuple(evaluation), tuple(sizes), _fields(records))
             content = content_digest(records, evaluation)
             refs.append({"object": rel, "sha256": sha, "bytes": len(data), "first": first,
                          "count": len(records), "content": content})  # fmt: skip
