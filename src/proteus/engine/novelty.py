@@ -41,7 +41,9 @@ needs no data: the stored scores suffice (``proteus kb calibrate --tpr``).
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -283,11 +285,16 @@ class PPCA:
         rest = ((D * D).sum(1) - (P * P).sum(1)).clamp_min(0.0)
         return (P * P / var).sum(1) + rest / self.noise + self.logdet
 
-    @property
+    @functools.cached_property
     def logdet(self) -> float:
         """The covariance's log-determinant: the kept variances, and ``noise`` for every other direction."""
         rest = self.mean.numel() - self.basis.shape[1]
         return float(torch.log(self.var.double()).sum()) + rest * math.log(self.noise)
+
+    @functools.cached_property
+    def inv_var(self) -> Tensor:
+        """``1 / var`` in float64 (r numbers, kept: a shortlist scores the same tasks' Gaussians again)."""
+        return 1.0 / self.var.double()
 
 
 class TaskGaussians:
@@ -337,59 +344,92 @@ def pair_scores(gaussians: dict[int, list[PPCA]], parts: list[Tensor], cand: Ten
     n, K = cand.shape
     flat = cand.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    tasks, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    found, counts = torch.unique_consecutive(flat[order], return_counts=True)
     starts = torch.cumsum(counts, 0) - counts
-    held = [i for i, t in enumerate(tasks.tolist()) if t in gaussians]
+    tasks = found.tolist()
+    held = [i for i, t in enumerate(tasks) if t in gaussians]
     out = [torch.full((n * K,), float("inf"), dtype=torch.float64) for _ in parts]
     if not held:
         return [o.view(n, K) for o in out]
     held_t = torch.as_tensor(held)
     by_count = held_t[torch.argsort(counts[held_t], descending=True, stable=True)].tolist()
+    sizes = counts.tolist()
     for c, part in enumerate(parts):
         Z = part.double()
-        ranks = [gaussians[int(tasks[i])][c].basis.shape[1] for i in by_count]
-        for block in _blocks(by_count, counts, ranks, Z.shape[1]):
-            pairs = [order[int(starts[j]) : int(starts[j] + counts[j])] for j in block]
-            gs = [gaussians[int(tasks[j])][c] for j in block]
-            out[c][torch.cat(pairs)] = _pair_block(gs, Z, [p // K for p in pairs], counts[block])
+        gs = {i: gaussians[tasks[i]][c] for i in by_count}
+        for block in _blocks(by_count, sizes, [gs[i].basis.shape[1] for i in by_count], Z.shape[1]):
+            idx = torch.as_tensor(block)
+            ct = counts[idx]
+            first = torch.repeat_interleave(starts[idx] - (torch.cumsum(ct, 0) - ct), ct)
+            pairs = order[torch.arange(len(first)) + first]  # the block's pairs, task by task
+            out[c][pairs] = _pair_block([gs[i] for i in block], Z, pairs // K, ct)
     return [o.view(n, K) for o in out]
 
 
-def _blocks(items: list[int], counts: Tensor, ranks: list[int], dim: int) -> Iterator[list[int]]:
+def _blocks(items: list[int], counts: list[int], ranks: list[int], dim: int) -> Iterator[list[int]]:
     """``items`` (tasks, most rows first) in consecutive blocks whose padded rows and bases stay within
     :data:`PAIR_BLOCK` numbers."""
     block: list[int] = []
     cmax = rmax = 0
     for i, r in zip(items, ranks, strict=True):
-        c, rr = max(cmax, int(counts[i])), max(rmax, r)
+        c, rr = max(cmax, counts[i]), max(rmax, r)
         if block and (len(block) + 1) * max(c, rr) * dim > PAIR_BLOCK:
             yield block
-            block, c, rr = [], int(counts[i]), r
+            block, c, rr = [], counts[i], r
         block.append(i)
         cmax, rmax = c, rr
     if block:
         yield block
 
 
-def _pair_block(gs: list[PPCA], Z: Tensor, rows: list[Tensor], counts: Tensor) -> Tensor:
-    """:meth:`PPCA.nll` of rows ``rows[u]`` of Z (float64) under Gaussian ``gs[u]``, every u in one batched
-    product: the rows padded to the largest count (``counts``), the bases to the largest rank with zero
-    columns (which add nothing to either square), concatenated in the order of ``rows``."""
-    U, cmax = len(gs), int(counts.max())
-    means = torch.stack([g.mean for g in gs]).double()  # (U, D)
-    bases = torch.nn.utils.rnn.pad_sequence([g.basis.T for g in gs], batch_first=True).double()  # (U, R, D)
-    weights = torch.nn.utils.rnn.pad_sequence([1.0 / g.var.double() for g in gs], batch_first=True)
-    inv_noise = torch.tensor([1.0 / g.noise for g in gs], dtype=torch.float64)
-    logdet = torch.tensor([g.logdet for g in gs], dtype=torch.float64)
+def _pair_block(gs: list[PPCA], Z: Tensor, rows: Tensor, counts: Tensor) -> Tensor:
+    """:meth:`PPCA.nll` of rows ``rows`` of Z (float64), the first ``counts[0]`` under Gaussian ``gs[0]``, the
+    next ``counts[1]`` under ``gs[1]`` ..., in one batched product: the rows padded to the largest count
+    (what a padded row gets is never read), the bases to the largest rank with zero columns (which add
+    nothing to either square), both written into the reused buffers of :data:`_WORK`."""
+    U, cmax, dim = len(gs), int(counts.max()), Z.shape[1]
+    ranks = [g.basis.shape[1] for g in gs]
+    R = max(ranks)
+    bases = _WORK.get("bases", (U, dim, R))
+    if min(ranks) == R:
+        torch.stack([g.basis for g in gs], out=bases)  # converted to float64 as it is copied
+    else:
+        for b, g, r in zip(bases, gs, ranks, strict=True):
+            b[:, :r].copy_(g.basis)
+            b[:, r:].zero_()
     owner = torch.repeat_interleave(torch.arange(U), counts)
     slot = torch.arange(len(owner)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    D = Z.new_zeros(U, cmax, Z.shape[1])
-    D[owner, slot] = Z[torch.cat(rows)] - means[owner]
-    P = torch.bmm(D, bases.transpose(1, 2))  # (U, cmax, R)
+    means = torch.stack([g.mean for g in gs]).double()  # (U, D)
+    D = _WORK.get("rows", (U, cmax, dim))
+    Dp = Z[rows] - means[owner]
+    D[owner, slot] = Dp
+    P = torch.bmm(D, bases)[owner, slot]  # (pairs, R)
     P2 = P * P
-    rest = ((D * D).sum(2) - P2.sum(2)).clamp_min(0.0)
-    nll = (P2 * weights[:, None, :]).sum(2) + rest * inv_noise[:, None] + logdet[:, None]
-    return nll[owner, slot]
+    weights = torch.nn.utils.rnn.pad_sequence([g.inv_var for g in gs], batch_first=True)[owner]
+    inv_noise = torch.tensor([1.0 / g.noise for g in gs], dtype=torch.float64)[owner]
+    logdet = torch.tensor([g.logdet for g in gs], dtype=torch.float64)[owner]
+    rest = ((Dp * Dp).sum(1) - P2.sum(1)).clamp_min(0.0)
+    return (P2 * weights).sum(1) + rest * inv_noise + logdet
+
+
+class _Workspace(threading.local):
+    """float64 buffers reused from call to call (a fresh one of many megabytes costs its page faults at
+    every prediction), each grown to the largest asked for (at most :data:`PAIR_BLOCK` numbers, but for a
+    single task's rows beyond it); one set per thread."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        n = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self.buffers[name] = torch.empty(n, dtype=torch.float64)
+        return buf[:n].view(shape)
+
+
+#: the buffers of :func:`_pair_block`
+_WORK = _Workspace()
 
 
 def _pooled(live: dict[int, CalibrationRows]) -> tuple[Tensor, Tensor]:

@@ -207,8 +207,10 @@ def head_tensors(head: HeadFields, columns: bool = True) -> dict[str, Tensor]:
     (:func:`head_columns`) and ``W_out`` not at all (:data:`COLUMNS`)."""
     out: dict[str, Tensor] = {}
     fixed = (("W_rand", head.W_rand_), ("G", head.G_))
-    by_class = (("Q", head.Q_), ("counts", head.counts_), ("W_out", head.W_out_), ("P", head.P_))
-    for key, t in (*fixed, *by_class) if columns else fixed:
+    by_class: tuple[tuple[str, Tensor | None], ...] = ()  # W_out: solved when asked for, so only if stored
+    if columns:
+        by_class = (("Q", head.Q_), ("counts", head.counts_), ("W_out", head.W_out_), ("P", head.P_))
+    for key, t in (*fixed, *by_class):
         if t is not None:
             out[key] = t.detach().to("cpu", copy=True).contiguous()
     return out

@@ -262,10 +262,9 @@ class LDAKeys(RetrievalKeys):
         """(N, m): the first m tasks' scores of key features F (a forgotten task's: +inf)."""
         assert self.head is not None
         logits = self.head.decision_function(F.to(self.device)).float().cpu()
-        scores = task_scores(logits, classes[:m], self.cfg.task_score, self.cfg.class_temperature)
-        for j in self.forgotten:
-            if j < m:
-                scores[:, j] = float("inf")
+        first = classes if m == len(classes) else classes[:m]  # the same list: its Groups are kept
+        scores = task_scores(logits, first, self.cfg.task_score, self.cfg.class_temperature)
+        scores[:, [j for j in self.forgotten if j < m]] = float("inf")
         return scores
 
     def _fit_novelty(self, classes: list[list[int]]) -> Tensor | None:
