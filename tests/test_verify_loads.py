@@ -141,6 +141,8 @@ REVIEWED = {
     "class-ids": (("tasks", 0, "classes"), [2**52, 2**52 + 1], "classes: class 4503599627370496 is not one"),
     "huge-integer": (("config", "train", "epochs"), 10**4000, "over the limit of 64 digits (int_digits)"),
     "max-image-pixels": (("config", "eval", "max_image_pixels"), -1, "config: eval.max_image_pixels must be"),
+    # a head whose columns live in its tasks solves W_out from its gamma: without one it cannot score
+    "keys-gamma": (("head", "meta", "task_head", "gamma"), None, "tensor 'task_head/W_out' missing"),
 }
 
 

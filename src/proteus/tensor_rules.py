@@ -42,6 +42,7 @@ This module is a floor below the parts: it imports the standard library, torch, 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import re
@@ -572,6 +573,19 @@ class _Dims:
         self.kb: dict[str, tuple[int, str]] = {}
         self.complete = True
         self.per_task: dict[int, dict[str, int]] = {}  # each earlier task's obj. sizes (for sum.)
+        #: (the task indices summed, in order, their obj. sizes summed): the totals of ``sum.`` for tasks
+        #: checked in order (:meth:`done`), so that a long stream's check stays linear
+        self._prefix: tuple[int, dict[str, int]] = (0, {})
+
+    def done(self, index: int, sizes: dict[str, int]) -> None:
+        """Task ``index``'s object is checked: its sizes join the earlier tasks' (``sum.``)."""
+        self.per_task[index] = sizes
+        upto, totals = self._prefix
+        if index == upto:
+            merged = dict(totals)
+            for sym, size in sizes.items():
+                merged[sym] = merged.get(sym, 0) + size
+            self._prefix = (upto + 1, merged)
 
     def check(self, obj: Obj, scope: dict[str, tuple[int, str]], sym: str, size: int, who: str) -> str | None:
         """None when ``size`` fits ``sym``, else what it should be (binding free symbols)."""
@@ -602,8 +616,12 @@ class _Dims:
         if sym.startswith("sum."):
             if not self.complete:
                 return None  # an earlier task's object could not be read (reported on its own)
-            earlier = [t for k, t in self.per_task.items() if obj.index is not None and k < obj.index]
-            want = sum(t.get("obj." + sym[4:], 0) for t in earlier)
+            upto, totals = self._prefix
+            if obj.index == upto:  # tasks checked in order: their running totals
+                want = totals.get("obj." + sym[4:], 0)
+            else:
+                earlier = [t for k, t in self.per_task.items() if obj.index is not None and k < obj.index]
+                want = sum(t.get("obj." + sym[4:], 0) for t in earlier)
             return None if size == want else f"{want} (the earlier tasks' {sym[4:]} summed)"
         table = self.kb if sym.startswith("kb.") else scope
         if sym not in table:
@@ -627,19 +645,20 @@ def check_objects(tasks: list[dict[str, Any]], objects: list[Obj], rules: list[R
     for obj in objects:
         scope: dict[str, tuple[int, str]] = {}
         mine = [r for r in shape_rules if r.on == obj.kind and r.applies(obj.record)]
+        patterns = tuple(r.pattern for r in mine)
         where = f"({obj.label})"
         for name, (dtype, shape) in obj.shapes.items():
             if dtype not in DTYPES:
                 out.append(f"{obj.path}: tensor {name!r} has dtype {dtype}, not one proteus writes {where}")
                 continue
-            for rule in mine:
-                out += _shape_problems(obj, rule, name, dtype, shape, dims, scope)
+            for i in _matching(patterns, name):
+                out += _shape_problems(obj, mine[i], name, dtype, shape, dims, scope)
             if obj.values is not None and name in obj.values:
                 bad = nonfinite(name, obj.values[name])
                 if bad:
                     out.append(f"{obj.path}: {bad} {where}")
         if obj.index is not None:
-            dims.per_task[obj.index] = {sym: size for sym, (size, _) in scope.items()}
+            dims.done(obj.index, {sym: size for sym, (size, _) in scope.items()})
     return out
 
 
@@ -669,7 +688,7 @@ def _presence(obj: Obj, rules: list[Rule]) -> list[str]:
         if not isinstance(r, Together):
             continue
         for name in obj.shapes:
-            m = re.fullmatch(r.pattern, name)
+            m = _fullmatch(r.pattern, name)
             if m is None:
                 continue
             want = [n.format(**m.groupdict()) for n in r.names]
@@ -699,7 +718,7 @@ def _same_groups(objects: list[Obj], rules: list[Rule]) -> list[str]:
         if not isinstance(r, SameGroups):
             continue
         held = [
-            (o, {m["g"] for n in o.shapes if (m := re.fullmatch(r.pattern, n))})
+            (o, {m["g"] for n in o.shapes if (m := _fullmatch(r.pattern, n))})
             for o in objects
             if o.kind == r.on and r.applies(o.record) and meta_value(o.record, r.flag) is True
         ]
@@ -714,11 +733,23 @@ def _same_groups(objects: list[Obj], rules: list[Rule]) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=2**16)
+def _fullmatch(pattern: str, name: str) -> re.Match[str] | None:
+    """``re.fullmatch``, kept per (pattern, tensor name): every task's object holds the same names."""
+    return re.fullmatch(pattern, name)
+
+
+@functools.lru_cache(maxsize=2**12)
+def _matching(patterns: tuple[str, ...], name: str) -> tuple[int, ...]:
+    """The positions of the ``patterns`` that tensor ``name`` matches in full."""
+    return tuple(i for i, p in enumerate(patterns) if _fullmatch(p, name))
+
+
 def _shape_problems(
     obj: Obj, rule: ShapeRule, name: str, dtype: str, shape: tuple[int, ...], dims: _Dims,
     scope: dict[str, tuple[int, str]],
 ) -> list[str]:  # fmt: skip
-    m = re.fullmatch(rule.pattern, name)
+    m = _fullmatch(rule.pattern, name)
     if m is None:
         return []
     out: list[str] = []

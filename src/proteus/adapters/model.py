@@ -132,11 +132,18 @@ class AdaptedBackbone(nn.Module):
 
     def append_task_tensors(self, tensors: dict[str, torch.Tensor], who: str) -> None:
         """Append a task's adapter from :meth:`task_tensors`' form (``who`` names it in errors)."""
-        missing = [n for n in self.units if f"adapter/{n}/A" not in tensors]
-        if missing:
-            raise KeyError(f"{who}: adapter tensors for {missing[0]!r} missing from the knowledge base")
+        self.append_tasks_tensors([(tensors, who)])
+
+    def append_tasks_tensors(self, tasks: list[tuple[dict[str, torch.Tensor], str]]) -> None:
+        """Append many tasks' adapters (each in :meth:`task_tensors`' form, with who names it in errors) at
+        once: each map appends them together (:meth:`LoRAUnit.append_tasks`)."""
+        for tensors, who in tasks:
+            missing = [n for n in self.units if f"adapter/{n}/A" not in tensors]
+            if missing:
+                raise KeyError(f"{who}: adapter tensors for {missing[0]!r} missing from the knowledge base")
         for n, u in self.units.items():
-            u.append_task(tensors[f"adapter/{n}/A"], tensors[f"adapter/{n}/B"], tensors[f"adapter/{n}/s"])
+            items = [(t[f"adapter/{n}/A"], t[f"adapter/{n}/B"], t[f"adapter/{n}/s"]) for t, _ in tasks]
+            u.append_tasks(items, [f"{who}: {n}" for _, who in tasks])
 
     def lora_parameters(self) -> list[nn.Parameter]:
         out: list[nn.Parameter] = []

@@ -74,9 +74,16 @@ def restore(parts: ProteusParts, records: TaskRecords, state: LearnerState) -> N
     """Load ``state`` into parts that hold no task yet, appending each task's record to ``records``."""
     if records:
         raise TaskError("a learner is restored from a state only before it learns any task")
+    adapters: list[tuple[dict[str, torch.Tensor], str]] = []  # appended together (LoRAUnit.append_tasks)
     for meta, tensors in state.tasks:
-        with _loading(f"task {len(records) + 1} ({meta.get('object', 'no object')})"):
-            _load_task(parts, records, meta, tensors)
+        what = f"task {len(records) + 1} ({meta.get('object', 'no object')})"
+        with _loading(what):
+            if _load_task(parts, records, meta, tensors):
+                adapters.append((tensors, what))
+    try:
+        parts.model.append_tasks_tensors(adapters)
+    except (KeyError, ValueError) as e:  # names the task and its object
+        raise TaskError(f"{e.args[0]}" if isinstance(e, KeyError) else str(e)) from None
     if state.head is not None:
         with _loading(f"the head ({state.head[0].get('object', 'its object')})"):
             load_head(parts, *state.head)
@@ -99,7 +106,8 @@ def load_head(parts: ProteusParts, meta: dict[str, Any], tensors: dict[str, torc
 
 def _load_task(
     parts: ProteusParts, records: TaskRecords, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
-) -> None:
+) -> bool:
+    """Task ``meta``'s record, keys and head share; True when it has an adapter (appended by the caller)."""
     k = len(records)
     if meta["index"] != k:
         raise TaskError(f"knowledge base task {meta['index'] + 1} is out of order (expected {k + 1})")
@@ -108,16 +116,12 @@ def _load_task(
             f"task {k + 1}: its record says has_adapter={meta['has_adapter']}, but under this config "
             f"(adapter.enabled, train.tasks) it {'has' if parts.trains_adapter(k) else 'has no'} adapter"
         )
-    if meta["has_adapter"]:
-        try:
-            parts.model.append_task_tensors(tensors, f"task {k + 1}")
-        except KeyError as e:
-            raise TaskError(e.args[0]) from None
     parts.keys.load_task(meta, tensors)
     parts.heads.load_task(k, meta, tensors)
     records.append(TaskRecord.from_dict(meta))
     records[-1].stored, records[-1].stored_at = meta, parts.generation  # kept while the task is unchanged
     records[-1].adopted = meta  # its share read from its object (a knowledge base's mapping)
+    return bool(meta["has_adapter"])
 
 
 @contextlib.contextmanager

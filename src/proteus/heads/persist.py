@@ -101,6 +101,8 @@ TENSOR_RULES.declare(
               "meta:dtype", on="head"),
     Required(("G",), _fitted, on="head"),
     Required(("Q", "counts", "W_out"), lambda m: _fitted(m) and not _in_tasks(m), on="head"),
+    # W_out is solved from gamma where the columns live in the tasks: without gamma, only a stored one serves
+    Required(("W_out",), lambda m: _fitted(m) and _in_tasks(m) and m.get("gamma") is None, on="head"),
     Required(("W_rand",), _projects, on="head"),
     Required(("P",), lambda m: _stores_prototypes(m) and not _in_tasks(m), on="head"),
 )  # fmt: skip
