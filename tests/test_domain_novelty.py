@@ -207,7 +207,7 @@ def test_a_shortlist_scores_each_input_under_its_candidate_tasks_only() -> None:
     cand = nearest(X, 2)
     got = short.novelty(X, task_of, taps, cand)
     _, fitted, _ = short._fitted
-    _, _, loc, scale = fitted
+    loc, scale = fitted.loc, fitted.scale
     parts = short._components(X, taps)
     want = torch.stack([
         torch.stack([sum((short.gaussians[int(t)][c].nll(parts[c][i : i + 1]) - loc[c]) / scale[c]

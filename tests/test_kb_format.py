@@ -249,3 +249,37 @@ def test_a_committed_or_loaded_task_is_held_from_its_mapped_object(tmp_path: Pat
         assert torch.allclose(after.logits, before.logits) and not torch.equal(
             expert, torch.zeros_like(expert)
         )
+
+
+def test_a_shortlisted_detector_is_read_back_fitted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a shortlist shorter than the tasks, each task's calibration rows are scored under their
+    candidates when it is learned (kept in its object); the detector is fitted from those numbers at the
+    commit and kept with the keys in the head's object: a reader predicts the same, without scoring a
+    row or fitting the detector again."""
+    from proteus import Proteus
+    from proteus.engine.novelty import ClassNovelty
+    from proteus.streams import build_benchmark
+
+    tiny = {"backbone.pretrained": False, "backbone.img_size": 32, "train.epochs": 1}
+    tiny["retrieval.shortlist"] = 1
+    clf = Proteus.from_method("proteus", benchmark="quickstart", progress=False, **tiny)
+    stream = build_benchmark(clf.config.benchmark)
+    for task in stream.tasks[:3]:
+        clf.fit_task(task)
+    novelty = clf.keys_.novelty
+    assert all(k in novelty.scores for k in range(3))  # scored when learned
+    clf.save(tmp_path / "kb")
+    fitted = read_manifest(tmp_path / "kb")["head"]["meta"]["task_head"]["novelty_fit"]
+    assert fitted["tpr"] == novelty.tpr and fitted["tasks"] == 3 and len(fitted["loc"]) == 4
+    x = clf.transform_images([t.test[i][0] for t in stream.tasks[:3] for i in range(3)])
+    before = clf.predict(x)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the reader scored calibration rows or fitted the detector again")
+
+    monkeypatch.setattr(ClassNovelty, "score_task", refuse)
+    monkeypatch.setattr(ClassNovelty, "_fit_tasks", refuse)
+    back = Proteus.load(tmp_path / "kb", progress=False)
+    after = back.predict(x)
+    assert torch.equal(after.label, before.label) and torch.equal(after.known, before.known)
+    assert back.keys_.novelty.thresholds() == novelty.thresholds()

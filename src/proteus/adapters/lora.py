@@ -190,25 +190,9 @@ class LoRAUnit(nn.Module):
             self.generation += 1
             # the basis now covers more tasks than are left: _extend_basis rebuilds it at the next task
 
-    @torch.no_grad()
     def append_task(self, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor) -> None:
-        """Append one task's directions (q x r, p x r) and its transfer coefficients over older columns. A, B
-        and C are views of buffers grown by half at a time (:func:`_grown`): an append copies the new task's
-        numbers only, not every older task's, so learning task k, and loading k tasks, costs no more per task
-        on a long stream than on a short one."""
-        _check_directions(self, a_k, b_k, s_k)
-        R, r, m = self.total_rank, int(a_k.shape[1]), self.num_tasks
-        dev, dt = self.A.device, self.A.dtype
-        self._bufs["A"], self.A = _grown(self._bufs.get("A"), self.A, (self.in_features, R + r))
-        self._bufs["B"], self.B = _grown(self._bufs.get("B"), self.B, (self.out_features, R + r))
-        self._bufs["C"], C = _grown(self._bufs.get("C"), self.C, (m + 1, R + r))
-        self.A[:, R:] = a_k.to(dev, dt)
-        self.B[:, R:] = b_k.to(dev, dt)
-        C[:m, R:] = 0.0  # the buffer may hold a truncated task's numbers there
-        C[m, :R] = s_k.to(dev, dt)
-        C[m, R:] = 1.0
-        self.C = C
-        self.ranks.append(r)
+        """Append one task's directions (q x r, p x r) and its transfer coefficients over older columns."""
+        self.append_tasks([(a_k, b_k, s_k)])
 
     @torch.no_grad()
     def append_tasks(
@@ -216,34 +200,16 @@ class LoRAUnit(nn.Module):
     ) -> None:
         """:meth:`append_task` for many tasks at once (a knowledge base's, at load): each checked in turn (a
         ValueError names the task, by ``names`` or its number), then appended by a few whole-matrix
-        operations instead of a dozen per task."""
-        R0, m = self.total_rank, self.num_tasks
-        ends = [R0]
+        operations (:func:`_append_columns`) instead of a dozen per task."""
+        ends = [self.total_rank]
         for i, (a, b, s) in enumerate(tasks):
             try:
                 _check_directions(self, a, b, s, ends[-1])
             except ValueError as e:
-                raise ValueError(f"{names[i] if names else f'task {m + i + 1}'}: {e}") from None
+                raise ValueError(f"{names[i] if names else f'task {self.num_tasks + i + 1}'}: {e}") from None
             ends.append(ends[-1] + int(a.shape[1]))
-        if not tasks:
-            return
-        dev, dt = self.A.device, self.A.dtype
-        R, n = ends[-1], len(tasks)
-        self._bufs["A"], self.A = _grown(self._bufs.get("A"), self.A, (self.in_features, R))
-        self._bufs["B"], self.B = _grown(self._bufs.get("B"), self.B, (self.out_features, R))
-        self._bufs["C"], C = _grown(self._bufs.get("C"), self.C, (m + n, R))
-        self.A[:, R0:] = torch.cat([a for a, _, _ in tasks], 1).to(dev, dt)
-        self.B[:, R0:] = torch.cat([b for _, b, _ in tasks], 1).to(dev, dt)
-        C[:m, R0:] = 0.0
-        rows = torch.nn.utils.rnn.pad_sequence([s.reshape(-1) for _, _, s in tasks], batch_first=True)
-        C[m:] = 0.0
-        C[m:, : rows.shape[1]] = rows.to(dev, dt)
-        ranks = torch.as_tensor([int(a.shape[1]) for a, _, _ in tasks])
-        own = torch.repeat_interleave(torch.arange(n), ranks)
-        cols = torch.arange(int(ranks.sum())) + R0  # each task's own columns, in order
-        C[m + own.to(dev), cols.to(dev)] = 1.0
-        self.C = C
-        self.ranks.extend(int(r) for r in ranks)
+        if tasks:
+            _append_columns(self, tasks)
 
     def task_tensors(self, task: int) -> dict[str, torch.Tensor]:
         """What a knowledge base stores for one task: its own directions and its row of C, on the CPU, as
@@ -385,6 +351,30 @@ def _grown(
         buf = view.new_zeros(cap)
         buf[: view.shape[0], : view.shape[1]] = view
     return buf, buf[: shape[0], : shape[1]]
+
+
+def _append_columns(u: LoRAUnit, tasks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Append checked tasks' directions and rows of C to unit ``u`` (:meth:`LoRAUnit.append_tasks`). A, B and
+    C are views of buffers grown by half at a time (:func:`_grown`): an append copies the new tasks' numbers
+    only, not every older task's, so learning task k, and loading k tasks, costs no more per task on a long
+    stream than on a short one."""
+    dev, dt = u.A.device, u.A.dtype
+    R0, m, n = u.total_rank, u.num_tasks, len(tasks)
+    ranks = torch.as_tensor([int(a.shape[1]) for a, _, _ in tasks])
+    R = R0 + int(ranks.sum())
+    u._bufs["A"], u.A = _grown(u._bufs.get("A"), u.A, (u.in_features, R))
+    u._bufs["B"], u.B = _grown(u._bufs.get("B"), u.B, (u.out_features, R))
+    u._bufs["C"], C = _grown(u._bufs.get("C"), u.C, (m + n, R))
+    u.A[:, R0:] = torch.cat([a for a, _, _ in tasks], 1).to(dev, dt)
+    u.B[:, R0:] = torch.cat([b for _, b, _ in tasks], 1).to(dev, dt)
+    C[:m, R0:] = 0.0  # the buffer may hold a truncated task's numbers there
+    C[m:] = 0.0
+    rows = torch.nn.utils.rnn.pad_sequence([s.reshape(-1) for _, _, s in tasks], batch_first=True)
+    C[m:, : rows.shape[1]] = rows.to(dev, dt)  # each task's s over the older columns
+    own = torch.repeat_interleave(torch.arange(m, m + n), ranks).to(dev)
+    C[own, torch.arange(R0, R, device=dev)] = 1.0  # each task's own columns
+    u.C = C
+    u.ranks.extend(int(r) for r in ranks)
 
 
 def _check_directions(
@@ -539,7 +529,10 @@ class LoRAWrapper(nn.Module):
     #: a CPU (docs/performance.md, "A 100-task stream"); 0: always merged when composed so
     merge_min_work: float = 16.0
 
-    def __init__(self, base: nn.Module, slices: dict[str, tuple[int, int]], scaling: float) -> None:
+    def __init__(
+        self, base: nn.Module, slices: dict[str, tuple[int, int]], scaling: float,
+        cache: MergedCache | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         if isinstance(base, nn.Linear):
             self.is_conv = False
@@ -563,7 +556,7 @@ class LoRAWrapper(nn.Module):
         self.sizes: list[int] | None = None
         self.merged: tuple[list[int], str] | None = None
         #: where the merged weights live (an :class:`AdaptedBackbone` shares one across its wrappers)
-        self.cache = MergedCache()
+        self.cache = cache if cache is not None else MergedCache()
         self._cache_key: tuple = ()
 
     def unit_list(self) -> list[LoRAUnit]:

@@ -95,8 +95,7 @@ class AdaptedBackbone(nn.Module):
         self.merged_cache = MergedCache(self.DEFAULT_MERGE_BUDGET)
         if enabled:
             for t in backbone.adapt_targets():
-                w = LoRAWrapper(t.module, t.slices, scaling)
-                w.cache = self.merged_cache
+                w = LoRAWrapper(t.module, t.slices, scaling, self.merged_cache)
                 _set_submodule(backbone, t.name, w)
                 self.wrappers[t.name] = w
                 for k, u in zip(w.units.keys(), w.unit_list()):
@@ -130,17 +129,11 @@ class AdaptedBackbone(nn.Module):
         """What a knowledge base stores of one task's adapter: ``adapter/<map>/{A,B,s}`` for every map."""
         return {f"adapter/{n}/{k}": v for n, u in self.units.items() for k, v in u.task_tensors(task).items()}
 
-    def append_task_tensors(self, tensors: dict[str, torch.Tensor], who: str) -> None:
-        """Append a task's adapter from :meth:`task_tensors`' form (``who`` names it in errors)."""
-        self.append_tasks_tensors([(tensors, who)])
-
     def append_tasks_tensors(self, tasks: list[tuple[dict[str, torch.Tensor], str]]) -> None:
-        """Append many tasks' adapters (each in :meth:`task_tensors`' form, with who names it in errors) at
-        once: each map appends them together (:meth:`LoRAUnit.append_tasks`)."""
-        for tensors, who in tasks:
-            missing = [n for n in self.units if f"adapter/{n}/A" not in tensors]
-            if missing:
-                raise KeyError(f"{who}: adapter tensors for {missing[0]!r} missing from the knowledge base")
+        """Append tasks' adapters (:meth:`task_tensors`' form; ``who`` names each in errors), map by map."""
+        for t, who in tasks:
+            if gap := [n for n in self.units if f"adapter/{n}/A" not in t]:
+                raise KeyError(f"{who}: adapter tensors for {gap[0]!r} missing from the knowledge base")
         for n, u in self.units.items():
             items = [(t[f"adapter/{n}/A"], t[f"adapter/{n}/B"], t[f"adapter/{n}/s"]) for t, _ in tasks]
             u.append_tasks(items, [f"{who}: {n}" for _, who in tasks])

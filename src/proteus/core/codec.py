@@ -55,15 +55,17 @@ def learner_state(parts: ProteusParts, records: TaskRecords) -> LearnerState:
         records[k].stored, records[k].stored_at = record, generation
 
     tasks = TaskParts(len(records), build, stored, committed)
-    return LearnerState(tasks, _head_state(parts))
+    return LearnerState(tasks, _head_state(parts, records.classes()))
 
 
-def _head_state(parts: ProteusParts) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+def _head_state(
+    parts: ProteusParts, classes: list[list[int]]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
     state = parts.heads.state()
     if state is None:
         return None
     meta, tensors = state
-    kmeta, ktensors = parts.keys.global_state()
+    kmeta, ktensors = parts.keys.global_state(classes)
     if kmeta is not None:  # global keys (LDA key heads) ride in the head's object, under task_head/
         meta = {**meta, "task_head": kmeta}
         tensors.update({f"{KEYS_PREFIX}{n}": v for n, v in ktensors.items()})

@@ -213,11 +213,14 @@ class ProteusParts:
             keep, held = holdout_split(len(y), rc.calibration_holdout, seed + 2)
             zk, yk = z[keep], y[keep]
         tk = taps if taps is None or held is None else taps[keep]
-        fit = KeyFit(k, zk, yk, max(task.classes) + 1, seed, self.num_adapters, self.embedder, tk, tap_sizes)
+        every = [*records.classes(), list(task.classes)]
+        fit = KeyFit(
+            k, zk, yk, max(task.classes) + 1, seed, self.num_adapters, self.embedder, tk, tap_sizes, every
+        )
         stats.signature = self.keys.add_task(fit)
         calibration = None
         if held is not None:
-            calibration = self._calibrate(k, z[held], [*records.classes(), list(task.classes)])
+            calibration = self._calibrate(k, z[held], every)
         sec["signature"] = clock() - t0
         crash_point("learn:signature")
 

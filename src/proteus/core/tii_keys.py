@@ -126,7 +126,9 @@ class TIIKeys(RetrievalKeys):
         )
 
     # knowledge base: the whole TII rides in the head's object (task_head/)
-    def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
+    def global_state(
+        self, classes: list[list[int]] | None = None
+    ) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
         if self.tii is None:
             return None, {}
         meta = {

@@ -177,6 +177,11 @@ TENSOR_RULES.declare(
               "task Gaussian {c}'s basis (features, rank)"),
     ShapeRule(r"novelty/g(?P<c>\d+)/var", ("obj.novelty_r[{c}]",), "task Gaussian {c}'s variances (rank)"),
     Together(r"novelty/g(?P<c>\d+)/.*", ("novelty/g{c}/mean", "novelty/g{c}/basis", "novelty/g{c}/var")),
+    ShapeRule(r"novelty/cal_tasks", ("obj.novelty_n", "kb.novelty_k"),
+              "novelty/cal_tasks (n, K): each calibration row's K candidate tasks", "int"),
+    ShapeRule(r"novelty/cal_nll", ("obj.novelty_n", "kb.novelty_k", "kb.novelty_c"),
+              "novelty/cal_nll (n, K, components): each calibration row's score under each candidate"),
+    Together(r"novelty/cal_.*", ("novelty/cal_tasks", "novelty/cal_nll")),
 )  # fmt: skip
 
 
@@ -434,26 +439,96 @@ _WORK = _Workspace()
 
 def _pooled(live: dict[int, CalibrationRows]) -> tuple[Tensor, Tensor]:
     """Every live task's calibration rows (key features, tap statistics) in task order, or a seeded uniform
-    sample of :data:`MAX_POOLED` of them, gathered from the tasks holding the rows drawn (no concatenation of
-    every task's rows first: a long stream's refit reads the rows it pools, not all of them)."""
+    sample of :data:`MAX_POOLED` of them (:func:`_sampled`)."""
     tasks = sorted(live)
-    sizes = torch.as_tensor([len(live[k].X) for k in tasks], dtype=torch.long)
+    X, taps = _sampled([[live[k].X for k in tasks], [live[k].taps for k in tasks]])
+    return X, taps
+
+
+def _sampled(fields: list[list[Any]]) -> list[Tensor]:
+    """Per field, the tasks' rows (``fields[f][t]``: task t's rows of field f, the same number in every
+    field) concatenated in task order, or a seeded uniform sample of :data:`MAX_POOLED` of them, gathered from
+    the tasks holding the rows drawn (no concatenation of every task's rows first: a long stream's refit
+    reads the rows it pools, not all of them)."""
+    sizes = torch.as_tensor([len(x) for x in fields[0]], dtype=torch.long)
     n = int(sizes.sum())
     if n <= MAX_POOLED:
-        X = torch.cat([live[k].X for k in tasks])
-        taps = torch.cat([t for t in (live[k].taps for k in tasks) if t is not None])
-        return X, taps
+        return [torch.cat(list(f)) for f in fields]
     keep = torch.randperm(n, generator=torch.Generator().manual_seed(n))[:MAX_POOLED].sort().values
     ends = sizes.cumsum(0)
     owner = torch.bucketize(keep, ends, right=True)
-    xs, ts = [], []
+    out: list[list[Tensor]] = [[] for _ in fields]
     for i in owner.unique().tolist():
         rows = keep[owner == i] - (ends[i] - sizes[i])
-        rec = live[tasks[i]]
-        xs.append(rec.X[rows])
-        if rec.taps is not None:
-            ts.append(rec.taps[rows])
-    return torch.cat(xs), torch.cat(ts)
+        for o, f in zip(out, fields, strict=True):
+            o.append(f[i][rows])
+    return [torch.cat(o) for o in out]
+
+
+class ShortlistScores:
+    """The calibration of the ``task-gaussian`` detector under a shortlist (``retrieval.shortlist``), kept
+    per task: each of a task's calibration rows scored once -- when the task is learned, or at the first
+    fit after a knowledge base without them was read -- under the Gaussians of the K tasks the keys then
+    rank highest for it (:func:`pair_scores`; (n, K) candidates, -1 beyond the tasks there were, and
+    (n, K, components) scores, float32 as stored, 0 under a candidate without Gaussians). The detector's
+    scales and threshold come from a seeded sample of these numbers (:func:`_sampled`): a fit reads them,
+    not every task's Gaussians and rows, so it costs the same at task 1,000 as at task 10. A task learned
+    later is no candidate of an earlier row (it could only lower a known row's best score: the threshold
+    errs towards accepting); a candidate forgotten since counts as none; ``kb calibrate --images`` scores
+    every row again, and so does a fit under a shortlist of another length."""
+
+    def __init__(self) -> None:
+        self.cand: dict[int, Tensor] = {}
+        self.nll: dict[int, Tensor] = {}
+
+    def __contains__(self, k: int) -> bool:
+        return k in self.nll
+
+    def scored(self, k: int, width: int) -> bool:
+        """Whether task k's rows are scored under shortlists of ``width`` tasks."""
+        return k in self.cand and self.cand[k].shape[1] == width
+
+    def score(self, k: int, cand: Tensor, per: Callable[[Tensor], list[Tensor]], width: int) -> None:
+        """Task k's rows under their candidates ``cand`` (n, <= width), scored by ``per`` (per component,
+        (n, width): :func:`pair_scores` of the padded candidates)."""
+        padded = torch.full((cand.shape[0], width), -1, dtype=torch.long)
+        padded[:, : cand.shape[1]] = cand
+        self.cand[k] = padded
+        nll = torch.stack(per(padded), 2).float()  # +inf where no Gaussians: kept as 0, read as +inf
+        self.nll[k] = nll.masked_fill(~torch.isfinite(nll), 0.0)
+
+    def drop(self, k: int) -> None:
+        self.cand.pop(k, None)
+        self.nll.pop(k, None)
+
+    def clear(self) -> None:
+        self.cand, self.nll = {}, {}
+
+    def pooled(self, tasks: list[int], alive: Iterable[int]) -> list[Tensor]:
+        """Per component, (rows, K) float64: the sampled rows' scores, +inf under a candidate not alive."""
+        cand, nll = _sampled([[self.cand[k] for k in tasks], [self.nll[k] for k in tasks]])
+        dead = ~torch.isin(cand, torch.as_tensor(sorted(alive), dtype=torch.long))
+        return list(nll.double().masked_fill(dead[:, :, None], float("inf")).unbind(2))
+
+    def state(self, k: int) -> dict[str, Tensor]:
+        return {} if k not in self else {"novelty/cal_tasks": self.cand[k], "novelty/cal_nll": self.nll[k]}
+
+    def load(self, k: int, tensors: dict[str, Tensor], rows: int) -> None:
+        """Task k's scores from its object (none there: scored at the next fit)."""
+        cand, nll = tensors.get("novelty/cal_tasks"), tensors.get("novelty/cal_nll")
+        if cand is None or nll is None:
+            return self.drop(k)
+        if cand.ndim != 2 or nll.shape != (*cand.shape, nll.shape[-1]) or len(cand) != rows:
+            raise ValueError(f"novelty: calibration scores {tuple(nll.shape)} do not fit {rows} rows")
+        self.cand[k], self.nll[k] = cand.long(), nll.float()
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def _ppca_of(tensors: dict[str, Tensor], prefix: str, noise: float) -> PPCA:
@@ -503,6 +578,88 @@ def shrunk_spectrum_gram(R: Tensor, r: int) -> tuple[Tensor, Tensor, float]:
     return lam[:r], U, noise
 
 
+def held_out_rows(
+    X: Tensor, labels: Tensor, task_of: Tensor, statistics: tuple[Tensor, Tensor, Tensor],
+    forgotten: set[int], taps: Tensor | None = None,
+) -> dict[int, CalibrationRows]:  # fmt: skip
+    """Calibration rows by task from held-out inputs with key features X (N, d) that were never part of the
+    keys' ``statistics`` (G, Q, counts), ``taps`` their tap statistics (None: not kept); ``labels`` (N,) their
+    global classes, -1 where unknown (the nearest class is taken), ``task_of`` each class's task (-1: none);
+    no rows for a ``forgotten`` task."""
+    X, labels = X.float().cpu(), labels.long().clone()
+    if (labels < 0).any():
+        g = ClassGaussians.from_statistics(*statistics)
+        labels[labels < 0] = g.distances(X[labels < 0])[1].cpu()
+    tasks = task_of[labels]
+    return {
+        k: CalibrationRows(
+            X[tasks == k], labels[tasks == k], False, None if taps is None else taps[tasks == k].float()
+        )
+        for k in sorted(set(tasks.tolist()) - {-1} - forgotten)
+    }
+
+
+@dataclass
+class TaskDetector:
+    """The ``task-gaussian`` detector fitted (module doc): each component's location ``loc`` and scale
+    ``scale`` from the calibration rows' best scores, and the one ``threshold`` of their combined score;
+    ``stacked``: every task's Gaussians scored together, or None where each input is scored under its
+    shortlist of candidate tasks (:func:`pair_scores`)."""
+
+    stacked: list[TaskGaussians] | None
+    loc: list[float]
+    scale: list[float]
+    threshold: float
+
+    @classmethod
+    def fit(cls, per: list[Tensor], tpr: float, stacked: list[TaskGaussians] | None) -> TaskDetector:
+        """From the calibration rows' scores ``per`` (per component, (rows, candidates))."""
+        loc, scale = [], []
+        for nll in per:
+            best = nll.min(1).values
+            a = float(best.median())
+            b = float(torch.quantile(best, 0.95)) - a
+            loc.append(a)
+            scale.append(b if b > 0 else 1.0)
+        return cls(stacked, loc, scale, threshold_at(cls.combined(per, loc, scale), tpr))
+
+    @staticmethod
+    def combined(per: list[Tensor], loc: list[float], scale: list[float]) -> Tensor:
+        """Each row's combined score: its components' standardised scores summed, at its best candidate."""
+        total = sum((nll - a) / b for nll, a, b in zip(per, loc, scale, strict=True))
+        assert isinstance(total, Tensor)
+        return total.min(1).values
+
+    def novelty(self, gaussians: dict[int, list[PPCA]], parts: list[Tensor], cand: Tensor | None) -> Tensor:
+        if self.stacked is not None:
+            per = [t.scores(part) for t, part in zip(self.stacked, parts, strict=True)]
+        elif cand is None:
+            raise ValueError("the detector scores under a shortlist: give each row's candidate tasks")
+        else:
+            per = pair_scores(gaussians, parts, cand.cpu())
+        return self.combined(per, self.loc, self.scale) - self.threshold
+
+    def state(self, tpr: float) -> dict[str, Any] | None:
+        """What a knowledge base keeps of a detector fitted under a shortlist (None: one over every task,
+        refitted from its few tasks when read)."""
+        if self.stacked is not None:
+            return None
+        return {"tpr": tpr, "loc": self.loc, "scale": self.scale, "threshold": self.threshold}
+
+    @classmethod
+    def restore(cls, state: Any, tpr: float, width: int) -> TaskDetector | None:
+        """The detector :meth:`state` kept, unless ``state`` is for another rate or not what it writes."""
+        if not isinstance(state, dict) or state.get("tpr") != tpr:
+            return None
+        loc, scale, thr = state.get("loc"), state.get("scale"), state.get("threshold")
+        if not (isinstance(loc, list) and isinstance(scale, list) and len(loc) == len(scale) == width):
+            return None
+        numbers = [*loc, *scale, thr]
+        if not all(_finite(v) for v in numbers):
+            return None
+        return cls(None, [float(v) for v in loc], [float(v) for v in scale], float(numbers[-1]))
+
+
 @dataclass
 class ClassNovelty:
     """The ``class-gaussian`` detector's state: each task's :class:`CalibrationRows` and the rate
@@ -522,8 +679,10 @@ class ClassNovelty:
     #: bumped when the stored tasks' rows or rate change (:meth:`replace`, :meth:`set_tpr`)
     generation: int = 0
     #: ``retrieval.shortlist``: score an input under the Gaussians of only the ``shortlist`` tasks the keys
-    #: rank highest for it (None: every task), its calibration rows alike (module doc)
+    #: rank highest for it (None: every task), its calibration rows alike (:class:`ShortlistScores`)
     shortlist: int | None = None
+    #: each task's calibration rows scored under their shortlist (with ``shortlist``)
+    scores: ShortlistScores = field(default_factory=ShortlistScores)
 
     def draw(
         self, k: int, X: Tensor, y: Tensor, seed: int, taps: Tensor | None = None,
@@ -538,6 +697,7 @@ class ClassNovelty:
             X[held].float().cpu().clone(), y[held].long().cpu().clone(), True, kept_taps
         )
         self.gaussians.pop(k, None)
+        self.scores.drop(k)
         if kept_taps is not None and taps is not None and tap_sizes is not None:
             rest = torch.ones(len(y), dtype=torch.bool)
             rest[held] = False
@@ -551,37 +711,22 @@ class ClassNovelty:
         self, X: Tensor, labels: Tensor, task_of: Tensor, statistics: tuple[Tensor, Tensor, Tensor],
         forgotten: set[int], tpr: float | None, taps: Tensor | None = None,
     ) -> None:  # fmt: skip
-        """New calibration rows from held-out inputs with key features X (N, d) that were never part of the
-        keys' ``statistics`` (G, Q, counts; ``kb calibrate --images``), ``taps`` their tap statistics;
-        ``labels`` (N,) their global classes, -1 where unknown (the nearest class is taken), ``task_of``
-        each class's task (-1: none); no rows for a ``forgotten`` task; ``tpr`` a new rate."""
-        X, labels = X.float().cpu(), labels.long().clone()
-        if (labels < 0).any():
-            g = ClassGaussians.from_statistics(*statistics)
-            labels[labels < 0] = g.distances(X[labels < 0])[1].cpu()
-        tasks = task_of[labels]
-        kept = taps if taps is not None and self.tasks else None
-        rows = {
-            k: CalibrationRows(
-                X[tasks == k],
-                labels[tasks == k],
-                False,
-                kept[tasks == k].float() if kept is not None else None,
-            )
-            for k in sorted(set(tasks.tolist()) - {-1} - forgotten)
-        }
-        self.replace(rows)
+        """New calibration rows from held-out inputs (:func:`held_out_rows`; ``kb calibrate --images``), their
+        tap statistics ``taps`` kept for the task Gaussians; ``tpr`` a new rate."""
+        self.replace(held_out_rows(X, labels, task_of, statistics, forgotten, taps if self.tasks else None))
         if tpr is not None:
             self.set_tpr(tpr)
 
     def replace(self, rows: dict[int, CalibrationRows]) -> None:
         """New calibration rows for every task (``kb calibrate --images``); tasks absent get none."""
         self.rows, self._fitted = dict(rows), None
+        self.scores.clear()
         self.generation += 1
 
     def drop(self, k: int) -> None:
         self.rows.pop(k, None)
         self.gaussians.pop(k, None)
+        self.scores.drop(k)
         self._fitted = None
 
     @property
@@ -612,25 +757,48 @@ class ClassNovelty:
         rows, the combined score, and one threshold at ``tpr`` of the pooled rows; with a shortlist, each row
         scored under its own ``shortlist_of`` candidates (as an input is)."""
         tasks = sorted(live)
-        X, taps = _pooled(live)
         n = max(tasks) + 1
         if shortlist_of is not None and self.shortlisted(n):
-            per = pair_scores(self.gaussians, self._components(X, taps), shortlist_of(X))
+            for k in tasks:
+                if not self.scores.scored(k, self.shortlist or 0):
+                    self.score_task(k, shortlist_of)
+            per = self.scores.pooled(tasks, self.gaussians)
             stacked: list[TaskGaussians] | None = None
         else:
+            X, taps = _pooled(live)
             stacked = self._stacked(tasks)
             per = [g.scores(part) for g, part in zip(stacked, self._components(X, taps), strict=True)]
-        loc, scale = [], []
-        for nll in per:
-            best = nll.min(1).values
-            a = float(best.median())
-            b = float(torch.quantile(best, 0.95)) - a
-            loc.append(a)
-            scale.append(b if b > 0 else 1.0)
-        combined = sum((nll - a) / b for nll, a, b in zip(per, loc, scale, strict=True))
-        assert isinstance(combined, Tensor)
-        thr = threshold_at(combined.min(1).values, self.tpr)
-        self._fitted = (stamp, ("tasks", stacked, loc, scale), torch.full((n,), thr, dtype=torch.float64))
+        fitted = TaskDetector.fit(per, self.tpr, stacked)
+        self._fitted = (stamp, fitted, torch.full((n,), fitted.threshold, dtype=torch.float64))
+
+    def score_task(self, k: int, shortlist_of: Callable[[Tensor], Tensor]) -> None:
+        """Score task k's calibration rows under their candidates ``shortlist_of`` (:class:`ShortlistScores`;
+        nothing without a shortlist, or for a task without its Gaussians)."""
+        r = self.rows.get(k)
+        if self.shortlist is None or r is None or r.taps is None or k not in self.gaussians or not len(r.y):
+            return
+        parts = self._components(r.X, r.taps)
+        self.scores.score(
+            k, shortlist_of(r.X), lambda c: pair_scores(self.gaussians, parts, c), self.shortlist
+        )
+
+    def fitted_state(self) -> dict[str, Any] | None:
+        """What the knowledge base keeps of the ``task-gaussian`` detector fitted under a shortlist
+        (:meth:`TaskDetector.state`, with the number of tasks), so that a reader need not fit it again."""
+        if self._fitted is None or not isinstance(self._fitted[1], TaskDetector):
+            return None
+        state = self._fitted[1].state(self.tpr)
+        return None if state is None else {**state, "tasks": len(self._fitted[2])}
+
+    def restore_fitted(self, state: Any, stamp: Any) -> None:
+        """The detector as :meth:`fitted_state` kept it, for statistics ``stamp`` (else fitted when used)."""
+        self._fitted = None
+        n = state.get("tasks") if isinstance(state, dict) else None
+        if self.tap_sizes is None or not isinstance(n, int) or not _count(n):
+            return
+        fitted = TaskDetector.restore(state, self.tpr, len(self.tap_sizes) + 1)
+        if fitted is not None:
+            self._fitted = (stamp, fitted, torch.full((n,), fitted.threshold, dtype=torch.float64))
 
     def invalidate(self) -> None:
         """The statistics changed: rebuild the Gaussians and thresholds on next use."""
@@ -675,20 +843,12 @@ class ClassNovelty:
         each row's shortlisted tasks, when the detector was fitted with a shortlist."""
         assert self._fitted is not None
         _, g, thr = self._fitted
-        if isinstance(g, tuple):
-            if taps is None:
-                return None
-            _, stacked, loc, scale = g
-            parts = self._components(X.cpu(), taps.cpu())
-            if stacked is None:  # fitted with a shortlist: scored under the row's candidates
-                if cand is None:
-                    raise ValueError("the detector scores under a shortlist: give each row's candidate tasks")
-                per = pair_scores(self.gaussians, parts, cand.cpu())
-            else:
-                per = [t.scores(part) for t, part in zip(stacked, parts, strict=True)]
-            combined = sum((nll - a) / b for nll, a, b in zip(per, loc, scale, strict=True))
-            assert isinstance(combined, Tensor)
-            return combined.min(1).values - float(thr[0])
+        if isinstance(g, TaskDetector):
+            return (
+                None
+                if taps is None
+                else g.novelty(self.gaussians, self._components(X.cpu(), taps.cpu()), cand)
+            )
         d2, cls = g.distances(X)
         return (d2 - thr[task_of.to(cls.device)[cls]]).cpu()
 
@@ -703,6 +863,7 @@ class ClassNovelty:
         tensors = {"novelty/x": r.X, "novelty/y": r.y}
         if r.taps is not None:
             tensors["novelty/taps"] = r.taps
+        tensors.update(self.scores.state(k))
         gs = self.gaussians.get(k)
         if gs is not None and self.tap_sizes is not None:
             info["tap_sizes"] = list(self.tap_sizes)
@@ -719,6 +880,8 @@ class ClassNovelty:
         if r is not None and "novelty/x" in tensors:
             taps = tensors.get("novelty/taps") if r.taps is not None else None
             self.rows[k] = CalibrationRows(tensors["novelty/x"], tensors["novelty/y"], r.in_stats, taps)
+            if k in self.scores:
+                self.scores.load(k, tensors, len(r.y))
         gs = self.gaussians.get(k)
         if gs is not None and all(f"novelty/g{c}/basis" in tensors for c in range(len(gs))):
             self.gaussians[k] = [_ppca_of(tensors, f"novelty/g{c}/", g.noise) for c, g in enumerate(gs)]
@@ -732,6 +895,7 @@ class ClassNovelty:
                 None if taps is None else taps.float(),
             )  # fmt: skip
             self.tpr = float(info["tpr"])
+            self.scores.load(k, tensors, len(self.rows[k].y))
             noise = info.get("noise")
             if isinstance(noise, list) and isinstance(info.get("tap_sizes"), list):
                 self.tap_sizes = [int(v) for v in info["tap_sizes"]]

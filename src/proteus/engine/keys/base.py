@@ -83,6 +83,8 @@ class KeyFit:
     #: detector of inputs from no learned task reads them (:attr:`RetrievalKeys.wants_taps`)
     taps: Tensor | None = None
     tap_sizes: list[int] | None = None
+    #: every task's classes, task k's last (None: not known to the caller)
+    classes: list[list[int]] | None = None
 
     def embed(self, tasks: list[int] | None) -> Tensor:
         """(G, N, d): ``z`` under the compositions of ``tasks`` (None: the frozen backbone, G = 1)."""
@@ -279,7 +281,10 @@ class RetrievalKeys:
         base's mapping: the page cache instead of this process's memory); keys without such a share keep
         theirs."""
 
-    def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
+    def global_state(
+        self, classes: list[list[int]] | None = None
+    ) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
+        """The keys' share of the head's object (meta, tensors); ``classes``: every task's."""
         return None, {}
 
     def load_global(self, meta: dict[str, Any] | None, tensors: dict[str, Tensor]) -> None:

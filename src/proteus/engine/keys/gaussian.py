@@ -251,7 +251,9 @@ class GaussianKeys(RetrievalKeys):
         super().load_task(meta, tensors)
 
     # the cheap keys live in the head's object, as the LDA keys do (``task_head/`` tensors)
-    def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
+    def global_state(
+        self, classes: list[list[int]] | None = None
+    ) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
         if self.shortlist_keys is None:
             return None, {}
         meta, tensors = self.shortlist_keys.global_state()

@@ -154,6 +154,7 @@ class LDAKeys(RetrievalKeys):
         self.novelty = novelty
         #: each loaded task's classes and columns of the key head (:meth:`load_task`), until the head loads
         self._columns: list[tuple[list[int], dict[str, Tensor]]] = []
+        self.detector = KeysDetector(self)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, device: torch.device, new_head: Any, **options: Any) -> LDAKeys:
@@ -193,6 +194,9 @@ class LDAKeys(RetrievalKeys):
             self.inputs[self.n_tasks] = (X.float().cpu().clone(), fit.y.cpu().clone())
         if self.novelty is not None:
             self.novelty.draw(self.n_tasks, X, fit.y, fit.seed + 3, fit.taps, fit.tap_sizes)
+            shortlist_of = None if fit.classes is None else self.detector.shortlist_of(fit.classes)
+            if shortlist_of is not None:  # its rows scored under the keys it was learned with
+                self.novelty.score_task(self.n_tasks, shortlist_of)
         self.n_tasks += 1
         return None
 
@@ -267,63 +271,19 @@ class LDAKeys(RetrievalKeys):
         scores[:, [j for j in self.forgotten if j < m]] = float("inf")
         return scores
 
-    def _fit_novelty(self, classes: list[list[int]]) -> Tensor | None:
-        """The detector fitted to the current statistics (its calibration rows shortlisted like inputs,
-        ``retrieval.shortlist``); returns each class's task (None: no detector or no calibration rows)."""
-        head, novelty = self.head, self.novelty
-        if novelty is None or head is None or head.G_ is None:
-            return None
-        assert head.Q_ is not None and head.counts_ is not None
-        task_of = groups(classes, int(head.counts_.shape[0])).task_of.clamp_min(0)
-        k = novelty.shortlist
-        shortlist_of = (
-            None if k is None else lambda F: candidates(self._task_scores(F, len(classes), classes), k)
-        )
-        return (
-            task_of if novelty.fit(head.G_, head.Q_, head.counts_, task_of, id(head), shortlist_of) else None
-        )
-
     def novelty_of(
         self, X: Tensor, classes: list[list[int]], taps: Tensor | None = None, scores: Tensor | None = None
     ) -> Tensor | None:
-        """The novelty of key-space inputs X with tap statistics ``taps`` (None without calibration rows,
-        or without ``taps`` where the task Gaussians need them); ``scores``: their task scores, when the
-        caller has them (the shortlist reads them)."""
-        task_of = self._fit_novelty(classes)
-        if task_of is None or self.novelty is None:
-            return None
-        F = self.features(X)
-        cand = None
-        if self.novelty.shortlisted(len(classes)):
-            assert self.novelty.shortlist is not None
-            scores = scores if scores is not None else self._task_scores(F, len(classes), classes)
-            cand = candidates(scores, self.novelty.shortlist)
-        return self.novelty.novelty(F.to(self.device), task_of, taps, cand)
+        return self.detector.novelty_of(X, classes, taps, scores)
 
     def novelty_thresholds(self, classes: list[list[int]]) -> list[float]:
-        """Each task's class-Gaussian threshold ([] without a detector or calibration rows)."""
-        if self._fit_novelty(classes) is None or self.novelty is None:
-            return []
-        return self.novelty.thresholds() or []
+        return self.detector.thresholds(classes)
 
     def calibrate(
         self, X: Tensor, labels: Tensor, classes: list[list[int]], tpr: float | None,
         taps: Tensor | None = None,
     ) -> list[float]:  # fmt: skip
-        """New calibration rows for the detector from held-out inputs X (N, d) in the keys' space that
-        were never part of the statistics (``kb calibrate --images``), ``taps`` their tap statistics;
-        ``labels`` (N,) their global classes, -1 where unknown (the nearest class is taken). Returns each
-        task's threshold."""
-        if self.novelty is None or self.head is None or self.head.G_ is None:
-            raise ConfigError(
-                "this knowledge base was learned with retrieval.novelty=none: it keeps no detector of "
-                "inputs from no learned task to calibrate (learn with retrieval.novelty=auto)"
-            )
-        assert self.head.Q_ is not None and self.head.counts_ is not None
-        statistics = (self.head.G_, self.head.Q_, self.head.counts_)
-        task_of = groups(classes, int(self.head.counts_.shape[0])).task_of
-        self.novelty.calibrate(self.features(X), labels, task_of, statistics, self.forgotten, tpr, taps)
-        return self.novelty_thresholds(classes)
+        return self.detector.calibrate(X, labels, classes, tpr, taps)
 
     def task_state(
         self, k: int, classes: list[int] | None = None
@@ -359,10 +319,15 @@ class LDAKeys(RetrievalKeys):
         if k in self.inputs and f"{self.prefix}x" in tensors:
             self.inputs[k] = (tensors[f"{self.prefix}x"], tensors[f"{self.prefix}y"])
 
-    def global_state(self) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
+    def global_state(
+        self, classes: list[list[int]] | None = None
+    ) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
+        """The key head, and the detector fitted under a shortlist (a reader need not fit it again)."""
         if self.head is None:
             return None, {}
-        return self.head.meta(columns=False), self.head.state_tensors(columns=False)
+        state = self.detector.fitted_state(classes)
+        extra = {} if state is None else {"novelty_fit": state}
+        return {**self.head.meta(columns=False), **extra}, self.head.state_tensors(columns=False)
 
     def load_global(self, meta: dict[str, Any] | None, tensors: dict[str, Tensor]) -> None:
         """The key head: its object's tensors, with the columns its tasks hold (:meth:`load_task`) when its
@@ -375,7 +340,89 @@ class LDAKeys(RetrievalKeys):
         self.head = self.new_head(rp_dim=0, dim=int(meta["embed_dim"]))
         self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)
         if self.novelty is not None:
-            self.novelty.invalidate()
+            self.novelty.restore_fitted(meta.get("novelty_fit"), id(self.head))
+
+
+class KeysDetector:
+    """The detector of inputs from no learned task (:class:`~proteus.engine.novelty.ClassNovelty`) of
+    :class:`LDAKeys` ``keys``: fitted to the key head's statistics, its calibration rows and the inputs
+    scored under the tasks the keys rank highest for them (``retrieval.shortlist``)."""
+
+    def __init__(self, keys: LDAKeys) -> None:
+        self.keys = keys
+
+    def shortlist_of(self, classes: list[list[int]]) -> Callable[[Tensor], Tensor] | None:
+        """Key features -> their ``retrieval.shortlist`` candidate tasks among those of ``classes``."""
+        keys = self.keys
+        k = None if keys.novelty is None else keys.novelty.shortlist
+        return None if k is None else lambda F: candidates(keys._task_scores(F, len(classes), classes), k)
+
+    def fit(self, classes: list[list[int]]) -> Tensor | None:
+        """The detector fitted to the current statistics; returns each class's task (None: no detector or
+        no calibration rows)."""
+        head, novelty = self.keys.head, self.keys.novelty
+        if novelty is None or head is None or head.G_ is None:
+            return None
+        assert head.Q_ is not None and head.counts_ is not None
+        task_of = groups(classes, int(head.counts_.shape[0])).task_of.clamp_min(0)
+        fitted = novelty.fit(head.G_, head.Q_, head.counts_, task_of, id(head), self.shortlist_of(classes))
+        return task_of if fitted else None
+
+    def fitted_state(self, classes: list[list[int]] | None) -> dict[str, Any] | None:
+        """The detector fitted under a shortlist, as the knowledge base keeps it (None: no shortlist)."""
+        novelty = self.keys.novelty
+        if (
+            novelty is None
+            or not classes
+            or not novelty.shortlisted(len(classes))
+            or self.fit(classes) is None
+        ):
+            return None
+        return novelty.fitted_state()
+
+    def novelty_of(
+        self, X: Tensor, classes: list[list[int]], taps: Tensor | None = None, scores: Tensor | None = None
+    ) -> Tensor | None:
+        """The novelty of key-space inputs X with tap statistics ``taps`` (None without calibration rows,
+        or without ``taps`` where the task Gaussians need them); ``scores``: their task scores, when the
+        caller has them (the shortlist reads them)."""
+        task_of, keys = self.fit(classes), self.keys
+        if task_of is None or keys.novelty is None:
+            return None
+        F = keys.features(X)
+        cand = None
+        if keys.novelty.shortlisted(len(classes)):
+            assert keys.novelty.shortlist is not None
+            scores = scores if scores is not None else keys._task_scores(F, len(classes), classes)
+            cand = candidates(scores, keys.novelty.shortlist)
+        return keys.novelty.novelty(F.to(keys.device), task_of, taps, cand)
+
+    def thresholds(self, classes: list[list[int]]) -> list[float]:
+        """Each task's threshold ([] without a detector or calibration rows)."""
+        if self.fit(classes) is None or self.keys.novelty is None:
+            return []
+        return self.keys.novelty.thresholds() or []
+
+    def calibrate(
+        self, X: Tensor, labels: Tensor, classes: list[list[int]], tpr: float | None,
+        taps: Tensor | None = None,
+    ) -> list[float]:  # fmt: skip
+        """New calibration rows for the detector from held-out inputs X (N, d) in the keys' space that
+        were never part of the statistics (``kb calibrate --images``), ``taps`` their tap statistics;
+        ``labels`` (N,) their global classes, -1 where unknown (the nearest class is taken). Returns each
+        task's threshold."""
+        keys = self.keys
+        head = keys.head
+        if keys.novelty is None or head is None or head.G_ is None:
+            raise ConfigError(
+                "this knowledge base was learned with retrieval.novelty=none: it keeps no detector of "
+                "inputs from no learned task to calibrate (learn with retrieval.novelty=auto)"
+            )
+        assert head.Q_ is not None and head.counts_ is not None
+        task_of = groups(classes, int(head.counts_.shape[0])).task_of
+        statistics = (head.G_, head.Q_, head.counts_)
+        keys.novelty.calibrate(keys.features(X), labels, task_of, statistics, keys.forgotten, tpr, taps)
+        return self.thresholds(classes)
 
 
 KEYS.register("frozen-lda", help="LDA keys on frozen features (beyond the paper)")(
