@@ -1,5 +1,6 @@
 """Test-suite settings and shared fixtures (helpers to import live in :mod:`tiny`).
 
+The knowledge bases' record of what was verified (:mod:`proteus.kb.verified`) goes to a temporary folder.
 One intra-op thread: the suite is made of many small linear-algebra calls (eigh, Cholesky on a few
 hundred dimensions), which run ~100x slower when two threads contend on a 2-core machine.
 """
@@ -10,6 +11,11 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# what the stores verified (proteus.kb.verified) goes to a folder of this run, not the user's cache
+if "PROTEUS_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["PROTEUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="proteus-test-cache-")
 
 from pathlib import Path  # noqa: E402
 

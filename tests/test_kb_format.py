@@ -50,9 +50,9 @@ def test_a_commit_writes_the_same_files_at_task_100_as_at_task_10(
     written: list[tuple[str, int]] = []
     real = proteus.kb.objects.ObjectStore.write_new
 
-    def record(self: Any, rel: str, data: bytes) -> None:
+    def record(self: Any, rel: str, data: bytes, sha: str | None = None) -> None:
         written.append((rel.split("/")[1].split("-")[0], len(data)))
-        real(self, rel, data)
+        real(self, rel, data, sha)
 
     monkeypatch.setattr(proteus.kb.objects.ObjectStore, "write_new", record)
     sizes = {}

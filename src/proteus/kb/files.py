@@ -313,11 +313,12 @@ def read_object(root: Path, rel: str, sha: str, size: int | None, budget: str = 
     return data
 
 
-def map_object(root: Path, rel: str, sha: str, size: int | None) -> mmap.mmap:
+def map_object(root: Path, rel: str, sha: str, size: int | None, trusted: Any = None) -> mmap.mmap:
     """Object ``rel`` memory-mapped (private, copy-on-write: its tensors are views of the page cache, not
     copies, and a write to one never reaches the file) and checked against ``sha``: opened, compared with
     its recorded size and its budget and hashed as :func:`read_object` does, before any tensor is made of
-    it. An object unlinked later (a sweep) stays readable through its mapping."""
+    it. An object unlinked later (a sweep) stays readable through its mapping. ``trusted``: a
+    :class:`~proteus.kb.verified.Verified` record; a file it trusts is not hashed, one hashed is added."""
     shown = root / rel
     objects, name = rel.split("/", 1)
     try:
@@ -354,7 +355,10 @@ def map_object(root: Path, rel: str, sha: str, size: int | None) -> mmap.mmap:
         raise KBError(f"{shown}: cannot be read ({e.strerror or e})") from None
     finally:
         os.close(fd)
-    _check_sha(shown, sha, hashlib.sha256(mapped).hexdigest())
+    if trusted is None or not trusted.trusts(rel, sha, st):
+        _check_sha(shown, sha, hashlib.sha256(mapped).hexdigest())
+        if trusted is not None:
+            trusted.add(rel, sha, st)
     return mapped
 
 

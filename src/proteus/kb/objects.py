@@ -36,6 +36,7 @@ from proteus.kb.files import (
 )
 from proteus.kb.schema import object_path, task_label
 from proteus.kb.tensors import Obj, check_objects, shapes_of, tensors_of
+from proteus.kb.verified import Verified, state_key
 
 #: one part of a learner's state: its JSON record (in the manifest) and its tensors (one object)
 Part = tuple[dict[str, Any], dict[str, torch.Tensor]]
@@ -61,6 +62,8 @@ class ObjectStore:
         #: rel -> bytes of every object this process wrote or read
         self.sizes: dict[str, int] = {}
         self.keys = ContentKeys()  # each unchanged tensor hashed once, each unchanged object keyed once
+        #: the files and states this proteus verified or wrote before (:mod:`.verified`)
+        self.verified = Verified(root)
 
     # ------------------------------------------------------------------ reading
     def path(
@@ -99,14 +102,16 @@ class ObjectStore:
             mapped[:] = data
             return mapped
         self.path(manifest, rel, sha)
-        mapped = map_object(self.root, rel, sha, recorded_size(manifest, rel))
+        mapped = map_object(self.root, rel, sha, recorded_size(manifest, rel), self.verified)
         self.sizes[rel] = len(mapped)
         return mapped
 
     def verify(self, manifest: dict[str, Any]) -> None:
-        """Map every object ``manifest`` references and check it; keep the mappings as the snapshot (a
-        later sweep cannot take a mapped file away)."""
+        """Map every object ``manifest`` references and check it (a file verified before and unchanged
+        since is not hashed again: :mod:`.verified`); keep the mappings as the snapshot (a later sweep
+        cannot take a mapped file away)."""
         self.cache = {rel: (sha, self.mapped(manifest, rel, sha)) for _, rel, sha in _refs(manifest)}
+        self.verified.save(set(self.cache) | {rel for _, rel, _ in _segment_refs(manifest)})
 
     def read(self, manifest: dict[str, Any], rel: str, sha: str) -> dict[str, torch.Tensor]:
         """The tensors of object ``rel``, views of its mapping (the page cache, copy-on-write): from the
@@ -126,16 +131,22 @@ class ObjectStore:
         tasks = [(t, self.read(manifest, t["object"], t["sha256"])) for t in manifest["tasks"]]
         head = manifest.get("head")
         state = (head["meta"], self.read(manifest, head["object"], head["sha256"])) if head else None
-        objects = [
-            Obj(task_label(i), str(self.root / t["object"]), t, i, shapes_of(x), x)
-            for i, (t, x) in enumerate(tasks)
-        ]
-        if head and state:
-            path = str(self.root / head["object"])
-            objects.append(Obj("head", path, head["meta"], None, shapes_of(state[1]), state[1]))
-        bad = check_objects(manifest["tasks"], objects, learner)
-        if bad:
-            raise KBError(f"{bad[0]}; {consequence} (`proteus kb verify {self.root}` lists every problem)")
+        key = state_key(manifest, learner or "")
+        if not self.verified.checked(key):  # checked before, or committed by this proteus: :mod:`.verified`
+            objects = [
+                Obj(task_label(i), str(self.root / t["object"]), t, i, shapes_of(x), x)
+                for i, (t, x) in enumerate(tasks)
+            ]
+            if head and state:
+                path = str(self.root / head["object"])
+                objects.append(Obj("head", path, head["meta"], None, shapes_of(state[1]), state[1]))
+            bad = check_objects(manifest["tasks"], objects, learner)
+            if bad:
+                raise KBError(
+                    f"{bad[0]}; {consequence} (`proteus kb verify {self.root}` lists every problem)"
+                )
+            self.verified.check(key)
+            self.verified.save()
         return tasks, state
 
     def size(self, manifest: dict[str, Any], rel: str) -> int | None:
@@ -173,7 +184,7 @@ class ObjectStore:
         if not self.on_disk:
             self.pending[rel] = data
         elif not (self.root / rel).exists():
-            self.write_new(rel, data)
+            self.write_new(rel, data, sha)
         return rel, sha
 
     def write_segment(self, data: bytes) -> tuple[str, str]:
@@ -185,11 +196,12 @@ class ObjectStore:
         if not self.on_disk:
             self.pending[rel] = data
         elif not (self.root / rel).exists():
-            self.write_new(rel, data)
+            self.write_new(rel, data, sha)
         return rel, sha
 
-    def write_new(self, rel: str, data: bytes) -> None:
-        """Write object ``rel`` to disk (atomically) and remember it as written since the last commit."""
+    def write_new(self, rel: str, data: bytes, sha: str | None = None) -> None:
+        """Write object ``rel`` to disk (atomically) and remember it as written since the last commit (and
+        its file as verified, given its ``sha``: :mod:`.verified`)."""
         path = self.root / rel
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -197,13 +209,15 @@ class ObjectStore:
             raise _write_error(path, len(data), e) from None
         _atomic_write(path, data, "commit:tmp")
         self.written.append(rel)
+        if sha is not None:
+            self.verified.added(rel, sha)
 
     def flush_pending(self, manifest: dict[str, Any]) -> None:
         """At a first commit: write the pending objects ``manifest`` references."""
-        for _, rel, _ in _refs(manifest) + _segment_refs(manifest):
+        for _, rel, sha in _refs(manifest) + _segment_refs(manifest):
             data = self.pending.get(rel)
             if data is not None and not (self.root / rel).exists():
-                self.write_new(rel, data)
+                self.write_new(rel, data, sha)
 
     def settle(self, manifest: dict[str, Any]) -> None:
         """After a commit of ``manifest``: nothing is pending or written any more; the snapshot and the

@@ -89,6 +89,7 @@ from proteus.kb.files import (
     _now,
     _object_names,
     _refs,
+    _segment_refs,
     _sha,
     _shown,
     check_writable,
@@ -103,6 +104,7 @@ from proteus.kb.schema import head_kind, manifest_problems
 from proteus.kb.segments import Segments
 from proteus.kb.signing import accept, key_from_env, sequence_problem, signature_problem
 from proteus.kb.sweep import sweep
+from proteus.kb.verified import state_key
 
 
 class KnowledgeBase:
@@ -245,6 +247,9 @@ class KnowledgeBase:
         self._manifest_sha = _sha(data)
         self.objects.settle(expanded)
         self.segments.settle(expanded["segments"] + kept_segments)
+        verified = self.objects.verified  # the state this proteus wrote: a reader need not check it again
+        verified.check(state_key(expanded, head_kind(expanded) or "proteus"))
+        verified.save({rel for _, rel, _ in _refs(expanded) + _segment_refs(expanded)})
         if self.key is not None:
             accept(manifest, self.key)
         crash_point("commit:manifest")
@@ -277,7 +282,8 @@ class KnowledgeBase:
         ``kb_layout``: a role of :data:`proteus.tensor_rules.TENSOR_RULES`; None: the learner whose head
         the manifest holds, else PROTEUS); a :class:`KBError` names the task, the file and the tensor."""
         learner = learner or head_kind(self.manifest) or "proteus"
-        problems = manifest_problems(self.manifest, learner)
+        checked = self.objects.verified.checked(state_key(self.manifest, learner))  # :mod:`.verified`
+        problems = [] if checked else manifest_problems(self.manifest, learner)
         if problems:
             raise KBError(f"{self.root / MANIFEST}: {problems[0]}; no learner can be loaded from it")
         return self._checked_state("no learner can be loaded from it", learner)
