@@ -96,3 +96,28 @@ def test_the_performance_page_shows_each_long_stream_figure(path: Path) -> None:
             assert cells[1 : 1 + len(expected)] == expected, (
                 f"{path.name}: {label} shows {cells[1:]}, not {expected}"
             )
+
+
+SHORTLIST = sorted((ROOT / "docs" / "measured" / "shortlist").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", SHORTLIST, ids=[p.stem for p in SHORTLIST])
+def test_the_predict_page_shows_the_shortlist_study(path: Path) -> None:
+    """Every row of a shortlist record (tools/docs/record_shortlist.py) is a table line of the section of
+    docs/predict.md naming the record, and the section's summary states its worst figures at k = 8."""
+    rec = json.loads(path.read_text())
+    section = _section("docs/predict.md", f"`{rec['name']}`")
+    text = " ".join(" ".join(section).split())
+    assert rec["command"] in "\n".join(section), f"{path.name}: the command is not shown"
+    for r in rec["rows"]:
+        cells = [f"{r['tasks']}", f"{r['images']:,}", f"{r['rejected_full']:.2f}%"]
+        cells += [
+            "—" if (v := r["k"].get(k)) is None else f"{v['equal']:.2f}% / {v['rejected']:.2f}%"
+            for k in ("2", "4", "8")
+        ]
+        want = f"| {r['stream']} | {r['seed']} | " + " | ".join(cells) + " |"
+        assert want in section, f"{path.name}: no line {want!r}"
+    k8 = [r for r in rec["rows"] if "8" in r["k"]]
+    worst = min(r["k"]["8"]["equal"] for r in k8)
+    spread = max(abs(r["k"]["8"]["rejected"] - r["rejected_full"]) for r in k8)
+    assert f"at least {worst:.2f}% of the inputs" in text and f"within {spread:.2f} points" in text
