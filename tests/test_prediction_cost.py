@@ -344,7 +344,8 @@ def test_predict_images_streams_batches(shortlisted: tuple[Proteus, torch.Tensor
 @pytest.mark.parametrize("conv", [False, True])
 def test_a_composition_runs_only_the_columns_its_s_keeps(conv: bool) -> None:
     """The elastic net of Eq. 15 zeroes most of S: a task's composition then runs its own directions and the
-    few old ones its S keeps (at most half of 64 or more columns), not every older direction; factored and
+    few old ones its S keeps (at most half of 64 or more columns), not every older direction -- each group
+    its own columns when the groups' union is over twice what any one keeps, else the union; factored and
     merged, the same update as over every column (the columns left out add exact zeros)."""
     torch.manual_seed(0)
     base = nn.Conv2d(200, 12, 1) if conv else nn.Linear(200, 12)
@@ -358,18 +359,23 @@ def test_a_composition_runs_only_the_columns_its_s_keeps(conv: bool) -> None:
             if u.s is not None:
                 u.s[torch.randperm(u.s.numel(), generator=g)[:2]] = torch.randn(2, generator=g)
         u.end_task()
-    tasks = [39, 12, 39, 0]
-    coef = u.coefficients(tasks)[:, : u.used_columns(tasks)]
-    kept, cols = sparse_columns(coef)
-    assert cols is not None and len(cols) <= 2 * 4 + 2 * 4 and torch.equal(kept, coef[:, cols])
-    full = (u.B[None, :, :80] * coef[:, None, :]) @ u.A[:, :80].T
-    assert torch.allclose(u.merged_updates(tasks), full, rtol=1e-5, atol=1e-6)
-    x = torch.randn(len(tasks) * 3, 200, *((5, 5) if conv else ()))
-    w.groups = len(tasks)
-    u.coef, u.coef_cols = kept, cols
-    sparse_out = w(x)
-    u.coef, u.coef_cols = coef, None
-    assert torch.allclose(sparse_out, w(x), rtol=1e-5, atol=1e-5)
+    for tasks, per_group in (([39, 12, 39, 0], True), ([39, 39], False)):
+        coef = u.coefficients(tasks)[:, : u.used_columns(tasks)]
+        kept, cols = sparse_columns(coef)
+        assert cols is not None and cols.ndim == (2 if per_group else 1)
+        if per_group:  # each group: its own 2 + 2 columns at most, their coefficients, zeros after
+            assert cols.shape == (len(tasks), 4) and torch.equal(kept, coef.gather(1, cols))
+            assert torch.equal(kept.ne(0).sum(1), coef.ne(0).sum(1))
+        else:
+            assert len(cols) <= 2 * 4 and torch.equal(kept, coef[:, cols])
+        full = (u.B[None, :, :80] * coef[:, None, :]) @ u.A[:, :80].T
+        assert torch.allclose(u.merged_updates(tasks), full, rtol=1e-5, atol=1e-6)
+        x = torch.randn(len(tasks) * 3, 200, *((5, 5) if conv else ()))
+        w.groups = len(tasks)
+        u.coef, u.coef_cols = kept, cols
+        sparse_out = w(x)
+        u.coef, u.coef_cols = coef, None
+        assert torch.allclose(sparse_out, w(x), rtol=1e-5, atol=1e-5)
     dense = torch.ones(2, 80)  # every column used: nothing to leave out
     assert sparse_columns(dense)[1] is None  # every column kept
     assert sparse_columns(torch.ones(2, 30))[1] is None  # under 64 columns

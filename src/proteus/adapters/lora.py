@@ -234,8 +234,8 @@ class LoRAUnit(nn.Module):
         columns the coefficients keep (:func:`sparse_columns`)."""
         cols = self.used_columns(tasks)
         coef, keep = sparse_columns(self.coefficients(tasks, kind)[:, :cols])
-        A, B = (self.A[:, :cols], self.B[:, :cols]) if keep is None else (self.A[:, keep], self.B[:, keep])
-        dW = (B[None] * coef[:, None, :]) @ A.T
+        A, B = _columns(self.A, keep, cols), _columns(self.B, keep, cols)
+        dW = ((B if B.ndim == 3 else B[None]) * coef[:, None, :]) @ A.mT
         return self._scale(dW)
 
     # ------------------------------------------------------------------ forward
@@ -247,7 +247,7 @@ class LoRAUnit(nn.Module):
                 return x.new_zeros(*x.shape[:-1], self.out_features)
             A, B = self._composed(x.dtype)
             u = (x @ A) * self.coef.to(x.dtype)[:, None, :]
-            return self._scale(u @ B.T)
+            return self._scale(u @ B.mT)
         if not self.training_task:  # no composition set and nothing being trained: frozen backbone
             return x.new_zeros(*x.shape[:-1], self.out_features)
         return self._scale(self._new_update(x) + self._old_update(x))
@@ -283,12 +283,11 @@ class LoRAUnit(nn.Module):
         return self._scale(_grouped_1x1(x, A, B, self.coef.to(x.dtype), groups))
 
     def _composed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The columns of A and B that the set composition (:attr:`coef`, :attr:`coef_cols`) runs."""
+        """The columns of A and B that the set composition (:attr:`coef`, :attr:`coef_cols`) runs: (q, c)
+        and (p, c), or per group (G, q, c) and (G, p, c) (:func:`sparse_columns`)."""
         assert self.coef is not None
-        if self.coef_cols is None:
-            cols = self.coef.shape[1]
-            return self.A[:, :cols].to(dtype), self.B[:, :cols].to(dtype)
-        return self.A[:, self.coef_cols].to(dtype), self.B[:, self.coef_cols].to(dtype)
+        n = self.coef.shape[1]
+        return _columns(self.A, self.coef_cols, n).to(dtype), _columns(self.B, self.coef_cols, n).to(dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
@@ -320,17 +319,46 @@ SPARSE_FROM = 64
 
 
 def sparse_columns(coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``coef`` (G, cols) restricted to the columns some group's coefficient keeps, and their indices, when
-    those are at most half of at least :data:`SPARSE_FROM` columns (the elastic net of Eq. 15 zeroes most of
-    S: a task's composition then costs its own directions and the few old ones it uses, not every older
-    direction); else ``coef`` itself and None. The same update: the columns left out add exact zeros."""
-    cols = coef.shape[1]
+    """``coef`` (G, cols) restricted to the columns its groups' coefficients keep, and their indices, when
+    that saves most of at least :data:`SPARSE_FROM` columns (the elastic net of Eq. 15 zeroes most of S: a
+    task's composition then costs its own directions and the few old ones it uses, not every older
+    direction): each group's own nonzero columns, (G, c) indices and coefficients (zeros where a group has
+    fewer), when their union is over twice the most any group keeps (many groups, each of other tasks: a
+    batch spread over many tasks costs each image its own task's columns, not every task's); else the
+    union, (c,) indices; else ``coef`` itself and None. The same update: the columns left out add exact
+    zeros."""
+    G, cols = coef.shape
     if cols < SPARSE_FROM:
         return coef, None
-    keep = coef.ne(0).any(0).nonzero().flatten()
+    nonzero = coef.ne(0)
+    keep = nonzero.any(0).nonzero().flatten()
+    most = int(nonzero.sum(1).max()) if G else 0
+    if G > 1 and 2 * most < len(keep):
+        own = nonzero.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :most]
+        return coef.gather(1, own), own
     if 2 * len(keep) > cols:
         return coef, None
     return coef[:, keep], keep
+
+
+def set_composition(u: LoRAUnit, coef: torch.Tensor, sizes: list[int] | None = None) -> None:
+    """Set unit ``u``'s composition for the next forwards: group g with coefficients ``coef[g]`` over the
+    columns :func:`sparse_columns` keeps, repeated for the ``sizes[g]`` rows of unequal groups."""
+    coef, cols = sparse_columns(coef)
+    if sizes is not None:
+        reps = torch.as_tensor(sizes, device=coef.device)
+        coef = coef.repeat_interleave(reps, 0)
+        if cols is not None and cols.ndim == 2:  # each row its group's own columns
+            cols = cols.repeat_interleave(reps, 0)
+    u.coef, u.coef_cols = coef, cols
+
+
+def _columns(t: torch.Tensor, cols: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Columns of A or B (rows x R): the first ``n`` (``cols`` None), those of ``cols`` (c,) -- or, per group,
+    those of each row of ``cols`` (G, c), as (G, rows, c) (:func:`sparse_columns`)."""
+    if cols is None:
+        return t[:, :n]
+    return t[:, cols] if cols.ndim == 1 else t[:, cols].permute(1, 0, 2)
 
 
 def _grown(
@@ -405,10 +433,11 @@ def _grouped_1x1(
     every task (docs/performance.md, "`long-300`"). The result may be a channels-last view."""
     n, q, h, w = x.shape
     if h * w >= 16 and x.is_contiguous():
-        u = A.T @ x.view(groups, n // groups, q, h * w)  # (G, n/G, cols, HW)
-        return (B @ (u * coef[:, None, :, None])).view(n, -1, h, w)  # (G, n/G, p, HW)
+        At, Bg = (A.mT, B) if A.ndim == 2 else (A.mT[:, None], B[:, None])  # per group: (G, 1, ...)
+        u = At @ x.view(groups, n // groups, q, h * w)  # (G, n/G, cols, HW)
+        return (Bg @ (u * coef[:, None, :, None])).view(n, -1, h, w)  # (G, n/G, p, HW)
     rows = x.movedim(1, -1).reshape(groups, -1, q)  # (G, n/G HW, q)
-    d = ((rows @ A) * coef[:, None, :]) @ B.T  # (G, n/G HW, p)
+    d = ((rows @ A) * coef[:, None, :]) @ B.mT  # (G, n/G HW, p)
     return d.view(n, h, w, -1).movedim(-1, 1)
 
 

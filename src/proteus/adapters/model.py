@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache, sparse_columns
+from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache, set_composition
 from proteus.backbones.base import Backbone
 from proteus.devices import CompiledForward, compile_failure
 from proteus.tensor_rules import TENSOR_RULES, NeedsRecord, SameGroups, ShapeRule, Together
@@ -226,9 +226,7 @@ class AdaptedBackbone(nn.Module):
                 w.merged = (tasks, kind)
             if name not in plan or self.merge == "auto":  # "auto": factored where merging does not pay
                 for u, c in zip(units, cols):
-                    coef, u.coef_cols = sparse_columns(u.coefficients(tasks, kind)[:, :c])
-                    reps = None if sizes is None else torch.as_tensor(sizes, device=coef.device)
-                    u.coef = coef if reps is None else coef.repeat_interleave(reps, 0)
+                    set_composition(u, u.coefficients(tasks, kind)[:, :c], sizes)
             w.groups = len(tasks) if sizes is None else sum(sizes)
             w.sizes = sizes
         try:

@@ -505,7 +505,7 @@ def _segment_refs(manifest: dict[str, Any]) -> list[tuple[str, str, str]]:
 def _object_names(manifest: dict[str, Any]) -> set[str]:
     """The file names of every object ``manifest`` references, its record segments included (what a sweep
     keeps)."""
-    return {Path(rel).name for _, rel, _ in _refs(manifest) + _segment_refs(manifest)}
+    return {rel.rpartition("/")[2] for _, rel, _ in _refs(manifest) + _segment_refs(manifest)}
 
 
 # ====================================================================== the writers' lock

@@ -29,9 +29,10 @@ from proteus.kb.files import (
     read_kb_file,
     read_object,
 )
-from proteus.kb.schema import downgrade_problem, manifest_issues, manifest_problems, object_path
+from proteus.kb.schema import downgrade_problem, manifest_issues, manifest_problems, object_dirs, object_path
 from proteus.kb.segments import Segments
 from proteus.kb.signing import signature_problem
+from proteus.kb.verified import Verified, state_key
 from proteus.untrusted import load_json
 
 
@@ -49,10 +50,12 @@ def read_segment(root: Path, rel: str, sha: str, size: int) -> bytes:
 
 
 def parse(
-    root: Path, name: str, data: bytes, hint: str, segments: Segments | None = None
-) -> tuple[dict[str, Any] | None, list[str]]:
+    root: Path, name: str, data: bytes, hint: str, segments: Segments | None = None,
+    verified: Verified | None = None,
+) -> tuple[dict[str, Any] | None, list[str]]:  # fmt: skip
     """Manifest file ``name``'s bytes parsed and checked: (the manifest, expanded when it is of format 4, or
-    None; every problem found)."""
+    None; every problem found). ``verified``: the store's record (:mod:`.verified`); a state whose fields
+    it passed before is not checked again."""
     path = root / name
     manifest, issues = manifest_issues(path, data, hint)
     if issues or manifest is None or not segmented(manifest):
@@ -65,12 +68,20 @@ def parse(
         )
     except ProteusError as e:
         return manifest, [f"{e}" if str(path) in str(e) else f"{path}: {e}"]
-    return expanded, [f"{path}: {p}; {hint}" for p in manifest_problems(expanded)]
+    key = state_key(expanded, "")  # the fields every manifest must have, whatever the learner
+    if verified is not None and verified.checked(key):
+        return expanded, []
+    problems = [f"{path}: {p}; {hint}" for p in manifest_problems(expanded)]
+    if verified is not None and not problems:
+        verified.check(key)
+    return expanded, problems
 
 
-def read_manifest(root: Path, segments: Segments | None = None) -> tuple[bytes, dict[str, Any]]:
+def read_manifest(
+    root: Path, segments: Segments | None = None, verified: Verified | None = None
+) -> tuple[bytes, dict[str, Any]]:
     """The bytes and the parsed, checked ``manifest.json`` of the knowledge base at ``root`` (expanded when it
-    is of format 4: ``segments`` keeps what it read); a :class:`KBError` (or a
+    is of format 4: ``segments`` keeps what it read; ``verified``: :func:`parse`); a :class:`KBError` (or a
     :class:`~proteus.budgets.BudgetError`) naming the file and what to do."""
     path = root / MANIFEST
     if root.exists() and not root.is_dir():
@@ -86,7 +97,7 @@ def read_manifest(root: Path, segments: Segments | None = None) -> tuple[bytes, 
         if files:
             raise _damaged(root, files, "the knowledge base cannot be opened")
         raise KBError(f"{root}: no knowledge base here (missing {MANIFEST})")
-    manifest, issues = parse(root, MANIFEST, data, "restore it or manifest.prev.json", segments)
+    manifest, issues = parse(root, MANIFEST, data, "restore it or manifest.prev.json", segments, verified)
     if not issues and manifest is not None and manifest.get("format_version") != FORMAT_VERSION:
         problem = downgrade_problem(manifest, previous_or_none(root), path)
         if problem is None and (root / HISTORY).is_dir() and not segmented(manifest):
@@ -105,9 +116,10 @@ def read_manifest(root: Path, segments: Segments | None = None) -> tuple[bytes, 
 
 def check_paths(root: Path, manifest: dict[str, Any], path: Path) -> None:
     """Refuse a manifest (file ``path``) naming an object outside ``root``'s ``objects/``."""
+    dirs = object_dirs(root)
     for label, rel, sha in _refs(manifest):
         try:
-            object_path(root, rel, sha)
+            object_path(root, rel, sha, dirs)
         except KBError as e:
             raise KBError(f"{path}: {label}: {e}") from None
 

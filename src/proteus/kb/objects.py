@@ -47,7 +47,7 @@ class ObjectStore:
     a knowledge base from :meth:`~proteus.kb.store.KnowledgeBase.new` until its first commit: its objects
     wait in :attr:`pending`."""
 
-    def __init__(self, root: Path, on_disk: bool = True) -> None:
+    def __init__(self, root: Path, on_disk: bool = True, verified: Verified | None = None) -> None:
         self.root = root
         self.on_disk = on_disk
         #: rel -> (sha256, its verified mapping) of the snapshot ``open`` read: the page cache, not a copy
@@ -63,7 +63,7 @@ class ObjectStore:
         self.sizes: dict[str, int] = {}
         self.keys = ContentKeys()  # each unchanged tensor hashed once, each unchanged object keyed once
         #: the files and states this proteus verified or wrote before (:mod:`.verified`)
-        self.verified = Verified(root)
+        self.verified = verified if verified is not None else Verified(root)
 
     # ------------------------------------------------------------------ reading
     def path(

@@ -19,8 +19,11 @@ mapping's keys in turn.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+import stat
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -275,7 +278,10 @@ def object_path(
     if isinstance(sha, str) and not sha.startswith(rel[-len(suffix) - 17 : -len(suffix) - 1]):
         raise KBError(f"object path {rel!r} refused: its name does not carry its sha256 ({sha[:16]}...)")
     base, objects = object_dirs(root) if dirs is None else dirs
-    path = (root / rel).resolve()
+    path = objects / rel.split("/", 1)[1]  # objects/ resolved already; the name is no link: no other step
+    with contextlib.suppress(OSError):
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            path = path.resolve()
     if not objects.is_relative_to(base):
         raise KBError(f"object path {rel!r} refused: {root / OBJECTS} resolves to {objects}, outside {base}")
     if not path.is_relative_to(objects):

@@ -104,7 +104,7 @@ from proteus.kb.schema import head_kind, manifest_problems
 from proteus.kb.segments import Segments
 from proteus.kb.signing import accept, key_from_env, sequence_problem, signature_problem
 from proteus.kb.sweep import sweep
-from proteus.kb.verified import state_key
+from proteus.kb.verified import Verified, state_key
 
 
 class KnowledgeBase:
@@ -124,6 +124,7 @@ class KnowledgeBase:
         manifest: dict[str, Any],
         key: bytes | None = None,
         segments: Segments | None = None,
+        verified: Verified | None = None,
     ) -> None:
         self.root = Path(root)
         #: the committed state, expanded (format 4: its record segments read, :mod:`proteus.kb.segments`)
@@ -132,7 +133,7 @@ class KnowledgeBase:
         self.segments = segments or Segments()
         #: the signing key: checked by open, used by every commit to sign (None: unsigned commits)
         self.key = key
-        self.objects = ObjectStore(self.root)
+        self.objects = ObjectStore(self.root, verified=verified)
         self._manifest_sha: str | None = None  # sha256 of manifest.json's bytes as read or written
 
     @property
@@ -184,13 +185,13 @@ class KnowledgeBase:
         root = Path(root)
         key = key_from_env() if key is None else key
         for attempt in range(OPEN_ATTEMPTS):
-            segments = Segments()
-            data, manifest = cls._read_manifest(root, segments)
+            segments, verified = Segments(), Verified(root)
+            data, manifest = cls._read_manifest(root, segments, verified)
             if key is not None and require_signature:
                 problem = signature_problem(root, manifest, key) or sequence_problem(root, manifest, key)
                 if problem:
                     raise KBError(problem)
-            kb = cls(root, manifest, key, segments)
+            kb = cls(root, manifest, key, segments, verified)
             kb._manifest_sha = _sha(data)
             try:
                 if verify:
@@ -249,6 +250,7 @@ class KnowledgeBase:
         self.segments.settle(expanded["segments"] + kept_segments)
         verified = self.objects.verified  # the state this proteus wrote: a reader need not check it again
         verified.check(state_key(expanded, head_kind(expanded) or "proteus"))
+        verified.check(state_key(expanded, ""))  # the fields every manifest must have (:func:`parse`)
         verified.save({rel for _, rel, _ in _refs(expanded) + _segment_refs(expanded)})
         if self.key is not None:
             accept(manifest, self.key)

@@ -65,11 +65,11 @@ def groups(classes: list[list[int]], n_classes: int) -> Groups:
     if _GROUPS[0] is classes and _GROUPS[1] == n_classes:
         return _GROUPS[2]
     task_of = torch.full((n_classes,), -1, dtype=torch.long)
-    sizes = torch.zeros(len(classes), dtype=torch.long)
-    for j, c in enumerate(classes):
-        kept = [i for i in c if i < n_classes]
-        task_of[kept] = j
-        sizes[j] = len(c)
+    sizes = torch.as_tensor([len(c) for c in classes], dtype=torch.long)
+    flat = torch.as_tensor([i for c in classes for i in c], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(len(classes)), sizes)
+    kept = flat < n_classes
+    task_of[flat[kept]] = owner[kept]
     out = Groups(task_of, sizes)
     _GROUPS[:] = [classes, n_classes, out]
     return out
