@@ -318,12 +318,12 @@ def test_open_starts_again_after_a_concurrent_commit(tmp_path: Path, monkeypatch
     original = ObjectStore.mapped
     calls = {"n": 0}
 
-    def commit_twice_first(self: ObjectStore, manifest: dict, rel: str, sha: str) -> Any:
+    def commit_twice_first(self: ObjectStore, manifest: dict, rel: str, sha: str, *rest: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:  # between the reader's manifest and its first object: two commits
             _append(writer, "a")
             _append(writer, "b")
-        return original(self, manifest, rel, sha)
+        return original(self, manifest, rel, sha, *rest)
 
     monkeypatch.setattr(ObjectStore, "mapped", commit_twice_first)
     kb = KnowledgeBase.open(root, verify=True)

@@ -34,7 +34,7 @@ from proteus.kb.files import (
     read_object,
     recorded_size,
 )
-from proteus.kb.schema import object_path, task_label
+from proteus.kb.schema import object_dirs, object_path, task_label
 from proteus.kb.tensors import Obj, check_objects, shapes_of, tensors_of
 from proteus.kb.verified import Verified, state_key
 
@@ -93,15 +93,17 @@ class ObjectStore:
         self.sizes[rel] = len(data)
         return data
 
-    def mapped(self, manifest: dict[str, Any], rel: str, sha: str) -> mmap.mmap:
+    def mapped(
+        self, manifest: dict[str, Any], rel: str, sha: str, dirs: tuple[Path, Path] | None = None
+    ) -> mmap.mmap:
         """Object ``rel`` memory-mapped and checked (:func:`~proteus.kb.files.map_object`); a pending one's
-        bytes are mapped anonymously."""
+        bytes are mapped anonymously. ``dirs``: :meth:`path`."""
         if rel in self.pending:
             data = self.load(manifest, rel, sha)
             mapped = mmap.mmap(-1, len(data))
             mapped[:] = data
             return mapped
-        self.path(manifest, rel, sha)
+        self.path(manifest, rel, sha, dirs)
         mapped = map_object(self.root, rel, sha, recorded_size(manifest, rel), self.verified)
         self.sizes[rel] = len(mapped)
         return mapped
@@ -110,7 +112,8 @@ class ObjectStore:
         """Map every object ``manifest`` references and check it (a file verified before and unchanged
         since is not hashed again: :mod:`.verified`); keep the mappings as the snapshot (a later sweep
         cannot take a mapped file away)."""
-        self.cache = {rel: (sha, self.mapped(manifest, rel, sha)) for _, rel, sha in _refs(manifest)}
+        dirs = object_dirs(self.root)
+        self.cache = {rel: (sha, self.mapped(manifest, rel, sha, dirs)) for _, rel, sha in _refs(manifest)}
         self.verified.save(set(self.cache) | {rel for _, rel, _ in _segment_refs(manifest)})
 
     def read(self, manifest: dict[str, Any], rel: str, sha: str) -> dict[str, torch.Tensor]:

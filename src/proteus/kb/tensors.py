@@ -55,19 +55,14 @@ def tensors_of(data: Any) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file held by ``data`` (a memory map, or bytes), as views of it (no copy;
     a tensor keeps ``data`` alive); a ValueError names what is wrong with its header. Each tensor's bytes
     are aligned to its dtype (safetensors orders tensors by alignment), else it is copied."""
-    header = parse_header(data)
-    n = int.from_bytes(data[:8], "little")
-    raw = json.loads(data[8 : 8 + n])
     out: dict[str, torch.Tensor] = {}
-    for name, (dtype, shape) in header.items():
+    for name, (dtype, shape, start) in _entries(data).items():
         dt = TORCH_BY_NAME[dtype]
-        start = 8 + n + int(raw[name]["data_offsets"][0])
-        numel = math.prod(shape)
+        numel, width = math.prod(shape), DTYPES[dtype][1]
         if numel == 0:
             out[name] = torch.empty(shape, dtype=dt)
-        elif start % torch.empty(0, dtype=dt).element_size():
-            out[name] = torch.frombuffer(bytearray(data[start : start + numel * DTYPES[dtype][1]]), dtype=dt)
-            out[name] = out[name].view(shape)
+        elif start % width:
+            out[name] = torch.frombuffer(bytearray(data[start : start + numel * width]), dtype=dt).view(shape)
         else:
             out[name] = torch.frombuffer(data, dtype=dt, count=numel, offset=start).view(shape)
     return out
@@ -76,6 +71,12 @@ def tensors_of(data: Any) -> dict[str, torch.Tensor]:
 def parse_header(data: bytes) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The (dtype, shape) of each tensor of a safetensors file, from its header alone; raises ValueError
     naming what is wrong (the header's size, JSON, a dtype proteus does not write, offsets)."""
+    return {name: (dtype, shape) for name, (dtype, shape, _) in _entries(data).items()}
+
+
+def _entries(data: Any) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """(dtype, shape, offset of its first byte in ``data``) of each tensor, the header checked
+    (:func:`parse_header`)."""
     if len(data) < 8:
         raise ValueError(f"{len(data)} bytes, too short for a safetensors header")
     n = int.from_bytes(data[:8], "little")
@@ -98,21 +99,19 @@ def parse_header(data: bytes) -> dict[str, tuple[str, tuple[int, ...]]]:
             raise ValueError(
                 f"tensor {name!r}: dtype {dtype!r} is not one proteus writes ({', '.join(DTYPES)})"
             )
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= size
+        if (
+            type(offsets) is not list
+            or len(offsets) != 2
+            or not (
+                type(offsets[0]) is int and type(offsets[1]) is int and 0 <= offsets[0] <= offsets[1] <= size
+            )
         ):
             raise ValueError(f"tensor {name!r}: data offsets {offsets!r} outside the {size} bytes of data")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if offsets[1] - offsets[0] != numel * DTYPES[dtype][1]:
+        if offsets[1] - offsets[0] != math.prod(shape) * DTYPES[dtype][1]:
             raise ValueError(
                 f"tensor {name!r}: {offsets[1] - offsets[0]} bytes of data for shape {tuple(shape)} {dtype}"
             )
-        out[name] = (dtype, tuple(shape))
+        out[name] = (dtype, tuple(shape), 8 + n + offsets[0])
     return out
