@@ -33,6 +33,7 @@ BASELINES: dict[str, tuple[str, list[str]]] = {
     "inflora": ("mobilenet_v2", ["baseline.rank=4", "backbone.adapt_last=2"]),
     "sd-lora": ("mobilenet_v2", ["baseline.rank=4", "backbone.adapt_last=2"]),
     "ncm": ("mobilenet_v2", ["backbone.adapt_last=2"]),
+    "klda": ("mobilenet_v2", ["backbone.adapt_last=2", "baseline.rff_dim=128"]),
     "l2p": ("vit_ti16", []),
     "dualprompt": ("vit_ti16", []),
     "coda-prompt": ("vit_ti16", ["baseline.pool_size=10"]),

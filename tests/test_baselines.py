@@ -68,6 +68,7 @@ def test_every_declared_baseline_has_a_learner() -> None:
         "dualprompt",
         "coda-prompt",
         "ncm",
+        "klda",
         "s-prompt",
         "adapromptcl",
         "hide-prompt",

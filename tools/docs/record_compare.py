@@ -1,8 +1,11 @@
 """Keep what ``proteus compare`` measured, for the docs:
-``python tools/docs/record_compare.py OUT/compare.json --name NAME --command "proteus compare ..."``
-writes ``docs/measured/compare/NAME.json`` (the stream, the seeds, the command and, per method, the mean and
-sample std of each final figure). ``tests/test_measured_docs.py`` checks that the page section headed
-`` `NAME` `` (docs/retrieval.md) shows every one of them, so the page cannot drift from what the runs gave.
+``python tools/docs/record_compare.py OUT/compare.json [OUT2/compare.json ...] --name NAME --command "proteus
+compare ..."`` writes ``docs/measured/compare/NAME.json`` (the stream, the seeds, the command and, per method,
+the mean and sample std of each final figure). Several comparisons of the same stream make one record;
+``--add`` adds methods measured later by another ``proteus compare`` of the same stream and seeds to the
+record NAME, its command shown after the record's. ``tests/test_measured_docs.py`` checks that the page
+section headed `` `NAME` `` (docs/retrieval.md) shows every one of them, so the page cannot drift from
+what the runs gave.
 """
 
 from __future__ import annotations
@@ -16,22 +19,44 @@ from records import parser, write
 KEEP = ("final_avg_acc", "forgetting", "retrieval_acc", "oracle_acc")
 
 
-def record(path: Path, name: str, command: str, out_dir: Path) -> Path:
-    d = json.loads(path.read_text())
-    seeds = sorted({int(s) for runs in d["runs"].values() for s in runs})
+def record(paths: list[Path], name: str, command: str, out_dir: Path, add: bool = False) -> Path:
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    benchmarks, seeds = set(), set()
+    for path in paths:
+        d = json.loads(path.read_text())
+        benchmarks.add(d["benchmark"])
+        seeds |= {int(s) for r in d["runs"].values() for s in r}
+        _no_twice(path, summary, d["summary"])
+        summary.update(d["summary"])
     methods = {
-        m: {k: [s[k]["mean"], s[k]["std"], s[k]["n"]] for k in KEEP if s[k]["n"]}
-        for m, s in d["summary"].items()
+        m: {k: [s[k]["mean"], s[k]["std"], s[k]["n"]] for k in KEEP if s[k]["n"]} for m, s in summary.items()
     }
-    kept = {"name": name, "benchmark": d["benchmark"], "seeds": seeds, "command": command, "methods": methods}
+    if add:
+        old = json.loads((out_dir / f"{name}.json").read_text())
+        if {old["benchmark"]} != benchmarks or set(old["seeds"]) != seeds:
+            raise SystemExit(f"{name}: recorded on {old['benchmark']}, seeds {old['seeds']}: not those added")
+        _no_twice(out_dir / f"{name}.json", methods, old["methods"])
+        methods = {**old["methods"], **methods}
+        command = f"{old['command']}\n{command}"
+    if len(benchmarks) != 1:
+        raise SystemExit(f"the comparisons are of different streams: {', '.join(sorted(benchmarks))}")
+    kept = {"name": name, "benchmark": benchmarks.pop(), "seeds": sorted(seeds), "command": command}
+    kept["methods"] = methods
     return write(out_dir, name, kept)
+
+
+def _no_twice(path: Path, have: dict[str, object], new: dict[str, object]) -> None:
+    twice = sorted(set(have) & set(new))
+    if twice:
+        raise SystemExit(f"{path}: {', '.join(twice)} measured twice")
 
 
 def main() -> None:
     ap = parser(__doc__, "compare")
-    ap.add_argument("compare_json", type=Path, help="OUT/compare.json of proteus compare")
+    ap.add_argument("compare_json", type=Path, nargs="+", help="OUT/compare.json of proteus compare")
+    ap.add_argument("--add", action="store_true", help="add the methods to the record NAME")
     args = ap.parse_args()
-    print(record(args.compare_json, args.name, args.command, args.out))
+    print(record(args.compare_json, args.name, args.command, args.out, args.add))
 
 
 if __name__ == "__main__":

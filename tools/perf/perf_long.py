@@ -108,11 +108,12 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
                  device: str, rounds: int = 3) -> dict[str, dict[str, float]]:  # fmt: skip
     """For each named state (a knowledge base's folder, a predict batch, the next task's index), the learner
     loaded from it, then ``rounds`` turns, the states one after the other in each, of learning the next task
-    on a copy of the learner and committing it to a copy of the knowledge base (copies made, and the copy's
-    store warmed by one commit, outside the clock), then three predictions of the batch by the loaded
-    learner, then opening the knowledge base anew and predicting one image; returns per state the medians
-    over the turns (``learn_s`` fit plus commit, ``train_s`` the training part of the fit, ``signature_s``,
-    ``commit_s``, ``train_step_s``, ``predict_s``: the median of its three, ``open_predict_s``)."""
+    on a copy of the learner and committing it to a copy of the knowledge base (copies made, the copy's
+    store warmed by one commit, and the copy written to disk, outside the clock), then three predictions of
+    the batch by the loaded learner, then opening the knowledge base anew and predicting one image; returns
+    per state the medians over the turns (``learn_s`` fit plus commit, ``train_s`` the training part of the
+    fit, ``signature_s``, ``commit_s``, ``train_step_s``, ``predict_s``: the median of its three,
+    ``open_predict_s``)."""
     dev = torch.device(device)
     loaded = {name: _warm(Proteus.load(kb_dir, device=device)) for name, (kb_dir, _, _) in states.items()}
     got: dict[str, dict[str, list[float]]] = {name: {} for name in states}
@@ -124,6 +125,7 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
                 shutil.copytree(kb_dir, tmp / "kb")
                 kb = KnowledgeBase.open(tmp / "kb")
                 commit(kb, learner)  # the store learns the copy's tensors (a long run's store knows them)
+                os.sync()  # the copy's dirty pages written now, not by the timed commit's fsync
                 t0 = time.perf_counter()
                 stats = learner.fit_task(synthetic_task(k, per_class, img, seed))
                 t1 = time.perf_counter()

@@ -77,10 +77,10 @@ def restore(clf: ContinualClassifier, state: LearnerState) -> None:
                 raise TaskError(f"task {k + 1}'s record does not match the head's task_classes")
             clf.records_.append(record)
             w, b = need(tensors, f"head.{k}.weight"), need(tensors, f"head.{k}.bias")
-            if w.shape != (len(task_classes[k]), clf.embed_dim) or b.shape != (len(task_classes[k]),):
+            if w.shape != (len(task_classes[k]), clf.head_in) or b.shape != (len(task_classes[k]),):
                 raise TaskError(
                     f"head.{k}: shapes {tuple(w.shape)}, {tuple(b.shape)}; expected "
-                    f"({len(task_classes[k])}, {clf.embed_dim}) and ({len(task_classes[k])},)"
+                    f"({len(task_classes[k])}, {clf.head_in}) and ({len(task_classes[k])},)"
                 )
             clf.heads_.append(linear(w, b, clf.device_))
         clf.task_classes_ = task_classes
