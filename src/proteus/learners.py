@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from proteus._version import __version__
+from proteus.collector import collector_paused
 from proteus.config import LEARNERS, ConfigError, RunConfig, learner_of, validate
 from proteus.devices import PRECISIONS
 from proteus.distributed import DEVICE_CHOICES, known_device
@@ -207,7 +208,8 @@ def load_from_kb(
     clf = _stored_learner(kb, expect=expect, device=device, precision=precision, progress=progress)
     check_supports(clf, "load", command)
     kb.check_backbone(clf.kb_header()["backbone"])
-    return clf.restore(LearnerState(*kb.read_state(getattr(clf, "kb_layout", None))))
+    with collector_paused():  # :mod:`proteus.collector`
+        return clf.restore(LearnerState(*kb.read_state(getattr(clf, "kb_layout", None))))
 
 
 def load_problems(kb: KnowledgeBase) -> list[str]:

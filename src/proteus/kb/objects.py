@@ -116,13 +116,16 @@ class ObjectStore:
         self.cache = {rel: (sha, self.mapped(manifest, rel, sha, dirs)) for _, rel, sha in _refs(manifest)}
         self.verified.save(set(self.cache) | {rel for _, rel, _ in _segment_refs(manifest)})
 
-    def read(self, manifest: dict[str, Any], rel: str, sha: str) -> dict[str, torch.Tensor]:
+    def read(
+        self, manifest: dict[str, Any], rel: str, sha: str, checked: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The tensors of object ``rel``, views of its mapping (the page cache, copy-on-write): from the
-        snapshot, or mapped now."""
+        snapshot, or mapped now. ``checked``: its content (``sha``) belongs to a state that passed the rules
+        before (:mod:`.verified`), so its header is not checked again (:func:`~.tensors.tensors_of`)."""
         cached = self.cache.get(rel)
         mapped = cached[1] if cached is not None and cached[0] == sha else self.mapped(manifest, rel, sha)
         try:
-            return tensors_of(mapped)
+            return tensors_of(mapped, checked)
         except ValueError as e:
             raise KBError(f"{self.root / rel}: not a valid safetensors file ({e})") from None
 
@@ -131,11 +134,12 @@ class ObjectStore:
     ) -> tuple[list[Part], Part | None]:
         """Every object's tensors, checked by :func:`~proteus.kb.tensors.check_objects` (dtypes, shapes,
         finite values: ``learner``'s rules): a :class:`KBError` with the first problem and ``consequence``."""
-        tasks = [(t, self.read(manifest, t["object"], t["sha256"])) for t in manifest["tasks"]]
-        head = manifest.get("head")
-        state = (head["meta"], self.read(manifest, head["object"], head["sha256"])) if head else None
         key = state_key(manifest, learner or "")
-        if not self.verified.checked(key):  # checked before, or committed by this proteus: :mod:`.verified`
+        checked = self.verified.checked(key)  # checked before, or committed by this proteus: :mod:`.verified`
+        tasks = [(t, self.read(manifest, t["object"], t["sha256"], checked)) for t in manifest["tasks"]]
+        head = manifest.get("head")
+        state = (head["meta"], self.read(manifest, head["object"], head["sha256"], checked)) if head else None
+        if not checked:
             objects = [
                 Obj(task_label(i), str(self.root / t["object"]), t, i, shapes_of(x), x)
                 for i, (t, x) in enumerate(tasks)

@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 
+from proteus.collector import collector_paused
 from proteus.faults import crash_point
 from proteus.kb.chain import keep_in_history
 from proteus.kb.commit import Commit
@@ -184,6 +185,11 @@ class KnowledgeBase:
         not checked, for re-signing), and commits sign."""
         root = Path(root)
         key = key_from_env() if key is None else key
+        with collector_paused():  # many small objects, all kept (:mod:`proteus.collector`)
+            return cls._open(root, verify, key, require_signature)
+
+    @classmethod
+    def _open(cls, root: Path, verify: bool, key: bytes | None, require_signature: bool) -> KnowledgeBase:
         for attempt in range(OPEN_ATTEMPTS):
             segments, verified = Segments(), Verified(root)
             data, manifest = cls._read_manifest(root, segments, verified)
