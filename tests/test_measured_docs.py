@@ -6,6 +6,7 @@ docs/retrieval.md shows in the section headed by the record's name."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,17 +86,37 @@ def test_the_performance_page_shows_each_long_stream_figure(path: Path) -> None:
     assert rec["command"] in "\n".join(section), f"{path.name}: the command is not shown"
     for run in rec["runs"]:
         label = f"| {run['label']} |"
-        rows = [line for line in section if line.startswith(label)]
+        rows = [line for line in section if line.startswith(label) and " | <= " not in line]  # not a target
         assert len(rows) == 2, f"{path.name}: two lines starting {label!r} expected (figures, seconds)"
-        ratios = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10")
-        want = [f"{run[k]:.2f}" for k in (*ratios, "rss_beyond_cache_mb_per_task", "kb_mb_per_task")]
-        want += [f"{v:.3f}" for v in run["parts_mb_per_task"].values()]
+        ratios = (
+            "learn_ratio_last_vs_10", "learn_ratio_without_training_growth", "train_step_ratio_last_vs_10",
+            "commit_ratio_last_vs_10", "predict_ratio_last_vs_10", "open_predict_ratio_last_vs_10",
+        )  # fmt: skip
+        want = ["—" if run[k] is None else f"{run[k]:.2f}" for k in ratios]
+        memory = ("rss_beyond_cache_mb_per_task", "page_cache_mb_per_task", "kb_mb_per_task")
+        want += [f"{run[k]:.3f}" for k in memory] + [f"{v:.3f}" for v in run["parts_mb_per_task"].values()]
         seconds = [" / ".join(f"{v:g}" for v in pair) for pair in run["seconds"].values()]
         for row, expected in zip(rows, (want, seconds), strict=True):
             cells = [c.strip(" *") for c in row.strip("|").split("|")]
             assert cells[1 : 1 + len(expected)] == expected, (
                 f"{path.name}: {label} shows {cells[1:]}, not {expected}"
             )
+
+
+@pytest.mark.parametrize("path", LONG, ids=[p.stem for p in LONG])
+def test_the_performance_page_says_which_long_stream_targets_are_met(path: Path) -> None:
+    """The section of a long-stream record has, per run and target (tools/docs/record_long.py's TARGETS), the
+    line ``| run | target | <= most | met / not met |`` that the record's figure decides."""
+    sys.path.insert(0, str(ROOT / "tools" / "docs"))
+    from record_long import TARGETS
+
+    rec = json.loads(path.read_text())
+    section = _section("docs/performance.md", f"`{rec['name']}`")
+    for run in rec["runs"]:
+        for key, (most, met) in run["targets"].items():
+            assert run[key] is not None and (run[key] <= most) == met
+            want = f"| {run['label']} | {TARGETS[key][0]} | <= {most:g} | {'**met**' if met else 'not met'} |"
+            assert want in section, f"{path.name}: no line {want!r}"
 
 
 SHORTLIST = sorted((ROOT / "docs" / "measured" / "shortlist").glob("*.json"))

@@ -451,11 +451,6 @@ class ContinualClassifier:
         return len(self.heads_)
 
     @property
-    def head_in(self) -> int:
-        """The width of the per-task heads' input: the embedding (KLDA: its random features)."""
-        return self.embed_dim
-
-    @property
     def classes_(self) -> list[str]:
         """The learned classes' names, indexed by global label (``pred.label``), as PROTEUS's."""
         return self.records_.class_names()

@@ -71,16 +71,17 @@ def restore(clf: ContinualClassifier, state: LearnerState) -> None:
         task_classes = [[int(c) for c in cs] for cs in meta["task_classes"]]
         if len(task_classes) != len(state.tasks):
             raise TaskError(f"task_classes lists {len(task_classes)} tasks, the manifest {len(state.tasks)}")
+        width = getattr(clf, "head_in", clf.embed_dim)  # the heads' input (KLDA's: its random features)
         for k, (rec, _) in enumerate(state.tasks):
             record = TaskRecord.from_dict({"has_adapter": False, **rec})
             if record.index != k or record.classes != task_classes[k]:
                 raise TaskError(f"task {k + 1}'s record does not match the head's task_classes")
             clf.records_.append(record)
             w, b = need(tensors, f"head.{k}.weight"), need(tensors, f"head.{k}.bias")
-            if w.shape != (len(task_classes[k]), clf.head_in) or b.shape != (len(task_classes[k]),):
+            if w.shape != (len(task_classes[k]), width) or b.shape != (len(task_classes[k]),):
                 raise TaskError(
                     f"head.{k}: shapes {tuple(w.shape)}, {tuple(b.shape)}; expected "
-                    f"({len(task_classes[k])}, {clf.head_in}) and ({len(task_classes[k])},)"
+                    f"({len(task_classes[k])}, {width}) and ({len(task_classes[k])},)"
                 )
             clf.heads_.append(linear(w, b, clf.device_))
         clf.task_classes_ = task_classes

@@ -178,40 +178,36 @@ class KnowledgeBase:
         require_signature: bool = True,
     ) -> KnowledgeBase:
         """Open the knowledge base at ``root`` (never waits for a writer). With ``verify``, a consistent
-        snapshot: every object is read and checked against its size and sha256, and :meth:`read` serves
-        these bytes. The manifest is checked first (:mod:`proteus.kb.schema`: fields and object paths). With
-        ``key`` (or, when it is None, the key of ``$PROTEUS_KB_KEY_FILE`` if set), the manifest's signature
-        must be valid and its sequence not below what the key accepted before (``require_signature=False``:
-        not checked, for re-signing), and commits sign."""
-        root = Path(root)
-        key = key_from_env() if key is None else key
+        snapshot: every object checked against its size and sha256, served by :meth:`read`. The manifest is
+        checked first (:mod:`proteus.kb.schema`: fields and object paths). With ``key`` (None: the key of
+        ``$PROTEUS_KB_KEY_FILE`` if set), the manifest's signature must be valid and its sequence not below
+        what the key accepted before (``require_signature=False``: not checked, to re-sign); commits sign."""
+        root, key = Path(root), key_from_env() if key is None else key
         with collector_paused():  # many small objects, all kept (:mod:`proteus.collector`)
-            return cls._open(root, verify, key, require_signature)
-
-    @classmethod
-    def _open(cls, root: Path, verify: bool, key: bytes | None, require_signature: bool) -> KnowledgeBase:
-        for attempt in range(OPEN_ATTEMPTS):
-            segments, verified = Segments(), Verified(root)
-            data, manifest = cls._read_manifest(root, segments, verified)
-            if key is not None and require_signature:
-                problem = signature_problem(root, manifest, key) or sequence_problem(root, manifest, key)
-                if problem:
-                    raise KBError(problem)
-            kb = cls(root, manifest, key, segments, verified)
-            kb._manifest_sha = _sha(data)
-            try:
-                if verify:
-                    kb.verify()
-            except _MissingObject:
-                # a commit that ran while we read swept an object of the state we had read: start again
-                if read_kb_file(root, MANIFEST) == data or attempt + 1 == OPEN_ATTEMPTS:
-                    raise
-                log.debug("%s: a concurrent commit swept an object while it was read; reading again", root)
-                time.sleep(min(0.002 * 2**attempt, 0.1))
-                continue
-            if key is not None and require_signature:
-                accept(manifest, key)
-            return kb
+            for attempt in range(OPEN_ATTEMPTS):
+                segments, verified = Segments(), Verified(root)
+                data, manifest = cls._read_manifest(root, segments, verified)
+                if key is not None and require_signature:
+                    problem = signature_problem(root, manifest, key) or sequence_problem(root, manifest, key)
+                    if problem:
+                        raise KBError(problem)
+                kb = cls(root, manifest, key, segments, verified)
+                kb._manifest_sha = _sha(data)
+                try:
+                    if verify:
+                        kb.verify()
+                except _MissingObject:
+                    # a commit that ran while we read swept an object of the state we had read: start again
+                    if read_kb_file(root, MANIFEST) == data or attempt + 1 == OPEN_ATTEMPTS:
+                        raise
+                    log.debug(
+                        "%s: a concurrent commit swept an object while it was read; reading again", root
+                    )
+                    time.sleep(min(0.002 * 2**attempt, 0.1))
+                    continue
+                if key is not None and require_signature:
+                    accept(manifest, key)
+                return kb
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ objects
