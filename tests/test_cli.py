@@ -146,3 +146,22 @@ def test_real_cli_subprocess_help_and_list() -> None:
 def test_bad_config_key_is_named(capsys) -> None:
     assert main(["run", "--benchmark", "quickstart", "--set", "adapter.rnak=3"]) == 2
     assert "adapter.rnak" in capsys.readouterr().err
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_quickstart_replaces_only_its_own_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``quickstart --out`` on a folder holding another run's knowledge base refuses (exit 2) and leaves it
+    byte for byte; on its own earlier output it runs again."""
+    other = tmp_path / "ncm"
+    assert main(["run", "--benchmark", "quickstart", "--method", "ncm", "--out", str(other), "-q", *TINY]) == 0
+    before = _tree(other)
+    assert main(["quickstart", "--out", str(other), "-q", *TINY]) == 2
+    assert "no quickstart wrote" in capsys.readouterr().err
+    assert _tree(other) == before
+    own = tmp_path / "q"
+    for _ in range(2):  # the second run replaces the first's output
+        assert main(["quickstart", "--out", str(own), "-q", *TINY]) == 0
+    assert (own / ".quickstart").is_file() and KnowledgeBase.open(own / "kb").manifest["tasks"]

@@ -145,11 +145,26 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     ):
         setattr(args, k, getattr(args, k, None))
     args.config, args.set = getattr(args, "config", []), getattr(args, "set", [])
-    if args.out and Path(args.out, "kb", "manifest.json").exists():
+    out = Path(args.out) if args.out else None
+    if out is not None and Path(out, "kb", "manifest.json").exists():
+        if not (out / QUICKSTART_MARK).is_file():
+            raise ConfigError(
+                f"{out}: holds a knowledge base that no quickstart wrote (no {QUICKSTART_MARK} in it); it is "
+                "left as it is: choose another --out for the quickstart"
+            )
         import shutil
 
-        shutil.rmtree(args.out)  # the quickstart is a demo: rerunning it replaces its own output
-    return cmd_run(args)
+        shutil.rmtree(out)  # the quickstart is a demo: rerunning it replaces its own output
+    code = cmd_run(args)
+    if out is not None and code == 0 and out.is_dir():
+        (out / QUICKSTART_MARK).write_text(
+            "written by `proteus quickstart`: its next run replaces this folder\n"
+        )
+    return code
+
+
+#: the file a quickstart leaves in its folder: the one folder holding a knowledge base that it replaces
+QUICKSTART_MARK = ".quickstart"
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
