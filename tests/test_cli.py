@@ -156,7 +156,9 @@ def test_quickstart_replaces_only_its_own_folder(tmp_path: Path, capsys: pytest.
     """``quickstart --out`` on a folder holding another run's knowledge base refuses (exit 2) and leaves it
     byte for byte; on its own earlier output it runs again."""
     other = tmp_path / "ncm"
-    assert main(["run", "--benchmark", "quickstart", "--method", "ncm", "--out", str(other), "-q", *TINY]) == 0
+    assert (
+        main(["run", "--benchmark", "quickstart", "--method", "ncm", "--out", str(other), "-q", *TINY]) == 0
+    )
     before = _tree(other)
     assert main(["quickstart", "--out", str(other), "-q", *TINY]) == 2
     assert "no quickstart wrote" in capsys.readouterr().err
@@ -165,3 +167,23 @@ def test_quickstart_replaces_only_its_own_folder(tmp_path: Path, capsys: pytest.
     for _ in range(2):  # the second run replaces the first's output
         assert main(["quickstart", "--out", str(own), "-q", *TINY]) == 0
     assert (own / ".quickstart").is_file() and KnowledgeBase.open(own / "kb").manifest["tasks"]
+
+
+def test_a_closed_pipe_is_a_normal_end(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Output into a pipe whose reader went away (``proteus list methods | head -1``) exits 0, quietly."""
+
+    class Closed:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self) -> int:
+            raise ValueError("no file")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["list", "methods"]) == 0
+    assert "internal error" not in capsys.readouterr().err

@@ -127,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         what = "terminated (SIGTERM)" if term else "interrupted"
         print(f"{what}{_kb_tasks(args, before)}", file=sys.stderr)
         return 128 + signal.SIGTERM if term else 130
+    except BrokenPipeError:  # the reader went away (`proteus list methods | head -1`): a normal end
+        with contextlib.suppress(OSError, ValueError):  # nothing more reaches it, not even at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except ProteusError as e:  # the user's input, files or environment: one line, no traceback
         if args.debug:
             raise
