@@ -187,3 +187,21 @@ def test_a_closed_pipe_is_a_normal_end(
     monkeypatch.setattr(sys, "stdout", Closed())
     assert main(["list", "methods"]) == 0
     assert "internal error" not in capsys.readouterr().err
+
+
+def test_a_run_with_gpu_settings_on_a_cpu_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Training with every block adapted (a paper preset, ``folder``'s defaults) on a CPU warns and names
+    --config mobilenet_cpu; with it, no warning."""
+    from proteus.cli.commands import _warn_full_backbone_on_cpu
+    from proteus.config import resolve_config
+
+    for bench, config, warns in (
+        ("folder", [], True),
+        ("cifar10", [], True),
+        ("folder", ["mobilenet_cpu"], False),
+    ):
+        caplog.clear()
+        cfg = resolve_config(benchmark=bench, method="proteus", config_files=config, sets=["device=cpu"])
+        with caplog.at_level("WARNING", logger="proteus"):
+            _warn_full_backbone_on_cpu(cfg)
+        assert ("--config mobilenet_cpu" in caplog.text) is warns, (bench, config, caplog.text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,20 @@ def _config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
         sets=args.set,
         overrides=_overrides(args),
     )
+
+
+def _warn_full_backbone_on_cpu(cfg: RunConfig) -> None:
+    """A warning when a run trains on a CPU with every block of the backbone adapted (the paper's ViT-B/16
+    presets, and ``folder``'s MobileNetV2 at 224 px): settings made for a GPU, not the CPU recipe's."""
+    from proteus.distributed import device_for_rank
+
+    b = cfg.backbone
+    if b.adapt_last is None and device_for_rank(cfg.device).type == "cpu":
+        logging.getLogger("proteus").warning(
+            "training %s with every block adapted on a CPU: settings made for a GPU, slow and memory-hungry "
+            "here; --config mobilenet_cpu runs MobileNetV2 settings made for a CPU",
+            b.name,
+        )
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
@@ -104,6 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = _config(args)
         out = Path(args.out or f"runs/{cfg.benchmark.name}-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         _check_out_dir(out, "--out", allow_existing_dir=True)
+    _warn_full_backbone_on_cpu(cfg)
     res = run(cfg, out, progress=not args.quiet, resume=bool(args.resume))
     if _is_main():
         print(format_table(res))
