@@ -205,3 +205,19 @@ def test_a_run_with_gpu_settings_on_a_cpu_says_so(caplog: pytest.LogCaptureFixtu
         with caplog.at_level("WARNING", logger="proteus"):
             _warn_full_backbone_on_cpu(cfg)
         assert ("--config mobilenet_cpu" in caplog.text) is warns, (bench, config, caplog.text)
+
+
+def test_a_message_of_several_lines_prints_as_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An error whose text has several lines (here: data not found, with the layouts it looks for) prints
+    them as lines, the later ones indented, with no literal ``\\n``; a control character in a path stays
+    escaped."""
+    data = tmp_path / "no\x1bdata"
+    argv = ["run", "--benchmark", "cifar10", "--data", str(data), "--config", "mobilenet_cpu"]
+    assert main([*argv, "--out", str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) > 2 and lines[0].startswith("error: cifar10: no data found")
+    assert all(line.startswith("  ") for line in lines[1:]) and "\\n" not in err
+    assert "\x1b" not in err and "no\\x1bdata" in err

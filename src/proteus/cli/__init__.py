@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     except ProteusError as e:  # the user's input, files or environment: one line, no traceback
         if args.debug:
             raise
-        print(f"error: {printable(_message(e))}", file=sys.stderr)
+        lines = [printable(line) for line in _message(e).split("\n")]  # each line escaped, then laid out
+        print("error: " + "\n  ".join(line.strip() for line in lines if line.strip()), file=sys.stderr)
         return 2
     except Exception as e:  # anything else is a bug in proteus
         if args.debug:
