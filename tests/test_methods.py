@@ -233,6 +233,7 @@ def test_compare_two_methods(tmp_path: Path, capsys) -> None:
     assert (out / "compare_accuracy.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "compare.md").read_text()
     assert "final avg acc" in md and "compare_accuracy.png" in md
+    assert "seconds = each run's wall time under the machine's load" in md  # not comparable across loads
     # a rerun reuses the finished runs; a changed configuration in the same place is refused
     stamp = (out / "proteus" / "seed0" / "results.json").stat().st_mtime_ns
     assert main(argv) == 0

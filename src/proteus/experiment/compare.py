@@ -96,7 +96,9 @@ def compare_markdown(summary: dict[str, dict[str, Any]], title: str, seeds: Sequ
         f"# {title}",
         "",
         f"Mean ± sample std over seeds {', '.join(map(str, seeds))} (best mean in bold). Final values after "
-        "the last task; retrieval = task retrieval accuracy, oracle = accuracy with the true task's adapter.",
+        "the last task; retrieval = task retrieval accuracy, oracle = accuracy with the true task's adapter; "
+        "seconds = each run's wall time under the machine's load of its day (a run reused from an earlier "
+        "comparison, or run beside others, is not comparable on it).",
         "",
         "| method | " + " | ".join(t for _, t, _ in COLUMNS) + " |",
         "| --- | " + " | ".join("---:" for _ in COLUMNS) + " |",
