@@ -138,7 +138,7 @@ def test_grayscale_rgba_palette_and_mixed_sizes_are_learned(tmp_path: Path, caps
     assert main(["predict", "--kb", str(kb), *files, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["file"] for r in rows] == files
-    assert all(r["class"] in "abcd" and np.isfinite(r["signature_score"]) for r in rows)
+    assert all(r["nearest_class"] in "abcd" and np.isfinite(r["signature_score"]) for r in rows)
 
 
 def test_predict_on_unreadable_files_names_them(kb1: dict, tmp_path: Path, capsys) -> None:

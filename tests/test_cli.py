@@ -124,7 +124,8 @@ def test_predict_on_image_files(run_dir: Path, tmp_path: Path, capsys) -> None:
     rows = json.loads(capsys.readouterr().out)
     assert [r["file"] for r in rows] == files
     for r in rows:
-        assert r["class"].startswith("digit") or r["class"].isdigit()
+        assert r["nearest_class"].startswith("digit") or r["nearest_class"].isdigit()
+        assert r["class"] == (None if r["known"] is False else r["nearest_class"])
         assert 1 <= r["task"] <= 5 and r["component"] >= 0 and np.isfinite(r["signature_score"])
 
     bad = tmp_path / "notes.txt"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from proteus.experiment.predictions import format_row
 
-ROW = {"file": "a.png", "class": "cat", "p_all": 0.8, "p_task": 0.9, "task": 2, "component": 3,
-       "signature_score": -12.5, "known": None, "novelty": None,
+ROW = {"file": "a.png", "class": "cat", "nearest_class": "cat", "p_all": 0.8, "p_task": 0.9, "task": 2,
+       "component": 3, "signature_score": -12.5, "known": None, "novelty": None,
        "top_k": [{"class": "cat", "p_task": 0.9}]}  # fmt: skip
 
 
@@ -15,7 +15,7 @@ def test_one_confidence_and_the_task() -> None:
 
 
 def test_unknown_when_rejected() -> None:
-    line = format_row({**ROW, "known": False, "novelty": 1.5})
+    line = format_row({**ROW, "class": None, "known": False, "novelty": 1.5})
     assert line.startswith("a.png: unknown (from no learned task; nearest class cat)")
     assert "confidence" not in line
 

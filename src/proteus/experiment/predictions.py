@@ -27,6 +27,8 @@ The schema (docs/predict.md):
                 was learned, :mod:`proteus.engine.confidence`); equal to ``p_all`` where the task has no
                 temperature (a knowledge base learned before temperatures were fitted)
 ``temperature`` that temperature, null where the task has none; ``calibrated``: whether it had one
+``class``       null for an input from no learned task (``known`` false); ``nearest_class`` always names
+                the learned class nearest the input (``label`` is its index)
 ``known``       false for an input from no learned task (its retrieved task's key score is above that
                 task's threshold, calibrated when it was learned with ``retrieval.reject``); null when
                 the tasks are not calibrated. ``novelty``: the score minus that threshold (> 0: rejected)
@@ -79,16 +81,18 @@ def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int
         order = p_own.argsort(descending=True)[:top_k]
         in_task = (own == c).nonzero()
         p_task = float(p_own[in_task[0, 0]]) if len(in_task) else None
+        known = None if pred.known is None else bool(pred.known[j])
         rows.append(
             {
                 "file": file,
-                "class": names[c],
+                "class": None if known is False else names[c],  # an input from no learned task has none
+                "nearest_class": names[c],
                 "label": c,
                 "class_index": source.get(c),
                 "task": None if k is None else k + 1,
                 "component": None if pred.component is None else int(pred.component[j]) + 1,
                 "signature_score": None if pred.score is None else float(pred.score[j]),
-                "known": None if pred.known is None else bool(pred.known[j]),
+                "known": known,
                 "novelty": None if pred.novelty is None else float(pred.novelty[j]),
                 "head_score": float(pred.logits[j, c]),
                 "p_task": p_task,
@@ -122,7 +126,7 @@ def format_row(r: dict[str, Any], verbose: bool = False) -> str:
     novelty, ``p_task``, the temperature) and the top-k classes' numbers are the same kind as the line's."""
     calibrated = r.get("calibrated") is True
     if r["known"] is False:
-        line = f"{r['file']}: unknown (from no learned task; nearest class {r['class']})"
+        line = f"{r['file']}: unknown (from no learned task; nearest class {r['nearest_class']})"
     else:
         if calibrated:
             line = f"{r['file']}: {r['class']}  p = {r['confidence']:.2f} (probability among learned classes)"

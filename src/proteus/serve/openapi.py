@@ -74,7 +74,8 @@ def _schemas(max_images: int) -> dict[str, Any]:
         "required": ["file", "class", "label", "task", "head_score", "p_all", "confidence", "top_k"],
         "properties": {
             "file": {"type": "string", "description": "the multipart file name, or `body`"},
-            "class": {"type": "string"},
+            "class": {"type": ["string", "null"], "description": "null for an input from no learned task"},
+            "nearest_class": {"type": "string", "description": "the learned class nearest the input"},
             "label": {"type": "integer"},
             "class_index": nullable_int,
             "task": nullable_int,
@@ -91,7 +92,10 @@ def _schemas(max_images: int) -> dict[str, Any]:
             },
             "temperature": {**nullable_num, "description": "that temperature; null where the task has none"},
             "calibrated": {"type": "boolean", "description": "whether the class's task has a temperature"},
-            "known": {"type": ["boolean", "null"]},
+            "known": {
+                "type": ["boolean", "null"],
+                "description": "false: from no learned task (class null); null: no detector",
+            },
             "novelty": nullable_num,
             "top_k": {"type": "array", "items": {"type": "object"}},
         },
