@@ -86,3 +86,11 @@ def test_user_docs_name_no_issue_numbers() -> None:
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             hits += [f"{rel}:{n}: {m.group(0)}" for m in ISSUE_NUMBER.finditer(line)]
     assert not hits, "user docs name issues (history goes to CHANGELOG.md):\n" + "\n".join(hits)
+
+
+def test_the_cli_reference_keeps_angle_brackets_visible() -> None:
+    """A flag's help such as ``runs/<benchmark>-<method>-<time>`` reaches the reference as entities, not as
+    HTML tags a renderer would drop (it rendered as ``runs/--``)."""
+    page = _reference().cli_reference()
+    assert "runs/&lt;benchmark&gt;-&lt;method&gt;-&lt;time&gt;" in page
+    assert "runs/<benchmark>" not in page

@@ -109,6 +109,12 @@ def configuration_reference() -> str:
     return "\n".join(out) + "\n"
 
 
+def _text(s: str) -> str:
+    """Help text as Markdown table text: one line, ``|`` escaped, and ``<`` / ``>`` as entities (a renderer
+    takes ``runs/<benchmark>-<method>`` for HTML tags and drops them)."""
+    return s.replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def _actions(parser: argparse.ArgumentParser) -> list[str]:
     rows = ["| flag | meaning | default |", "| --- | --- | --- |"]
     for a in parser._actions:
@@ -116,7 +122,7 @@ def _actions(parser: argparse.ArgumentParser) -> list[str]:
             continue
         flags = ", ".join(f"`{s}`" for s in a.option_strings) or f"`{a.metavar or a.dest}`"
         default = "" if a.default in (None, argparse.SUPPRESS, False) else f"`{a.default}`"
-        help_ = (a.help or "").replace("|", "\\|").replace("\n", " ")
+        help_ = _text(a.help or "")
         if a.choices is not None:
             help_ += f" (one of {', '.join(map(str, a.choices))})"
         rows.append(f"| {flags} | {help_} | {default} |")
@@ -151,7 +157,7 @@ def cli_reference() -> str:
         out += [
             f"{'#' * depth} `{name}`",
             "",
-            (p.description or "").strip(),
+            _text((p.description or "").strip()),
             "",
             "```",
             p.format_usage().strip(),
