@@ -94,3 +94,16 @@ def test_the_cli_reference_keeps_angle_brackets_visible() -> None:
     page = _reference().cli_reference()
     assert "runs/&lt;benchmark&gt;-&lt;method&gt;-&lt;time&gt;" in page
     assert "runs/<benchmark>" not in page
+
+
+def test_the_api_page_covers_what_the_readme_example_uses() -> None:
+    """Every ``proteus`` name the README's Python example imports has an entry on docs/api.md."""
+    readme = (ROOT / "README.md").read_text()
+    api = (ROOT / "docs" / "api.md").read_text()
+    names = set()
+    for block in re.findall(r"```python\n(.*?)```", readme, re.S):
+        for _mod, imported in re.findall(r"^from (proteus[\w.]*) import (.+)$", block, re.M):
+            names |= {n.strip() for n in imported.split(",")}
+    assert names, "the README has no Python example importing from proteus"
+    missing = [n for n in sorted(names) if not re.search(rf"^::: proteus\.[\w.]*\b{n}$", api, re.M)]
+    assert not missing, f"docs/api.md lacks {missing}"
