@@ -107,3 +107,17 @@ def test_the_api_page_covers_what_the_readme_example_uses() -> None:
     assert names, "the README has no Python example importing from proteus"
     missing = [n for n in sorted(names) if not re.search(rf"^::: proteus\.[\w.]*\b{n}$", api, re.M)]
     assert not missing, f"docs/api.md lacks {missing}"
+
+
+def test_install_lines_name_what_can_be_installed() -> None:
+    """No page tells a reader to ``pip install`` the unpublished distribution name ``proteus-cl`` (the README
+    and docs install from a checkout or from the wheel built from it)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in pages
+        if p.relative_to(ROOT).as_posix() not in GENERATED
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"pip install\s+['\"]?proteus-cl\b", line)
+    ]
+    assert not hits, f"install lines naming the unpublished package: {hits}"
