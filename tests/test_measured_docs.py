@@ -142,3 +142,14 @@ def test_the_predict_page_shows_the_shortlist_study(path: Path) -> None:
     worst = min(r["k"]["8"]["equal"] for r in k8)
     spread = max(abs(r["k"]["8"]["rejected"] - r["rejected_full"]) for r in k8)
     assert f"at least {worst:.2f}% of the inputs" in text and f"within {spread:.2f} points" in text
+
+
+def test_the_rivals_claims_hold_on_every_record() -> None:
+    """What docs/retrieval.md says of the rivals holds on every stream's record: the default `proteus` ends
+    above every rival measured, and `klda` below `ranpac`."""
+    for path in RIVALS:
+        methods = json.loads(path.read_text())["methods"]
+        acc = {m: f["final_avg_acc"][0] for m, f in methods.items()}
+        assert max(acc, key=acc.get) == "proteus", (path.name, acc)
+        if "klda" in acc:
+            assert acc["klda"] < acc["ranpac"], (path.name, acc)
