@@ -119,8 +119,9 @@ def test_default_method_flags_inputs_without_changing_accuracy(tmp_path: Path, c
         rows[name] = json.loads(capsys.readouterr().out)
     for on, off in zip(rows["on"], rows["off"], strict=True):
         assert isinstance(on["known"], bool) and (on["novelty"] <= 0) == on["known"] and off["known"] is None
-        assert {k: v for k, v in on.items() if k not in ("known", "novelty")} == {
-            k: v for k, v in off.items() if k not in ("known", "novelty")
+        assert on["class"] == (on["nearest_class"] if on["known"] else None)  # no class for a rejected input
+        assert {k: v for k, v in on.items() if k not in ("known", "novelty", "class")} == {
+            k: v for k, v in off.items() if k not in ("known", "novelty", "class")
         }
     clf = Proteus.load(tmp_path / "on")
     rows_x = {k: r.X for k, r in clf.keys_.novelty.rows.items()}
