@@ -222,3 +222,18 @@ def test_a_message_of_several_lines_prints_as_lines(
     assert len(lines) > 2 and lines[0].startswith("error: cifar10: no data found")
     assert all(line.startswith("  ") for line in lines[1:]) and "\\n" not in err
     assert "\x1b" not in err and "no\\x1bdata" in err
+
+
+def test_an_interrupted_run_says_how_to_continue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during ``proteus run`` exits 130 and names the ``--resume`` command of its run folder."""
+    import proteus.experiment
+
+    def interrupted(*args: object, **kw: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(proteus.experiment, "run", interrupted)
+    out = tmp_path / "r"
+    assert main(["run", "--benchmark", "quickstart", "--out", str(out), "-q", *TINY]) == 130
+    assert f"proteus run --resume {out}" in capsys.readouterr().err

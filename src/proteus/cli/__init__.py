@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         term = isinstance(e, Terminated)
         what = "terminated (SIGTERM)" if term else "interrupted"
-        print(f"{what}{_kb_tasks(args, before)}", file=sys.stderr)
+        run_dir = getattr(args, "run_dir", None)
+        resume = f"; continue it with `proteus run --resume {printable(str(run_dir))}`" if run_dir else ""
+        print(f"{what}{_kb_tasks(args, before)}{resume}", file=sys.stderr)
         return 128 + signal.SIGTERM if term else 130
     except BrokenPipeError:  # the reader went away (`proteus list methods | head -1`): a normal end
         with contextlib.suppress(OSError, ValueError):  # nothing more reaches it, not even at exit

@@ -120,6 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         out = Path(args.out or f"runs/{cfg.benchmark.name}-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         _check_out_dir(out, "--out", allow_existing_dir=True)
     _warn_full_backbone_on_cpu(cfg)
+    args.run_dir = out  # an interrupted run says how to continue it (proteus.cli.main)
     res = run(cfg, out, progress=not args.quiet, resume=bool(args.resume))
     if _is_main():
         print(format_table(res))
