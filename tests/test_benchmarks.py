@@ -487,3 +487,13 @@ def test_coda_split_of_a_raw_tree(tmp_path: Path, monkeypatch) -> None:
     assert sum(len(t.test) for t in stream.tasks) == 4 and sum(len(t.train) for t in stream.tasks) == 8
     with pytest.raises(BenchmarkError, match="imagenet-r only"):
         build_benchmark(BenchmarkConfig(name="imagenet-a", data=str(tmp_path), split="coda"))
+
+
+def test_cifar_imagefolder_of_another_dataset_is_refused(tmp_path: Path) -> None:
+    """An ImageFolder tree of ten classes that are not CIFAR-10's (Imagenette's, here) is refused naming both
+    lists, instead of being learned and labelled cifar10."""
+    names = ["n01440764", "n02102040", "n02979186", "n03000684", "n03028079", "n03394916", "n03417042",
+             "n03425413", "n03445777", "n03888605"]  # fmt: skip
+    make_tree(tmp_path, dict.fromkeys(names, 1), dict.fromkeys(names, 1))
+    with pytest.raises(BenchmarkError, match=r"holds the classes n01440764.*not cifar10's \(airplane"):
+        build_benchmark(BenchmarkConfig(name="cifar10", data=str(tmp_path)))

@@ -55,6 +55,10 @@ QUICKSTART_SPLIT_SEED = 0
 
 _TORCHVISION_DIRS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 _NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet-r": 200, "imagenet-a": 200}
+#: the classes a benchmark's ImageFolder tree must hold, exactly (CIFAR-10's, in torchvision's order)
+_CLASS_NAMES = {
+    "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"),
+}
 
 
 def _num_tasks(cfg: BenchmarkConfig, name: str) -> int:
@@ -244,6 +248,12 @@ def load_cifar(name: str, root: Path, download: bool = False) -> tuple[Any, Any,
     if _is_imagefolder(root):
         train_f, test_f, classes = imagefolder_pair(root, name)
         _check_class_count(name, len(classes), _NUM_CLASSES[name], root, strict=True)
+        expected = _CLASS_NAMES.get(name)
+        if expected is not None and sorted(classes) != sorted(expected):
+            raise BenchmarkError(
+                f"{name}: {root} holds the classes {', '.join(sorted(classes))}, not {name}'s "
+                f"({', '.join(expected)}); for another dataset use --benchmark folder with a task list"
+            )
         return train_f, test_f, classes, "imagefolder", root
     raise _cifar_missing(name, root)
 
