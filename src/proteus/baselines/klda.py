@@ -108,34 +108,38 @@ class KLDA(ContinualClassifier):
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
         assert self.W_ is not None and self.b_ is not None
-        h = self.backbone_.forward_suffix(z)
-        return random_features(h.float().cpu(), self.W_, self.b_).to(self.device_)
+        return random_features(self.backbone_.forward_suffix(z), self.W_, self.b_)  # on the learner's device
 
     def _draw(self, h: torch.Tensor, k: int) -> None:
         """The random map, drawn at the first task from the run's seed (``gamma``: its own, or the scale of
         the first task's embeddings ``h``)."""
         o = self.options_
         gamma = o.rbf_gamma if o.rbf_gamma is not None else 1.0 / (h.shape[1] * float(h.double().var(None)))
-        g = torch.Generator().manual_seed(task_seed(self.config.seed, k))
-        self.W_ = torch.randn(h.shape[1], o.rff_dim, generator=g, dtype=torch.float64) * math.sqrt(2 * gamma)
-        self.b_ = torch.rand(o.rff_dim, generator=g, dtype=torch.float64) * (2 * math.pi)
-        self.scatter_ = torch.zeros(o.rff_dim, o.rff_dim, dtype=torch.float64)
+        g = torch.Generator().manual_seed(
+            task_seed(self.config.seed, k)
+        )  # drawn on the CPU: any device alike
+        W = torch.randn(h.shape[1], o.rff_dim, generator=g, dtype=torch.float64) * math.sqrt(2 * gamma)
+        b = torch.rand(o.rff_dim, generator=g, dtype=torch.float64) * (2 * math.pi)
+        self.W_, self.b_ = W.to(self.device_), b.to(self.device_)
+        self.scatter_ = torch.zeros(o.rff_dim, o.rff_dim, dtype=torch.float64, device=self.device_)
 
     @torch.no_grad()
     def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
         z, y = self.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
-        h = torch.cat([self.backbone_.forward_suffix(c.to(self.device_)).float().cpu() for c in z.split(256)])
+        h = torch.cat([self.backbone_.forward_suffix(c.to(self.device_)).float() for c in z.split(256)])
+        y = y.to(self.device_)
         if self.W_ is None:
             self._draw(h, k)
         assert self.W_ is not None and self.b_ is not None and self.scatter_ is not None
         phi = random_features(h, self.W_, self.b_)
         classes = [int(c) for c in task.classes]
         means = torch.stack([phi[y == c].mean(0) for c in classes])
-        centred = phi - means[torch.as_tensor([classes.index(int(c)) for c in y.tolist()])]
-        counts = torch.as_tensor([float((y == c).sum()) for c in classes], dtype=torch.float64)
+        local = {c: i for i, c in enumerate(classes)}
+        centred = phi - means[torch.as_tensor([local[c] for c in y.tolist()], device=phi.device)]
+        counts = torch.stack([(y == c).sum() for c in classes]).double()
         stats = (
-            torch.cat([self.means_.reshape(-1, phi.shape[1]), means]),
-            torch.cat([self.counts_, counts]),
+            torch.cat([self.means_.to(phi.device).reshape(-1, phi.shape[1]), means]),
+            torch.cat([self.counts_.to(phi.device), counts]),
             self.scatter_ + centred.T @ centred,
         )
         heads = self._heads(*stats, [*self.task_classes_, classes])  # before any change: nothing to undo
@@ -163,16 +167,21 @@ class KLDA(ContinualClassifier):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         assert self.W_ is not None and self.b_ is not None and self.scatter_ is not None
-        return {
-            **super().state_tensors(),
-            "klda.W": self.W_, "klda.b": self.b_, "klda.means": self.means_.contiguous(),
-            "klda.counts": self.counts_, "klda.scatter": self.scatter_,
-        }  # fmt: skip
+        own = {
+            "W": self.W_,
+            "b": self.b_,
+            "means": self.means_,
+            "counts": self.counts_,
+            "scatter": self.scatter_,
+        }
+        return {**super().state_tensors(), **{f"klda.{n}": t.cpu().contiguous() for n, t in own.items()}}
 
     def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        self.W_, self.b_ = need(tensors, "klda.W").clone(), need(tensors, "klda.b").clone()
-        self.means_, self.counts_ = need(tensors, "klda.means").clone(), need(tensors, "klda.counts").clone()
-        self.scatter_ = need(tensors, "klda.scatter").clone()
+        W, b, means, counts, scatter = (
+            need(tensors, f"klda.{n}").to(self.device_, copy=True)
+            for n in ("W", "b", "means", "counts", "scatter")
+        )
+        self.W_, self.b_, self.means_, self.counts_, self.scatter_ = W, b, means, counts, scatter
 
 
 TENSOR_RULES.declare(
