@@ -231,4 +231,4 @@ def test_previous_release_kb_loads_and_upgrades(world: dict, tmp_path: Path, cap
     assert json.loads(capsys.readouterr().out) == before
     assert _learn(world, kb, 2) == 0
     m = read_manifest(kb)
-    assert m["format_version"] == 4 and m["checksum"] and len(m["tasks"]) == 2 and m["sequence"] == 1
+    assert m["format_version"] == 5 and m["checksum"] and len(m["tasks"]) == 2 and m["sequence"] == 1

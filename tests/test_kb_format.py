@@ -178,13 +178,13 @@ def test_a_released_kb_opens_predicts_and_upgrades_in_place(
     tasks = KnowledgeBase.open(kb).manifest["tasks"]
     capsys.readouterr()
     assert main(["kb", "upgrade", str(kb)]) == 0
-    assert "upgraded from format 3 to format 4" in capsys.readouterr().out
+    assert "upgraded from format 3 to format 5" in capsys.readouterr().out
     m = json.loads((kb / "manifest.json").read_text())
-    assert m["format_version"] == 4 and "tasks" not in m and m["parent"] is not None
+    assert m["format_version"] == 5 and "tasks" not in m and m["parent"] is not None
     assert KnowledgeBase.open(kb).manifest["tasks"] == tasks
     assert _predict(kb, img, capsys) == before
     assert main(["kb", "verify", str(kb)]) == 0 and "OK" in capsys.readouterr().out
-    assert main(["kb", "upgrade", str(kb)]) == 0 and "already in format 4" in capsys.readouterr().out
+    assert main(["kb", "upgrade", str(kb)]) == 0 and "already in format 5" in capsys.readouterr().out
     assert main(["kb", "undo", str(kb)]) == 0  # back to the format-3 commit's content, written in format 4
     assert "restored" in capsys.readouterr().out
     assert KnowledgeBase.open(kb).manifest["tasks"] == tasks and _predict(kb, img, capsys) == before
@@ -196,16 +196,16 @@ def test_a_newer_format_is_refused_naming_both_versions(
     kb = tmp_path / "kb"
     shutil.copytree(world["kb1"], kb)
     m = json.loads((kb / "manifest.json").read_text())
-    m["format_version"] = 5
+    m["format_version"] = 6
     (kb / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(KBError) as e:
         KnowledgeBase.open(kb)
     text = str(e.value)
-    assert "format version 5" in text and "reads versions 1, 2, 3, 4" in text and text.count("\n") == 0
+    assert "format version 6" in text and "reads versions 1, 2, 3, 4, 5" in text and text.count("\n") == 0
     img = world["tree"] / "test" / "a" / "0.png"
     assert main(["predict", "--kb", str(kb), str(img), "-q"]) == 2
     err = capsys.readouterr().err
-    assert "format version 5" in err and "1, 2, 3, 4" in err and err.count("\n") == 1
+    assert "format version 6" in err and "1, 2, 3, 4, 5" in err and err.count("\n") == 1
     assert os.path.getsize(kb / "manifest.json") == len(json.dumps(m))  # refused, not rewritten
 
 

@@ -234,7 +234,7 @@ def test_a_lowered_format_version_is_refused(
     for key in ("segments", "parent", "num_tasks"):
         del m[key]
     (kb / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(KBError, match="the previous commit has version 4: the version was lowered by hand"):
+    with pytest.raises(KBError, match="the previous commit has version 5: the version was lowered by hand"):
         KnowledgeBase.open(kb)
     rc, text = _run(["kb", "verify", str(kb)], capsys)
     assert rc == 1 and "downgrade" in text

@@ -459,7 +459,7 @@ def test_edited_manifest_is_detected(tmp_path: Path) -> None:
     root = tmp_path / "kb"
     _seed(root)
     m = json.loads((root / "manifest.json").read_text())
-    assert m["format_version"] == FORMAT_VERSION == 4 and m["checksum"] == manifest_checksum(m)
+    assert m["format_version"] == FORMAT_VERSION == 5 and m["checksum"] == manifest_checksum(m)
     m["config"]["method"] = "edited"
     (root / "manifest.json").write_text(json.dumps(m, indent=1))
     with pytest.raises(KBError) as e:
@@ -474,7 +474,7 @@ def test_edited_manifest_is_detected(tmp_path: Path) -> None:
         KnowledgeBase.open(root)
     m["format_version"] = 7
     (root / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(KBError, match=r"format version 7 is not supported .*reads versions 1, 2, 3, 4"):
+    with pytest.raises(KBError, match=r"format version 7 is not supported .*reads versions 1, 2, 3, 4, 5"):
         KnowledgeBase.open(root)
 
 
@@ -523,7 +523,7 @@ def test_version_1_manifest_opens_and_gets_a_checksum(tmp_path: Path) -> None:
     assert _names(kb) == ["v1"] and kbmod.problems(root) == []
     _append(kb, "v2")
     m = read_manifest(root)
-    assert m["format_version"] == 4 and m["checksum"] == manifest_checksum(m)
+    assert m["format_version"] == FORMAT_VERSION and m["checksum"] == manifest_checksum(m)
     assert (
         m["sequence"] == 1
         and len(m["kb_id"]) == 32
@@ -575,7 +575,9 @@ def test_info_reports_tasks_and_sizes(tmp_path: Path) -> None:
     m["tasks"] = [{**m["tasks"][0], "settings": {"rank": 4}, "learned": {"epochs": 2}}, m["tasks"][1]]
     kb.commit(m)
     info = kbmod.info(KnowledgeBase.open(root))
-    assert info["format_version"] == 4 and info["created"] and info["updated"] and info["committed"]
+    assert (
+        info["format_version"] == FORMAT_VERSION and info["created"] and info["updated"] and info["committed"]
+    )
     assert (info["proteus_version"], info["method"], info["backbone_name"], info["benchmark"]) == (
         "test",
         "proteus",

@@ -46,7 +46,7 @@ import functools
 import importlib
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
 from typing import Any
@@ -531,7 +531,7 @@ class Obj:
     record: dict[str, Any]
     index: int | None
     shapes: dict[str, tuple[str, tuple[int, ...]]]
-    values: dict[str, torch.Tensor] | None = None
+    values: Mapping[str, torch.Tensor] | None = None
     #: the sum of each 1-D integer tensor's values (for ``total:`` symbols; from ``values`` when None)
     totals: dict[str, int] | None = field(default=None)
 
@@ -540,7 +540,7 @@ class Obj:
         return "task" if self.index is not None else "head"
 
 
-def int_totals(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+def int_totals(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """The sum of each small 1-D integer tensor (``signature/ranks``: the rows of ``signature/lowrank``)."""
     return {
         n: int(t.sum())

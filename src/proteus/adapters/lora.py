@@ -42,6 +42,11 @@ from torch import nn
 
 from proteus.adapters.options import TRANSFER_INIT
 
+#: consecutive tasks as a knowledge base stores them (:meth:`LoRAUnit.append_stored`): their directions A
+#: (q, sum r) and B (p, sum r) side by side, each task's columns in turn, their rows of S concatenated (each
+#: the columns before the task), each task's rank and row length
+Stored = tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int]]
+
 
 class LoRAUnit(nn.Module):
     """The adapter state of one adapted map (one weight matrix, or one output slice of a fused matrix)."""
@@ -194,22 +199,23 @@ class LoRAUnit(nn.Module):
         """Append one task's directions (q x r, p x r) and its transfer coefficients over older columns."""
         self.append_tasks([(a_k, b_k, s_k)])
 
-    @torch.no_grad()
     def append_tasks(
         self, tasks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], names: list[str] | None = None
     ) -> None:
-        """:meth:`append_task` for many tasks at once (a knowledge base's, at load): each checked in turn (a
-        ValueError names the task, by ``names`` or its number), then appended by a few whole-matrix
-        operations (:func:`_append_columns`) instead of a dozen per task."""
-        ends = [self.total_rank]
-        for i, (a, b, s) in enumerate(tasks):
-            try:
-                _check_directions(self, a, b, s, ends[-1])
-            except ValueError as e:
-                raise ValueError(f"{names[i] if names else f'task {self.num_tasks + i + 1}'}: {e}") from None
-            ends.append(ends[-1] + int(a.shape[1]))
-        if tasks:
-            _append_columns(self, tasks)
+        """:meth:`append_task` for many tasks at once (:meth:`append_stored`, one task a piece)."""
+        self.append_stored([(a, b, s, [int(a.shape[-1]) if a.ndim else 0], [s.numel()]) for a, b, s in tasks],
+                           names)  # fmt: skip
+
+    @torch.no_grad()
+    def append_stored(self, pieces: list[Stored], names: list[str] | None = None) -> None:
+        """Append tasks as a knowledge base stores them (:data:`Stored` pieces: one task, or the tasks of a
+        pack, :func:`proteus.kb.packs.spans`): checked (a ValueError names the task, by ``names`` or its
+        number), then appended by a few whole-matrix operations for all of them (:func:`_append_block`)."""
+        _check_pieces(self, pieces, names)
+        if pieces:
+            A, B = torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 1)
+            s = torch.cat([p[2].reshape(-1) for p in pieces])
+            _append_block(self, A, B, s, [r for p in pieces for r in p[3]], [c for p in pieces for c in p[4]])
 
     def task_tensors(self, task: int) -> dict[str, torch.Tensor]:
         """What a knowledge base stores for one task: its own directions and its row of C, on the CPU, as
@@ -381,46 +387,52 @@ def _grown(
     return buf, buf[: shape[0], : shape[1]]
 
 
-def _append_columns(u: LoRAUnit, tasks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-    """Append checked tasks' directions and rows of C to unit ``u`` (:meth:`LoRAUnit.append_tasks`). A, B and
-    C are views of buffers grown by half at a time (:func:`_grown`): an append copies the new tasks' numbers
+def _append_block(
+    u: LoRAUnit, A: torch.Tensor, B: torch.Tensor, s: torch.Tensor, ranks: list[int], counts: list[int]
+) -> None:
+    """Append checked tasks stored side by side to unit ``u`` (:meth:`LoRAUnit.append_stored`). A, B and C
+    are views of buffers grown by half at a time (:func:`_grown`): an append copies the new tasks' numbers
     only, not every older task's, so learning task k, and loading k tasks, costs no more per task on a long
     stream than on a short one."""
     dev, dt = u.A.device, u.A.dtype
-    R0, m, n = u.total_rank, u.num_tasks, len(tasks)
-    ranks = torch.as_tensor([int(a.shape[1]) for a, _, _ in tasks])
-    R = R0 + int(ranks.sum())
+    R0, m, n = u.total_rank, u.num_tasks, len(ranks)
+    R = R0 + int(sum(ranks))
     u._bufs["A"], u.A = _grown(u._bufs.get("A"), u.A, (u.in_features, R))
     u._bufs["B"], u.B = _grown(u._bufs.get("B"), u.B, (u.out_features, R))
     u._bufs["C"], C = _grown(u._bufs.get("C"), u.C, (m + n, R))
-    u.A[:, R0:] = torch.cat([a for a, _, _ in tasks], 1).to(dev, dt)
-    u.B[:, R0:] = torch.cat([b for _, b, _ in tasks], 1).to(dev, dt)
-    C[:m, R0:] = 0.0  # the buffer may hold a truncated task's numbers there
-    C[m:] = 0.0
-    rows = torch.nn.utils.rnn.pad_sequence([s.reshape(-1) for _, _, s in tasks], batch_first=True)
-    C[m:, : rows.shape[1]] = rows.to(dev, dt)  # each task's s over the older columns
-    own = torch.repeat_interleave(torch.arange(m, m + n), ranks).to(dev)
+    u.A[:, R0:] = A.to(dev, dt)
+    u.B[:, R0:] = B.to(dev, dt)
+    C[:m, R0:] = 0.0
+    lengths = torch.as_tensor(counts, device=dev)
+    before = torch.arange(R, device=dev)[None, :] < lengths[:, None]  # (n, R): each task's older columns
+    C[m:] = torch.zeros(n, R, device=dev, dtype=dt).masked_scatter_(before, s.to(dev, dt))  # its row of S
+    own = torch.repeat_interleave(torch.arange(m, m + n), torch.as_tensor(ranks)).to(dev)
     C[own, torch.arange(R0, R, device=dev)] = 1.0  # each task's own columns
     u.C = C
     u.ranks.extend(int(r) for r in ranks)
 
 
-def _check_directions(
-    u: LoRAUnit, a_k: torch.Tensor, b_k: torch.Tensor, s_k: torch.Tensor, rank: int | None = None
-) -> None:
-    """Whether one task's directions and coefficients fit unit ``u`` (:meth:`LoRAUnit.append_task`) after
-    ``rank`` older columns (default: the unit's)."""
-    R = u.total_rank if rank is None else rank
-    if a_k.ndim != 2 or b_k.ndim != 2 or a_k.shape[1] != b_k.shape[1]:
-        shapes = f"A {tuple(a_k.shape)} and B {tuple(b_k.shape)}"
-        raise ValueError(f"directions {shapes} must be (q, r) and (p, r)")
-    if (a_k.shape[0], b_k.shape[0]) != (u.in_features, u.out_features):
-        raise ValueError(
-            f"directions A {tuple(a_k.shape)}, B {tuple(b_k.shape)} do not fit a map of "
-            f"{u.in_features} -> {u.out_features} features"
-        )
-    if s_k.numel() != R:
-        raise ValueError(f"transfer coefficients have {s_k.numel()} entries, expected {R}")
+def _check_pieces(u: LoRAUnit, pieces: list[Stored], names: list[str] | None) -> None:
+    """Whether stored tasks' directions and coefficients fit unit ``u`` (:meth:`LoRAUnit.append_stored`): a
+    ValueError names the first task that does not, by ``names`` or its number."""
+    R, i = u.total_rank, 0
+    for A, B, s, ranks, counts in pieces:
+        who = names[i] if names else f"task {u.num_tasks + i + 1}"
+        if A.ndim != 2 or B.ndim != 2 or A.shape[1] != B.shape[1] or A.shape[1] != sum(ranks):
+            shapes = f"A {tuple(A.shape)} and B {tuple(B.shape)}"
+            raise ValueError(f"{who}: directions {shapes} must be (q, r) and (p, r)")
+        if (A.shape[0], B.shape[0]) != (u.in_features, u.out_features):
+            raise ValueError(
+                f"{who}: directions A {tuple(A.shape)}, B {tuple(B.shape)} do not fit a map of "
+                f"{u.in_features} -> {u.out_features} features"
+            )
+        if s.numel() != sum(counts):
+            raise ValueError(f"{who}: transfer coefficients: {s.numel()} entries for rows of {counts}")
+        for r, c in zip(ranks, counts, strict=True):
+            if c != R:
+                who = names[i] if names else f"task {u.num_tasks + i + 1}"
+                raise ValueError(f"{who}: transfer coefficients have {c} entries, expected {R}")
+            R, i = R + r, i + 1
 
 
 def _grouped_1x1(

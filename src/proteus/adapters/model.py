@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from torch import nn
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache, set_composition
 from proteus.backbones.base import Backbone
 from proteus.devices import CompiledForward, compile_failure
+from proteus.kb.packs import spans
 from proteus.tensor_rules import TENSOR_RULES, NeedsRecord, SameGroups, ShapeRule, Together
 
 #: a task's adapter of map m: A (q, r) and B (p, r) its own r directions (Eq. 9), s its coefficients of the
@@ -64,6 +65,26 @@ def ranks_from_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
     fewer than the task's rank where the map had no orthogonal room left (Eq. 15); empty without one."""
     pat = re.compile(ADAPTER_A)
     return {m["m"]: s[1] for n, s in shapes.items() if (m := pat.fullmatch(n)) and len(s) == 2}
+
+
+def append_stored(units: dict[str, LoRAUnit], tasks: list[tuple[Mapping[str, torch.Tensor], str]]) -> None:
+    """Append stored tasks' adapters (``adapter/<map>/A|B|s`` each, ``who`` naming each in errors) to the
+    ``units`` of their maps: the tasks of one pack of a knowledge base as one piece per map
+    (:func:`proteus.kb.packs.spans`), any other task as its own (:meth:`LoRAUnit.append_stored`)."""
+    for t, who in tasks:
+        if gap := [n for n in units if f"adapter/{n}/A" not in t]:
+            raise KeyError(f"{who}: adapter tensors for {gap[0]!r} missing from the knowledge base")
+    runs = spans([t for t, _ in tasks], [f"adapter/{n}/{x}" for n in units for x in "ABs"])
+    for n, u in units.items():
+        pieces = []
+        for first, _, blocks in runs:
+            if blocks is None:
+                A, B, s = (tasks[first][0][f"adapter/{n}/{x}"] for x in "ABs")
+                pieces.append((A, B, s, [int(A.shape[-1]) if A.ndim else 0], [s.numel()]))
+            else:
+                (A, ranks), (B, _), (s, counts) = (blocks[f"adapter/{n}/{x}"] for x in "ABs")
+                pieces.append((A, B, s, ranks, counts))
+        u.append_stored(pieces, [f"{who}: {n}" for _, who in tasks])
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -129,14 +150,10 @@ class AdaptedBackbone(nn.Module):
         """What a knowledge base stores of one task's adapter: ``adapter/<map>/{A,B,s}`` for every map."""
         return {f"adapter/{n}/{k}": v for n, u in self.units.items() for k, v in u.task_tensors(task).items()}
 
-    def append_tasks_tensors(self, tasks: list[tuple[dict[str, torch.Tensor], str]]) -> None:
-        """Append tasks' adapters (:meth:`task_tensors`' form; ``who`` names each in errors), map by map."""
-        for t, who in tasks:
-            if gap := [n for n in self.units if f"adapter/{n}/A" not in t]:
-                raise KeyError(f"{who}: adapter tensors for {gap[0]!r} missing from the knowledge base")
-        for n, u in self.units.items():
-            items = [(t[f"adapter/{n}/A"], t[f"adapter/{n}/B"], t[f"adapter/{n}/s"]) for t, _ in tasks]
-            u.append_tasks(items, [f"{who}: {n}" for _, who in tasks])
+    def append_tasks_tensors(self, tasks: list[tuple[Mapping[str, torch.Tensor], str]]) -> None:
+        """Append tasks' adapters (:meth:`task_tensors`' form; ``who`` names each in errors), map by map; the
+        tasks of a knowledge base's pack in one operation per map (:func:`append_stored`)."""
+        append_stored(self.units, tasks)
 
     def lora_parameters(self) -> list[nn.Parameter]:
         out: list[nn.Parameter] = []

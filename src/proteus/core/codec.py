@@ -11,7 +11,7 @@ and its object (:class:`~proteus.engine.errors.TaskError`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -76,12 +76,14 @@ def restore(parts: ProteusParts, records: TaskRecords, state: LearnerState) -> N
     """Load ``state`` into parts that hold no task yet, appending each task's record to ``records``."""
     if records:
         raise TaskError("a learner is restored from a state only before it learns any task")
-    adapters: list[tuple[dict[str, torch.Tensor], str]] = []  # appended together (LoRAUnit.append_tasks)
+    adapters: list[tuple[Mapping[str, torch.Tensor], str]] = []  # appended together (append_tasks_tensors)
     for meta, tensors in state.tasks:
-        what = f"task {len(records) + 1} ({meta.get('object', 'no object')})"
-        with _loading(what):
+        try:
             if _load_task(parts, records, meta, tensors):
-                adapters.append((tensors, what))
+                adapters.append((tensors, f"task {len(records)} ({meta.get('object', 'no object')})"))
+        except (TaskError, ValueError, TypeError, KeyError, IndexError, RuntimeError):
+            with _loading(f"task {len(records) + 1} ({meta.get('object', 'no object')})"):
+                raise  # named as the loading of this task
     try:
         parts.model.append_tasks_tensors(adapters)
     except (KeyError, ValueError) as e:  # names the task and its object
@@ -107,7 +109,7 @@ def load_head(parts: ProteusParts, meta: dict[str, Any], tensors: dict[str, torc
 
 
 def _load_task(
-    parts: ProteusParts, records: TaskRecords, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+    parts: ProteusParts, records: TaskRecords, meta: dict[str, Any], tensors: Mapping[str, torch.Tensor]
 ) -> bool:
     """Task ``meta``'s record, keys and head share; True when it has an adapter (appended by the caller)."""
     k = len(records)

@@ -305,7 +305,7 @@ class Proteus:
             record = rec.stored
             if record is None or rec.adopted is record or kb.manifest["tasks"][k] is not record:
                 continue
-            self.parts_.adopt(k, kb.read(record["object"], record["sha256"]))
+            self.parts_.adopt(k, kb.read_task(record))
             rec.adopted = record
 
     def kb_header(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ is the public face over them; the parts are also its fitted attributes (``model_
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -141,13 +141,11 @@ class ProteusParts:
         """Retrieval reads the frozen backbone's features (frozen-space keys)."""
         return self.retrieves and self.keys.needs_frozen
 
-    def adopt(self, k: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Hold task k's share of the keys and heads as ``tensors``, read from its committed object: the
-        same values, in the page cache rather than this process's memory (CPU learners; see
-        :meth:`proteus.Proteus.adopt`)."""
-        if self.device.type == "cpu":
-            self.keys.adopt(k, tensors)
-            self.heads.adopt(k, tensors)
+    def adopt(self, k: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Task k is stored as ``tensors`` (its committed object, memory-mapped): its share of the keys and
+        heads is read from them when needed, no longer held (see :meth:`proteus.Proteus.adopt`)."""
+        self.keys.adopt(k, tensors)
+        self.heads.adopt(k, tensors)
 
     @property
     def generation(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,16 +22,22 @@ from torch import Tensor
 
 from proteus.engine.errors import TaskError
 from proteus.engine.experts import HEAD_SCOPES, TaskExpert, TaskExperts
+from proteus.engine.stored import TaskShares
 from proteus.heads import PROTOTYPES, RanPACHead
-from proteus.heads.persist import assemble_columns, classes_outside
+from proteus.heads.persist import assemble_columns, classes_outside, column_pieces
 from proteus.tensor_rules import TENSOR_RULES, Check, Mount, ShapeRule, Together
 
 __all__ = ["ClassHeads"]
 
 
-def _under(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def _under(prefix: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The tensors named ``prefix<name>``, by ``<name>``."""
-    return {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
+    return {n[len(prefix) :]: tensors[n] for n in tensors if n.startswith(prefix)}
+
+
+def _stored_inputs(x: str, y: str) -> Callable[[int, Mapping[str, Tensor]], tuple[Tensor, Tensor]]:
+    """Decodes a stored task's kept inputs (features ``x``, labels ``y``)."""
+    return lambda k, tensors: (tensors[x].float(), tensors[y].long())
 
 
 #: a task's part of the knowledge base: its record's keys (JSON) and its tensors
@@ -60,13 +66,15 @@ class ClassHeads:
         self.head: RanPACHead | None = None
         #: ``head.scope=task``: each task's own head; None for Eq. 23's head alone
         self.experts: TaskExperts | None = HEAD_SCOPES.get(scope)(new_head)
-        #: ``head.forgettable``: task -> (its head inputs, labels), what :meth:`forget` subtracts
-        self.inputs: dict[int, tuple[Tensor, Tensor]] = {}
+        #: ``head.forgettable``: task -> (its head inputs, labels), what :meth:`forget` subtracts (read from
+        #: its stored tensors once it is stored)
+        self.inputs: TaskShares[tuple[Tensor, Tensor]] = TaskShares(_stored_inputs("forget/h", "forget/y"), 0)
         self._before: RanPACHead | None = None
         #: bumped when a learned task's stored share changes after its task (:meth:`forget`)
         self.generation = 0
-        #: each loaded task's classes and columns of the head (:meth:`load_task`), until :meth:`load`
-        self._columns: list[tuple[list[int], dict[str, Tensor]]] = []
+        #: each loaded task's classes and stored tensors, its columns of the head under ``head/``
+        #: (:meth:`load_task`), until :meth:`load`
+        self._columns: list[tuple[list[int], Mapping[str, Tensor]]] = []
 
     def update(self, k: int, h: Tensor, y: Tensor, classes: list[int], num_classes: int) -> float:
         """Task k's embeddings h (N, d) and labels y into the heads; returns the γ chosen. Atomic for the
@@ -174,21 +182,20 @@ class ClassHeads:
             tensors = {**tensors, **{f"head/{n}": t for n, t in self.head.columns(classes).items()}}
         return meta, tensors
 
-    def adopt(self, k: int, tensors: dict[str, Tensor]) -> None:
-        """Hold task k's expert and inputs as ``tensors``, the same values read from its committed object (a
-        knowledge base's mapping: the page cache instead of this process's memory)."""
-        if self.experts is not None and k < len(self.experts) and "expert/W" in tensors:
-            e = self.experts.experts[k]
-            self.experts.experts[k] = TaskExpert(e.classes, tensors["expert/W"], e.gamma)
+    def adopt(self, k: int, tensors: Mapping[str, Tensor]) -> None:
+        """Task k is stored as ``tensors`` (its committed object's, memory-mapped): its expert and inputs are
+        read from them when used (the page cache instead of this process's memory)."""
+        if self.experts is not None:
+            self.experts.adopt(k, tensors)
         if k in self.inputs and "forget/h" in tensors:
-            self.inputs[k] = (tensors["forget/h"], tensors["forget/y"])
+            self.inputs.bind(k, tensors)
 
-    def load_task(self, k: int, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    def load_task(self, k: int, meta: dict[str, Any], tensors: Mapping[str, Tensor]) -> None:
         if self.experts is not None:
             self.experts.load_task(meta, tensors, self.device)
         if "forget/h" in tensors:
-            self.inputs[k] = (tensors["forget/h"].float(), tensors["forget/y"].long())
-        self._columns.append(([int(c) for c in meta["classes"]], _under("head/", tensors)))
+            self.inputs.bind(k, tensors)
+        self._columns.append(([int(c) for c in meta["classes"]], tensors))
 
     def state(self) -> Part | None:
         if self.head is None:
@@ -199,7 +206,7 @@ class ClassHeads:
         """Load the head over every class: its object's tensors, with the columns its tasks hold (read by
         :meth:`load_task`) when its meta says they live there."""
         if meta.get("columns") == "tasks":
-            tensors = {**tensors, **assemble_columns(meta, self._columns)}
+            tensors = {**tensors, **assemble_columns(meta, column_pieces(self._columns, "head/"))}
         self._columns = []
         self.head = self.new_head()
         self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)

@@ -23,8 +23,7 @@ parameter-free across tasks: nothing is trained on, or stored from, more than on
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -40,18 +39,33 @@ from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord, Required,
 __all__ = ["COMBINATIONS", "HEAD_SCOPES", "TaskExpert", "TaskExperts", "candidates", "combine_soft", "decide"]
 
 
-@dataclass
 class TaskExpert:
     """A task's own ridge head: its classes (global labels), the closed-form weights ``W`` (d, C_t) and
-    the γ that was chosen for them."""
+    the γ that was chosen for them. ``W`` is held, or read from the task's stored tensors when used
+    (``stored``, ``device``: a task committed to a knowledge base, :meth:`TaskExperts.adopt`)."""
 
-    classes: list[int]
-    W: Tensor
-    gamma: float
+    __slots__ = ("_W", "_stored", "classes", "device", "gamma")
+
+    def __init__(
+        self, classes: list[int], W: Tensor | None, gamma: float,
+        stored: Mapping[str, Tensor] | None = None, device: torch.device | None = None,
+    ) -> None:  # fmt: skip
+        if W is None and stored is None:
+            raise ValueError("a task expert needs its weights or its stored tensors")
+        self.classes, self.gamma, self._W, self._stored, self.device = classes, gamma, W, stored, device
+
+    @property
+    def W(self) -> Tensor:
+        if self._W is not None:
+            return self._W
+        assert self._stored is not None
+        W = self._stored["expert/W"]
+        return W if self.device is None else W.to(self.device)
 
     def scores(self, h: Tensor) -> Tensor:
         """(N, C_t) scores of embeddings h (N, d) under this task's adapter."""
-        return (h.to(self.W.device, self.W.dtype) @ self.W).float()
+        W = self.W
+        return (h.to(W.device, W.dtype) @ W).float()
 
 
 #: each task's own head (``head.scope=task``, :meth:`TaskExperts.task_state`): its record's ``expert``
@@ -108,17 +122,31 @@ class TaskExperts:
         e = self.experts[k]
         return {"expert": {"gamma": e.gamma}}, {"expert/W": e.W}  # the same object at every commit
 
-    def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor], device: torch.device) -> None:
+    def load_task(self, meta: dict[str, Any], tensors: Mapping[str, Tensor], device: torch.device) -> None:
+        """Task k's expert from its stored ``tensors``: its weights read from them when used."""
         k = len(self.experts)
         if "expert/W" not in tensors or not meta.get("expert"):
             raise TaskError(
                 f"task {k + 1}: no task head in the knowledge base (head.scope=task needs one per task)"
             )
         classes = [int(c) for c in meta["classes"]]
-        W = tensors["expert/W"]
-        if W.ndim != 2 or W.shape[1] != len(classes):
-            raise TaskError(f"task {k + 1}: task head of shape {tuple(W.shape)} for {len(classes)} classes")
-        self.experts.append(TaskExpert(classes, W.to(device), float(meta["expert"]["gamma"])))
+        shape = tensors.shape("expert/W") if callable(getattr(tensors, "shape", None)) else None  # type: ignore[attr-defined]
+        shape = tuple(tensors["expert/W"].shape) if shape is None else tuple(shape)
+        if len(shape) != 2 or shape[1] != len(classes):
+            raise TaskError(f"task {k + 1}: task head of shape {shape} for {len(classes)} classes")
+        gamma = float(meta["expert"]["gamma"])
+        self.experts.append(
+            TaskExpert(classes, None, gamma, tensors, None if device.type == "cpu" else device)
+        )
+
+    def adopt(self, k: int, tensors: Mapping[str, Tensor]) -> None:
+        """Task k is stored as ``tensors``: its expert's weights are read from them when used."""
+        if k < len(self.experts) and "expert/W" in tensors:
+            e = self.experts[k]
+            device = e.W.device if e._W is not None else e.device
+            self.experts[k] = TaskExpert(
+                e.classes, None, e.gamma, tensors, None if device is None or device.type == "cpu" else device
+            )
 
 
 def candidates(task_scores: Tensor, top: int) -> Tensor:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from proteus.config import ConfigError
+from proteus.engine.stored import TaskShares
 from proteus.registry import Registry
 from proteus.signatures.fitting import oas_rho, oas_rho_of
 from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord, Schema, ShapeRule, Together
@@ -339,7 +340,7 @@ class TaskGaussians:
 PAIR_BLOCK = 2**21
 
 
-def pair_scores(gaussians: dict[int, list[PPCA]], parts: list[Tensor], cand: Tensor) -> list[Tensor]:
+def pair_scores(gaussians: Mapping[int, list[PPCA]], parts: list[Tensor], cand: Tensor) -> list[Tensor]:
     """Per component, (n, K): each row's negative log-density (:meth:`PPCA.nll`) under each of its candidate
     tasks ``cand`` (n, K) (``gaussians``: each task's, per component; ``parts``: the rows' components); +inf
     for a candidate without Gaussians (forgotten, too few rows). The pairs are grouped by task and each
@@ -437,11 +438,12 @@ class _Workspace(threading.local):
 _WORK = _Workspace()
 
 
-def _pooled(live: dict[int, CalibrationRows]) -> tuple[Tensor, Tensor]:
-    """Every live task's calibration rows (key features, tap statistics) in task order, or a seeded uniform
-    sample of :data:`MAX_POOLED` of them (:func:`_sampled`)."""
-    tasks = sorted(live)
-    X, taps = _sampled([[live[k].X for k in tasks], [live[k].taps for k in tasks]])
+def _pooled(live: Mapping[int, CalibrationRows], tasks: list[int] | None = None) -> tuple[Tensor, Tensor]:
+    """Every live task's calibration rows (key features, tap statistics) in task order (``tasks``: those of
+    ``live``, sorted), or a seeded uniform sample of :data:`MAX_POOLED` of them (:func:`_sampled`)."""
+    tasks = sorted(live) if tasks is None else tasks
+    rows = [live[k] for k in tasks]
+    X, taps = _sampled([[r.X for r in rows], [r.taps for r in rows]])
     return X, taps
 
 
@@ -478,49 +480,112 @@ class ShortlistScores:
     every row again, and so does a fit under a shortlist of another length."""
 
     def __init__(self) -> None:
+        #: task -> its candidates and scores, for a task scored here (held)
         self.cand: dict[int, Tensor] = {}
         self.nll: dict[int, Tensor] = {}
+        #: task -> its stored tensors, for a task read from a knowledge base (views made when needed)
+        self._bound: dict[int, Mapping[str, Tensor]] = {}
+        #: the pooled tasks' rows concatenated in task order (:meth:`_concat`): the tasks, how many rows of
+        #: the buffers hold them, and the buffers (grown by half at a time)
+        self._pool: tuple[list[int], int, Tensor, Tensor] | None = None
 
     def __contains__(self, k: int) -> bool:
-        return k in self.nll
+        return k in self.nll or k in self._bound
+
+    def _of(self, k: int) -> tuple[Tensor, Tensor]:
+        if k in self.nll:
+            return self.cand[k], self.nll[k]
+        t = self._bound[k]
+        return t["novelty/cal_tasks"].long(), t["novelty/cal_nll"].float()
 
     def scored(self, k: int, width: int) -> bool:
         """Whether task k's rows are scored under shortlists of ``width`` tasks."""
-        return k in self.cand and self.cand[k].shape[1] == width
+        if k in self.cand:
+            return self.cand[k].shape[1] == width
+        t = self._bound.get(k)
+        return t is not None and _shape(t, "novelty/cal_tasks")[1] == width
 
     def score(self, k: int, cand: Tensor, per: Callable[[Tensor], list[Tensor]], width: int) -> None:
         """Task k's rows under their candidates ``cand`` (n, <= width), scored by ``per`` (per component,
         (n, width): :func:`pair_scores` of the padded candidates)."""
         padded = torch.full((cand.shape[0], width), -1, dtype=torch.long)
         padded[:, : cand.shape[1]] = cand
+        self.drop(k)
         self.cand[k] = padded
         nll = torch.stack(per(padded), 2).float()  # +inf where no Gaussians: kept as 0, read as +inf
         self.nll[k] = nll.masked_fill(~torch.isfinite(nll), 0.0)
 
     def drop(self, k: int) -> None:
+        if k in self:
+            self._pool = None if self._pool is None or k in self._pool[0] else self._pool
         self.cand.pop(k, None)
         self.nll.pop(k, None)
+        self._bound.pop(k, None)
 
     def clear(self) -> None:
-        self.cand, self.nll = {}, {}
+        self.cand, self.nll, self._bound, self._pool = {}, {}, {}, None
+
+    def _concat(self, tasks: list[int]) -> tuple[Tensor, Tensor]:
+        """The rows of ``tasks`` (in order) concatenated: kept from one call to the next, the rows of tasks
+        added since appended (a long stream's refit copies the new task's rows, not every task's)."""
+        pool = self._pool
+        if pool is None or pool[0] != tasks[: len(pool[0])]:
+            pool = ([], 0, torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0, 0))
+        done, n, cand, nll = pool
+        new = tasks[len(done) :]
+        if new:
+            parts = [self._of(k) for k in new]
+            rows = n + sum(len(c) for c, _ in parts)
+            K, C = (parts[0][1].shape[1], parts[0][1].shape[2]) if n == 0 else nll.shape[1:]
+            if rows > cand.shape[0] or cand.shape[1:] != (K,):
+                size = max(rows, cand.shape[0] + cand.shape[0] // 2, 64)
+                grown_c = torch.empty(size, K, dtype=torch.long)
+                grown_n = torch.empty(size, K, C)
+                if n:
+                    grown_c[:n], grown_n[:n] = cand[:n], nll[:n]
+                cand, nll = grown_c, grown_n
+            pos = n
+            for c, x in parts:
+                cand[pos : pos + len(c)], nll[pos : pos + len(c)] = c, x
+                pos += len(c)
+            pool = (list(tasks), rows, cand, nll)
+            self._pool = pool
+        return pool[2][: pool[1]], pool[3][: pool[1]]
 
     def pooled(self, tasks: list[int], alive: Iterable[int]) -> list[Tensor]:
-        """Per component, (rows, K) float64: the sampled rows' scores, +inf under a candidate not alive."""
-        cand, nll = _sampled([[self.cand[k] for k in tasks], [self.nll[k] for k in tasks]])
+        """Per component, (rows, K) float64: the sampled rows' scores (the rows of ``tasks`` in order, or a
+        seeded uniform sample of :data:`MAX_POOLED` of them, as :func:`_sampled` draws), +inf under a
+        candidate not alive."""
+        cand, nll = self._concat(tasks)
+        if len(cand) > MAX_POOLED:
+            keep = torch.randperm(len(cand), generator=torch.Generator().manual_seed(len(cand)))
+            keep = keep[:MAX_POOLED].sort().values
+            cand, nll = cand[keep], nll[keep]
         dead = ~torch.isin(cand, torch.as_tensor(sorted(alive), dtype=torch.long))
         return list(nll.double().masked_fill(dead[:, :, None], float("inf")).unbind(2))
 
     def state(self, k: int) -> dict[str, Tensor]:
-        return {} if k not in self else {"novelty/cal_tasks": self.cand[k], "novelty/cal_nll": self.nll[k]}
+        if k not in self:
+            return {}
+        cand, nll = self._of(k)
+        return {"novelty/cal_tasks": cand, "novelty/cal_nll": nll}
 
-    def load(self, k: int, tensors: dict[str, Tensor], rows: int) -> None:
-        """Task k's scores from its object (none there: scored at the next fit)."""
-        cand, nll = tensors.get("novelty/cal_tasks"), tensors.get("novelty/cal_nll")
-        if cand is None or nll is None:
+    def load(self, k: int, tensors: Mapping[str, Tensor], rows: int) -> None:
+        """Task k's scores from its stored tensors (read when needed; none there: scored at the next fit)."""
+        if "novelty/cal_tasks" not in tensors or "novelty/cal_nll" not in tensors:
             return self.drop(k)
-        if cand.ndim != 2 or nll.shape != (*cand.shape, nll.shape[-1]) or len(cand) != rows:
-            raise ValueError(f"novelty: calibration scores {tuple(nll.shape)} do not fit {rows} rows")
-        self.cand[k], self.nll[k] = cand.long(), nll.float()
+        cand, nll = _shape(tensors, "novelty/cal_tasks"), _shape(tensors, "novelty/cal_nll")
+        if len(cand) != 2 or len(nll) != 3 or nll[:2] != cand or cand[0] != rows:
+            raise ValueError(f"novelty: calibration scores {nll} do not fit {rows} rows")
+        self.cand.pop(k, None)
+        self.nll.pop(k, None)
+        self._bound[k] = tensors
+
+
+def _shape(tensors: Mapping[str, Tensor], name: str) -> tuple[int, ...]:
+    """A stored tensor's shape (from the header where it is stored: no view made)."""
+    shape = getattr(tensors, "shape", None)
+    return tuple(shape(name)) if callable(shape) else tuple(tensors[name].shape)
 
 
 def _finite(v: Any) -> bool:
@@ -531,7 +596,7 @@ def _count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
-def _ppca_of(tensors: dict[str, Tensor], prefix: str, noise: float) -> PPCA:
+def _ppca_of(tensors: Mapping[str, Tensor], prefix: str, noise: float) -> PPCA:
     """The Gaussian stored under ``prefix`` (``mean``, ``basis``, ``var``) with noise variance ``noise``."""
     return PPCA(tensors[f"{prefix}mean"], tensors[f"{prefix}basis"], tensors[f"{prefix}var"], noise)
 
@@ -630,7 +695,9 @@ class TaskDetector:
         assert isinstance(total, Tensor)
         return total.min(1).values
 
-    def novelty(self, gaussians: dict[int, list[PPCA]], parts: list[Tensor], cand: Tensor | None) -> Tensor:
+    def novelty(
+        self, gaussians: Mapping[int, list[PPCA]], parts: list[Tensor], cand: Tensor | None
+    ) -> Tensor:
         if self.stacked is not None:
             per = [t.scores(part) for t, part in zip(self.stacked, parts, strict=True)]
         elif cand is None:
@@ -667,13 +734,16 @@ class ClassNovelty:
 
     holdout: float
     tpr: float
-    rows: dict[int, CalibrationRows] = field(default_factory=dict)
+    #: task -> its calibration rows (held until the task is stored; then read from its stored tensors)
+    rows: MutableMapping[int, CalibrationRows] = field(default_factory=lambda: TaskShares(_stored_rows, None))
     _fitted: tuple[Any, Any, Tensor] | None = None
     #: ``task-gaussian`` wanted (``retrieval.novelty`` auto or task-gaussian): tasks learned with tap
     #: statistics get their Gaussians; a knowledge base whose tasks lack them keeps the class Gaussians
     tasks: bool = False
-    #: task -> its Gaussian per component (each tap block's statistics, then the key features)
-    gaussians: dict[int, list[PPCA]] = field(default_factory=dict)
+    #: task -> its Gaussian per component (each tap block's statistics, then the key features): held while
+    #: the task is not stored, then decoded from its stored tensors when a shortlist needs it (the tasks used
+    #: last kept within ``task_cache`` bytes)
+    gaussians: MutableMapping[int, list[PPCA]] = field(default_factory=lambda: TaskShares(_stored_gaussians))
     #: the widths of the tap blocks' statistics (the components before the key features)
     tap_sizes: list[int] | None = None
     #: bumped when the stored tasks' rows or rate change (:meth:`replace`, :meth:`set_tpr`)
@@ -683,6 +753,11 @@ class ClassNovelty:
     shortlist: int | None = None
     #: each task's calibration rows scored under their shortlist (with ``shortlist``)
     scores: ShortlistScores = field(default_factory=ShortlistScores)
+    #: task -> (its calibration rows, whether they keep tap statistics): what the detector needs of every
+    #: task without reading its rows
+    counts: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    #: a stored task's Gaussians' noise variances (its record's; the rest of them is in its tensors)
+    _noises: dict[int, list[float]] = field(default_factory=dict)
 
     def draw(
         self, k: int, X: Tensor, y: Tensor, seed: int, taps: Tensor | None = None,
@@ -705,6 +780,7 @@ class ClassNovelty:
                 self.tap_sizes = [int(v) for v in tap_sizes]
                 parts = [*taps.float().cpu().split(self.tap_sizes, 1), X.float().cpu()]
                 self.gaussians[k] = [PPCA.fit(c[rest]) for c in parts]
+        self.counts[k] = (len(self.rows[k].y), kept_taps is not None)
         self._fitted = None
 
     def calibrate(
@@ -719,13 +795,18 @@ class ClassNovelty:
 
     def replace(self, rows: dict[int, CalibrationRows]) -> None:
         """New calibration rows for every task (``kb calibrate --images``); tasks absent get none."""
-        self.rows, self._fitted = dict(rows), None
+        self.rows.clear()
+        self.counts = {k: (len(r.y), r.taps is not None) for k, r in rows.items()}
+        self.rows.update(rows)
+        self._fitted = None
         self.scores.clear()
         self.generation += 1
 
     def drop(self, k: int) -> None:
         self.rows.pop(k, None)
         self.gaussians.pop(k, None)
+        self.counts.pop(k, None)
+        self._noises.pop(k, None)
         self.scores.drop(k)
         self._fitted = None
 
@@ -733,8 +814,12 @@ class ClassNovelty:
     def uses_taps(self) -> bool:
         """Whether the detector scores with the task Gaussians (every task with calibration rows has its
         Gaussians and its rows' tap statistics), and so needs the inputs' tap statistics."""
-        live = [k for k, r in self.rows.items() if len(r.y)]
-        return bool(live) and all(k in self.gaussians and self.rows[k].taps is not None for k in live)
+        live = [(k, taps) for k, (n, taps) in self.counts.items() if n]
+        return bool(live) and all(taps and k in self.gaussians for k, taps in live)
+
+    def _live(self) -> list[int]:
+        """The tasks with calibration rows, in order."""
+        return sorted(k for k, c in self.counts.items() if c[0])
 
     def _components(self, X: Tensor, taps: Tensor) -> list[Tensor]:
         assert self.tap_sizes is not None
@@ -751,12 +836,13 @@ class ClassNovelty:
         return self.shortlist is not None and self.shortlist < m
 
     def _fit_tasks(
-        self, live: dict[int, CalibrationRows], stamp: Any, shortlist_of: Callable[[Tensor], Tensor] | None
+        self, tasks: list[int], stamp: Any, shortlist_of: Callable[[Tensor], Tensor] | None
     ) -> None:
-        """The ``task-gaussian`` detector (module doc): each component's scale from the pooled calibration
-        rows, the combined score, and one threshold at ``tpr`` of the pooled rows; with a shortlist, each row
-        scored under its own ``shortlist_of`` candidates (as an input is)."""
-        tasks = sorted(live)
+        """The ``task-gaussian`` detector (module doc) from the calibration rows of ``tasks`` (those with
+        rows, in order): each component's scale from the pooled calibration rows, the combined score, and one
+        threshold at ``tpr`` of the pooled rows; with a shortlist, each row scored under its own
+        ``shortlist_of`` candidates (as an input is), from the scores kept per task (no task's rows or
+        Gaussians read but those of a task not scored yet)."""
         n = max(tasks) + 1
         if shortlist_of is not None and self.shortlisted(n):
             for k in tasks:
@@ -765,7 +851,7 @@ class ClassNovelty:
             per = self.scores.pooled(tasks, self.gaussians)
             stacked: list[TaskGaussians] | None = None
         else:
-            X, taps = _pooled(live)
+            X, taps = _pooled(self.rows, tasks)
             stacked = self._stacked(tasks)
             per = [g.scores(part) for g, part in zip(stacked, self._components(X, taps), strict=True)]
         fitted = TaskDetector.fit(per, self.tpr, stacked)
@@ -817,12 +903,13 @@ class ClassNovelty:
         (n, K) from its key features (the task Gaussians with a shortlist)."""
         if self._fitted is not None and self._fitted[0] == stamp:
             return True
-        live = {k: r for k, r in self.rows.items() if len(r.y)}
-        if not live:
+        tasks = self._live()
+        if not tasks:
             return False
         if self.uses_taps:
-            self._fit_tasks(live, stamp, shortlist_of)
+            self._fit_tasks(tasks, stamp, shortlist_of)
             return True
+        live = {k: self.rows[k] for k in tasks}
         g = ClassGaussians.from_statistics(G, Q, counts, [(r.X, r.y) for r in live.values() if r.in_stats])
         scores = {k: g.distances(r.X)[0] for k, r in live.items()}
         pooled = torch.cat(list(scores.values()))
@@ -873,37 +960,108 @@ class ClassNovelty:
                                 f"novelty/g{c}/var": g.var})  # fmt: skip
         return {"novelty": info}, tensors
 
-    def adopt(self, k: int, tensors: dict[str, Tensor]) -> None:
-        """Hold task k's rows and Gaussians as ``tensors``, its committed object's (the same values: a
-        knowledge base's mapped object, so that they live in the page cache, not in this process)."""
-        r = self.rows.get(k)
-        if r is not None and "novelty/x" in tensors:
-            taps = tensors.get("novelty/taps") if r.taps is not None else None
-            self.rows[k] = CalibrationRows(tensors["novelty/x"], tensors["novelty/y"], r.in_stats, taps)
-            if k in self.scores:
-                self.scores.load(k, tensors, len(r.y))
-        gs = self.gaussians.get(k)
-        if gs is not None and all(f"novelty/g{c}/basis" in tensors for c in range(len(gs))):
-            self.gaussians[k] = [_ppca_of(tensors, f"novelty/g{c}/", g.noise) for c, g in enumerate(gs)]
+    def adopt(self, k: int, tensors: Mapping[str, Tensor]) -> None:
+        """Task k is stored as ``tensors`` (its committed object's, memory-mapped): its rows and Gaussians are
+        read from them when needed, no longer held (the same values), so that they live in the page cache,
+        not in this process; its calibration scores are kept (a few numbers per row)."""
+        _stored(self, k, tensors, None)
 
-    def load_task(self, k: int, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    def load_task(self, k: int, meta: dict[str, Any], tensors: Mapping[str, Tensor]) -> None:
+        """Task k's share from its stored ``tensors`` (record ``meta``): its calibration scores and what the
+        detector needs of every task; its rows and Gaussians are read when needed."""
         info = meta.get("novelty")
         if isinstance(info, dict) and "novelty/x" in tensors:
-            taps = tensors.get("novelty/taps")
-            self.rows[k] = CalibrationRows(
-                tensors["novelty/x"].float(), tensors["novelty/y"].long(), bool(info["in_stats"]),
-                None if taps is None else taps.float(),
-            )  # fmt: skip
-            self.tpr = float(info["tpr"])
-            self.scores.load(k, tensors, len(self.rows[k].y))
-            noise = info.get("noise")
-            if isinstance(noise, list) and isinstance(info.get("tap_sizes"), list):
-                self.tap_sizes = [int(v) for v in info["tap_sizes"]]
-                if len(noise) != len(self.tap_sizes) + 1 or not all(float(v) > 0 for v in noise):
-                    raise ValueError(f"novelty: {len(noise)} task Gaussians for {len(self.tap_sizes)} taps")
-                self.gaussians[k] = [
-                    PPCA(tensors[f"novelty/g{c}/mean"].float(), tensors[f"novelty/g{c}/basis"].float(),
-                         tensors[f"novelty/g{c}/var"].float(), float(v))
-                    for c, v in enumerate(noise)
-                ]  # fmt: skip
+            _stored(self, k, tensors, info)
         self._fitted = None
+
+
+def _stored(nov: ClassNovelty, k: int, tensors: Mapping[str, Tensor], info: dict[str, Any] | None) -> None:
+    """Task k of ``nov`` is stored as ``tensors``: its rows and Gaussians bound to them (decoded when
+    needed), its calibration scores read from them; ``info``: its record's ``novelty`` (None: a task this
+    process learned, which ``nov`` holds)."""
+    if info is None:  # (ClassNovelty.adopt)
+        if k not in nov.rows or "novelty/x" not in tensors:
+            return
+        in_stats = nov.rows[k].in_stats
+        width = 0 if nov.tap_sizes is None else len(nov.tap_sizes) + 1
+        noise = None
+        if k in nov.gaussians and all(f"novelty/g{c}/basis" in tensors for c in range(width)):
+            gs = nov.gaussians[k] if _held(nov.gaussians, k) else None
+            noise = [g.noise for g in gs] if gs is not None else nov._noises.get(k)
+    else:
+        in_stats, noise, taps = bool(info["in_stats"]), info.get("noise"), info.get("tap_sizes")
+        nov.tpr = float(info["tpr"])
+        if not (isinstance(noise, list) and isinstance(taps, list)):
+            noise = None
+        else:
+            nov.tap_sizes = [int(v) for v in taps]
+            if len(noise) != len(nov.tap_sizes) + 1 or not all(float(v) > 0 for v in noise):
+                raise ValueError(f"novelty: {len(noise)} task Gaussians for {len(nov.tap_sizes)} taps")
+    n = _rows_of(tensors)
+    _bind(nov.rows, k, tensors, in_stats)
+    if noise is not None:
+        nov._noises[k] = [float(v) for v in noise]
+        _bind(nov.gaussians, k, tensors, nov._noises[k])
+    if info is not None or k in nov.scores:
+        nov.scores.load(k, tensors, n)
+    nov.counts[k] = (n, "novelty/taps" in tensors)
+
+
+def _held(shares: MutableMapping[int, Any], k: int) -> bool:
+    """Whether task k's value is held in memory (a plain dict holds every value)."""
+    return shares.held(k) if isinstance(shares, TaskShares) else k in shares
+
+
+def _rows_of(tensors: Mapping[str, Tensor]) -> int:
+    """The calibration rows a task's stored tensors hold (from the header where they are stored)."""
+    return int(_shape(tensors, "novelty/y")[0])
+
+
+def _bind(shares: MutableMapping[int, Any], k: int, tensors: Mapping[str, Tensor], info: Any) -> None:
+    """Task k of ``shares`` read from its stored ``tensors`` when needed (a plain dict: decoded now);
+    ``info``: what the decoder needs beside the tensors (the rows' ``in_stats``, the Gaussians' noises)."""
+    stored = _Share(tensors, info)
+    if isinstance(shares, TaskShares):
+        shares.bind(k, stored)
+    else:
+        shares[k] = (_stored_rows if isinstance(info, bool) else _stored_gaussians)(k, stored)
+
+
+class _Share(Mapping[str, Tensor]):
+    """A stored task's tensors with what its record adds (:func:`_bind`)."""
+
+    def __init__(self, tensors: Mapping[str, Tensor], info: Any) -> None:
+        self.tensors, self.info = tensors, info
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return _shape(self.tensors, name)
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+
+def _stored_rows(k: int, tensors: Mapping[str, Tensor]) -> CalibrationRows:
+    """Task k's calibration rows from its stored tensors."""
+    in_stats = tensors.info if isinstance(tensors, _Share) else True
+    taps = tensors["novelty/taps"] if "novelty/taps" in tensors else None
+    return CalibrationRows(
+        tensors["novelty/x"].float(), tensors["novelty/y"].long(), bool(in_stats),
+        None if taps is None else taps.float(),
+    )  # fmt: skip
+
+
+def _stored_gaussians(k: int, tensors: Mapping[str, Tensor]) -> list[PPCA]:
+    """Task k's Gaussians from its stored tensors (their noise variances from its record)."""
+    noise = tensors.info if isinstance(tensors, _Share) else None
+    if not isinstance(noise, list):
+        raise ValueError(f"task {k + 1}: its Gaussians' noise variances are unknown")
+    return [_ppca_of(tensors, f"novelty/g{c}/", float(v)) for c, v in enumerate(noise)]

@@ -197,7 +197,8 @@ class TaskRecord:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TaskRecord:
         confidence = d.get("confidence")
-        return cls(
+        rec = cls.__new__(cls)  # the fields set at once (a long stream's load builds one per task)
+        rec.__dict__.update(
             index=int(d["index"]),
             classes=[int(c) for c in d["classes"]],
             class_names=[str(c) for c in d["class_names"]],
@@ -210,7 +211,12 @@ class TaskRecord:
             forgotten=bool(d.get("forgotten", False)),
             source_classes=None if d.get("source_classes") is None else [int(c) for c in d["source_classes"]],
             confidence=None if confidence is None else Confidence.from_dict(confidence, int(d["index"])),
+            stored=None,
+            stored_at=-1,
+            adopted=None,
         )
+        TaskRecord.changes += 1
+        return rec
 
 
 #: ``TrainStats.from_dict`` passes these as keyword arguments: all of them, nothing else

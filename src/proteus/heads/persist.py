@@ -13,17 +13,19 @@ the head's object, the LDA keys under ``task_head/``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch import Tensor
 
 from proteus.heads.prototypes import PROTOTYPES
+from proteus.kb.packs import spans
 from proteus.tensor_rules import TENSOR_RULES, F, Fields, Required, Schema, ShapeRule, Together
 
 __all__ = [
     "COLUMNS", "RANPAC_META", "SUPPORTED_DTYPES", "HeadFields", "assemble_columns", "classes_outside",
+    "column_pieces",
     "dtype_name", "head_columns", "head_meta", "head_tensors", "is_head_meta", "load_head_state",
     "meta_dtype",
 ]  # fmt: skip
@@ -261,6 +263,24 @@ def assemble_columns(
     out = {"Q": Q, "counts": counts}
     if P is not None:
         out["P"] = P
+    return out
+
+
+def column_pieces(
+    entries: list[tuple[list[int], Mapping[str, Tensor]]], prefix: str
+) -> list[tuple[list[int], dict[str, Tensor]]]:
+    """:func:`assemble_columns`' pieces from each task's classes and stored tensors (its columns named
+    ``prefix<name>``): the tasks of a knowledge base's pack as one piece (their columns side by side, one view
+    of the pack: :func:`proteus.kb.packs.spans`), any other task as its own."""
+    names = [n for n in COLUMNS if entries and f"{prefix}{n}" in entries[0][1]]
+    out: list[tuple[list[int], dict[str, Tensor]]] = []
+    for first, end, blocks in spans([t for _, t in entries], [f"{prefix}{n}" for n in names]):
+        if blocks is None or not names:
+            for classes, t in entries[first:end]:
+                out.append((classes, {n[len(prefix) :]: t[n] for n in t if n.startswith(prefix)}))
+            continue
+        classes = [c for cs, _ in entries[first:end] for c in cs]
+        out.append((classes, {n: blocks[f"{prefix}{n}"][0] for n in names}))
     return out
 
 

@@ -51,8 +51,9 @@ from proteus.kb.files import (
 )
 from proteus.kb.manifests import previous_manifest
 from proteus.kb.objects import ObjectStore
+from proteus.kb.packs import is_pack, pack_tasks
 from proteus.kb.schema import manifest_problems, object_dirs
-from proteus.kb.segments import Segments
+from proteus.kb.segments import SEGMENT_TASKS, Segments
 from proteus.kb.signing import signature
 from proteus.kb.sweep import previous_names
 from proteus.untrusted import file_kind, load_json
@@ -119,6 +120,35 @@ def upgraded(manifest: dict[str, Any], kb_id: str, sequence: int, sizes: dict[st
     return out
 
 
+def packed(manifest: dict[str, Any], objects: ObjectStore) -> dict[str, Any]:
+    """``manifest`` (expanded) with the tasks of every full record segment in one pack (format 5,
+    :mod:`.packs`): a segment whose records do not all name one pack -- the segment the new task just filled,
+    or every full one of a knowledge base written in an older format, or after a change that rewrote its
+    tasks -- is packed from its tasks' objects (written with :meth:`~.objects.ObjectStore.write_pack`) and its
+    records name the pack; the rest of ``manifest`` is as it was (the same objects)."""
+    tasks = manifest.get("tasks")
+    if not isinstance(tasks, list) or len(tasks) < SEGMENT_TASKS:
+        return manifest
+    out: list[Any] | None = None
+    for first in range(0, len(tasks) - SEGMENT_TASKS + 1, SEGMENT_TASKS):
+        seg = tasks[first : first + SEGMENT_TASKS]
+        if not all(isinstance(r, dict) and isinstance(r.get("object"), str) for r in seg):
+            continue  # refused by the checks of the commit, by name
+        rel = seg[0]["object"]
+        if is_pack(rel) and all(r["object"] == rel for r in seg):
+            continue
+        shares = [objects.read_task(manifest, r) for r in seg]
+        try:
+            data = pack_tasks(first, shares)
+        except ValueError as e:
+            log.warning("%s: tasks %d .. %d stay unpacked: %s", objects.root, first + 1, first + len(seg), e)
+            continue
+        prel, psha = objects.write_pack(data)
+        out = list(tasks) if out is None else out
+        out[first : first + SEGMENT_TASKS] = [{**r, "object": prel, "sha256": psha} for r in seg]
+    return manifest if out is None else {**manifest, "tasks": out}
+
+
 class Commit:
     """One commit of the knowledge base at ``root`` whose objects are ``objects``: :meth:`run` makes a sealed
     manifest the state; ``previous`` is the manifest.json it replaces (its bytes; None for a first
@@ -153,6 +183,8 @@ class Commit:
         committed: dict[str, Any] = found if isinstance(found, dict) else {}
         refs = {rel: sha for _, rel, sha in _refs(known)} if committed else {}
         for label, rel, sha in _refs(manifest):
+            if rel in out:  # (the tasks of a pack share its object)
+                continue
             n = committed.get(rel)
             if refs.get(rel) == sha and isinstance(n, int) and not isinstance(n, bool):
                 out[rel] = n  # checked when it was committed or read
@@ -184,6 +216,7 @@ class Commit:
         back; the manifest.json to write and the same expanded. Any failure: :meth:`abandon`, then the
         error."""
         try:
+            manifest = packed(manifest, self.objects)  # a segment just filled: its tasks in one pack
             sizes = self.sizes(manifest, current)
 
             def pack(m: dict[str, Any]) -> list[dict[str, Any]]:

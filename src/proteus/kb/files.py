@@ -32,13 +32,15 @@ from proteus.untrusted import SpecialFileError, file_kind, read_fd
 log = logging.getLogger("proteus")
 
 FORMAT = "proteus-kb"
-#: the format this proteus writes (4: written incrementally -- the task records in segments of
-#: :data:`~proteus.kb.segments.SEGMENT_TASKS`, each manifest naming its parent by hash, :mod:`.segments`)
-FORMAT_VERSION = 4
+#: the format this proteus writes (5: the tasks of every full record segment in one pack, read on demand,
+#: :mod:`.packs`)
+FORMAT_VERSION = 5
 #: the formats this proteus reads (1: no manifest checksum; 2: the checksum covers each task's ``learned``;
 #: 3: one manifest holding every task's record, with a commit sequence number, the knowledge base's
-#: identity, each object's size, and a checksum that leaves out every time stamp)
-READABLE_VERSIONS = (1, 2, 3, 4)
+#: identity, each object's size, and a checksum that leaves out every time stamp; 4: written incrementally
+#: -- the task records in segments of :data:`~proteus.kb.segments.SEGMENT_TASKS`, each manifest naming its
+#: parent by hash, :mod:`.segments` -- with one object per task)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 #: the keys only format 3 and later write: a manifest of an older version holding one was downgraded by hand
 V3_KEYS = ("sequence", "kb_id", "object_bytes")
 #: the keys only format 4 writes (a manifest of format 3 holding one was downgraded by hand)

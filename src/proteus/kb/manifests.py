@@ -64,7 +64,7 @@ def parse(
         for _, rel, sha in _segment_refs(manifest):
             object_path(root, rel, sha, segment=True)
         expanded = (segments or Segments()).expand(
-            manifest, lambda r, s, n: read_segment(root, r, s, n), str(path)
+            manifest, lambda r, s, n: read_segment(root, r, s, n), str(path), verified
         )
     except ProteusError as e:
         return manifest, [f"{e}" if str(path) in str(e) else f"{path}: {e}"]
@@ -117,7 +117,11 @@ def read_manifest(
 def check_paths(root: Path, manifest: dict[str, Any], path: Path) -> None:
     """Refuse a manifest (file ``path``) naming an object outside ``root``'s ``objects/``."""
     dirs = object_dirs(root)
+    seen: set[tuple[str, str]] = set()
     for label, rel, sha in _refs(manifest):
+        if (rel, sha) in seen:  # (the tasks of a pack share its object)
+            continue
+        seen.add((rel, sha))
         try:
             object_path(root, rel, sha, dirs)
         except KBError as e:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,21 @@ from proteus.kb.files import (
     read_object,
     recorded_size,
 )
+from proteus.kb.packs import PACK_KIND, Pack, StoredTensors, is_pack
 from proteus.kb.schema import object_dirs, object_path, task_label
 from proteus.kb.tensors import Obj, check_objects, shapes_of, tensors_of
 from proteus.kb.verified import Verified, state_key
 
 #: one part of a learner's state: its JSON record (in the manifest) and its tensors (one object)
 Part = tuple[dict[str, Any], dict[str, torch.Tensor]]
+#: a stored part as read back: its record and its tensors (its object's, or its share of a pack: a mapping
+#: whose tensors are made when asked for, :class:`~proteus.kb.packs.StoredTensors`)
+StoredPart = tuple[dict[str, Any], Mapping[str, torch.Tensor]]
+
+
+def _shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's (safetensors dtype name, shape): from the header of stored tensors (no view made)."""
+    return tensors.shapes() if isinstance(tensors, StoredTensors) else shapes_of(dict(tensors))
 
 
 class ObjectStore:
@@ -62,6 +72,8 @@ class ObjectStore:
         #: rel -> bytes of every object this process wrote or read
         self.sizes: dict[str, int] = {}
         self.keys = ContentKeys()  # each unchanged tensor hashed once, each unchanged object keyed once
+        #: rel -> (sha256, the pack decoded: its header parsed once for every task it holds)
+        self.packs: dict[str, tuple[str, Pack]] = {}
         #: the files and states this proteus verified or wrote before (:mod:`.verified`)
         self.verified = verified if verified is not None else Verified(root)
 
@@ -113,7 +125,11 @@ class ObjectStore:
         since is not hashed again: :mod:`.verified`); keep the mappings as the snapshot (a later sweep
         cannot take a mapped file away)."""
         dirs = object_dirs(self.root)
-        self.cache = {rel: (sha, self.mapped(manifest, rel, sha, dirs)) for _, rel, sha in _refs(manifest)}
+        cache: dict[str, tuple[str, mmap.mmap]] = {}
+        for _, rel, sha in _refs(manifest):
+            if cache.get(rel, ("",))[0] != sha:  # (the tasks of a pack share its object)
+                cache[rel] = (sha, self.mapped(manifest, rel, sha, dirs))
+        self.cache = cache
         self.verified.save(set(self.cache) | {rel for _, rel, _ in _segment_refs(manifest)})
 
     def read(
@@ -129,19 +145,51 @@ class ObjectStore:
         except ValueError as e:
             raise KBError(f"{self.root / rel}: not a valid safetensors file ({e})") from None
 
+    def read_task(
+        self, manifest: dict[str, Any], record: dict[str, Any], checked: bool = False
+    ) -> StoredTensors:
+        """The tensors of the task whose record is ``record``: its object's, or its share of the pack its
+        record names (format 5, :mod:`.packs`; the pack's header parsed once for all its tasks), each a view
+        of the mapped file made when asked for. ``checked``: :meth:`read`."""
+        rel, sha = record["object"], record["sha256"]
+        if not is_pack(rel):
+            cached = self.cache.get(rel)
+            mapped = cached[1] if cached is not None and cached[0] == sha else self.mapped(manifest, rel, sha)
+            try:
+                return StoredTensors.of_object(mapped, checked)
+            except ValueError as e:
+                raise KBError(f"{self.root / rel}: not a valid safetensors file ({e})") from None
+        found = self.packs.get(rel)
+        if found is None or found[0] != sha:
+            cached = self.cache.get(rel)
+            mapped = cached[1] if cached is not None and cached[0] == sha else self.mapped(manifest, rel, sha)
+            try:
+                found = self.packs[rel] = (sha, Pack(mapped, checked, str(self.root / rel)))
+            except ValueError as e:
+                raise KBError(f"{self.root / rel}: not a valid pack ({e})") from None
+        pack, index = found[1], record.get("index")
+        slot = index - pack.first if isinstance(index, int) else -1
+        if not 0 <= slot < pack.count:
+            raise KBError(
+                f"{self.root / rel}: holds tasks {pack.first + 1} .. {pack.first + pack.count}, not task "
+                f"{index + 1 if isinstance(index, int) else index!r} whose record names it"
+            )
+        return pack.task(slot)
+
     def checked_state(
         self, manifest: dict[str, Any], consequence: str, learner: str | None = None
-    ) -> tuple[list[Part], Part | None]:
-        """Every object's tensors, checked by :func:`~proteus.kb.tensors.check_objects` (dtypes, shapes,
-        finite values: ``learner``'s rules): a :class:`KBError` with the first problem and ``consequence``."""
+    ) -> tuple[list[StoredPart], Part | None]:
+        """Every task's tensors (:meth:`read_task`) and the head's, checked by
+        :func:`~proteus.kb.tensors.check_objects` (dtypes, shapes, finite values: ``learner``'s rules): a
+        :class:`KBError` with the first problem and ``consequence``."""
         key = state_key(manifest, learner or "")
         checked = self.verified.checked(key)  # checked before, or committed by this proteus: :mod:`.verified`
-        tasks = [(t, self.read(manifest, t["object"], t["sha256"], checked)) for t in manifest["tasks"]]
+        tasks: list[StoredPart] = [(t, self.read_task(manifest, t, checked)) for t in manifest["tasks"]]
         head = manifest.get("head")
         state = (head["meta"], self.read(manifest, head["object"], head["sha256"], checked)) if head else None
         if not checked:
             objects = [
-                Obj(task_label(i), str(self.root / t["object"]), t, i, shapes_of(x), x)
+                Obj(task_label(i), str(self.root / t["object"]), t, i, _shapes(x), x)
                 for i, (t, x) in enumerate(tasks)
             ]
             if head and state:
@@ -194,6 +242,18 @@ class ObjectStore:
             self.write_new(rel, data, sha)
         return rel, sha
 
+    def write_pack(self, data: bytes) -> tuple[str, str]:
+        """Write a pack's bytes (format 5, :mod:`.packs`) as a content-addressed object (in memory while the
+        knowledge base is not on disk); returns (rel, sha256)."""
+        sha = _sha(data)
+        rel = f"{OBJECTS}/{PACK_KIND}-{sha[:16]}.safetensors"
+        self.sizes[rel] = len(data)
+        if not self.on_disk:
+            self.pending[rel] = data
+        elif not (self.root / rel).exists():
+            self.write_new(rel, data, sha)
+        return rel, sha
+
     def write_segment(self, data: bytes) -> tuple[str, str]:
         """Write a record segment's bytes (format 4, :mod:`.segments`) as a content-addressed object (in
         memory while the knowledge base is not on disk); returns (rel, sha256)."""
@@ -234,4 +294,5 @@ class ObjectStore:
         self.on_disk = True
         keep = {rel: sha for _, rel, sha in _refs(manifest) + _segment_refs(manifest)}
         self.cache = {rel: v for rel, v in self.cache.items() if keep.get(rel) == v[0]}
+        self.packs = {rel: v for rel, v in self.packs.items() if keep.get(rel) == v[0]}
         self.known = {key: v for key, v in self.known.items() if keep.get(v[0]) == v[1]}

@@ -88,13 +88,20 @@ class Segments:
     def __init__(self) -> None:
         #: sha256 -> (records, rows, their objects' sizes, each record's values as it was written or read)
         self.known: dict[str, tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...], tuple[Any, ...]]] = {}
+        #: the store's record of what it checked before (:meth:`expand`)
+        self.verified: Any = None
         #: the tasks whose segment the last :meth:`pack` referenced again (their records unchanged)
         self.reused: set[int] = set()
 
-    def expand(self, manifest: dict[str, Any], read: ReadSegment, where: str) -> dict[str, Any]:
+    def expand(
+        self, manifest: dict[str, Any], read: ReadSegment, where: str, verified: Any = None
+    ) -> dict[str, Any]:
         """The expanded form of the checked manifest of format 4 ``manifest`` (file ``where``): its
         segments read (``read``: verified bytes), checked against :data:`~proteus.kb.schema.SEGMENT` and the
-        tasks their references say they hold; a :class:`KBError` names the segment and what is wrong."""
+        tasks their references say they hold; a :class:`KBError` names the segment and what is wrong.
+        ``verified``: the store's record (:class:`~proteus.kb.verified.Verified`): a segment whose bytes
+        passed these checks before is parsed without checking it again."""
+        self.verified = verified
         tasks: list[Any] = []
         rows: list[Any] = []
         sizes: dict[str, int] = {}
@@ -128,7 +135,18 @@ class Segments:
         kept = self.known.get(ref["sha256"])
         if kept is not None and _unedited(kept[3], list(kept[0])):
             return list(kept[0]), list(kept[1]), list(kept[2])
-        body = load_json(read(ref["object"], ref["sha256"], ref["bytes"]), where)
+        verified = getattr(self, "verified", None)
+        data = read(ref["object"], ref["sha256"], ref["bytes"])
+        if verified is not None and verified.segment_checked(ref["sha256"], ref["content"]):
+            body = json.loads(data)  # the same bytes as checked before, with this content digest
+            tasks = body["tasks"]
+            if body["first"] == ref["first"] and len(tasks) == ref["count"]:
+                return (
+                    [{k: v for k, v in t.items() if k != "bytes"} for t in tasks],
+                    body["evaluation"],
+                    [t["bytes"] for t in tasks],
+                )
+        body = load_json(data, where)
         if not isinstance(body, dict):
             raise KBError(f"{where}: not a record segment (a JSON {type(body).__name__}, not an object)")
         problems = fields_problems(body, SEGMENT, "")
@@ -145,6 +163,8 @@ class Segments:
             problems = ["its content is not the one its reference in the manifest names (content)"]
         if problems:
             raise KBError(f"{where}: {problems[0]}; restore the file or the manifest that names it")
+        if verified is not None:
+            verified.segment_ok(ref["sha256"], ref["content"])
         records = [{k: v for k, v in t.items() if k != "bytes"} for t in body["tasks"]]
         return records, list(body["evaluation"]), [t["bytes"] for t in body["tasks"]]
 
@@ -189,6 +209,8 @@ class Segments:
             rel, sha = write(data)
             self.known[sha] = (tuple(records), tuple(evaluation), tuple(sizes), _fields(records))
             content = content_digest(records, evaluation)
+            if self.verified is not None:  # written here: a reader need not check it again
+                self.verified.segment_ok(sha, content)
             refs.append({"object": rel, "sha256": sha, "bytes": len(data), "first": first,
                          "count": len(records), "content": content})  # fmt: skip
         return refs

@@ -100,12 +100,17 @@ from proteus.kb.files import (
 )
 from proteus.kb.lock import lock_holder, write_lock
 from proteus.kb.manifests import check_paths, previous_manifest, read_manifest, segmented
-from proteus.kb.objects import ObjectStore, Part
+from proteus.kb.objects import ObjectStore, Part, StoredPart
+from proteus.kb.packs import StoredTensors
 from proteus.kb.schema import head_kind, manifest_problems
 from proteus.kb.segments import Segments
 from proteus.kb.signing import accept, key_from_env, sequence_problem, signature_problem
 from proteus.kb.sweep import sweep
 from proteus.kb.verified import Verified, state_key
+
+
+#: a state read back: each task's stored part, and the head's
+State = tuple[list[StoredPart], Part | None]
 
 
 class KnowledgeBase:
@@ -135,6 +140,7 @@ class KnowledgeBase:
         #: the signing key: checked by open, used by every commit to sign (None: unsigned commits)
         self.key = key
         self.objects = ObjectStore(self.root, verified=verified)
+        self.segments.verified = self.objects.verified
         self._manifest_sha: str | None = None  # sha256 of manifest.json's bytes as read or written
 
     @property
@@ -217,9 +223,11 @@ class KnowledgeBase:
         self.objects.verify(self.manifest)
 
     def read(self, rel: str, sha: str) -> dict[str, torch.Tensor]:
-        """The tensors of object ``rel`` (checked against ``sha``): from the snapshot ``open`` verified, or
-        from disk."""
+        """The tensors of object ``rel`` (checked against ``sha``): from the snapshot, or from disk."""
         return self.objects.read(self.manifest, rel, sha)
+
+    def read_task(self, record: dict[str, Any]) -> StoredTensors:  # (ObjectStore.read_task)
+        return self.objects.read_task(self.manifest, record)
 
     def write_object(
         self, kind: str, tensors: dict[str, torch.Tensor], reuse: bool = True
@@ -262,12 +270,12 @@ class KnowledgeBase:
     def commit_state(
         self, tasks: Sequence[Part], head: Part | None, evaluation: list[dict[str, Any]] | None = None
     ) -> None:
-        """Commit a learner's state (:class:`proteus.learners.LearnerState`'s parts): one object
-        per task (its record in the manifest), one for the head (its meta in the manifest), and the
-        evaluation rows to keep with it (None: the stored rows of the tasks kept)."""
+        """Commit a learner's state (:class:`proteus.learners.LearnerState`'s parts): one object per task (its
+        record in a segment; a full segment's tasks in one pack), one for the head (its meta in the manifest),
+        and the evaluation rows to keep with it (None: the stored rows of the tasks kept)."""
         manifest = dict(self.manifest)
         stored = (self.manifest.get("tasks") or []) if self._on_disk else []
-        manifest["tasks"] = records = task_records(tasks, stored, self.write_object)
+        manifest["tasks"] = task_records(tasks, stored, self.write_object)
         if head is not None:
             rel, sha = self.write_object("head", head[1], reuse=False)  # a learner's head changes every task
             manifest["head"] = {"meta": head[0], "object": rel, "sha256": sha}
@@ -275,11 +283,10 @@ class KnowledgeBase:
         manifest["evaluation"] = rows[: len(tasks)] if evaluation is None else evaluation
         self.commit(manifest)
         done = getattr(tasks, "committed", None)  # the learner keeps each record as its task's token
-        if done is not None:
-            for k, record in enumerate(records):
-                done(k, record)
+        for k, record in enumerate(self.manifest["tasks"] if done is not None else []):
+            done(k, record)  # type: ignore[misc]
 
-    def read_state(self, learner: str | None = None) -> tuple[list[Part], Part | None]:
+    def read_state(self, learner: str | None = None) -> State:
         """The committed state: (record, tensors) per task and the head's (meta, tensors) or None (every
         object's checksum verified). Before a learner sees it: the records must hold the learner's fields,
         and every tensor its dtype, shape and finite values, by the rules of ``learner`` (its
@@ -292,9 +299,8 @@ class KnowledgeBase:
             raise KBError(f"{self.root / MANIFEST}: {problems[0]}; no learner can be loaded from it")
         return self._checked_state("no learner can be loaded from it", learner)
 
-    def _checked_state(self, consequence: str, learner: str | None = None) -> tuple[list[Part], Part | None]:
-        """Every object's tensors, checked by ``learner``'s rules
-        (:meth:`~proteus.kb.objects.ObjectStore.checked_state`)."""
+    def _checked_state(self, consequence: str, learner: str | None = None) -> State:
+        """Every object's tensors, checked (:meth:`~proteus.kb.objects.ObjectStore.checked_state`)."""
         return self.objects.checked_state(self.manifest, consequence, learner)
 
     def previous_manifest(self, check_signature: bool = True) -> dict[str, Any]:
@@ -333,14 +339,12 @@ class KnowledgeBase:
         return sweep(self.root, _object_names(self.manifest), previous)
 
     def upgrade(self) -> int | None:
-        """``proteus kb upgrade``: write the current state again in the newest format (a commit: atomic,
-        with a new sequence number; the caller holds :meth:`write_lock`); returns the format it was in, or
-        None when it is in the newest already."""
+        """``proteus kb upgrade``: the current state committed again in the newest format (atomic; the caller
+        holds :meth:`write_lock`); returns the format it was in (None: the newest already)."""
         version = self.manifest.get("format_version")
-        if version == FORMAT_VERSION:
-            return None
-        self.commit(self.manifest)
-        return int(version) if isinstance(version, int) else None
+        if version != FORMAT_VERSION:
+            self.commit(self.manifest)
+        return int(version) if isinstance(version, int) and version != FORMAT_VERSION else None
 
     def gc(self) -> list[tuple[Path, int]]:
         """``proteus kb gc``: :meth:`sweep` outside a commit (after a failed one, on a full disk); the caller

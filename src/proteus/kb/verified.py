@@ -42,6 +42,8 @@ ENV_MODE = "PROTEUS_VERIFY"
 _FORMAT = 1
 #: the states a record remembers as checked (the latest ones)
 _STATES = 16
+#: the record segments a record remembers as checked (the latest ones: a knowledge base of 131,072 tasks)
+_SEGMENTS = 4096
 
 
 def cache_dir() -> Path | None:
@@ -77,6 +79,9 @@ class Verified:
         self.path = None if directory is None else directory / f"{name}.json"
         self._objects: dict[str, list[Any]] | None = None
         self._states: list[str] = []
+        #: the sha256 of every record segment whose content passed its checks (in the order checked) -> its
+        #: content digest
+        self._segments: dict[str, str] = {}
         self.dirty = False
 
     @property
@@ -100,6 +105,10 @@ class Verified:
                     self._objects = {k: v for k, v in objects.items() if isinstance(v, list) and len(v) == 6}
                 if isinstance(states, list):
                     self._states = [s for s in states if isinstance(s, str)][-_STATES:]
+                segments = data.get("segments")
+                if isinstance(segments, dict):
+                    items = [(k, v) for k, v in segments.items() if isinstance(k, str) and isinstance(v, str)]
+                    self._segments = dict(items[-_SEGMENTS:])
         return self._objects
 
     def trusts(self, rel: str, sha: str, st: os.stat_result) -> bool:
@@ -136,13 +145,29 @@ class Verified:
             self._states = [*self._states, key][-_STATES:]
             self.dirty = True
 
+    def segment_checked(self, sha: str, content: str) -> bool:
+        """Whether the record segment whose bytes have sha256 ``sha`` passed its checks before (its fields,
+        the records' count) with content digest ``content``: the same bytes need only be parsed."""
+        self._load()
+        return self.enabled and self._segments.get(sha) == content
+
+    def segment_ok(self, sha: str, content: str) -> None:
+        """The record segment whose bytes have sha256 ``sha`` passed its checks, its content digest
+        ``content`` (or it was written here)."""
+        self._load()
+        if self.enabled and self._segments.get(sha) != content:
+            self._segments[sha] = content
+            while len(self._segments) > _SEGMENTS:
+                del self._segments[next(iter(self._segments))]
+            self.dirty = True
+
     def save(self, keep: set[str] | None = None) -> None:
         """Write the record (atomically), keeping only the objects ``keep`` (None: all) when it changed."""
         if not self.dirty or self.path is None or self._objects is None:
             return
         objects = self._objects if keep is None else {k: v for k, v in self._objects.items() if k in keep}
         body = {"format": _FORMAT, "proteus": __version__, "root": str(self.root), "objects": objects,
-                "states": self._states}  # fmt: skip
+                "states": self._states, "segments": self._segments}  # fmt: skip
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)

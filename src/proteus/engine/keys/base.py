@@ -21,7 +21,7 @@ declares what it stores there (:data:`proteus.tensor_rules.TENSOR_RULES`, role `
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -272,11 +272,11 @@ class RetrievalKeys:
         classes, in its record's order (keys with one column per class keep the task's columns)."""
         return {"signature": None, "frozen_signature": None}, {}
 
-    def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    def load_task(self, meta: dict[str, Any], tensors: Mapping[str, Tensor]) -> None:
         if meta.get("forgotten"):
             self.forgotten.add(int(meta["index"]))
 
-    def adopt(self, k: int, tensors: dict[str, Tensor]) -> None:
+    def adopt(self, k: int, tensors: Mapping[str, Tensor]) -> None:
         """Hold task k's share as ``tensors``, the same values read from its committed object (a knowledge
         base's mapping: the page cache instead of this process's memory); keys without such a share keep
         theirs."""

@@ -10,7 +10,7 @@ like G, no old data, no training), and only the c best tasks by it are scored wi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ def _scores(sigs: list[Signature | None], X: Callable[[int], Tensor]) -> list[Te
     return out
 
 
-def _sub(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def _sub(prefix: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {n[len(prefix) :]: v for n, v in tensors.items() if n.startswith(prefix)}
 
 
@@ -240,7 +240,7 @@ class GaussianKeys(RetrievalKeys):
                 tensors.update({f"{key}/{n}": v for n, v in st.items()})
         return meta, tensors
 
-    def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    def load_task(self, meta: dict[str, Any], tensors: Mapping[str, Tensor]) -> None:
         for key, dest in (("signature", self.signatures), ("frozen_signature", self.frozen_signatures)):
             sig = None
             if meta.get(key) is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +24,9 @@ from proteus.engine.experts import candidates
 from proteus.engine.keys.base import GLOBAL_PREFIX, GLOBAL_RECORD, KEYS, KeyFit, KeyKind, RetrievalKeys
 from proteus.engine.keys.space import FIRST_ADAPTER, FROZEN, KeySpace
 from proteus.engine.novelty import ClassNovelty
+from proteus.engine.stored import TaskShares
 from proteus.heads import PROTOTYPES, RanPACHead
-from proteus.heads.persist import COLUMNS, assemble_columns, classes_outside, is_head_meta
+from proteus.heads.persist import assemble_columns, classes_outside, column_pieces, is_head_meta
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
 from proteus.signatures.signature import NORMALIZATIONS
@@ -148,12 +149,16 @@ class LDAKeys(RetrievalKeys):
         self.head: RanPACHead | None = None
         self.n_tasks = 0
         self._before: RanPACHead | None = None
-        #: with ``keep_inputs``: task -> (its key features, labels), what :meth:`forget` subtracts
-        self.inputs: dict[int, tuple[Tensor, Tensor]] = {}
+        #: with ``keep_inputs``: task -> (its key features, labels), what :meth:`forget` subtracts (read from
+        #: its stored tensors once it is stored)
+        self.inputs: TaskShares[tuple[Tensor, Tensor]] = TaskShares(
+            lambda k, t: (t[f"{prefix}x"].float(), t[f"{prefix}y"].long()), 0
+        )
         self.prefix = prefix
         self.novelty = novelty
-        #: each loaded task's classes and columns of the key head (:meth:`load_task`), until the head loads
-        self._columns: list[tuple[list[int], dict[str, Tensor]]] = []
+        #: each loaded task's classes and stored tensors, its columns of the key head under :attr:`prefix`
+        #: (:meth:`load_task`), until the head loads
+        self._columns: list[tuple[list[int], Mapping[str, Tensor]]] = []
         self.detector = KeysDetector(self)
 
     @classmethod
@@ -302,22 +307,20 @@ class LDAKeys(RetrievalKeys):
         X, y = self.inputs[k]
         return meta, {**tensors, f"{self.prefix}x": X, f"{self.prefix}y": y}
 
-    def load_task(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    def load_task(self, meta: dict[str, Any], tensors: Mapping[str, Tensor]) -> None:
         if self.novelty is not None:
             self.novelty.load_task(self.n_tasks, meta, tensors)
-        x, y = f"{self.prefix}x", f"{self.prefix}y"
-        if x in tensors:
-            self.inputs[self.n_tasks] = (tensors[x].float(), tensors[y].long())
-        columns = {n: tensors[f"{self.prefix}{n}"] for n in COLUMNS if f"{self.prefix}{n}" in tensors}
-        self._columns.append(([int(c) for c in meta["classes"]], columns))
+        if f"{self.prefix}x" in tensors:
+            self.inputs.bind(self.n_tasks, tensors)
+        self._columns.append(([int(c) for c in meta["classes"]], tensors))
         self.n_tasks += 1
         super().load_task(meta, tensors)
 
-    def adopt(self, k: int, tensors: dict[str, Tensor]) -> None:
+    def adopt(self, k: int, tensors: Mapping[str, Tensor]) -> None:
         if self.novelty is not None:
             self.novelty.adopt(k, tensors)
         if k in self.inputs and f"{self.prefix}x" in tensors:
-            self.inputs[k] = (tensors[f"{self.prefix}x"], tensors[f"{self.prefix}y"])
+            self.inputs.bind(k, tensors)
 
     def global_state(
         self, classes: list[list[int]] | None = None
@@ -335,7 +338,7 @@ class LDAKeys(RetrievalKeys):
         if meta is None:
             return
         if meta.get("columns") == "tasks":
-            tensors = {**tensors, **assemble_columns(meta, self._columns)}
+            tensors = {**tensors, **assemble_columns(meta, column_pieces(self._columns, self.prefix))}
         self._columns = []
         self.head = self.new_head(rp_dim=0, dim=int(meta["embed_dim"]))
         self.head.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()}, meta)

@@ -1,0 +1,257 @@
+"""Format 5 (:mod:`proteus.kb.packs`): the commit that fills a record segment writes its tasks' tensors as one
+pack, each name stacked over the tasks; a reader gets a task's tensors as views of the pack made when asked
+for, and a segment's block of a name in one view; a knowledge base of format 4 opens unchanged and
+``kb upgrade`` packs it; a commit that packs, killed at any moment, leaves the old state or the new one."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import proteus.kb as kbmod
+import proteus.kb.commit
+from proteus.kb import KnowledgeBase
+from proteus.kb.packs import Pack, is_pack, pack_tasks, spans
+from proteus.kb.segments import SEGMENT_TASKS
+
+HEADER: dict[str, Any] = {
+    "proteus_version": "test",
+    "backbone": {"name": "b"},
+    "config": {"method": "proteus", "backbone": {"name": "b"}},
+    "split": {"benchmark": "toy"},
+}
+
+
+def _tensors(k: int, size: int = 8) -> dict[str, torch.Tensor]:
+    """Task k's tensors: a fixed-size row, a matrix of k % 3 columns, a table of k % 4 + 1 rows, a tensor of
+    a shape of its own (flattened in a pack) and, for even k only, an integer vector."""
+    g = torch.Generator().manual_seed(k)
+    out = {
+        "row": torch.randn(size, generator=g),
+        "cols": torch.randn(size, k % 3, generator=g),
+        "rows": torch.randn(k % 4 + 1, 5, generator=g, dtype=torch.float64),
+        "odd": torch.randn(k % 2 + 1, k % 5 + 1, generator=g),
+    }
+    if k % 2 == 0:
+        out["even"] = torch.arange(k, k + 3)
+    return out
+
+
+def test_a_pack_gives_back_every_task_s_tensors_and_its_blocks() -> None:
+    tasks = [_tensors(k) for k in range(40, 50)]
+    data = pack_tasks(40, tasks)
+    assert pack_tasks(40, [dict(t) for t in tasks]) == data  # deterministic: the same tensors, the same bytes
+    pack = Pack(data)
+    assert (pack.first, pack.count) == (40, 10)
+    for slot, want in enumerate(tasks):
+        got = pack.task(slot)
+        assert sorted(got) == sorted(want) and len(got) == len(want) and ("even" in got) == ("even" in want)
+        for name, t in want.items():
+            assert got.shape(name) == tuple(t.shape) and torch.equal(got[name], t), name
+    # a block: the tasks' columns side by side in one view, each task's extent
+    cols, lengths = pack.span("cols", 0, 10) or (None, None)
+    assert cols is not None and torch.equal(cols, torch.cat([t["cols"] for t in tasks], 1))
+    assert lengths == [k % 3 for k in range(40, 50)]
+    assert pack.span("even", 0, 10) is None and pack.span("odd", 0, 10) is None  # one missing; flattened
+    runs = spans([pack.task(s) for s in range(10)], ["cols", "rows"])
+    assert [(a, b) for a, b, blocks in runs] == [(0, 10)] and runs[0][2] is not None
+    with pytest.raises(ValueError, match="not a pack"):
+        Pack(
+            pack_tasks(0, tasks)[:8] + b"\x00" * 0 + data[8:].replace(b"proteus-kb-pack", b"proteus-kb-pick")
+        )
+
+
+def test_a_pack_refuses_what_does_not_add_up() -> None:
+    data = bytearray(pack_tasks(0, [_tensors(k) for k in range(3)]))
+    pack = Pack(bytes(data))
+    name, (_, _, start) = "@lengths", pack.entries["@lengths"]
+    lengths = torch.frombuffer(bytes(data[start : start + 8]), dtype=torch.long).clone()
+    data[start : start + 8] = (lengths + 1).numpy().tobytes()  # task 0 claims one more than the block holds
+    with pytest.raises(ValueError, match="extents do not add up"):
+        Pack(bytes(data))
+    assert name in pack.entries
+
+
+def _commit(kb: KnowledgeBase, k: int, size: int = 8) -> None:
+    """A store-level commit of task k (a record and its object) and a new head."""
+    rel, sha = kb.write_object(f"task{k:03d}", _tensors(k, size))
+    record = {
+        "index": k,
+        "classes": [k],
+        "class_names": [f"c{k}"],
+        "n_train": 1,
+        "object": rel,
+        "sha256": sha,
+    }
+    hrel, hsha = kb.write_object("head", {"n": torch.tensor([k])}, reuse=False)
+    tasks = [*kb.manifest["tasks"], record]
+    kb.commit({**kb.manifest, "tasks": tasks, "head": {"meta": {"n": k + 1}, "object": hrel, "sha256": hsha}})
+
+
+def test_the_commit_that_fills_a_segment_packs_it(tmp_path: Path) -> None:
+    root = tmp_path / "kb"
+    kb = KnowledgeBase.new(root, HEADER)
+    n = 2 * SEGMENT_TASKS + 5
+    for k in range(n):
+        _commit(kb, k)
+        if k == SEGMENT_TASKS - 2:
+            assert not any(is_pack(t["object"]) for t in kb.manifest["tasks"])
+    tasks = KnowledgeBase.open(root).manifest["tasks"]
+    packs = [t["object"] for t in tasks]
+    assert all(is_pack(p) for p in packs[: 2 * SEGMENT_TASKS]) and not any(is_pack(p) for p in packs[-5:])
+    assert len(set(packs[:SEGMENT_TASKS])) == 1 and len(set(packs[: 2 * SEGMENT_TASKS])) == 2
+    # the packed tasks' own objects are swept; every task reads back as it was written
+    names = {p.name for p in (root / "objects").iterdir()}
+    loose = sorted(int(name[4:7]) for name in names if name.startswith("task"))
+    assert loose == list(range(2 * SEGMENT_TASKS, n)), loose
+    reader = KnowledgeBase.open(root)
+    for k, t in enumerate(reader.manifest["tasks"]):
+        got, want = reader.read_task(t), _tensors(k)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[m], want[m]) for m in want)
+    assert kbmod.check(root).errors == [] and kbmod.problems(root) == []
+    # undo goes back to the state before the last commit; undo again redoes it
+    before = reader.manifest["tasks"]
+    KnowledgeBase.open(root).undo()
+    assert len(KnowledgeBase.open(root).manifest["tasks"]) == n - 1
+    KnowledgeBase.open(root).undo()
+    assert KnowledgeBase.open(root).manifest["tasks"] == before
+
+
+def test_a_format_4_knowledge_base_opens_and_upgrade_packs_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A knowledge base written by the release before packs (format 4: one object per task) reads the same
+    tasks; ``upgrade`` packs its full segments (a commit), after which every task reads the same."""
+    root = tmp_path / "kb"
+    with monkeypatch.context() as m:  # the previous release: format 4, no packs
+        m.setattr(proteus.kb.commit, "FORMAT_VERSION", 4)
+        m.setattr(proteus.kb.commit, "packed", lambda manifest, objects: manifest)
+        kb = KnowledgeBase.new(root, HEADER)
+        for k in range(SEGMENT_TASKS + 3):
+            _commit(kb, k)
+    assert json.loads((root / "manifest.json").read_text())["format_version"] == 4
+    old = KnowledgeBase.open(root)
+    assert not any(is_pack(t["object"]) for t in old.manifest["tasks"])
+    want = [{n: t.clone() for n, t in old.read_task(r).items()} for r in old.manifest["tasks"]]
+    assert old.upgrade() == 4 and KnowledgeBase.open(root).upgrade() is None
+    new = KnowledgeBase.open(root)
+    assert json.loads((root / "manifest.json").read_text())["format_version"] == 5
+    assert all(is_pack(t["object"]) for t in new.manifest["tasks"][:SEGMENT_TASKS])
+    for r, w in zip(new.manifest["tasks"], want, strict=True):
+        got = new.read_task(r)
+        assert sorted(got) == sorted(w) and all(torch.equal(got[n], w[n]) for n in w)
+    assert kbmod.check(root).errors == []
+
+
+#: imports once, then per line (a knowledge base's folder) forks a child that opens it, says "ready", and at
+#: the next line commits the task that fills its segment, then says "done" (the parent kills it meanwhile)
+ZYGOTE = r"""
+import os, sys
+sys.path.insert(0, {tests!r})
+import proteus.kb.commit, proteus.kb.files
+for mod in (proteus.kb.files, proteus.kb.commit):
+    mod._now = lambda: "2026-01-01T00:00:00Z"  # the same bytes in every run
+import tempfile
+from test_kb_packs import HEADER, _commit
+from proteus.kb import KnowledgeBase
+_commit(KnowledgeBase.new(tempfile.mkdtemp() + "/kb", HEADER), 0)  # every module a commit needs imported
+print("warm", flush=True)
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        kb = KnowledgeBase.open(line.strip())
+        print("ready", flush=True)
+        sys.stdin.readline()
+        _commit(kb, {k}, {size})
+        print("done", flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("exited", flush=True)
+"""
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+@pytest.mark.slow
+def test_a_commit_that_packs_killed_at_20_moments_leaves_the_old_state_or_the_new(tmp_path: Path) -> None:
+    """SIGKILL at 20 seeded moments of the commit that fills a segment (it writes the pack, the segment, the
+    manifest and sweeps): the knowledge base then opens verified and is its old state or its new one, byte
+    for byte in what it references (the old state's files, or the new state's)."""
+    size = 40_000  # each task about 0.5 MB: the pack's write takes a while
+    base = tmp_path / "base"
+    kb = KnowledgeBase.new(base, HEADER)
+    for k in range(SEGMENT_TASKS - 1):
+        _commit(kb, k, size)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    code = ZYGOTE.format(tests=str(Path(__file__).parent), k=SEGMENT_TASKS - 1, size=size)
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    assert zygote.stdin is not None and zygote.stdout is not None
+    assert zygote.stdout.readline().strip() == b"warm"
+
+    def say(line: str) -> None:
+        zygote.stdin.write(f"{line}\n".encode())  # type: ignore[union-attr]
+        zygote.stdin.flush()  # type: ignore[union-attr]
+
+    def run(root: Path, kill_after: float | None) -> float:
+        say(str(root))
+        assert zygote.stdout.readline().strip() == b"ready"  # type: ignore[union-attr]
+        t0 = time.perf_counter()
+        say("go")
+        if kill_after is None:
+            assert zygote.stdout.readline().strip() == b"done"  # type: ignore[union-attr]
+            took = time.perf_counter() - t0
+        else:
+            time.sleep(kill_after)
+            subprocess.run(["pkill", "-KILL", "-P", str(zygote.pid)], check=False)
+            took = kill_after
+        line = zygote.stdout.readline().strip()  # type: ignore[union-attr]
+        while line == b"done":
+            line = zygote.stdout.readline().strip()  # type: ignore[union-attr]
+        assert line == b"exited"
+        return took
+
+    old = _files(base)
+    ref = tmp_path / "ref"
+    subprocess.run(["cp", "-a", str(base), str(ref)], check=True)
+    duration = run(ref, None)
+    new = _files(ref)
+    assert is_pack(KnowledgeBase.open(ref).manifest["tasks"][0]["object"]) and new != old
+    rng = random.Random(51)
+    outcomes = {"old": 0, "new": 0, "cleaned by gc": 0}
+    for i in range(20):
+        root = tmp_path / f"kill{i}"
+        subprocess.run(["cp", "-a", str(base), str(root)], check=True)
+        at = run(root, rng.uniform(0.0, 1.2 * duration))
+        where = f"killed {at * 1e3:.1f} ms into a commit of {duration * 1e3:.1f} ms"
+        KnowledgeBase.open(root)  # every object it references verified
+        now = _files(root)
+        if now not in (old, new):  # what the killed commit left (its pack, an orphan) goes at the next sweep
+            KnowledgeBase.open(root, verify=False).gc()
+            now = _files(root)
+            outcomes["cleaned by gc"] += 1
+        assert now in (old, new), f"{where}: neither the old state nor the new one, byte for byte"
+        outcomes["new" if now == new else "old"] += 1
+        if i:
+            subprocess.run(["rm", "-rf", str(root)], check=True)
+    assert kbmod.check(tmp_path / "kill0").errors == []
+    zygote.stdin.close()  # type: ignore[union-attr]
+    zygote.wait()
+    print(f"sealing commit ({duration * 1e3:.0f} ms) killed 20 times: {outcomes}")
+    assert outcomes["old"] > 0
