@@ -255,3 +255,59 @@ def test_a_commit_that_packs_killed_at_20_moments_leaves_the_old_state_or_the_ne
     zygote.wait()
     print(f"sealing commit ({duration * 1e3:.0f} ms) killed 20 times: {outcomes}")
     assert outcomes["old"] > 0
+
+
+def _task(k: int) -> Any:
+    """Task k of a synthetic stream: classes 2k and 2k + 1, each a fixed random pattern plus noise."""
+    import numpy as np
+
+    from proteus.streams.base import Task
+    from proteus.streams.datasets import ArrayImageDataset
+
+    rng = np.random.RandomState(k)
+    images, labels = [], []
+    for c in (2 * k, 2 * k + 1):
+        pattern = np.random.RandomState(10_000 + c).randint(0, 256, (32, 32, 3))
+        for _ in range(12):
+            images.append(np.clip(pattern + rng.randint(-40, 41, (32, 32, 3)), 0, 255).astype(np.uint8))
+            labels.append(c)
+    arr, y = np.stack(images), np.array(labels)
+    test = np.r_[np.arange(8, 12), np.arange(20, 24)]
+    train = np.setdiff1d(np.arange(len(y)), test)
+    return Task(k, [2 * k, 2 * k + 1], [f"c{2 * k}", f"c{2 * k + 1}"],
+                ArrayImageDataset(arr, y[train], train), ArrayImageDataset(arr, y[test], test))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_learner_past_a_segment_predicts_the_same_from_its_packs(tmp_path: Path) -> None:
+    """A learner committing every task: once a segment is full its tasks are read from the pack (their
+    Gaussians and heads no longer held), it predicts as before, and a learner loaded from the knowledge base
+    predicts the same, holding no task's Gaussians until a prediction shortlists it."""
+    from proteus import Proteus
+    from proteus.engine.stored import TaskShares
+    from proteus.experiment.store import commit
+
+    sets = {"backbone.pretrained": False, "backbone.img_size": 32, "backbone.adapt_last": 2,
+            "adapter.rank": 2, "train.epochs": 1, "head.rp_dim": 64, "retrieval.shortlist": 4}  # fmt: skip
+    clf = Proteus.from_method("proteus", progress=False, **sets)
+    root = tmp_path / "kb"
+    n = SEGMENT_TASKS + 2
+    kb: KnowledgeBase | None = None
+    for k in range(n):
+        clf.fit_task(_task(k))
+        kb = kb or KnowledgeBase.new(root, clf.kb_header())
+        commit(kb, clf)
+    tasks = KnowledgeBase.open(root).manifest["tasks"]
+    assert all(is_pack(t["object"]) for t in tasks[:SEGMENT_TASKS]) and not is_pack(tasks[-1]["object"])
+    gaussians = clf.keys_.novelty.gaussians
+    assert isinstance(gaussians, TaskShares) and not any(gaussians.held(k) for k in range(n))
+    x = clf.transform_images([_task(k).test[0][0] for k in range(n)])
+    before = clf.predict(x)
+    loaded = Proteus.load(root, progress=False)
+    shares = loaded.keys_.novelty.gaussians
+    assert isinstance(shares, TaskShares) and shares.decoded_bytes == 0  # nothing decoded at load
+    after = loaded.predict(x)
+    assert torch.equal(after.label, before.label) and torch.equal(after.task, before.task)
+    assert torch.equal(after.known, before.known) and torch.allclose(after.novelty, before.novelty)
+    assert 0 < shares.decoded_bytes <= shares.budget  # type: ignore[operator]  # the shortlisted tasks'
+    assert kbmod.problems(root) == []

@@ -25,7 +25,8 @@ from perf_long import _window  # noqa: E402  (the harness's own window, so the s
 #: the ratios kept, in the order of the page's columns (those measured side by side only: None without)
 RATIOS = (
     "learn_ratio_last_vs_10", "learn_ratio_without_training_growth", "train_step_ratio_last_vs_10",
-    "commit_ratio_last_vs_10", "predict_ratio_last_vs_10", "open_predict_ratio_last_vs_10",
+    "commit_ratio_last_vs_10", "predict_ratio_last_vs_10", "predict_ratio_without_composition_growth",
+    "predict_same_batch_ratio_last_vs_10", "open_predict_ratio_last_vs_10",
 )  # fmt: skip
 #: the targets a long stream is held to, figure -> (what the page calls it, the most it may be): the record
 #: says of each whether the run meets it, and the page shows that line (``tests/test_measured_docs.py``)
@@ -89,6 +90,11 @@ def _seconds(d: dict[str, Any]) -> dict[str, list[float]]:
         **{name: [round(v, 3) for v in pair] for name, pair in pairs.items()},
         "predict (ms)": [round(v * 1e3) for v in predict],
     }
+    if side and "predict_under_s" in side["ref"]:
+        for name, key in (("of which: adapters under the candidates (ms)", "predict_under_s"),
+                          ("of which: detector (ms)", "predict_detector_s"),
+                          ("task 10's batch (ms)", "predict_same_s")):  # fmt: skip
+            out[name] = [round(side[s][key] * 1e3) for s in ("ref", "last")]
     if side and "open_predict_s" in side["ref"]:
         out["open and predict one image (ms)"] = [
             round(side[s]["open_predict_s"] * 1e3) for s in ("ref", "last")
@@ -139,12 +145,49 @@ def with_targets(run: dict[str, Any]) -> dict[str, Any]:
     return run
 
 
+#: the page's names of :data:`RATIOS`, in order
+RATIO_NAMES = (
+    "learn", "learn without the training step's growth", "train step", "commit", "predict",
+    "predict without the composition's growth", "predict task 10's batch", "open + predict one image",
+)  # fmt: skip
+
+
+def tables(rec: dict[str, Any]) -> str:
+    """The page's three tables of a record (figures, the seconds behind them, the targets), in Markdown: what
+    ``tests/test_measured_docs.py`` checks the page against."""
+    runs = rec["runs"]
+    parts = list(runs[0]["parts_mb_per_task"])
+    head = ["run", *RATIO_NAMES, "beyond the merged cache", "page cache", "knowledge base", *parts]
+    lines = [f"| {' | '.join(head)} |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for run in runs:
+        cells = ["—" if run.get(k) is None else f"{run[k]:.2f}" for k in RATIOS]
+        cells += [
+            f"{run[k]:.3f}"
+            for k in ("rss_beyond_cache_mb_per_task", "page_cache_mb_per_task", "kb_mb_per_task")
+        ]
+        cells += [f"{v:.3f}" for v in run["parts_mb_per_task"].values()]
+        lines.append(f"| {run['label']} | {' | '.join(cells)} |")
+    seconds = list(runs[0]["seconds"])
+    lines += ["", f"| run | {' | '.join(seconds)} |", "| --- |" + " --- |" * len(seconds)]
+    for run in runs:
+        pairs = [" / ".join(f"{v:g}" for v in pair) for pair in run["seconds"].values()]
+        lines.append(f"| {run['label']} | {' | '.join(pairs)} |")
+    lines += ["", "| run | target | at most | |", "| --- | --- | --- | --- |"]
+    for run in runs:
+        for key, (most, met) in run["targets"].items():
+            lines.append(
+                f"| {run['label']} | {TARGETS[key][0]} | <= {most:g} | {'**met**' if met else 'not met'} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = parser(__doc__, "long")
     ap.add_argument("runs", type=Path, nargs="+", help="long_stream.json of perf_long.py runs")
     args = ap.parse_args()
     rec = {"name": args.name, "command": args.command, "runs": [with_targets(summary(p)) for p in args.runs]}
     print(write(args.out, args.name, rec))
+    print(tables(rec))
 
 
 if __name__ == "__main__":

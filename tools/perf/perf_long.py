@@ -116,6 +116,7 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
     ``open_predict_s``)."""
     dev = torch.device(device)
     loaded = {name: _warm(Proteus.load(kb_dir, device=device)) for name, (kb_dir, _, _) in states.items()}
+    same_x = next(iter(states.values()))[1]  # the first state's batch
     got: dict[str, dict[str, list[float]]] = {name: {} for name in states}
     for _ in range(rounds):
         for name, (kb_dir, x, k) in states.items():
@@ -135,7 +136,9 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
                 shutil.rmtree(tmp, ignore_errors=True)
             steps = len(getattr(learner.trainer_, "train_log_", []) or []) or 1
             del learner
-            predict = statistics.median(_time_call(partial(loaded[name].predict, x), dev) for _ in range(3))
+            predict, under, detector = _predict_split(loaded[name], x, dev)
+            # the same batch for both learners (task 10's): what changes is only the tasks learned
+            same, same_under, same_detector = _predict_split(loaded[name], same_x, dev)
             t3 = time.perf_counter()  # a new reader: open the knowledge base, predict one image
             Proteus.load(kb_dir, device=device).predict(x[:1])
             open_predict = time.perf_counter() - t3
@@ -143,9 +146,41 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
             for key, v in (("learn_s", t2 - t0), ("signature_s", sec.get("signature", 0.0)),
                            ("commit_s", t2 - t1), ("predict_s", predict), ("train_s", sec.get("train", 0.0)),
                            ("train_step_s", sec.get("train", 0.0) / steps),
-                           ("open_predict_s", open_predict)):  # fmt: skip
+                           ("open_predict_s", open_predict), ("predict_under_s", under),
+                           ("predict_detector_s", detector), ("predict_same_s", same),
+                           ("predict_same_under_s", same_under),
+                           ("predict_same_detector_s", same_detector)):  # fmt: skip
                 got[name].setdefault(key, []).append(v)
     return {name: {key: statistics.median(v) for key, v in d.items()} for name, d in got.items()}
+
+
+def _predict_split(clf: Proteus, x: torch.Tensor, dev: torch.device) -> tuple[float, float, float]:
+    """The median of three predictions of ``x`` and, in that call, the seconds spent in the adapters' forward
+    of each input under its candidate tasks (``Embedder.embed_under``: Eq. 9's composition of every older
+    direction, the method's own cost, which grows with the columns until each map's room is full) and in the
+    detector of inputs from no learned task (``keys_.novelty_of``)."""
+    parts = [(clf.embedder_, "embed_under"), (clf.keys_, "novelty_of")]
+    spent: list[list[float]] = []
+    for i, (obj, attr) in enumerate(parts):
+        real = getattr(obj, attr)
+
+        def timed(*a: Any, _real: Any = real, _i: int = i, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = _real(*a, **k)
+            spent[-1][_i] += time.perf_counter() - t0
+            return out
+
+        setattr(obj, attr, timed)
+    times = []
+    try:
+        for _ in range(3):
+            spent.append([0.0, 0.0])
+            times.append(_time_call(partial(clf.predict, x), dev))
+    finally:
+        for obj, attr in parts:
+            delattr(obj, attr)
+    mid = sorted(range(3), key=times.__getitem__)[1]
+    return times[mid], spent[mid][0], spent[mid][1]
 
 
 def evaluate(clf: Proteus, images: list[Any], truth: list[tuple[int, int]], batch: int) -> dict[str, float]:
@@ -292,6 +327,13 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         ) / side["ref"]["learn_s"],
         "open_predict_ratio_last_vs_10": None if side is None
         else side["last"]["open_predict_s"] / side["ref"]["open_predict_s"],
+        # the adapters' forward under the candidates (Eq. 9 over every older column) as at task 10
+        "predict_ratio_without_composition_growth": None if side is None else (
+            side["last"]["predict_s"] - side["last"]["predict_under_s"] + side["ref"]["predict_under_s"]
+        ) / side["ref"]["predict_s"],
+        # task 10's batch predicted by both learners: only the tasks learned differ (not the batch's spread)
+        "predict_same_batch_ratio_last_vs_10": None if side is None
+        else side["last"]["predict_same_s"] / side["ref"]["predict_same_s"],
         "side_by_side": side,
         "window_ratios": window,
         "peak_rss_mb_last": max(rows[-1]["learn_peak_mb"], rows[-1]["predict_peak_mb"]),
@@ -376,7 +418,8 @@ def main() -> None:
               img=args.img, keep_kb=Path(args.keep_kb) if args.keep_kb else None)  # fmt: skip
     keys = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10",
             "commit_ratio_last_vs_10", "learn_ratio_without_training_growth",
-            "open_predict_ratio_last_vs_10")  # fmt: skip
+            "open_predict_ratio_last_vs_10", "predict_ratio_without_composition_growth",
+            "predict_same_batch_ratio_last_vs_10")  # fmt: skip
     for key in keys:
         if rep[key] is not None:
             print(f"{key}: {rep[key]:.3f}")

@@ -485,6 +485,8 @@ class ShortlistScores:
         self.nll: dict[int, Tensor] = {}
         #: task -> its stored tensors, for a task read from a knowledge base (views made when needed)
         self._bound: dict[int, Mapping[str, Tensor]] = {}
+        #: task -> the shortlist width its rows are scored under (either kind)
+        self._widths: dict[int, int] = {}
         #: the pooled tasks' rows concatenated in task order (:meth:`_concat`): the tasks, how many rows of
         #: the buffers hold them, and the buffers (grown by half at a time)
         self._pool: tuple[list[int], int, Tensor, Tensor] | None = None
@@ -500,10 +502,7 @@ class ShortlistScores:
 
     def scored(self, k: int, width: int) -> bool:
         """Whether task k's rows are scored under shortlists of ``width`` tasks."""
-        if k in self.cand:
-            return self.cand[k].shape[1] == width
-        t = self._bound.get(k)
-        return t is not None and _shape(t, "novelty/cal_tasks")[1] == width
+        return self._widths.get(k) == width
 
     def score(self, k: int, cand: Tensor, per: Callable[[Tensor], list[Tensor]], width: int) -> None:
         """Task k's rows under their candidates ``cand`` (n, <= width), scored by ``per`` (per component,
@@ -511,7 +510,7 @@ class ShortlistScores:
         padded = torch.full((cand.shape[0], width), -1, dtype=torch.long)
         padded[:, : cand.shape[1]] = cand
         self.drop(k)
-        self.cand[k] = padded
+        self.cand[k], self._widths[k] = padded, width
         nll = torch.stack(per(padded), 2).float()  # +inf where no Gaussians: kept as 0, read as +inf
         self.nll[k] = nll.masked_fill(~torch.isfinite(nll), 0.0)
 
@@ -521,9 +520,10 @@ class ShortlistScores:
         self.cand.pop(k, None)
         self.nll.pop(k, None)
         self._bound.pop(k, None)
+        self._widths.pop(k, None)
 
     def clear(self) -> None:
-        self.cand, self.nll, self._bound, self._pool = {}, {}, {}, None
+        self.cand, self.nll, self._bound, self._widths, self._pool = {}, {}, {}, {}, None
 
     def _concat(self, tasks: list[int]) -> tuple[Tensor, Tensor]:
         """The rows of ``tasks`` (in order) concatenated: kept from one call to the next, the rows of tasks
@@ -579,7 +579,7 @@ class ShortlistScores:
             raise ValueError(f"novelty: calibration scores {nll} do not fit {rows} rows")
         self.cand.pop(k, None)
         self.nll.pop(k, None)
-        self._bound[k] = tensors
+        self._bound[k], self._widths[k] = tensors, cand[1]
 
 
 def _shape(tensors: Mapping[str, Tensor], name: str) -> tuple[int, ...]:

@@ -93,6 +93,7 @@ class ContentKeys:
         self.digests = TensorDigests()
         #: kind -> ((name, weak reference, version) per tensor in name order, its key)
         self._kept: dict[str, tuple[tuple[tuple[str, weakref.ref[torch.Tensor], int], ...], str]] = {}
+        self._live = 32  # the kinds kept after the last pruning (at least 32)
 
     def __call__(self, kind: str, tensors: dict[str, torch.Tensor]) -> str:
         kept = self._kept.get(kind)
@@ -108,4 +109,7 @@ class ContentKeys:
             self._kept[kind] = (tuple((n, weakref.ref(tensors[n]), tensors[n]._version) for n in names), key)
         else:
             self._kept.pop(kind, None)
+        if len(self._kept) > 2 * self._live:  # (one kind per task: forget those whose tensors are gone)
+            self._kept = {k: v for k, v in self._kept.items() if all(ref() is not None for _, ref, _ in v[0])}
+            self._live = max(len(self._kept), 32)
         return key

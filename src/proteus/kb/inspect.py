@@ -34,6 +34,7 @@ from proteus.kb.files import (
     recorded_size,
 )
 from proteus.kb.manifests import parse, read_manifest
+from proteus.kb.packs import Pack, is_pack
 from proteus.kb.schema import downgrade_problem, object_path
 from proteus.kb.signing import accept, describe, key_from_env, sequence_problem, signature_problem
 from proteus.kb.store import KnowledgeBase
@@ -175,7 +176,14 @@ def _check_commit(
         else:
             index = int(label.rsplit(" ", 1)[1])
             record = tasks[index]
-        objects.append(Obj(f"{prefix}{label}", obj.path, record, index, obj.shapes, totals=obj.totals))
+        shapes, totals = obj.shapes, obj.totals
+        if isinstance(obj.values, _PackValues) and index is not None:  # a task's share of a pack
+            found = obj.values.share(record, index)
+            if isinstance(found, str):
+                out.append(f"{obj.path}: {found} ({prefix}{label})")
+                continue
+            shapes, totals = found
+        objects.append(Obj(f"{prefix}{label}", obj.path, record, index, shapes, totals=totals))
     if all(isinstance(t, dict) for t in tasks):
         out += check_objects(tasks, objects)
     return names
@@ -196,12 +204,38 @@ def _object_problems(
         tensors = st_load(data)
     except Exception as e:  # safetensors raises several types for bad headers
         return [f"{path}: not a valid safetensors file ({e}) ({label})"], None
+    if is_pack(rel):  # the tasks' shares are checked one by one (:class:`_PackValues`)
+        try:
+            pack = Pack(bytearray(data), where=str(path))  # (writable: views of it warn otherwise)
+        except ValueError as e:
+            return [f"{path}: not a valid pack ({e}) ({label})"], None
+        found = [nonfinite(n, t) for n, t in tensors.items()]
+        return [f"{path}: {b} ({label})" for b in found if b], Obj(label, str(path), {}, None, shapes,
+                                                                  _PackValues(pack))  # fmt: skip
     out = []
     for tname, t in tensors.items():
         bad = nonfinite(tname, t)
         if bad:
             out.append(f"{path}: {bad} ({label})")
     return out, Obj(label, str(path), {}, None, shapes, totals=int_totals(tensors))
+
+
+class _PackValues(dict[str, Any]):
+    """Stands for a pack's values in its :class:`Obj`: each task's share is read by :meth:`share`."""
+
+    def __init__(self, pack: Pack) -> None:
+        super().__init__()
+        self.pack = pack
+
+    def share(
+        self, record: Any, index: int
+    ) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, int]] | str:
+        """The shapes and integer totals of task ``index``'s share, or what is wrong with it."""
+        pack, at = self.pack, record.get("index", index) if isinstance(record, dict) else index
+        if not isinstance(at, int) or not pack.first <= at < pack.first + pack.count:
+            return f"holds tasks {pack.first + 1} .. {pack.first + pack.count}, not task {index + 1}"
+        share = pack.task(at - pack.first)
+        return share.shapes(), int_totals(share)
 
 
 def _leftovers(

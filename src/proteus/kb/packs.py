@@ -325,6 +325,10 @@ class StoredTensors(Mapping[str, torch.Tensor]):
         self._source, self.slot = source, slot
         self._names: list[str] | None = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> StoredTensors:
+        """Itself: what it reads is a mapped file that nothing writes (a copied learner shares it)."""
+        return self
+
     @classmethod
     def of_object(cls, data: Any, checked: bool = False) -> StoredTensors:
         """The tensors of one task object held by ``data`` (its memory map, or bytes)."""

@@ -65,6 +65,7 @@ Crash points (:func:`proteus.faults.crash_point`) mark the commit's steps for th
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -101,13 +102,13 @@ from proteus.kb.files import (
 from proteus.kb.lock import lock_holder, write_lock
 from proteus.kb.manifests import check_paths, previous_manifest, read_manifest, segmented
 from proteus.kb.objects import ObjectStore, Part, StoredPart
-from proteus.kb.packs import StoredTensors
+from proteus.kb.packs import StoredTensors, is_pack
 from proteus.kb.schema import head_kind, manifest_problems
 from proteus.kb.segments import Segments
 from proteus.kb.signing import accept, key_from_env, sequence_problem, signature_problem
 from proteus.kb.sweep import sweep
 from proteus.kb.verified import Verified, state_key
-
+from proteus.tensor_rules import DTYPES
 
 #: a state read back: each task's stored part, and the head's
 State = tuple[list[StoredPart], Part | None]
@@ -410,10 +411,15 @@ def _check_backbone(root: Path, manifest: dict[str, Any], identity: dict[str, An
 
 
 def _nbytes(root: Path, manifest: dict[str, Any], objects: ObjectStore) -> dict[str, int]:
+    """Bytes of the manifest and each object; a task in a pack: the bytes of its tensors there."""
     out = {"manifest": (root / MANIFEST).stat().st_size}
     for label, rel, sha in _refs(manifest):
         name = "head" if label == "head" else f"task{label.rsplit(' ', 1)[1]}"
-        out[name] = objects.path(manifest, rel, sha).stat().st_size
+        if name != "head" and is_pack(rel):
+            shares = objects.read_task(manifest, manifest["tasks"][int(name[4:])]).shapes().values()
+            out[name] = sum(math.prod(shape) * DTYPES[dtype][1] for dtype, shape in shares)
+        else:
+            out[name] = objects.path(manifest, rel, sha).stat().st_size
     return out
 
 
