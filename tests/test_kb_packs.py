@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -68,6 +69,25 @@ def test_a_pack_gives_back_every_task_s_tensors_and_its_blocks() -> None:
         Pack(
             pack_tasks(0, tasks)[:8] + b"\x00" * 0 + data[8:].replace(b"proteus-kb-pack", b"proteus-kb-pick")
         )
+
+
+#: how the pages name the segment's size (a pack's tasks, a manifest's reference)
+SEGMENT_PHRASES = re.compile(
+    r"(?:per|every|its|segment of|pack every) (\d+) tasks|(\d+)-task (?:record )?segment"
+)
+
+
+def test_the_pages_give_the_segment_size_the_code_has() -> None:
+    """docs/architecture.md, reliability.md and performance.md say how many tasks a segment and a pack hold:
+    the number is :data:`SEGMENT_TASKS`."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    said = {
+        (page, int(a or b))
+        for page in ("architecture.md", "reliability.md", "performance.md")
+        for a, b in SEGMENT_PHRASES.findall((docs / page).read_text())
+    }
+    assert {page for page, _ in said} == {"architecture.md", "reliability.md", "performance.md"}, said
+    assert all(n == SEGMENT_TASKS for _, n in said), said
 
 
 def test_a_pack_refuses_what_does_not_add_up() -> None:
