@@ -241,13 +241,13 @@ def test_a_long_streams_pool_is_a_seeded_sample_gathered_from_the_tasks_drawn(
     assert torch.equal(X, X_all[keep]) and torch.equal(taps, taps_all[keep])
 
 
-@pytest.mark.parametrize("block", [2**21, 200])
+@pytest.mark.parametrize("block", [2**21, 200, 1])
 def test_pair_scores_are_each_pairs_own_nll_in_blocks_of_tasks(
     block: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Candidates scored task block by task block (bases padded to one rank, rows to one count) give each
-    pair its Gaussian's :meth:`PPCA.nll`, for tasks of different ranks and row counts, however the tasks
-    fall into blocks; a task without Gaussians scores +inf."""
+    """Candidates scored task block by task block (projections of lower rank padded) give each pair its
+    Gaussian's :meth:`PPCA.nll`, for tasks of different ranks and row counts, however the tasks fall into
+    blocks; a task without Gaussians scores +inf."""
     from proteus.engine import novelty
 
     monkeypatch.setattr(novelty, "PAIR_BLOCK", block)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -336,17 +335,18 @@ class TaskGaussians:
         return d2 * self.inv_noise + quad + self.logdet
 
 
-#: the most float64 numbers one block of :func:`pair_scores` holds (its inputs' rows, padded, or its bases)
+#: the most float64 numbers one block of :func:`pair_scores` holds (its pairs' centred rows)
 PAIR_BLOCK = 2**21
 
 
 def pair_scores(gaussians: Mapping[int, list[PPCA]], parts: list[Tensor], cand: Tensor) -> list[Tensor]:
     """Per component, (n, K): each row's negative log-density (:meth:`PPCA.nll`) under each of its candidate
     tasks ``cand`` (n, K) (``gaussians``: each task's, per component; ``parts``: the rows' components); +inf
-    for a candidate without Gaussians (forgotten, too few rows). The pairs are grouped by task and each
-    block of tasks scored by one batched product, its bases padded to one rank and its rows to one count
-    (:func:`_pair_block`): a batch spread over hundreds of candidate tasks costs a few tensor operations per
-    block, not a dozen per task."""
+    for a candidate without Gaussians (forgotten, too few rows). The pairs are sorted by task, so that each
+    task's rows are one slice: centring every pair's row on its task's mean, the squares and the weighting
+    run once over a block of tasks together (:func:`_pair_block`), and what is left per task is the one
+    product with its basis, read where it lies (no padded copy of the bases: a batch spread over hundreds of
+    candidate tasks reads each basis once)."""
     n, K = cand.shape
     flat = cand.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -357,85 +357,54 @@ def pair_scores(gaussians: Mapping[int, list[PPCA]], parts: list[Tensor], cand: 
     out = [torch.full((n * K,), float("inf"), dtype=torch.float64) for _ in parts]
     if not held:
         return [o.view(n, K) for o in out]
-    held_t = torch.as_tensor(held)
-    by_count = held_t[torch.argsort(counts[held_t], descending=True, stable=True)].tolist()
+    of = {i: gaussians[tasks[i]] for i in held}
     sizes = counts.tolist()
     for c, part in enumerate(parts):
         Z = part.double()
-        gs = {i: gaussians[tasks[i]][c] for i in by_count}
-        for block in _blocks(by_count, sizes, [gs[i].basis.shape[1] for i in by_count], Z.shape[1]):
+        for block in _blocks(held, sizes, Z.shape[1]):
             idx = torch.as_tensor(block)
             ct = counts[idx]
             first = torch.repeat_interleave(starts[idx] - (torch.cumsum(ct, 0) - ct), ct)
             pairs = order[torch.arange(len(first)) + first]  # the block's pairs, task by task
-            out[c][pairs] = _pair_block([gs[i] for i in block], Z, pairs // K, ct)
+            out[c][pairs] = _pair_block([of[i][c] for i in block], Z, pairs // K, ct)
     return [o.view(n, K) for o in out]
 
 
-def _blocks(items: list[int], counts: list[int], ranks: list[int], dim: int) -> Iterator[list[int]]:
-    """``items`` (tasks, most rows first) in consecutive blocks whose padded rows and bases stay within
-    :data:`PAIR_BLOCK` numbers."""
+def _blocks(items: list[int], counts: list[int], dim: int) -> Iterator[list[int]]:
+    """``items`` (tasks) in consecutive blocks whose pairs' rows stay within :data:`PAIR_BLOCK` numbers (a
+    task with more alone in its block)."""
     block: list[int] = []
-    cmax = rmax = 0
-    for i, r in zip(items, ranks, strict=True):
-        c, rr = max(cmax, counts[i]), max(rmax, r)
-        if block and (len(block) + 1) * max(c, rr) * dim > PAIR_BLOCK:
+    rows = 0
+    for i in items:
+        if block and (rows + counts[i]) * dim > PAIR_BLOCK:
             yield block
-            block, c, rr = [], counts[i], r
+            block, rows = [], 0
         block.append(i)
-        cmax, rmax = c, rr
+        rows += counts[i]
     if block:
         yield block
 
 
 def _pair_block(gs: list[PPCA], Z: Tensor, rows: Tensor, counts: Tensor) -> Tensor:
     """:meth:`PPCA.nll` of rows ``rows`` of Z (float64), the first ``counts[0]`` under Gaussian ``gs[0]``, the
-    next ``counts[1]`` under ``gs[1]`` ..., in one batched product: the rows padded to the largest count
-    (what a padded row gets is never read), the bases to the largest rank with zero columns (which add
-    nothing to either square), both written into the reused buffers of :data:`_WORK`."""
-    U, cmax, dim = len(gs), int(counts.max()), Z.shape[1]
+    next ``counts[1]`` under ``gs[1]`` ...: the centred rows ``D`` in one gather, each task's projection
+    ``D_t^T basis_t`` by one product, the projections of bases of lower rank padded with zero columns (which
+    add nothing to either square)."""
+    owner = torch.repeat_interleave(torch.arange(len(gs)), counts)
+    D = Z[rows] - torch.stack([g.mean for g in gs]).double()[owner]
     ranks = [g.basis.shape[1] for g in gs]
     R = max(ranks)
-    bases = _WORK.get("bases", (U, dim, R))
+    Ps = [d @ g.basis.double() for d, g in zip(D.split(counts.tolist()), gs, strict=True)]
     if min(ranks) == R:
-        torch.stack([g.basis for g in gs], out=bases)  # converted to float64 as it is copied
+        P, inv_var = torch.cat(Ps), torch.stack([g.inv_var for g in gs])
     else:
-        for b, g, r in zip(bases, gs, ranks, strict=True):
-            b[:, :r].copy_(g.basis)
-            b[:, r:].zero_()
-    owner = torch.repeat_interleave(torch.arange(U), counts)
-    slot = torch.arange(len(owner)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    means = torch.stack([g.mean for g in gs]).double()  # (U, D)
-    D = _WORK.get("rows", (U, cmax, dim))
-    Dp = Z[rows] - means[owner]
-    D[owner, slot] = Dp
-    P = torch.bmm(D, bases)[owner, slot]  # (pairs, R)
+        P = torch.cat([torch.nn.functional.pad(p, (0, R - p.shape[1])) for p in Ps])
+        inv_var = torch.nn.utils.rnn.pad_sequence([g.inv_var for g in gs], batch_first=True)
     P2 = P * P
-    weights = torch.nn.utils.rnn.pad_sequence([g.inv_var for g in gs], batch_first=True)[owner]
     inv_noise = torch.tensor([1.0 / g.noise for g in gs], dtype=torch.float64)[owner]
     logdet = torch.tensor([g.logdet for g in gs], dtype=torch.float64)[owner]
-    rest = ((Dp * Dp).sum(1) - P2.sum(1)).clamp_min(0.0)
-    return (P2 * weights).sum(1) + rest * inv_noise + logdet
-
-
-class _Workspace(threading.local):
-    """float64 buffers reused from call to call (a fresh one of many megabytes costs its page faults at
-    every prediction), each grown to the largest asked for (at most :data:`PAIR_BLOCK` numbers, but for a
-    single task's rows beyond it); one set per thread."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        n = math.prod(shape)
-        buf = self.buffers.get(name)
-        if buf is None or buf.numel() < n:
-            buf = self.buffers[name] = torch.empty(n, dtype=torch.float64)
-        return buf[:n].view(shape)
-
-
-#: the buffers of :func:`_pair_block`
-_WORK = _Workspace()
+    rest = ((D * D).sum(1) - P2.sum(1)).clamp_min(0.0)
+    return (P2 * inv_var[owner]).sum(1) + rest * inv_noise + logdet
 
 
 def _pooled(live: Mapping[int, CalibrationRows], tasks: list[int] | None = None) -> tuple[Tensor, Tensor]:
