@@ -265,3 +265,28 @@ def test_pair_scores_are_each_pairs_own_nll_in_blocks_of_tasks(
             for j, t in enumerate(cand[i].tolist()):
                 want = gaussians[t][c].nll(parts[c][i : i + 1])[0] if t in gaussians else float("inf")
                 assert float(got[c][i, j]) == pytest.approx(float(want), rel=1e-9, abs=1e-9)
+
+
+def test_a_stored_gaussian_keeps_its_float64_basis_once_a_shortlist_scores_under_it() -> None:
+    """A Gaussian decoded from a knowledge base keeps the float64 copy of its basis that :func:`pair_scores`
+    made (the same numbers, counted in the decoded Gaussians' budget); one held in memory, or a call that
+    does not ask to keep it, converts anew; the scores are the same either way."""
+    from proteus.engine import novelty
+
+    g = torch.Generator().manual_seed(3)
+    held = PPCA.fit(torch.randn(12, 7, generator=g, dtype=torch.float64), rank=4)
+    stored = PPCA(held.mean, held.basis, held.var, held.noise, stored=True)
+    assert held.basis_f64(keep=True) is not held.basis_f64(keep=True)  # held: never kept
+    assert stored.basis_f64() is not stored.basis_f64()  # not asked to keep
+    Z = torch.randn(5, 7, generator=g)
+    first = novelty.pair_scores({0: [stored]}, [Z], torch.zeros(5, 1, dtype=torch.long))[0]
+    kept = stored.basis_f64()
+    assert (
+        kept is stored.basis_f64() and kept.dtype == torch.float64 and torch.equal(kept, held.basis.double())
+    )
+    again = novelty.pair_scores({0: [stored]}, [Z], torch.zeros(5, 1, dtype=torch.long))[0]
+    assert torch.equal(first, again)
+    assert torch.equal(
+        first[:, 0], novelty.pair_scores({0: [held]}, [Z], torch.zeros(5, 1, dtype=torch.long))[0][:, 0]
+    )
+    assert novelty._decoded_bytes([stored]) == 8 * (stored.basis.numel() + stored.var.numel())

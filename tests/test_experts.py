@@ -47,6 +47,25 @@ def test_an_expert_is_the_ridge_head_of_its_own_task_over_its_own_classes() -> N
     assert len(ex) == 1
 
 
+def test_a_batch_spread_over_tasks_is_each_rows_own_experts_scores() -> None:
+    """Rows of many tasks, with different numbers of classes, scored in one batched product: each row gets
+    exactly its own task's expert's scores (as scoring its rows task by task gives) in that task's columns,
+    -inf elsewhere, whatever the order of the rows."""
+    ex = TaskExperts(_new_head)
+    tasks_classes = [[0, 1], [2, 3, 4], [5], [6, 7, 8, 9]]
+    for i, cls in enumerate(tasks_classes):
+        h, y = _blobs(cls if len(cls) > 1 else [*cls, *cls], seed=i)
+        ex.add_task(h, torch.as_tensor(y), cls)
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(23, 8, generator=g)
+    tasks = torch.randint(0, len(tasks_classes), (23,), generator=g)
+    L = ex.logits(h, tasks, num_classes=10)
+    for i, t in enumerate(tasks.tolist()):
+        cls = tasks_classes[t]
+        assert torch.equal(L[i, cls], ex.experts[t].scores(h[i : i + 1])[0])
+        assert torch.isinf(L[i, [c for c in range(10) if c not in cls]]).all()
+
+
 def test_soft_combination_follows_a_sure_key_and_an_unsure_key_defers_to_the_heads() -> None:
     # two tasks: classes {0, 1} and {2, 3}; the input is under each candidate's adapter
     inf = float("-inf")

@@ -48,3 +48,21 @@ def test_a_budget_of_zero_decodes_every_time() -> None:
     shares.bind(5, {"x": torch.ones(3)})
     shares[5], shares[5]  # noqa: B018
     assert calls == [5, 5] and shares.decoded_bytes == 0
+
+
+def test_the_budget_counts_a_value_as_its_size_says() -> None:
+    """``size``: what a decoded value costs the process (here a tenth of its tensor), so that a budget of
+    the copies a decoder makes keeps more values than one of every byte they reference."""
+    calls: list[int] = []
+    shares: TaskShares[torch.Tensor] = TaskShares(
+        _decode(calls), budget=3 * 40, size=lambda v: v.numel() * v.element_size() // 10
+    )
+    for k in range(4):
+        shares.bind(k, {"x": torch.full((100,), float(k))})
+    for k in range(4):
+        shares[k]  # noqa: B018
+    assert shares.decoded_bytes == 3 * 40  # three of 40 counted bytes each: task 0 out
+    shares[1], shares[2], shares[3]  # noqa: B018  (kept: not decoded again)
+    assert calls == [0, 1, 2, 3]
+    shares[0]  # noqa: B018
+    assert calls == [0, 1, 2, 3, 0]

@@ -9,10 +9,11 @@ knowledge base on disk as ``proteus learn`` does, and records for every k:
   commit; and the seconds per optimisation step of the training (``train_step``);
 * seconds per predict batch (``batch`` images of earlier tasks) along the default route, median of 3;
 * the peak resident set size during learn and during predict (MiB above the process's size at start);
-* the knowledge base's bytes on disk and the merged-weight cache's bytes;
+* the knowledge base's bytes on disk and the bytes of the two caches held within budgets (the merged
+  weights, the detector's decoded Gaussians);
 * at task 10 and at the last task, where the resident memory goes (:mod:`memory_account`: the learner's
   tensors by the attribute holding them, every tensor, and the native rest, malloc'd or not), and from
-  the two the resident memory beyond the merged-weight cache per task.
+  the two the resident memory beyond those caches per task.
 
 It writes ``long_stream.json`` (every row) and ``long_stream.png`` (each quantity against k) and reports
 the ratios the issue sets: learn time of the last task over task 10 (<= 1.3), predict time per batch at
@@ -82,6 +83,18 @@ def synthetic_task(k: int, per_class: int, img: int, seed: int) -> Task:
         k, [2 * k, 2 * k + 1], [f"c{2 * k}", f"c{2 * k + 1}"],
         ArrayImageDataset(arr, y[train], train), ArrayImageDataset(arr, y[test], test),
     )  # fmt: skip
+
+
+def _detector_cache_bytes(clf: Proteus) -> int:
+    """The bytes of the detector's decoded Gaussians (the float64 bases a shortlist scores under, kept within
+    their budget: :data:`proteus.engine.novelty.GAUSSIANS_BUDGET`); 0 without a detector."""
+    novelty = getattr(getattr(clf, "keys_", None), "novelty", None)
+    return int(getattr(getattr(novelty, "gaussians", None), "decoded_bytes", 0))
+
+
+def _caches_mb(row: dict[str, Any]) -> float:
+    """MiB of a row's caches held within their budgets (the merged weights, the detector's Gaussians)."""
+    return (row["merged_cache_bytes"] + row.get("detector_cache_bytes", 0)) / 2**20
 
 
 def _gpu_slope(rows: list[dict[str, Any]], ref: int) -> float:
@@ -251,6 +264,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                 "predict_peak_mb": pm_pred.result.get("peak_mb"),
                 "kb_bytes": sum(f.stat().st_size for f in kb_dir.rglob("*") if f.is_file()),
                 "merged_cache_bytes": clf.model_.merged_nbytes(),
+                "detector_cache_bytes": _detector_cache_bytes(clf),
                 "rss_mb": (_rss_bytes() or 0) / 2**20,
                 # GPU memory the learner holds after task k (tensors, not the allocator's cache)
                 "gpu_allocated_mb": torch.cuda.memory_allocated(dev) / 2**20 if dev.type == "cuda" else None,
@@ -273,7 +287,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                 log(f"task {k + 1:3d}: learn {r['learn_s']:.2f} s (train {r['train_s']:.2f}, signature "
                     f"{r['signature_s']:.2f}, head {r['head_s']:.2f}, commit {r['commit_s']:.2f}), predict "
                     f"{r['predict_s'] * 1e3:.0f} ms, KB {r['kb_bytes'] / 1e6:.1f} MB, merged cache "
-                    f"{r['merged_cache_bytes'] / 1e6:.1f} MB, peak RSS learn {r['learn_peak_mb']:.0f} "
+                    f"{r['merged_cache_bytes'] / 1e6:.1f} MB, detector cache "
+                    f"{r['detector_cache_bytes'] / 1e6:.1f} MB, peak RSS learn {r['learn_peak_mb']:.0f} "
                     f"MiB, rank {r['ranks_min']}" + (f", accuracy {r['acc']:.1f}%, retrieval "
                     f"{r['retrieval']:.1f}%" if "acc" in r else ""))  # fmt: skip
         side = None
@@ -306,8 +321,9 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "kb_bytes",
     )
     ks = [r["task"] for r in rows]
-    # the process's own memory (anonymous) beyond the merged-weight cache; the page cache apart (file-backed)
-    beyond = {k: rows[k - 1]["rss_anon_mb"] - rows[k - 1]["merged_cache_bytes"] / 2**20 for k in accounts}
+    # the process's own memory (anonymous) beyond the caches (the merged weights, the detector's decoded
+    # Gaussians: each within its budget); the page cache apart (file-backed)
+    beyond = {k: rows[k - 1]["rss_anon_mb"] - _caches_mb(rows[k - 1]) for k in accounts}
     span = max(last - ref, 1)
     report = {
         "settings": {"method": method, "tasks": tasks, "backbone": backbone, "img": img,
@@ -337,7 +353,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         "side_by_side": side,
         "window_ratios": window,
         "peak_rss_mb_last": max(rows[-1]["learn_peak_mb"], rows[-1]["predict_peak_mb"]),
-        "rss_mb_start": rows[0]["rss_mb"] - rows[0]["merged_cache_bytes"] / 2**20,
+        "rss_mb_start": rows[0]["rss_mb"] - _caches_mb(rows[0]),
+        "detector_cache_mb_last": rows[-1]["detector_cache_bytes"] / 2**20,
         "rss_mb_last": rows[-1]["rss_mb"],
         "merged_budget_mb": budget_mb, "model_mb": model_mb,
         "kb_mb_per_task": rows[-1]["kb_bytes"] / last / 1e6,
@@ -375,6 +392,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax[1, 0].legend(fontsize=7)
     ax[1, 1].plot(k, [r["kb_bytes"] / 1e6 for r in rows], label="KB on disk")
     ax[1, 1].plot(k, [r["merged_cache_bytes"] / 1e6 for r in rows], label="merged-weight cache")
+    ax[1, 1].plot(k, [r["detector_cache_bytes"] / 1e6 for r in rows], label="detector's Gaussians")
     ax[1, 1].set(title="MB", xlabel="k")
     ax[1, 1].legend(fontsize=7)
     fig.tight_layout()
@@ -435,7 +453,7 @@ def main() -> None:
     acc = rep["memory_account"]["per_task_mb"]
     owners = ", ".join(f"{k} {v:.3f}" for k, v in acc["learner_tensors_mb"].items() if abs(v) >= 0.0005)
     print(
-        f"resident memory (anonymous) beyond the merged cache: {rep['rss_beyond_cache_mb_per_task']:.3f} MiB "
+        f"resident memory (anonymous) beyond the caches: {rep['rss_beyond_cache_mb_per_task']:.3f} MiB "
         f"per task (tasks {ref_k} to {rep['settings']['tasks']}; page cache "
         f"{rep['rss_file_mb_per_task']:.3f} MiB per task, mapped tensors {acc['learner_mapped_mb']:.3f}): "
         "the learner's tensors "

@@ -106,14 +106,25 @@ class TaskExperts:
         del self.experts[m:]
 
     def logits(self, h: Tensor, tasks: Tensor, num_classes: int) -> Tensor:
-        """(N, C): row i scored by task ``tasks[i]``'s expert in that task's columns, -inf elsewhere."""
-        out = torch.full((h.shape[0], num_classes), float("-inf"))
+        """(N, C): row i scored by task ``tasks[i]``'s expert in that task's columns, -inf elsewhere. The
+        distinct tasks' weights are stacked (padded to the most classes) and every row scored by its own in
+        one batched product: a batch spread over many tasks costs a few operations, not a few per task."""
+        out = torch.full((h.shape[0], num_classes + 1), float("-inf"))  # the last column: padding's
         tasks = tasks.cpu()
-        for t in tasks.unique().tolist():
-            rows = (tasks == t).nonzero().flatten()
-            e = self.experts[int(t)]
-            out[rows[:, None], torch.as_tensor(e.classes)[None, :]] = e.scores(h[rows.to(h.device)]).cpu()
-        return out
+        distinct, which = tasks.unique(return_inverse=True)
+        experts = [self.experts[int(t)] for t in distinct.tolist()]
+        Ws = [e.W for e in experts]
+        dtype = torch.promote_types(Ws[0].dtype, h.dtype) if Ws else h.dtype
+        width = max((len(e.classes) for e in experts), default=0)
+        W = h.new_zeros((len(Ws), h.shape[1], width), dtype=dtype)
+        cols = torch.full((len(Ws), width), num_classes, dtype=torch.long)
+        for i, (e, w) in enumerate(zip(experts, Ws, strict=True)):
+            W[i, :, : w.shape[1]] = w
+            cols[i, : len(e.classes)] = torch.as_tensor(e.classes)
+        idx = which.to(h.device)
+        scores = torch.bmm(h.to(dtype)[:, None, :], W[idx]).squeeze(1).float().cpu()  # (N, width)
+        out.scatter_(1, cols[which], scores)
+        return out[:, :num_classes].contiguous()
 
     # knowledge base: each expert lives in its task's object
     def task_state(self, k: int) -> tuple[dict[str, Any], dict[str, Tensor]]:

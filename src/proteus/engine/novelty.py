@@ -266,6 +266,11 @@ class PPCA:
     basis: Tensor
     var: Tensor
     noise: float
+    #: a Gaussian decoded from a knowledge base (:func:`_stored_gaussians`, its tensors views of the mapped
+    #: files, in float32) keeps its basis in float64 once a shortlist has scored under it
+    #: (:meth:`basis_f64`), within the decoded Gaussians' budget (:func:`_decoded_bytes`)
+    stored: bool = field(default=False, repr=False, compare=False)
+    _basis64: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def fit(cls, X: Tensor, rank: int = RANK) -> PPCA:
@@ -285,10 +290,20 @@ class PPCA:
         """(N,): each row's squared Mahalanobis distance plus the log-determinant (minus twice the log
         density, up to a constant shared by every task)."""
         D = Z.double() - self.mean.double().to(Z.device)
-        P = D @ self.basis.double().to(Z.device)
+        P = D @ self.basis_f64().to(Z.device)
         var = self.var.double().to(Z.device)
         rest = ((D * D).sum(1) - (P * P).sum(1)).clamp_min(0.0)
         return (P * P / var).sum(1) + rest / self.noise + self.logdet
+
+    def basis_f64(self, keep: bool = False) -> Tensor:
+        """The basis in float64; ``keep``: a stored Gaussian keeps the copy for the next call (what a
+        shortlist reads at every prediction; one held in memory, or a call over every task, converts anew)."""
+        if self._basis64 is not None:
+            return self._basis64
+        b = self.basis.double()
+        if keep and self.stored:
+            self._basis64 = b
+        return b
 
     @functools.cached_property
     def logdet(self) -> float:
@@ -309,19 +324,19 @@ class TaskGaussians:
     ``P = d^T basis``: the squared distances to every task's mean come from one product with the stacked
     means and each task's projection from one product with its basis (``z`` and the means first centred on
     the means' average, so that the expanded squares keep their precision); what per-task arithmetic is
-    left runs once over every task's columns together. Holds each task's basis by reference: beside the
-    Gaussians, only the (T, D) centred means and a few numbers per direction."""
+    left runs once over every task's columns together. Holds the Gaussians by reference: beside them, only
+    the (T, D) centred means and a few numbers per direction."""
 
     def __init__(self, gaussians: list[PPCA]) -> None:
         means = torch.stack([g.mean for g in gaussians]).double()
         self.center = means.mean(0)
         self.means = means - self.center  # (T, D)
         self.norms = (self.means * self.means).sum(1)
-        self.bases = [g.basis for g in gaussians]
-        ranks = torch.tensor([b.shape[1] for b in self.bases])
+        self.gaussians = gaussians
+        ranks = torch.tensor([g.basis.shape[1] for g in gaussians])
         self.owner = torch.repeat_interleave(torch.arange(len(gaussians)), ranks)  # column -> task
         self.offsets = torch.cat(
-            [self.means[t] @ b.double() for t, b in enumerate(self.bases)]
+            [self.means[t] @ g.basis_f64() for t, g in enumerate(gaussians)]
         )  # (sum r,): each mean's projection
         self.weights = torch.cat([1.0 / g.var.double() - 1.0 / g.noise for g in gaussians])
         self.inv_noise = torch.tensor([1.0 / g.noise for g in gaussians], dtype=torch.float64)
@@ -330,7 +345,7 @@ class TaskGaussians:
     def scores(self, Z: Tensor) -> Tensor:
         Zc = Z.cpu().double() - self.center
         d2 = (Zc * Zc).sum(1, keepdim=True) - 2.0 * (Zc @ self.means.T) + self.norms
-        P = torch.cat([Zc @ b.double() for b in self.bases], 1) - self.offsets
+        P = torch.cat([Zc @ g.basis_f64() for g in self.gaussians], 1) - self.offsets
         quad = torch.zeros_like(d2).index_add_(1, self.owner, P * P * self.weights)
         return d2 * self.inv_noise + quad + self.logdet
 
@@ -394,7 +409,7 @@ def _pair_block(gs: list[PPCA], Z: Tensor, rows: Tensor, counts: Tensor) -> Tens
     D = Z[rows] - torch.stack([g.mean for g in gs]).double()[owner]
     ranks = [g.basis.shape[1] for g in gs]
     R = max(ranks)
-    Ps = [d @ g.basis.double() for d, g in zip(D.split(counts.tolist()), gs, strict=True)]
+    Ps = [d @ g.basis_f64(keep=True) for d, g in zip(D.split(counts.tolist()), gs, strict=True)]
     if min(ranks) == R:
         P, inv_var = torch.cat(Ps), torch.stack([g.inv_var for g in gs])
     else:
@@ -567,7 +582,8 @@ def _count(v: Any) -> bool:
 
 def _ppca_of(tensors: Mapping[str, Tensor], prefix: str, noise: float) -> PPCA:
     """The Gaussian stored under ``prefix`` (``mean``, ``basis``, ``var``) with noise variance ``noise``."""
-    return PPCA(tensors[f"{prefix}mean"], tensors[f"{prefix}basis"], tensors[f"{prefix}var"], noise)
+    t = tensors
+    return PPCA(t[f"{prefix}mean"], t[f"{prefix}basis"], t[f"{prefix}var"], noise, stored=True)
 
 
 def _floors(m: float, rho: float) -> tuple[float, float]:
@@ -711,8 +727,10 @@ class ClassNovelty:
     tasks: bool = False
     #: task -> its Gaussian per component (each tap block's statistics, then the key features): held while
     #: the task is not stored, then decoded from its stored tensors when a shortlist needs it (the tasks used
-    #: last kept within ``task_cache`` bytes)
-    gaussians: MutableMapping[int, list[PPCA]] = field(default_factory=lambda: TaskShares(_stored_gaussians))
+    #: last kept within :data:`GAUSSIANS_BUDGET`)
+    gaussians: MutableMapping[int, list[PPCA]] = field(
+        default_factory=lambda: TaskShares(_stored_gaussians, GAUSSIANS_BUDGET, _decoded_bytes)
+    )
     #: the widths of the tap blocks' statistics (the components before the key features)
     tap_sizes: list[int] | None = None
     #: bumped when the stored tasks' rows or rate change (:meth:`replace`, :meth:`set_tpr`)
@@ -1026,6 +1044,19 @@ def _stored_rows(k: int, tensors: Mapping[str, Tensor]) -> CalibrationRows:
         tensors["novelty/x"].float(), tensors["novelty/y"].long(), bool(in_stats),
         None if taps is None else taps.float(),
     )  # fmt: skip
+
+
+#: the bytes of the stored tasks' Gaussians a detector keeps decoded (:func:`_decoded_bytes`, least recently
+#: used out first): 128 MiB keep the float64 bases of about 350 tasks at the 1,280 key features and three
+#: tap blocks of MobileNetV2, more than the distinct tasks a batch of 32 inputs shortlists (at most 32 x 8)
+GAUSSIANS_BUDGET = 128 << 20
+
+
+def _decoded_bytes(gs: list[PPCA]) -> int:
+    """What a stored task's decoded Gaussians cost the process: the float64 copies of their bases and
+    inverse variances (kept once a shortlist scores under them); their float32 tensors are views of the
+    knowledge base's mapped files, the page cache."""
+    return sum(8 * (g.basis.numel() + g.var.numel()) for g in gs)
 
 
 def _stored_gaussians(k: int, tensors: Mapping[str, Tensor]) -> list[PPCA]:

@@ -43,13 +43,18 @@ def nbytes(value: object) -> int:
 class TaskShares(MutableMapping[int, V], Generic[V]):
     """Task -> value: held (``shares[k] = v``: a task not yet stored), or bound to its stored tensors
     (:meth:`bind`) and decoded by ``decode(k, tensors)`` when first asked for; the decoded values within
-    ``budget`` bytes are kept (least recently used out first; None: every one, 0: none). Iteration and
-    ``len`` cover both kinds without decoding; ``items()`` and ``values()`` decode every one."""
+    ``budget`` bytes are kept (least recently used out first; None: every one, 0: none), a value's bytes as
+    ``size`` counts them (by default every tensor it holds; a decoder whose values are mostly views of the
+    mapped files counts the copies it makes). Iteration and ``len`` cover both kinds without decoding;
+    ``items()`` and ``values()`` decode every one."""
 
     def __init__(
-        self, decode: Callable[[int, Mapping[str, torch.Tensor]], V], budget: int | None = DEFAULT_BUDGET
+        self,
+        decode: Callable[[int, Mapping[str, torch.Tensor]], V],
+        budget: int | None = DEFAULT_BUDGET,
+        size: Callable[[V], int] = nbytes,
     ) -> None:
-        self.decode, self.budget = decode, budget
+        self.decode, self.budget, self.size = decode, budget, size
         self._held: dict[int, V] = {}
         self._bound: dict[int, Mapping[str, torch.Tensor]] = {}
         self._decoded: OrderedDict[int, tuple[V, int]] = OrderedDict()
@@ -118,7 +123,7 @@ class TaskShares(MutableMapping[int, V], Generic[V]):
     def _keep(self, k: int, value: V) -> None:
         if self.budget == 0:
             return
-        size = nbytes(value)
+        size = self.size(value)
         self._decoded[k] = (value, size)
         self._decoded_bytes += size
         while self.budget is not None and self._decoded_bytes > self.budget and len(self._decoded) > 1:
