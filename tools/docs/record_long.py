@@ -2,10 +2,11 @@
 ``python tools/docs/record_long.py RUN/long_stream.json [...] --name NAME --command "python tools/perf/..."``
 writes ``docs/measured/long/NAME.json``: per run its merged-weight budget, the ratios of the last task to
 task 10 (learn, learn without what the training step grew, training step, commit, predict, opening the
-knowledge base and predicting one image), the process's own (anonymous) resident memory beyond the merged
-cache per task and where it goes (the learner's tensors by the attribute holding them, the native rest,
-malloc'd or not), the page cache it maps per task, the growth of the knowledge base on disk per task, MiB
-per task, and the seconds behind the ratios at task 10 and at the last task.
+knowledge base and predicting one image), the process's own (anonymous) resident memory beyond the caches
+held within budgets (the merged weights, the detector's decoded Gaussians) per task and where it goes (the
+learner's tensors by the attribute holding them, the detector's cache apart, the native rest, malloc'd or
+not), the page cache it maps per task, the growth of the knowledge base on disk per task, MiB per task, and
+the seconds behind the ratios at task 10 and at the last task.
 ``tests/test_measured_docs.py`` checks that docs/performance.md shows each of them on the run's two table
 lines (figures, then seconds) in the section naming `` `NAME` ``, so the page cannot drift from the runs.
 """
@@ -102,11 +103,16 @@ def _seconds(d: dict[str, Any]) -> dict[str, list[float]]:
     return out
 
 
-def _kb_slope(d: dict[str, Any]) -> float:
-    """MiB the knowledge base on disk grows per task from task 10 to the last: the learned state itself."""
+def _slope(d: dict[str, Any], key: str) -> float:
+    """MiB the rows' ``key`` (bytes) grows per task from task 10 to the last."""
     rows, ref = d["rows"], min(10, d["settings"]["tasks"])
     span = max(rows[-1]["task"] - ref, 1)
-    return (rows[-1]["kb_bytes"] - rows[ref - 1]["kb_bytes"]) / span / 2**20
+    return (rows[-1][key] - rows[ref - 1][key]) / span / 2**20
+
+
+def _kb_slope(d: dict[str, Any]) -> float:
+    """MiB the knowledge base on disk grows per task from task 10 to the last: the learned state itself."""
+    return _slope(d, "kb_bytes")
 
 
 def summary(path: Path) -> dict[str, object]:
@@ -115,6 +121,9 @@ def summary(path: Path) -> dict[str, object]:
     per_task = d["memory_account"]["per_task_mb"]
     learner = per_task["learner_tensors_mb"]
     parts = {name: round(sum(learner.get(k, 0.0) for k in keys), 3) for name, keys in PARTS.items()}
+    if "detector_cache_bytes" in d["rows"][0]:  # the detector's decoded Gaussians: a cache within a budget
+        parts = {"novelty detector": parts.pop("novelty detector"),
+                 "of which: its cache": round(_slope(d, "detector_cache_bytes"), 3), **parts}  # fmt: skip
     return {
         "label": label(d["settings"]),
         "tasks": d["settings"]["tasks"],
@@ -157,7 +166,7 @@ def tables(rec: dict[str, Any]) -> str:
     ``tests/test_measured_docs.py`` checks the page against."""
     runs = rec["runs"]
     parts = list(runs[0]["parts_mb_per_task"])
-    head = ["run", *RATIO_NAMES, "beyond the merged cache", "page cache", "knowledge base", *parts]
+    head = ["run", *RATIO_NAMES, "beyond the caches", "page cache", "knowledge base", *parts]
     lines = [f"| {' | '.join(head)} |", "| --- |" + " ---: |" * (len(head) - 1)]
     for run in runs:
         cells = ["—" if run.get(k) is None else f"{run[k]:.2f}" for k in RATIOS]
