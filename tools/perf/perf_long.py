@@ -94,7 +94,7 @@ def _detector_cache_bytes(clf: Proteus) -> int:
 
 def _caches_mb(row: dict[str, Any]) -> float:
     """MiB of a row's caches held within their budgets (the merged weights, the detector's Gaussians)."""
-    return (row["merged_cache_bytes"] + row.get("detector_cache_bytes", 0)) / 2**20
+    return (row["merged_cache_bytes"] + row["detector_cache_bytes"]) / 2**20
 
 
 def _gpu_slope(rows: list[dict[str, Any]], ref: int) -> float:

@@ -582,8 +582,8 @@ def _count(v: Any) -> bool:
 
 def _ppca_of(tensors: Mapping[str, Tensor], prefix: str, noise: float) -> PPCA:
     """The Gaussian stored under ``prefix`` (``mean``, ``basis``, ``var``) with noise variance ``noise``."""
-    t = tensors
-    return PPCA(t[f"{prefix}mean"], t[f"{prefix}basis"], t[f"{prefix}var"], noise, stored=True)
+    mean, basis, var = (tensors[f"{prefix}{name}"] for name in ("mean", "basis", "var"))
+    return PPCA(mean, basis, var, noise, stored=True)
 
 
 def _floors(m: float, rho: float) -> tuple[float, float]:
