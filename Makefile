@@ -26,8 +26,10 @@ demo: $(VENV)/.installed
 	$(PY) -m proteus compare --benchmark quickstart --seeds 0 --out runs/demo-compare \
 	    --methods proteus,proteus-lda,ranpac,frozen --set report.figures=false --set report.latency=false
 
-# one pytest worker per core (pytest-xdist); a test file runs on one worker (its module fixtures built once)
-PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
+# one pytest worker per core (pytest-xdist); a test file runs on one worker (its module fixtures built once),
+# the files of end-to-end tests handed out first (tests/conftest.py orders them; xdist would put the files of
+# many tests first)
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 test: $(VENV)/.installed
 	$(PYTEST)

@@ -40,3 +40,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     kb = root / "kb1"
     assert main(["learn", "--kb", str(kb), "--task", "1", *folder_args(tree, spec), *TINY]) == 0
     return {"tree": tree, "spec": spec, "kb1": kb, "root": root}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files holding end-to-end tests (marked ``slow``) first, in their collected order, the others
+    after: pytest-xdist hands out whole files in this order (``make test`` passes
+    ``--no-loadscope-reorder``), so the long files start early and the short ones fill in at the end,
+    instead of one worker running the last long file while the other waits."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)  # (a stable sort: the order within stays)

@@ -20,6 +20,7 @@ import torch
 
 import proteus.kb as kbmod
 import proteus.kb.commit
+import proteus.kb.segments
 from proteus.kb import KnowledgeBase
 from proteus.kb.packs import Pack, is_pack, pack_tasks, spans
 from proteus.kb.segments import SEGMENT_TASKS
@@ -299,26 +300,33 @@ def _task(k: int) -> Any:
 
 
 @pytest.mark.slow
-def test_a_learner_past_a_segment_predicts_the_same_from_its_packs(tmp_path: Path) -> None:
+def test_a_learner_past_a_segment_predicts_the_same_from_its_packs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A learner committing every task: once a segment is full its tasks are read from the pack (their
     Gaussians and heads no longer held), it predicts as before, and a learner loaded from the knowledge base
-    predicts the same, holding no task's Gaussians until a prediction shortlists it."""
+    predicts the same, holding no task's Gaussians until a prediction shortlists it. Segments of 4 tasks
+    here (the writer's size; a reader takes any): each task is a real fit, and the packing is the same."""
     from proteus import Proteus
     from proteus.engine.stored import TaskShares
     from proteus.experiment.store import commit
 
     sets = {"backbone.pretrained": False, "backbone.img_size": 32, "backbone.adapt_last": 2,
             "adapter.rank": 2, "train.epochs": 1, "head.rp_dim": 64, "retrieval.shortlist": 4}  # fmt: skip
+    segment = 4
+    monkeypatch.setattr(proteus.kb.commit, "SEGMENT_TASKS", segment)
+    monkeypatch.setattr(proteus.kb.segments, "SEGMENT_TASKS", segment)
     clf = Proteus.from_method("proteus", progress=False, **sets)
     root = tmp_path / "kb"
-    n = SEGMENT_TASKS + 2
+    n = 2 * segment + 2
     kb: KnowledgeBase | None = None
     for k in range(n):
         clf.fit_task(_task(k))
         kb = kb or KnowledgeBase.new(root, clf.kb_header())
         commit(kb, clf)
     tasks = KnowledgeBase.open(root).manifest["tasks"]
-    assert all(is_pack(t["object"]) for t in tasks[:SEGMENT_TASKS]) and not is_pack(tasks[-1]["object"])
+    assert all(is_pack(t["object"]) for t in tasks[: 2 * segment]) and not is_pack(tasks[-1]["object"])
+    assert len({t["object"] for t in tasks[: 2 * segment]}) == 2  # one pack per full segment
     gaussians = clf.keys_.novelty.gaussians
     assert isinstance(gaussians, TaskShares) and not any(gaussians.held(k) for k in range(n))
     x = clf.transform_images([_task(k).test[0][0] for k in range(n)])
