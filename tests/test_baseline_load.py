@@ -41,6 +41,7 @@ BASELINES: dict[str, tuple[str, list[str]]] = {
     "hide-prompt": ("vit_ti16", ["baseline.tii_epochs=2", "baseline.ca_epochs=2"]),
     "tuna": ("mobilenet_v2", ["backbone.adapt_last=2", "baseline.ca_epochs=2"]),
     "mos": ("mobilenet_v2", ["backbone.adapt_last=2", "baseline.ca_epochs=2"]),
+    "tosca": ("mobilenet_v2", ["backbone.adapt_last=2"]),
     "adapromptcl": (
         "vit_ti16",
         ["baseline.remerge_samples=10", "baseline.kmeans_run=3", "baseline.pool_size=20"],
@@ -153,7 +154,7 @@ def check_learn_equals_run_and_serves(
     rows = _predict_rows(kb, files, capsys)
     assert rows == _predict_rows(run / "kb", files, capsys)
     names = [n for t in b["tasks"] for n in t["class_names"]]
-    retrieves = method in ("s-prompt", "hide-prompt", "tuna", "mos")
+    retrieves = method in ("s-prompt", "hide-prompt", "tuna", "mos", "tosca")
     for r, f in zip(rows, files):
         assert r["file"] == f and r["class"] in names and names.index(r["class"]) == r["label"]
         assert (r["task"] is not None) == retrieves and r["component"] is None and r["known"] is None

@@ -25,7 +25,7 @@ from tiny import baseline_cfg, baseline_stream
 
 BASELINE_METHODS = sorted(n for n in METHODS.names() if METHODS.get(n).learner != "proteus")
 #: the baselines that retrieve a task per input (results.json's retrieval_acc)
-RETRIEVING = ("s-prompt", "hide-prompt", "tuna", "mos")
+RETRIEVING = ("s-prompt", "hide-prompt", "tuna", "mos", "tosca")
 PROMPT_METHODS = {"l2p", "dualprompt", "coda-prompt", "s-prompt", "adapromptcl", "hide-prompt"}
 
 
@@ -74,6 +74,7 @@ def test_every_declared_baseline_has_a_learner() -> None:
         "hide-prompt",
         "tuna",
         "mos",
+        "tosca",
     }
     assert set(BASELINE_METHODS) == expected
     for m in BASELINE_METHODS:
@@ -273,8 +274,8 @@ def test_every_baseline_runs(method: str, tmp_path: Path) -> None:
     assert main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["method"] == method and res["num_tasks"] == 2 and len(res["avg_acc"]) == 2
-    # S-Prompt (its K-Means keys), HiDe-Prompt (its TII), TUNA (entropy) and MOS (self-refinement) retrieve a
-    # task per input; the others none
+    # S-Prompt (its K-Means keys), HiDe-Prompt (its TII), TUNA and TOSCA (entropy) and MOS (self-refinement)
+    # retrieve a task per input; the others none
     assert (res["retrieval_acc"] is None) == (method not in RETRIEVING)
     assert res["forgetting"] is not None
     assert (out / "split.json").is_file()

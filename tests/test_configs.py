@@ -53,6 +53,8 @@ BASELINE = {
     "tuna-imagenet-r": ("tuna", "imagenet-r", 10, 32, "sgd", 0.02),
     "mos-cifar100": ("mos", "cifar100", 20, 48, "sgd", 0.03),
     "mos-imagenet-r": ("mos", "imagenet-r", 10, 16, "sgd", 0.05),
+    "tosca-cifar100": ("tosca", "cifar100", 20, 48, "sgd", 0.025),
+    "tosca-imagenet-r": ("tosca", "imagenet-r", 20, 48, "sgd", 0.025),
 }
 
 
