@@ -33,10 +33,60 @@ HIDE = "proteus/baselines/hideprompt.py"
 ADA = "proteus/baselines/adapromptcl.py"
 TUNA = "proteus/baselines/tuna.py"
 MOS = "proteus/baselines/mos.py"
+TOSCA = "proteus/baselines/tosca.py"
 ADAPTERS = "proteus/baselines/adaptformer.py"
 
 #: (name, check script, file under src, [(old text, new text), ...]); every old text must occur exactly once
 PERTURBATIONS = [
+    # ---- TOSCA (check_tosca.py)
+    (
+        "TOSCA: no residual inside the adapter's LayerNorm",
+        "tosca",
+        TOSCA,
+        [("m = mod.norm(x + mod.mlp(x))", "m = mod.norm(mod.mlp(x))")],
+    ),
+    ("TOSCA: the L1 term left out", "tosca", TOSCA, [("aux = b.l1 * sum(", "aux = 0.0 * sum(")]),
+    (
+        "TOSCA: sigma not trained",
+        "tosca",
+        TOSCA,
+        [
+            (
+                'return [{"params": [*module.parameters(), rows, sigma]}]',
+                'return [{"params": [*module.parameters(), rows]}]',
+            )
+        ],
+    ),
+    (
+        "TOSCA: the trained rows kept (no prototypes)",
+        "tosca",
+        TOSCA,
+        [("rows[known + i] = out[y == c].mean(0)", "rows[known + i] = rows[known + i]")],
+    ),
+    (
+        "TOSCA: later modules keep torch's default initialisation",
+        "tosca",
+        TOSCA,
+        [("(module if k == 0 else module.xavier_())", "module")],
+    ),
+    (
+        "TOSCA: the most entropic task selected (per input)",
+        "tosca",
+        TOSCA,
+        [("task = ent.argmin(0)", "task = ent.argmax(0)")],
+    ),
+    (
+        "TOSCA: the batch's most entropic task selected",
+        "tosca",
+        TOSCA,
+        [("task = ent.mean(1).argmin()", "task = ent.mean(1).argmax()")],
+    ),
+    (
+        "TOSCA: later tasks' new rows drawn uniformly, not zero",
+        "tosca",
+        TOSCA,
+        [("        if k:\n            return torch.zeros(n, self.embed_dim, device=self.device_)\n", "")],
+    ),
     # ---- TUNA (check_tuna.py)
     (
         "TUNA: CosFace margin added to the target cosine instead of subtracted",
