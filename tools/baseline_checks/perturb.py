@@ -104,7 +104,7 @@ PERTURBATIONS = [
         "TUNA: the adapter of the most entropic logits selected",
         "tuna",
         TUNA,
-        [("(-(p * torch.log(p + EPS)).sum(2)).argmin(0)", "(-(p * torch.log(p + EPS)).sum(2)).argmax(0)")],
+        [("return entropy(logits, EPS).argmin(0)", "return entropy(logits, EPS).argmax(0)")],
     ),
     (
         "TUNA: EMR merge takes the agreeing entries' mean magnitude, not the largest",

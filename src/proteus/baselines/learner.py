@@ -63,8 +63,8 @@ log = logging.getLogger("proteus")
 
 __all__ = [
     "OPTIMIZERS", "SCHEDULES", "BaselineOptions", "ContinualClassifier", "NoOptions", "TrainingOptions",
-    "check_baseline_config", "column_prediction", "epoch_lr", "input_pass", "rolled_back", "task_inputs",
-    "task_record", "train_task", "weight_decay",
+    "check_baseline_config", "column_prediction", "entropy", "epoch_lr", "input_pass", "rolled_back",
+    "task_inputs", "task_record", "train_task", "weight_decay",
 ]  # fmt: skip
 
 #: ``baseline.optimizer``: (parameters, the method's options, weight decay) -> the task's optimiser
@@ -303,6 +303,13 @@ def train_task(clf: ContinualClassifier, task: Task, k: int) -> dict[str, Any]:
     clf.labels_ += classes
     clf._end_task(k, z, loader)
     return task_stats(losses, params)
+
+
+def entropy(logits: torch.Tensor, eps: float) -> torch.Tensor:
+    """``-sum p log(p + eps)`` over the last axis, ``p`` the softmax of ``logits`` (the entropy the releases
+    of TUNA and TOSCA select a task by, each with its own guard ``eps``)."""
+    p = F.softmax(logits, dim=-1)
+    return -(p * torch.log(p + eps)).sum(-1)
 
 
 def task_stats(losses: list[float], params: Iterable[torch.Tensor]) -> dict[str, Any]:

@@ -45,14 +45,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from proteus.baselines.adaptformer import fit_epochs
-from proteus.baselines.learner import KB_LAYOUT, ContinualClassifier, TrainingOptions, task_stats
+from proteus.baselines.learner import KB_LAYOUT, ContinualClassifier, TrainingOptions, entropy, task_stats
 from proteus.baselines.persist import linear, need
 from proteus.config import declare
 from proteus.engine.errors import TaskError
@@ -63,7 +63,7 @@ from proteus.registry import Registry
 from proteus.streams import Task
 from proteus.tensor_rules import TENSOR_RULES, ShapeRule
 
-__all__ = ["FLOWS", "TOSCA", "ToscaModule", "cosine_logits", "entropy"]
+__all__ = ["FLOWS", "TOSCA", "ToscaModule", "cosine_logits"]
 
 #: the release's entropy guard (``log(p + 1e-9)``)
 EPS = 1e-9
@@ -128,12 +128,6 @@ def cosine_logits(out: torch.Tensor, rows: torch.Tensor, sigma: torch.Tensor) ->
     return sigma * (F.normalize(out, dim=-1) @ F.normalize(rows, dim=1).T)
 
 
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """``-sum p log(p + 1e-9)`` over the last axis, ``p`` the softmax of ``logits``."""
-    p = F.softmax(logits, dim=-1)
-    return -(p * torch.log(p + EPS)).sum(-1)
-
-
 @dataclasses.dataclass
 class TOSCAOptions(TrainingOptions):
     flow: str = option("tosca", help="the module on the embedding (the paper's ablations)", choices=FLOWS)
@@ -167,15 +161,11 @@ class TOSCA(ContinualClassifier):
         with torch.no_grad():
             return self.backbone_.forward_suffix(self.backbone_.forward_prefix(x))
 
-    def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
-        """The last task's module on embeddings ``z``."""
-        return self.modules_[-1](z)
-
     def _rows(self) -> torch.Tensor:
         """(C_seen, d) every seen class's row, task after task."""
         if not len(self.heads_):
             return torch.zeros(0, self.embed_dim, device=self.device_)
-        return torch.cat([h.weight for h in self.heads_])
+        return torch.cat([cast(nn.Linear, h).weight for h in self.heads_])
 
     def _new_module(self, k: int) -> ToscaModule:
         """Task k's module before training: torch's default initialisation for the first task, Xavier after
@@ -251,7 +241,7 @@ class TOSCA(ContinualClassifier):
             with self.embedder_.autocast():
                 logits = torch.stack([cosine_logits(m(chunk), rows, self.sigma_) for m in self.modules_])
             logits = logits.float()  # (m, B, C)
-            ent = entropy(logits)  # (m, B)
+            ent = entropy(logits, EPS)  # (m, B)
             if self.options_.selection == "batch":
                 task = ent.mean(1).argmin().expand(chunk.shape[0])
             else:

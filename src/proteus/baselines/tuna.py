@@ -55,7 +55,7 @@ from proteus.baselines.adaptformer import (
     fit_epochs,
     task_stats,
 )
-from proteus.baselines.learner import TrainingOptions
+from proteus.baselines.learner import TrainingOptions, entropy
 from proteus.config import declare
 from proteus.errors import NotFittedError
 from proteus.learners import LEARNERS
@@ -111,8 +111,7 @@ def up_orthogonality(open_: AdapterLike, old: Sequence[AdapterSet]) -> torch.Ten
 def entropy_selection(logits: torch.Tensor) -> torch.Tensor:
     """(B,) the adapter whose logits (m, B, C) have the least entropy, ``-sum p log(p + 1e-10)`` (first on
     ties)."""
-    p = F.softmax(logits, dim=2)
-    return (-(p * torch.log(p + EPS)).sum(2)).argmin(0)
+    return entropy(logits, EPS).argmin(0)
 
 
 @LEARNERS.register("tuna", help="TUNA: an adapter per task chosen by entropy, with a universal adapter")
