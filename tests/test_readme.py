@@ -2,7 +2,9 @@
 in a fresh directory; it uses the quickstart's pretrained MobileNetV2 and skips when the weights are neither
 in torch's hub cache nor in ``../shared/weights``), its demo table holds the numbers recorded by
 ``tools/parity/results_parity.py`` for the methods ``make demo`` compares, its methods table names every
-registered method, and it stays short."""
+registered method, and it stays short; the figures that move with the thread count (the README's
+``proteus-paper`` sentence, docs/reliability.md's table of 1 against 2 threads) are the recorded ones
+(``tools/parity/`` with one thread, ``tools/parity/threads2/`` with two)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from proteus.backbones.weights import WeightsError, ensure_weights
 README = Path(__file__).resolve().parents[1] / "README.md"
 SHARED_WEIGHTS = README.parent.parent / "shared" / "weights"
 PARITY = README.parent / "tools" / "parity"
+RELIABILITY = README.parent / "docs" / "reliability.md"
 #: a row of the demo's table: | `method` | final accuracy | retrieval at the last task or - |
 DEMO_ROW = re.compile(r"^\| `([a-z0-9-]+)` \| ([0-9.]+) \| ([0-9.]+|-) \|$", flags=re.M)
 
@@ -60,6 +63,42 @@ def test_the_demo_table_is_what_the_recorded_runs_give() -> None:
         assert acc == f"{rec['final_avg_acc']:.2f}", (method, acc, rec["final_avg_acc"])
         last = "-" if rec["retrieval_acc"] is None else f"{rec['retrieval_acc'][-1]:.2f}"
         assert retrieval == last, (method, retrieval, last)
+
+
+def recorded(method: str, threads: int) -> dict:
+    """``method``'s quickstart recording with ``threads`` threads (1 or 2)."""
+    return json.loads((PARITY / ("" if threads == 1 else "threads2") / f"{method}.json").read_text())
+
+
+def pct(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def test_the_readme_s_proteus_paper_figures_are_the_recorded_ones() -> None:
+    text = " ".join(README.read_text().split())
+    m = re.search(r"recorded here: ([0-9.]+)% with one thread, ([0-9.]+)% with two\) while its retrieval "
+                  r"stays at ([0-9.]+)%", text)  # fmt: skip
+    assert m, "the README's proteus-paper sentence changed: update this test with it"
+    one, two = recorded("proteus-paper", 1), recorded("proteus-paper", 2)
+    assert m.groups() == (pct(one["final_avg_acc"]), pct(two["final_avg_acc"]), pct(one["retrieval_acc"][-1]))
+    assert one["retrieval_acc"] == two["retrieval_acc"]  # retrieval does not move with the threads
+
+
+def test_reliability_s_thread_table_is_the_recorded_one() -> None:
+    text = " ".join(RELIABILITY.read_text().split())
+    for method in ("proteus", "proteus-lda", "frozen", "ranpac-accumulated"):
+        assert recorded(method, 1) == recorded(method, 2), f"{method} moved with the thread count"
+    assert f"| `proteus` | identical ({pct(recorded('proteus', 1)['final_avg_acc'])};" in text
+    one, two = recorded("ranpac", 1), recorded("ranpac", 2)
+    assert one["final_avg_acc"] == two["final_avg_acc"]
+    pairs = ", ".join(
+        f"{pct(a)} / {pct(b)}" for a, b in zip(one["acc_matrix"][2][:3], two["acc_matrix"][2][:3])
+    )
+    final = pct(one["final_avg_acc"])
+    row = f"final accuracy identical ({final}); the accuracies after task 3 move: tasks 1-3 "
+    assert row + pairs + "%" in text, row + pairs
+    there = f"({pct(one['avg_acc'][2])}% there with one thread, {pct(two['avg_acc'][2])}% with two)"
+    assert there in text, there
 
 
 def test_the_methods_table_names_every_method_and_the_readme_is_short() -> None:

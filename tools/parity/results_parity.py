@@ -8,10 +8,12 @@ by key (bit for bit: JSON numbers compared as written).
     python tools/parity/results_parity.py record runs/parity-after    # on the new code
     python tools/parity/results_parity.py compare tools/parity runs/parity-after --ignore kb_bytes.manifest
 
-One thread per run (so float reductions are ordered the same way every time); ``--jobs`` runs that many
-methods at once. The JSON files beside this script are the recording of the methods the README's demo
-table and docs quote (``record --methods proteus,proteus-lda,ranpac,frozen,proteus-paper,ranpac-accumulated``,
-2-core CPU, torch 2.14.1); tests/test_readme.py checks the README's demo table against them.
+One thread per run by default (so float reductions are ordered the same way every time; ``--threads N``
+records with N); ``--jobs`` runs that many methods at once. The JSON files beside this script are the
+recording of the methods the README's demo table and docs quote (``record --methods
+proteus,proteus-lda,ranpac,frozen,proteus-paper,ranpac-accumulated``, 2-core AMD EPYC CPU, torch 2.14.1),
+``threads2/`` the same with ``--threads 2 --jobs 1``; tests/test_readme.py checks the README's demo table
+and the figures that move with the thread count against them.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def methods() -> list[str]:
 VIT_SETS = ["backbone.name=vit_ti16", "backbone.pretrained=false", "backbone.img_size=32", "train.epochs=1"]
 
 
-def run_one(method: str, out: Path, extra: list[str] | None = None) -> str:
+def run_one(method: str, out: Path, extra: list[str] | None = None, threads: int = 1) -> str:
     run_dir = out / "runs" / method
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     cmd = [
         sys.executable,
         "-m",
@@ -73,7 +75,7 @@ def run_one(method: str, out: Path, extra: list[str] | None = None) -> str:
     ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode == 2 and "needs a backbone with tokens" in p.stderr and extra is None:
-        return run_one(method, out, VIT_SETS)
+        return run_one(method, out, VIT_SETS, threads)
     if p.returncode != 0:
         return f"{method}: FAILED ({p.returncode})\n{p.stderr[-2000:]}"
     res = json.loads((run_dir / "results.json").read_text())
@@ -81,11 +83,11 @@ def run_one(method: str, out: Path, extra: list[str] | None = None) -> str:
     return f"{method}: final {res['final_avg_acc']:.2f}" + (" (random ViT-Ti, 32 px)" if extra else "")
 
 
-def record(out: Path, jobs: int, only: list[str] | None) -> int:
+def record(out: Path, jobs: int, only: list[str] | None, threads: int = 1) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = only or methods()
     with ThreadPoolExecutor(jobs) as pool:
-        for line in pool.map(lambda m: run_one(m, out), names):
+        for line in pool.map(lambda m: run_one(m, out, threads=threads), names):
             print(line, flush=True)
     return 0
 
@@ -128,6 +130,9 @@ def main() -> int:
     r.add_argument("out", type=Path)
     r.add_argument("--jobs", type=int, default=2)
     r.add_argument("--methods", help="comma-separated subset")
+    r.add_argument(
+        "--threads", type=int, default=1, help="threads per run (OMP/MKL_NUM_THREADS); 1 by default"
+    )
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
@@ -136,7 +141,8 @@ def main() -> int:
     )
     args = p.parse_args()
     if args.cmd == "record":
-        return record(args.out, args.jobs, args.methods.split(",") if args.methods else None)
+        only = args.methods.split(",") if args.methods else None
+        return record(args.out, args.jobs, only, args.threads)
     return compare(args.a, args.b, tuple(k for k in args.ignore.split(",") if k))
 
 
