@@ -72,12 +72,13 @@ Part = tuple[dict[str, Any], dict[str, Tensor]]
 
 class TaskParts(Sequence[Part]):
     """A learner's per-task parts, each built when it is first asked for (``parts[k]``; kept while this
-    object lives, so that it reads like a list), with what a knowledge base
-    needs to leave the unchanged ones alone: ``stored(k)``, the record task k was committed as or read from
-    while the task has not changed since (None once it has, or before it was ever stored), which the store
-    keeps without building the part; and ``committed(k, record)``, called by the store for every task after
-    a commit, so that the learner keeps the record as task k's token. A learner invalidates a token wherever
-    it changes a stored task (``kb forget``, ``kb calibrate``)."""
+    object lives, so that it reads like a list), with what a knowledge base needs to leave the unchanged
+    ones alone: ``stored(k)``, the record task k was committed as or read from while the task has not
+    changed since (None once it has, or before it was ever stored), which the store keeps without building
+    the part (``tokens()``: every task's at once); and ``committed(k, record)``, called by the store after
+    a commit for every task whose record is not already its token, so that the learner keeps the record
+    as task k's token. A learner invalidates a token wherever it changes a stored task (``kb forget``,
+    ``kb calibrate``)."""
 
     def __init__(
         self,
@@ -85,9 +86,10 @@ class TaskParts(Sequence[Part]):
         build: Callable[[int], Part],
         stored: Callable[[int], Any] | None = None,
         committed: Callable[[int, Any], None] | None = None,
+        tokens: Callable[[], list[Any]] | None = None,
     ) -> None:
         self._n, self._build = n, build
-        self._stored, self._committed = stored, committed
+        self._stored, self._committed, self._tokens = stored, committed, tokens
         self._built: dict[int, Part] = {}
 
     def __len__(self) -> int:
@@ -111,6 +113,10 @@ class TaskParts(Sequence[Part]):
 
     def stored(self, k: int) -> Any:
         return None if self._stored is None else self._stored(k)
+
+    def tokens(self) -> list[Any]:
+        """``stored(k)`` of every task, in one pass (``tokens``: the learner's own, when it has one)."""
+        return self._tokens() if self._tokens is not None else [self.stored(k) for k in range(self._n)]
 
     def committed(self, k: int, record: Any) -> None:
         if self._committed is not None:

@@ -54,7 +54,10 @@ def learner_state(parts: ProteusParts, records: TaskRecords) -> LearnerState:
     def committed(k: int, record: Any) -> None:
         records[k].stored, records[k].stored_at = record, generation
 
-    tasks = TaskParts(len(records), build, stored, committed)
+    def tokens() -> list[Any]:  # every task's stored(k), in one pass (a long stream's commit asks for all)
+        return [r.stored if r.stored_at == generation else None for r in records]
+
+    tasks = TaskParts(len(records), build, stored, committed, tokens)
     return LearnerState(tasks, _head_state(parts, records.classes()))
 
 

@@ -133,6 +133,8 @@ def classes_outside(
     out = []
     for i, t in enumerate(tasks):
         classes = t.get("classes") if isinstance(t, dict) else None
+        if isinstance(classes, list) and _within(classes, n):
+            continue
         bad = (
             [c for c in classes if isinstance(c, int) and not 0 <= c < n] if isinstance(classes, list) else []
         )
@@ -142,6 +144,15 @@ def classes_outside(
                 f"({name}.num_classes: the head scores the global labels 0 .. num_classes - 1)"
             )
     return out
+
+
+def _within(classes: list[Any], n: int) -> bool:
+    """Whether no integer of ``classes`` falls outside 0 .. n - 1, found in C when it holds numbers only
+    (False when it cannot tell: the caller looks at each)."""
+    try:
+        return not classes or (min(classes) >= 0 and max(classes) < n)
+    except TypeError:
+        return False
 
 
 def dtype_name(dtype: torch.dtype) -> str:

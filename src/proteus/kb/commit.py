@@ -173,15 +173,21 @@ class Commit:
             )
         return data
 
-    def sizes(self, manifest: dict[str, Any], known: dict[str, Any]) -> dict[str, int]:
+    def sizes(
+        self,
+        manifest: dict[str, Any],
+        known: dict[str, Any],
+        known_refs: list[tuple[str, str, str]] | None = None,
+    ) -> dict[str, int]:
         """The size of every object ``manifest`` references; refuses one that is neither written nor
         pending (``known``: a manifest whose records were checked, to find sizes in: an object it references
-        under the same sha256, with its size, is taken as it is)."""
+        under the same sha256, with its size, is taken as it is; ``known_refs``: its :func:`_refs`, when the
+        caller has them)."""
         out: dict[str, int] = {}
         dirs: tuple[Path, Path] | None = None
         found = known.get("object_bytes")
         committed: dict[str, Any] = found if isinstance(found, dict) else {}
-        refs = {rel: sha for _, rel, sha in _refs(known)} if committed else {}
+        refs = {rel: sha for _, rel, sha in (known_refs or _refs(known))} if committed else {}
         for label, rel, sha in _refs(manifest):
             if rel in out:  # (the tasks of a pack share its object)
                 continue
@@ -209,15 +215,15 @@ class Commit:
 
     def prepare(
         self, manifest: dict[str, Any], current: dict[str, Any], on_disk: bool, key: bytes | None,
-        segments: Segments,
+        segments: Segments, current_refs: list[tuple[str, str, str]] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
         """``manifest`` (expanded) sealed to replace ``current`` (:func:`seal`; its changed record segments
         written, ``on_disk``: ``current`` is committed), and refused when this proteus could not read it
-        back; the manifest.json to write and the same expanded. Any failure: :meth:`abandon`, then the
-        error."""
+        back; the manifest.json to write and the same expanded (``current_refs``: ``current``'s
+        :func:`_refs`, when the caller has them). Any failure: :meth:`abandon`, then the error."""
         try:
             manifest = packed(manifest, self.objects)  # a segment just filled: its tasks in one pack
-            sizes = self.sizes(manifest, current)
+            sizes = self.sizes(manifest, current, current_refs)
 
             def pack(m: dict[str, Any]) -> list[dict[str, Any]]:
                 return segments.pack(m, m.get("segments"), self.objects.write_segment, sizes.__getitem__)

@@ -286,13 +286,17 @@ class ObjectStore:
             if data is not None and not (self.root / rel).exists():
                 self.write_new(rel, data, sha)
 
-    def settle(self, manifest: dict[str, Any]) -> None:
+    def settle(self, manifest: dict[str, Any], refs: list[tuple[str, str, str]] | None = None) -> None:
         """After a commit of ``manifest``: nothing is pending or written any more; the snapshot and the
-        content keys keep only what it references."""
+        content keys keep only what it references (``refs``: its objects' and segments' references, when
+        the caller has them)."""
         self.written.clear()
         self.pending.clear()
         self.on_disk = True
-        keep = {rel: sha for _, rel, sha in _refs(manifest) + _segment_refs(manifest)}
+        keep = {
+            rel: sha
+            for _, rel, sha in (refs if refs is not None else _refs(manifest) + _segment_refs(manifest))
+        }
         self.cache = {rel: v for rel, v in self.cache.items() if keep.get(rel) == v[0]}
         self.packs = {rel: v for rel, v in self.packs.items() if keep.get(rel) == v[0]}
         self.known = {key: v for key, v in self.known.items() if keep.get(v[0]) == v[1]}

@@ -251,22 +251,29 @@ class KnowledgeBase:
         ... commit. A manifest this proteus could not read back is refused; a failed commit leaves the KB as
         it was."""
         commit = Commit(self.root, self.objects, self._manifest_sha)
-        replaced = _object_names(self.manifest) if self._on_disk and self._manifest_sha else None
+        current = _refs(self.manifest)  # each manifest's references walked once in a commit
+        replaced = None
+        if self._on_disk and self._manifest_sha:
+            replaced = {rel.rpartition("/")[2] for _, rel, _ in current + _segment_refs(self.manifest)}
         kept_segments = list(self.manifest.get("segments") or [])
-        physical, expanded = commit.prepare(manifest, self.manifest, self._on_disk, self.key, self.segments)
+        physical, expanded = commit.prepare(
+            manifest, self.manifest, self._on_disk, self.key, self.segments, current
+        )
         data = commit.write(physical, expanded, not self._on_disk, _check_free)
         self.manifest = expanded
         self._manifest_sha = _sha(data)
-        self.objects.settle(expanded)
+        refs = _refs(expanded) + _segment_refs(expanded)
+        self.objects.settle(expanded, refs)
         self.segments.settle(expanded["segments"] + kept_segments)
         verified = self.objects.verified  # the state this proteus wrote: a reader need not check it again
         verified.check(state_key(expanded, head_kind(expanded) or "proteus"))
         verified.check(state_key(expanded, ""))  # the fields every manifest must have (:func:`parse`)
-        verified.save({rel for _, rel, _ in _refs(expanded) + _segment_refs(expanded)})
+        verified.save({rel for _, rel, _ in refs})
         if self.key is not None:
             accept(manifest, self.key)
         crash_point("commit:manifest")
-        self.sweep(replaced)  # manifest.prev.json holds the state replaced (write checked it is this one)
+        # manifest.prev.json holds the state replaced (write checked it is this one)
+        sweep(self.root, {rel.rpartition("/")[2] for _, rel, _ in refs}, replaced)
 
     def commit_state(
         self, tasks: Sequence[Part], head: Part | None, evaluation: list[dict[str, Any]] | None = None
@@ -276,7 +283,9 @@ class KnowledgeBase:
         and the evaluation rows to keep with it (None: the stored rows of the tasks kept)."""
         manifest = dict(self.manifest)
         stored = (self.manifest.get("tasks") or []) if self._on_disk else []
-        manifest["tasks"] = task_records(tasks, stored, self.write_object)
+        every = getattr(tasks, "tokens", None)  # a learner's token of each unchanged task
+        tokens = every() if every is not None else [None] * len(tasks)
+        manifest["tasks"] = task_records(tasks, stored, self.write_object, tokens)
         if head is not None:
             rel, sha = self.write_object("head", head[1], reuse=False)  # a learner's head changes every task
             manifest["head"] = {"meta": head[0], "object": rel, "sha256": sha}
@@ -285,6 +294,8 @@ class KnowledgeBase:
         self.commit(manifest)
         done = getattr(tasks, "committed", None)  # the learner keeps each record as its task's token
         for k, record in enumerate(self.manifest["tasks"] if done is not None else []):
+            if k < len(tokens) and record is tokens[k]:
+                continue  # its token already
             done(k, record)  # type: ignore[misc]
 
     def read_state(self, learner: str | None = None) -> State:
@@ -366,15 +377,17 @@ class KnowledgeBase:
 
 
 def task_records(
-    tasks: Sequence[Part], stored: list[Any], write: Callable[[str, dict[str, torch.Tensor]], tuple[str, str]]
+    tasks: Sequence[Part],
+    stored: list[Any],
+    write: Callable[[str, dict[str, torch.Tensor]], tuple[str, str]],
+    tokens: list[Any],
 ) -> list[Any]:
     """The records of a learner's ``tasks`` (:class:`proteus.learners.TaskParts`, or any sequence of parts):
     ``stored[k]`` where task k's token says it is unchanged since that record was committed or read (the
-    part is not even built), else a record of its part with its object written (``write``)."""
+    part is not even built), else a record of its part with its object written (``write``); ``tokens``:
+    each task's token (:meth:`proteus.learners.TaskParts.tokens`; None where it has none)."""
     records = []
-    kept = getattr(tasks, "stored", None)  # a learner's token of an unchanged task
-    for k in range(len(tasks)):
-        token = kept(k) if kept is not None else None
+    for k, token in enumerate(tokens):
         if token is not None and k < len(stored) and (token is stored[k] or token == stored[k]):
             records.append(stored[k])
             continue
