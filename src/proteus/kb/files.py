@@ -507,7 +507,12 @@ def _segment_refs(manifest: dict[str, Any]) -> list[tuple[str, str, str]]:
 def _object_names(manifest: dict[str, Any]) -> set[str]:
     """The file names of every object ``manifest`` references, its record segments included (what a sweep
     keeps)."""
-    return {rel.rpartition("/")[2] for _, rel, _ in _refs(manifest) + _segment_refs(manifest)}
+    return _ref_names(_refs(manifest) + _segment_refs(manifest))
+
+
+def _ref_names(refs: list[tuple[str, str, str]]) -> set[str]:
+    """The file names of the objects ``refs`` (:func:`_refs`, :func:`_segment_refs`) reference."""
+    return {rel.rpartition("/")[2] for _, rel, _ in refs}
 
 
 # ====================================================================== the writers' lock

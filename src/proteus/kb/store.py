@@ -90,6 +90,7 @@ from proteus.kb.files import (
     _MissingObject,
     _now,
     _object_names,
+    _ref_names,
     _refs,
     _segment_refs,
     _sha,
@@ -254,7 +255,7 @@ class KnowledgeBase:
         current = _refs(self.manifest)  # each manifest's references walked once in a commit
         replaced = None
         if self._on_disk and self._manifest_sha:
-            replaced = {rel.rpartition("/")[2] for _, rel, _ in current + _segment_refs(self.manifest)}
+            replaced = _ref_names(current + _segment_refs(self.manifest))
         kept_segments = list(self.manifest.get("segments") or [])
         physical, expanded = commit.prepare(
             manifest, self.manifest, self._on_disk, self.key, self.segments, current
@@ -273,7 +274,7 @@ class KnowledgeBase:
             accept(manifest, self.key)
         crash_point("commit:manifest")
         # manifest.prev.json holds the state replaced (write checked it is this one)
-        sweep(self.root, {rel.rpartition("/")[2] for _, rel, _ in refs}, replaced)
+        sweep(self.root, _ref_names(refs), replaced)
 
     def commit_state(
         self, tasks: Sequence[Part], head: Part | None, evaluation: list[dict[str, Any]] | None = None
