@@ -101,7 +101,7 @@ from proteus.kb.files import (
     read_kb_file,
 )
 from proteus.kb.lock import lock_holder, write_lock
-from proteus.kb.manifests import check_paths, previous_manifest, read_manifest, segmented
+from proteus.kb.manifests import previous_manifest, read_manifest, segmented
 from proteus.kb.objects import ObjectStore, Part, StoredPart
 from proteus.kb.packs import StoredTensors, is_pack
 from proteus.kb.schema import head_kind, manifest_problems
@@ -173,9 +173,6 @@ class KnowledgeBase:
         kb.commit(kb.manifest)
         return kb
 
-    _read_manifest = staticmethod(read_manifest)
-    _check_paths = staticmethod(check_paths)
-
     @classmethod
     def open(
         cls,
@@ -194,7 +191,7 @@ class KnowledgeBase:
         with collector_paused():  # many small objects, all kept (:mod:`proteus.collector`)
             for attempt in range(OPEN_ATTEMPTS):
                 segments, verified = Segments(), Verified(root)
-                data, manifest = cls._read_manifest(root, segments, verified)
+                data, manifest = read_manifest(root, segments, verified)
                 if key is not None and require_signature:
                     problem = signature_problem(root, manifest, key) or sequence_problem(root, manifest, key)
                     if problem:
@@ -266,10 +263,8 @@ class KnowledgeBase:
         refs = _refs(expanded) + _segment_refs(expanded)
         self.objects.settle(expanded, refs)
         self.segments.settle(expanded["segments"] + kept_segments)
-        verified = self.objects.verified  # the state this proteus wrote: a reader need not check it again
-        verified.check(state_key(expanded, head_kind(expanded) or "proteus"))
-        verified.check(state_key(expanded, ""))  # the fields every manifest must have (:func:`parse`)
-        verified.save({rel for _, rel, _ in refs})
+        # the state this proteus wrote: a reader need not check it again
+        self.objects.verified.wrote(expanded, head_kind(expanded) or "proteus", {rel for _, rel, _ in refs})
         if self.key is not None:
             accept(manifest, self.key)
         crash_point("commit:manifest")
@@ -282,22 +277,15 @@ class KnowledgeBase:
         """Commit a learner's state (:class:`proteus.learners.LearnerState`'s parts): one object per task (its
         record in a segment; a full segment's tasks in one pack), one for the head (its meta in the manifest),
         and the evaluation rows to keep with it (None: the stored rows of the tasks kept)."""
-        manifest = dict(self.manifest)
-        stored = (self.manifest.get("tasks") or []) if self._on_disk else []
         every = getattr(tasks, "tokens", None)  # a learner's token of each unchanged task
         tokens = every() if every is not None else [None] * len(tasks)
-        manifest["tasks"] = task_records(tasks, stored, self.write_object, tokens)
-        if head is not None:
-            rel, sha = self.write_object("head", head[1], reuse=False)  # a learner's head changes every task
-            manifest["head"] = {"meta": head[0], "object": rel, "sha256": sha}
-        rows = list(self.manifest.get("evaluation", []))
-        manifest["evaluation"] = rows[: len(tasks)] if evaluation is None else evaluation
-        self.commit(manifest)
+        self.commit(
+            state_manifest(self.manifest, self._on_disk, tasks, head, evaluation, tokens, self.write_object)
+        )
         done = getattr(tasks, "committed", None)  # the learner keeps each record as its task's token
         for k, record in enumerate(self.manifest["tasks"] if done is not None else []):
-            if k < len(tokens) and record is tokens[k]:
-                continue  # its token already
-            done(k, record)  # type: ignore[misc]
+            if k >= len(tokens) or record is not tokens[k]:  # (a record that is its token already: skipped)
+                done(k, record)  # type: ignore[misc]
 
     def read_state(self, learner: str | None = None) -> State:
         """The committed state: (record, tensors) per task and the head's (meta, tensors) or None (every
@@ -375,6 +363,28 @@ class KnowledgeBase:
     def nbytes(self) -> dict[str, int]:
         """Bytes of the manifest and of each object (``task<index>``, ``head``)."""
         return _nbytes(self.root, self.manifest, self.objects)
+
+
+def state_manifest(
+    current: dict[str, Any],
+    on_disk: bool,
+    tasks: Sequence[Part],
+    head: Part | None,
+    evaluation: list[dict[str, Any]] | None,
+    tokens: list[Any],
+    write: Callable[..., tuple[str, str]],
+) -> dict[str, Any]:
+    """The manifest that makes a learner's state (:meth:`KnowledgeBase.commit_state`'s arguments) follow
+    ``current`` (``on_disk``: committed before): the tasks' records (:func:`task_records`), the head's object
+    written anew (a learner's head changes every task) and the evaluation rows kept."""
+    manifest = dict(current)
+    manifest["tasks"] = task_records(tasks, (current.get("tasks") or []) if on_disk else [], write, tokens)
+    if head is not None:
+        rel, sha = write("head", head[1], reuse=False)
+        manifest["head"] = {"meta": head[0], "object": rel, "sha256": sha}
+    rows = list(current.get("evaluation", []))
+    manifest["evaluation"] = rows[: len(tasks)] if evaluation is None else evaluation
+    return manifest
 
 
 def task_records(

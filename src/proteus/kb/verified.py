@@ -145,6 +145,13 @@ class Verified:
             self._states = [*self._states, key][-_STATES:]
             self.dirty = True
 
+    def wrote(self, manifest: dict[str, Any], learner: str, rels: set[str]) -> None:
+        """The state ``manifest`` was committed by this proteus: it passed ``learner``'s rules and the fields
+        every manifest must have; the record keeps the objects ``rels`` it references (and is saved)."""
+        self.check(state_key(manifest, learner))
+        self.check(state_key(manifest, ""))
+        self.save(rels)
+
     def segment_checked(self, sha: str, content: str) -> bool:
         """Whether the record segment whose bytes have sha256 ``sha`` passed its checks before (its fields,
         the records' count) with content digest ``content``: the same bytes need only be parsed."""
