@@ -306,6 +306,27 @@ def test_basis_of_a_restored_unit_is_bit_identical() -> None:
     assert torch.equal(u.basis, v.basis)
 
 
+def test_a_unit_whose_room_is_full_keeps_no_basis_and_rebuilds_it_when_room_is_freed() -> None:
+    """Once the old directions fill the input space, every later task opens with rank 0 and the unit keeps no
+    basis (a q x q matrix nobody reads); a truncation that frees room builds it again, bit for bit the basis
+    of a unit that never filled its room."""
+    g = torch.Generator().manual_seed(0)
+    u = LoRAUnit(6, 4)
+    _stored_tasks(u, 4, g)  # 4 tasks of rank 2 on 6 input features: the third fills the room
+    assert u.total_rank == 6 and u.ranks[-1] == 0
+    assert u.begin_task(2, "learned", True, g) == 0
+    assert u.basis.shape == (6, 0)
+    u.abort_task()
+    u.truncate(2)  # 4 of 6 columns: room for one more task of rank 2
+    assert u.begin_task(2, "learned", True, g) == 2
+    v = LoRAUnit(6, 4)
+    for t in range(2):
+        x = u.task_tensors(t)
+        v.append_task(x["A"], x["B"], x["s"])
+    v.begin_task(2, "learned", True, torch.Generator().manual_seed(1))
+    assert torch.equal(u.basis, v.basis) and u.basis.shape == (6, 4)
+
+
 def test_a_stored_task_holds_its_own_tensors_not_views_of_the_unit() -> None:
     """A stored task's A, B and row of C are copies: a view would keep the whole matrix of its time alive,
     one per stored task (O(m^3) numbers over m tasks on a long stream)."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -146,7 +146,13 @@ class LoRAUnit(nn.Module):
         O(q R r), instead of a QR of the whole q x R matrix, O(q R^2), at every task (else the cost of opening
         task k grows with k). Built the same way from the first task after a truncation, a load from a
         knowledge base, or a move to another device or dtype, so that a learner restored from a knowledge
-        base trains bit for bit as the one that never stopped."""
+        base trains bit for bit as the one that never stopped. Once the old columns fill the input space
+        (``total_rank == in_features``: every later task opens with rank 0) nothing is left to project out and
+        no basis is kept (a q x q matrix per map that no task reads); a truncation that frees room builds it
+        again from the first task."""
+        if self.total_rank >= self.in_features:
+            self.basis, self._basis_tasks = self.A.new_zeros(self.in_features, 0), self.num_tasks
+            return
         A, Q = self.A, self.basis
         if self._basis_tasks > self.num_tasks or Q.device != A.device or Q.dtype != A.dtype:
             Q, self._basis_tasks = A.new_zeros(self.in_features, 0), 0
@@ -200,14 +206,14 @@ class LoRAUnit(nn.Module):
         self.append_tasks([(a_k, b_k, s_k)])
 
     def append_tasks(
-        self, tasks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], names: list[str] | None = None
+        self, tasks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], names: Sequence[str] | None = None
     ) -> None:
         """:meth:`append_task` for many tasks at once (:meth:`append_stored`, one task a piece)."""
         self.append_stored([(a, b, s, [int(a.shape[-1]) if a.ndim else 0], [s.numel()]) for a, b, s in tasks],
                            names)  # fmt: skip
 
     @torch.no_grad()
-    def append_stored(self, pieces: list[Stored], names: list[str] | None = None) -> None:
+    def append_stored(self, pieces: list[Stored], names: Sequence[str] | None = None) -> None:
         """Append tasks as a knowledge base stores them (:data:`Stored` pieces: one task, or the tasks of a
         pack, :func:`proteus.kb.packs.spans`): checked (a ValueError names the task, by ``names`` or its
         number), then appended by a few whole-matrix operations for all of them (:func:`_append_block`)."""
@@ -412,7 +418,7 @@ def _append_block(
     u.ranks.extend(int(r) for r in ranks)
 
 
-def _check_pieces(u: LoRAUnit, pieces: list[Stored], names: list[str] | None) -> None:
+def _check_pieces(u: LoRAUnit, pieces: list[Stored], names: Sequence[str] | None) -> None:
     """Whether stored tasks' directions and coefficients fit unit ``u`` (:meth:`LoRAUnit.append_stored`): a
     ValueError names the first task that does not, by ``names`` or its number."""
     R, i = u.total_rank, 0

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,10 +71,11 @@ def append_stored(units: dict[str, LoRAUnit], tasks: list[tuple[Mapping[str, tor
     """Append stored tasks' adapters (``adapter/<map>/A|B|s`` each, ``who`` naming each in errors) to the
     ``units`` of their maps: the tasks of one pack of a knowledge base as one piece per map
     (:func:`proteus.kb.packs.spans`), any other task as its own (:meth:`LoRAUnit.append_stored`)."""
-    for t, who in tasks:
-        if gap := [n for n in units if f"adapter/{n}/A" not in t]:
-            raise KeyError(f"{who}: adapter tensors for {gap[0]!r} missing from the knowledge base")
     runs = spans([t for t, _ in tasks], [f"adapter/{n}/{x}" for n in units for x in "ABs"])
+    for first, _, blocks in runs:  # (a run of a pack's tasks holds every name: its blocks say so)
+        t, who = tasks[first]
+        if blocks is None and (gap := [n for n in units if f"adapter/{n}/A" not in t]):
+            raise KeyError(f"{who}: adapter tensors for {gap[0]!r} missing from the knowledge base")
     for n, u in units.items():
         pieces = []
         for first, _, blocks in runs:
@@ -84,7 +85,20 @@ def append_stored(units: dict[str, LoRAUnit], tasks: list[tuple[Mapping[str, tor
             else:
                 (A, ranks), (B, _), (s, counts) = (blocks[f"adapter/{n}/{x}"] for x in "ABs")
                 pieces.append((A, B, s, ranks, counts))
-        u.append_stored(pieces, [f"{who}: {n}" for _, who in tasks])
+        u.append_stored(pieces, _Named(tasks, n))
+
+
+class _Named(Sequence[str]):
+    """How errors name each task's map ``name`` (``"<who>: <map>"``), made only for the one that fails."""
+
+    def __init__(self, tasks: list[tuple[Mapping[str, torch.Tensor], str]], name: str) -> None:
+        self.tasks, self.name = tasks, name
+
+    def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        return f"{self.tasks[i][1]}: {self.name}"
+
+    def __len__(self) -> int:
+        return len(self.tasks)
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:

@@ -28,6 +28,7 @@ that left its tensors as they were (``kb forget`` of another task) is the same o
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -178,6 +179,8 @@ class Pack:
         )
         self._shapes: dict[str, list[tuple[int, ...]]] = {}
         self._blocks: dict[str, torch.Tensor] = {}
+        self._present: list[frozenset[str]] | None = None  # (:meth:`present`)
+        self._held: list[list[bool]] = (lengths >= 0).T.tolist()  # per slot: whether it holds each name
 
     def _ints(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         dtype, got, start = self.entries[name]
@@ -240,6 +243,14 @@ class Pack:
         lengths = self._lengths.get(name)
         return lengths is not None and lengths[slot] >= 0
 
+    def present(self, slot: int) -> frozenset[str]:
+        """The names task ``slot`` holds (every slot's set made at the first call: a reader asks whether a
+        task holds a name many times per task)."""
+        if self._present is None:
+            names = list(self.axes)
+            self._present = [frozenset(itertools.compress(names, row)) for row in self._held]
+        return self._present[slot]
+
     def shape(self, slot: int, name: str) -> tuple[int, ...]:
         """Task ``slot``'s shape of ``name`` (from the header: no view is made)."""
         axis, n = self.axes[name], self._index(name)[slot]
@@ -271,7 +282,7 @@ class Pack:
             return None
         t, axis, lengths = found
         part = lengths[first:end]
-        if any(v < 0 for v in part):
+        if part and min(part) < 0:
             return None
         start = self._starts[name][first]
         return t.narrow(axis, start, sum(part)), part
@@ -293,6 +304,9 @@ class _Loose:
 
     def has(self, slot: int, name: str) -> bool:
         return name in self.entries
+
+    def present(self, slot: int) -> frozenset[str]:
+        return frozenset(self.entries)
 
     def shape(self, slot: int, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name][1])
@@ -324,6 +338,8 @@ class StoredTensors(Mapping[str, torch.Tensor]):
     def __init__(self, source: Pack | _Loose, slot: int = 0) -> None:
         self._source, self.slot = source, slot
         self._names: list[str] | None = None
+        #: the names the task holds (a membership test is a set lookup)
+        self._present = source.present(slot)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StoredTensors:
         """Itself: what it reads is a mapped file that nothing writes (a copied learner shares it)."""
@@ -340,17 +356,16 @@ class StoredTensors(Mapping[str, torch.Tensor]):
 
     def _all(self) -> list[str]:
         if self._names is None:
-            src = self._source
-            self._names = [n for n in src.names if src.has(self.slot, n)]
+            self._names = [n for n in self._source.names if n in self._present]
         return self._names
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if not self._source.has(self.slot, name):
+        if name not in self._present:
             raise KeyError(name)
         return self._source.tensor(self.slot, name)
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self._source.has(self.slot, name)
+        return isinstance(name, str) and name in self._present
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._all())
@@ -359,7 +374,7 @@ class StoredTensors(Mapping[str, torch.Tensor]):
         return len(self._all())
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name not in self:
+        if name not in self._present:
             raise KeyError(name)
         return self._source.shape(self.slot, name)
 
