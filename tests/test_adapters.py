@@ -363,3 +363,21 @@ def test_an_appended_task_is_written_into_room_kept_for_it() -> None:
         t = u.task_tensors(k)
         v.append_task(t["A"], t["B"], t["s"])
     assert torch.equal(v.A, u.A) and torch.equal(v.B, u.B) and torch.equal(v.C, u.C)
+
+
+def test_stored_tasks_whose_rows_of_s_do_not_fit_are_refused_by_name() -> None:
+    """A stored task whose row of S has another length than the columns before it is refused, the error
+    naming that task (the first that does not fit, inside a piece of several tasks too)."""
+    g = torch.Generator().manual_seed(0)
+    u = LoRAUnit(10, 4)
+    _stored_tasks(u, 3, g)
+    x = [u.task_tensors(t) for t in range(3)]
+    v = LoRAUnit(10, 4)
+    A, B = torch.cat([t["A"] for t in x], 1), torch.cat([t["B"] for t in x], 1)
+    s = torch.cat([x[0]["s"], x[1]["s"], torch.zeros(3)])  # task 3's row: 3 entries for 4 older columns
+    with pytest.raises(ValueError, match=r"^third: transfer coefficients have 3 entries, expected 4$"):
+        v.append_stored([(A, B, s, [2, 2, 2], [0, 2, 3])], ["first", "second", "third"])
+    with pytest.raises(ValueError, match="2 rows of transfer coefficients for 3 tasks"):
+        v.append_stored([(A, B, s, [2, 2, 2], [0, 5])], ["first", "second", "third"])
+    v.append_stored([(A, B, torch.cat([t["s"] for t in x]), [2, 2, 2], [0, 2, 4])])
+    assert torch.equal(v.C, u.C) and v.ranks == u.ranks

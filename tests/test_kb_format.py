@@ -283,3 +283,37 @@ def test_a_shortlisted_detector_is_read_back_fitted(tmp_path: Path, monkeypatch:
     after = back.predict(x)
     assert torch.equal(after.label, before.label) and torch.equal(after.known, before.known)
     assert back.keys_.novelty.thresholds() == novelty.thresholds()
+
+
+def test_objects_are_the_bytes_safetensors_writes_without_a_ctypes_type_per_size() -> None:
+    """:func:`proteus.kb.tensors.serialize` writes what ``safetensors.torch.save`` writes (every dtype a
+    knowledge base stores, empty and 0-d tensors, non-contiguous ones), byte for byte: objects keep their
+    names; and it leaves no ctypes array type behind per distinct tensor size (the library's ``save`` keeps
+    one, so a learner committing after every task grew by them)."""
+    import ctypes
+    import gc
+    import random
+
+    from safetensors.torch import save
+
+    from proteus.kb.tensors import TORCH_DTYPES, serialize
+
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    dtypes = list(TORCH_DTYPES)
+    for _ in range(100):
+        d = {}
+        for i in range(rng.randint(0, 8)):
+            shape = [rng.randint(0, 4) for _ in range(rng.randint(0, 3))]
+            t = (torch.rand(shape, generator=g) * 100).to(rng.choice(dtypes))
+            d[f"{rng.choice(['a', 'adapter/m/A', 'novelty/g0/basis', '@meta', 'Q'])}{i}"] = t
+        d["strided"] = torch.arange(12.0).view(3, 4).T
+        assert serialize(d) == save({k: v.contiguous() for k, v in d.items()})
+
+    def array_types() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, type) and issubclass(o, ctypes.Array))
+
+    before = array_types()
+    for n in range(1000, 1040):  # 40 sizes never written before
+        serialize({"x": torch.zeros(n, dtype=torch.uint8)})
+    assert array_types() == before

@@ -411,11 +411,13 @@ def _append_block(
     C[:m, R0:] = 0.0
     lengths = torch.as_tensor(counts, device=dev)
     before = torch.arange(R, device=dev)[None, :] < lengths[:, None]  # (n, R): each task's older columns
-    C[m:] = torch.zeros(n, R, device=dev, dtype=dt).masked_scatter_(before, s.to(dev, dt))  # its row of S
+    rows = C[m:]
+    rows.zero_()  # (a grown buffer's spare rows may hold the numbers of tasks truncated since)
+    rows.masked_scatter_(before, s.to(dev, dt))  # each task's row of S, in place
     own = torch.repeat_interleave(torch.arange(m, m + n), torch.as_tensor(ranks)).to(dev)
     C[own, torch.arange(R0, R, device=dev)] = 1.0  # each task's own columns
     u.C = C
-    u.ranks.extend(int(r) for r in ranks)
+    u.ranks.extend(map(int, ranks))
 
 
 def _check_pieces(u: LoRAUnit, pieces: list[Stored], names: Sequence[str] | None) -> None:
@@ -434,11 +436,14 @@ def _check_pieces(u: LoRAUnit, pieces: list[Stored], names: Sequence[str] | None
             )
         if s.numel() != sum(counts):
             raise ValueError(f"{who}: transfer coefficients: {s.numel()} entries for rows of {counts}")
-        for r, c in zip(ranks, counts, strict=True):
-            if c != R:
-                who = names[i] if names else f"task {u.num_tasks + i + 1}"
-                raise ValueError(f"{who}: transfer coefficients have {c} entries, expected {R}")
-            R, i = R + r, i + 1
+        if len(counts) != len(ranks):
+            raise ValueError(f"{who}: {len(counts)} rows of transfer coefficients for {len(ranks)} tasks")
+        expected = list(itertools.accumulate(ranks, initial=R))  # each task's row: the columns before it
+        if counts != expected[:-1]:
+            j = next(j for j, (c, e) in enumerate(zip(counts, expected)) if c != e)
+            who = names[i + j] if names else f"task {u.num_tasks + i + j + 1}"
+            raise ValueError(f"{who}: transfer coefficients have {counts[j]} entries, expected {expected[j]}")
+        R, i = expected[-1], i + len(ranks)
 
 
 def _grouped_1x1(

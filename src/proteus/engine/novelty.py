@@ -745,6 +745,13 @@ class ClassNovelty:
     counts: dict[int, tuple[int, bool]] = field(default_factory=dict)
     #: a stored task's Gaussians' noise variances (its record's; the rest of them is in its tensors)
     _noises: dict[int, list[float]] = field(default_factory=dict)
+    #: bumped by every change of :attr:`counts` or of which tasks have Gaussians (:meth:`_changed`):
+    #: :attr:`uses_taps`, a pass over every task, is computed once per change, not once per prediction
+    _version: int = 0
+    _uses_taps: tuple[int, bool] = (-1, False)
+
+    def _changed(self) -> None:
+        self._version += 1
 
     def draw(
         self, k: int, X: Tensor, y: Tensor, seed: int, taps: Tensor | None = None,
@@ -769,6 +776,7 @@ class ClassNovelty:
                 self.gaussians[k] = [PPCA.fit(c[rest]) for c in parts]
         self.counts[k] = (len(self.rows[k].y), kept_taps is not None)
         self._fitted = None
+        self._changed()
 
     def calibrate(
         self, X: Tensor, labels: Tensor, task_of: Tensor, statistics: tuple[Tensor, Tensor, Tensor],
@@ -788,6 +796,7 @@ class ClassNovelty:
         self._fitted = None
         self.scores.clear()
         self.generation += 1
+        self._changed()
 
     def drop(self, k: int) -> None:
         self.rows.pop(k, None)
@@ -796,13 +805,17 @@ class ClassNovelty:
         self._noises.pop(k, None)
         self.scores.drop(k)
         self._fitted = None
+        self._changed()
 
     @property
     def uses_taps(self) -> bool:
         """Whether the detector scores with the task Gaussians (every task with calibration rows has its
         Gaussians and its rows' tap statistics), and so needs the inputs' tap statistics."""
-        live = [(k, taps) for k, (n, taps) in self.counts.items() if n]
-        return bool(live) and all(taps and k in self.gaussians for k, taps in live)
+        if self._uses_taps[0] != self._version:
+            live = [(k, taps) for k, (n, taps) in self.counts.items() if n]
+            uses = bool(live) and all(taps and k in self.gaussians for k, taps in live)
+            self._uses_taps = (self._version, uses)
+        return self._uses_taps[1]
 
     def _live(self) -> list[int]:
         """The tasks with calibration rows, in order."""
@@ -992,6 +1005,7 @@ def _stored(nov: ClassNovelty, k: int, tensors: Mapping[str, Tensor], info: dict
     if info is not None or k in nov.scores:
         nov.scores.load(k, tensors, n)
     nov.counts[k] = (n, "novelty/taps" in tensors)
+    nov._changed()
 
 
 def _held(shares: MutableMapping[int, Any], k: int) -> bool:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as st_save
 
 from proteus.kb.content import ContentKeys
 from proteus.kb.files import (
@@ -37,7 +36,7 @@ from proteus.kb.files import (
 )
 from proteus.kb.packs import PACK_KIND, Pack, StoredTensors, is_pack
 from proteus.kb.schema import object_dirs, object_path, task_label
-from proteus.kb.tensors import Obj, check_objects, shapes_of, tensors_of
+from proteus.kb.tensors import Obj, check_objects, serialize, shapes_of, tensors_of
 from proteus.kb.verified import Verified, state_key
 
 #: one part of a learner's state: its JSON record (in the manifest) and its tensors (one object)
@@ -230,7 +229,7 @@ class ObjectStore:
             known[0] in self.pending or (self.on_disk and (self.root / known[0]).is_file())
         ):
             return known
-        data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+        data = serialize(tensors)
         sha = _sha(data)
         rel = f"{OBJECTS}/{kind}-{sha[:16]}.safetensors"
         self.sizes[rel] = len(data)

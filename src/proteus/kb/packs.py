@@ -35,10 +35,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from safetensors.torch import save as st_save
 
 from proteus.errors import ProteusError
-from proteus.kb.tensors import TORCH_BY_NAME, _entries, _read_entries
+from proteus.kb.tensors import TORCH_BY_NAME, _entries, _read_entries, serialize
 from proteus.tensor_rules import DTYPES, TORCH_DTYPES
 from proteus.untrusted import load_json
 
@@ -119,7 +118,7 @@ def pack_tasks(first: int, tasks: Sequence[Mapping[str, torch.Tensor]]) -> bytes
             "axes": [axes[n] for n in names]}  # fmt: skip
     # (as a tensor: safetensors writes its own metadata in no fixed order, and a pack's bytes must be)
     out[_META] = torch.frombuffer(bytearray(json.dumps(meta, sort_keys=True).encode()), dtype=torch.uint8)
-    return st_save(out)
+    return serialize(out)
 
 
 class Pack:

@@ -1,4 +1,5 @@
-"""The tensors of a knowledge base: a safetensors header read without its data (:func:`parse_header`) and
+"""The tensors of a knowledge base: written as safetensors bytes (:func:`serialize`), a header read without
+its data (:func:`parse_header`) and
 the rules of the learner the manifest names applied to every object (:func:`check_objects`), by
 ``proteus kb verify`` and whenever a learner is loaded
 (:meth:`~proteus.kb.store.KnowledgeBase.read_state`), so that a mis-shaped or non-finite tensor is named
@@ -32,11 +33,50 @@ from proteus.tensor_rules import check_objects as _check
 
 __all__ = [
     "DTYPES", "META_DTYPES", "TORCH_DTYPES", "Obj", "ShapeRule", "check_objects", "int_totals", "nonfinite",
-    "parse_header", "shapes_of", "tensors_of",
+    "parse_header", "serialize", "shapes_of", "tensors_of",
 ]  # fmt: skip
 
 #: safetensors' dtype names -> torch's
 TORCH_BY_NAME = {name: dt for dt, name in TORCH_DTYPES.items()}
+#: the order in which the safetensors library lays out a file's tensors: by dtype (its ``Dtype`` enum,
+#: widest first), then by name; :func:`serialize` writes the same bytes
+_LAYOUT = {
+    name: i for i, name in enumerate(("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL"))
+}
+
+
+def serialize(tensors: dict[str, torch.Tensor]) -> bytes:
+    """The safetensors file of ``tensors`` (any device, layout or dtype of :data:`TORCH_DTYPES`), as the
+    safetensors library writes it -- the same layout (tensors by dtype, then name), header and padding, so
+    the same bytes -- but copying each tensor's bytes once into the result through a byte view of the tensor
+    (the library's own ``save`` makes a ctypes array type per distinct byte length, which the ctypes module
+    keeps for the life of the process: a learner that commits after every task grew by them)."""
+    items = sorted(
+        ((name, t.detach().cpu().contiguous()) for name, t in tensors.items()),
+        key=lambda item: (_LAYOUT[TORCH_DTYPES[item[1].dtype]], item[0]),
+    )
+    header: dict[str, Any] = {}
+    end = 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": TORCH_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [end, end + n],
+        }
+        end += n
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (-len(head) % 8)
+    out = bytearray(8 + len(head) + end)
+    out[:8] = len(head).to_bytes(8, "little")
+    out[8 : 8 + len(head)] = head
+    at = 8 + len(head)
+    for _, t in items:
+        n = t.numel() * t.element_size()
+        if n:
+            out[at : at + n] = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        at += n
+    return bytes(out)
 
 
 def check_objects(tasks: list[dict[str, Any]], objects: list[Obj], learner: str | None = None) -> list[str]:
