@@ -74,7 +74,7 @@ def serialize(tensors: dict[str, torch.Tensor]) -> bytes:
     for _, t in items:
         n = t.numel() * t.element_size()
         if n:
-            out[at : at + n] = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            out[at : at + n] = t.reshape(-1).view(torch.uint8).numpy().data
         at += n
     return bytes(out)
 
