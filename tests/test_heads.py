@@ -375,3 +375,18 @@ def test_many_classes_score_through_the_factor_without_solving_w_out() -> None:
     few = RanPACHead(64, rp_dim=0, seed=0)  # 2 classes <= 64 / 4: solved by the update, as always
     few.update(torch.randn(20, 64, generator=g, dtype=torch.float64), torch.arange(2).repeat(10))
     assert few._W is not None
+
+
+def test_a_head_assembled_from_its_tasks_columns_is_the_head_whatever_their_classes() -> None:
+    """A head whose class columns its tasks hold (``columns=False`` in the head's object) is assembled
+    bit for bit from them, whether a task's classes are consecutive (a block copy) or scattered."""
+    from proteus.heads.persist import assemble_columns
+
+    torch.manual_seed(0)
+    head = RanPACHead(embed_dim=6, rp_dim=0, gamma=1.0)
+    order = [[0, 1, 2], [7, 3], [4, 5, 6], [9, 8]]  # consecutive, scattered, consecutive, descending
+    for classes in order:
+        y = torch.tensor(classes * 4)
+        head.update(torch.randn(len(y), 6, dtype=torch.float64), y, num_classes=10)
+    got = assemble_columns(head.meta(columns=False), [(c, head.columns(c)) for c in order])
+    assert torch.equal(got["Q"], head.Q_) and torch.equal(got["counts"], head.counts_)

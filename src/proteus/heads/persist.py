@@ -267,10 +267,13 @@ def assemble_columns(
             )
         if len(classes) and (int(idx.max()) >= c or int(idx.min()) < 0):
             raise ValueError(f"task {k + 1}: classes outside the head's {c}")
-        Q[:, idx] = q.to(dtype)
-        counts[idx] = n.long()
+        at: slice | Tensor = idx
+        if classes and classes == list(range(classes[0], classes[0] + len(classes))):
+            at = slice(classes[0], classes[0] + len(classes))  # consecutive classes: a block copy
+        Q[:, at] = q.to(dtype)
+        counts[at] = n.long()
         if P is not None and "P" in cols:
-            P[:, idx] = cols["P"].to(dtype)
+            P[:, at] = cols["P"].to(dtype)
     out = {"Q": Q, "counts": counts}
     if P is not None:
         out["P"] = P

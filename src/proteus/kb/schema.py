@@ -20,6 +20,7 @@ mapping's keys in turn.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -279,14 +280,20 @@ def object_path(
         raise KBError(f"object path {rel!r} refused: its name does not carry its sha256 ({sha[:16]}...)")
     base, objects = object_dirs(root) if dirs is None else dirs
     path = objects / rel.split("/", 1)[1]  # objects/ resolved already; the name is no link: no other step
+    link = False
     with contextlib.suppress(OSError):
-        if stat.S_ISLNK(os.lstat(path).st_mode):
-            path = path.resolve()
-    if not objects.is_relative_to(base):
+        link = stat.S_ISLNK(os.lstat(path).st_mode)
+    if not _within(objects, base):
         raise KBError(f"object path {rel!r} refused: {root / OBJECTS} resolves to {objects}, outside {base}")
-    if not path.is_relative_to(objects):
+    if link and not (path := path.resolve()).is_relative_to(objects):  # (else a plain name in objects/)
         raise KBError(f"object path {rel!r} refused: it resolves to {path}, outside {objects}")
     return path
+
+
+@functools.lru_cache(maxsize=64)
+def _within(path: Path, base: Path) -> bool:
+    """Whether ``path`` lies in ``base`` (both resolved: asked once per knowledge base, not per object)."""
+    return path.is_relative_to(base)
 
 
 def object_dirs(root: Path) -> tuple[Path, Path]:
