@@ -49,9 +49,17 @@ def _tensors(k: int, size: int = 8) -> dict[str, torch.Tensor]:
 
 
 def test_a_pack_gives_back_every_task_s_tensors_and_its_blocks() -> None:
+    """Every task's tensors come back; the names a part reads a pack's tasks of at once (``together``: the
+    learner's :class:`~proteus.tensor_rules.SideBySide` rules) lie side by side, one view per block; every
+    other name lies whole per task, each task's tensor one contiguous piece."""
     tasks = [_tensors(k) for k in range(40, 50)]
-    data = pack_tasks(40, tasks)
-    assert pack_tasks(40, [dict(t) for t in tasks]) == data  # deterministic: the same tensors, the same bytes
+    data = pack_tasks(40, tasks, lambda n: n == "cols")
+    assert pack_tasks(40, [dict(t) for t in tasks], lambda n: n == "cols") == data  # deterministic
+    apart = Pack(pack_tasks(40, tasks))
+    assert apart.span("cols", 0, 10) is None
+    for slot, want in enumerate(tasks):
+        got = apart.task(slot)
+        assert all(got[n].is_contiguous() and torch.equal(got[n], t) for n, t in want.items())
     pack = Pack(data)
     assert (pack.first, pack.count) == (40, 10)
     for slot, want in enumerate(tasks):
@@ -68,7 +76,9 @@ def test_a_pack_gives_back_every_task_s_tensors_and_its_blocks() -> None:
     assert [(a, b) for a, b, blocks in runs] == [(0, 10)] and runs[0][2] is not None
     with pytest.raises(ValueError, match="not a pack"):
         Pack(
-            pack_tasks(0, tasks)[:8] + b"\x00" * 0 + data[8:].replace(b"proteus-kb-pack", b"proteus-kb-pick")
+            pack_tasks(0, tasks, lambda n: n == "cols")[:8]
+            + b"\x00" * 0
+            + data[8:].replace(b"proteus-kb-pack", b"proteus-kb-pick")
         )
 
 

@@ -294,6 +294,16 @@ class Claim(_Rule):
 
 
 @dataclass(frozen=True)
+class SideBySide(_Rule):
+    """Tensors named ``pattern`` that a part reads a whole pack's tasks of at once (it appends them to what
+    it keeps of every task: :func:`proteus.kb.packs.spans`): a pack stacks them side by side along their
+    last axis. A pack lays every other tensor out whole per task (one contiguous piece each), for the parts
+    that read a task's tensor alone (a shortlist's)."""
+
+    pattern: str
+
+
+@dataclass(frozen=True)
 class Mount(_Rule):
     """``role``'s rules, applied to the tensors under ``prefix`` and the record at ``record`` of this
     ``on`` object, when ``when`` holds for that record (``role``'s own ``on`` is replaced)."""
@@ -304,7 +314,9 @@ class Mount(_Rule):
     when: Callable[[Any], bool] | None = None
 
 
-Rule = ShapeRule | Together | Required | NeedsRecord | SameGroups | Fields | Check | Claim | Mount
+Rule = (
+    ShapeRule | Together | Required | NeedsRecord | SameGroups | Fields | Check | Claim | SideBySide | Mount
+)
 
 
 def _join(record: str, path: str) -> str:
@@ -351,6 +363,8 @@ def _mounted(rule: Rule, m: Mount) -> Rule | None:
         return NeedsRecord(p + rule.prefix, _join(r, rule.key), **base)
     if isinstance(rule, SameGroups):
         return SameGroups(re.escape(p) + rule.pattern, _join(r, rule.flag), rule.what, **base)
+    if isinstance(rule, SideBySide):
+        return SideBySide(re.escape(p) + rule.pattern, **base)
     if isinstance(rule, Fields):
         return Fields(rule.fields, _join(r, rule.path), rule.required, **base)
     if isinstance(rule, Mount):
@@ -447,6 +461,12 @@ TENSOR_RULES = RuleBook(plugins=("proteus.core", "proteus.baselines"))
 
 
 # ============================================================================ records
+def side_by_side(rules: list[Rule]) -> Callable[[str], bool]:
+    """Whether a tensor name is one that ``rules`` lay out side by side in a pack (:class:`SideBySide`)."""
+    patterns = [re.compile(r.pattern) for r in rules if isinstance(r, SideBySide)]
+    return lambda name: any(p.fullmatch(name) for p in patterns)
+
+
 def meta_value(record: Any, path: str) -> Any:
     """The value at ``path`` (``a/b``) of a record ("" the record itself; None where a step is missing)."""
     value: Any = record

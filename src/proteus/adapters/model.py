@@ -40,7 +40,7 @@ from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache, set_compos
 from proteus.backbones.base import Backbone
 from proteus.devices import CompiledForward, compile_failure
 from proteus.kb.packs import spans
-from proteus.tensor_rules import TENSOR_RULES, NeedsRecord, SameGroups, ShapeRule, Together
+from proteus.tensor_rules import TENSOR_RULES, NeedsRecord, SameGroups, ShapeRule, SideBySide, Together
 
 #: a task's adapter of map m: A (q, r) and B (p, r) its own r directions (Eq. 9), s its coefficients of the
 #: earlier tasks' directions of the map (its row of S)
@@ -57,6 +57,7 @@ TENSOR_RULES.declare(
     Together(r"adapter/(?P<g>.+)/(?:A|B|s)", ("adapter/{g}/A", "adapter/{g}/B", "adapter/{g}/s")),
     SameGroups(r"adapter/(?P<g>.+)/A", "has_adapter", "adapter"),
     NeedsRecord("adapter/", "has_adapter"),  # read only for a task whose record says it has one
+    SideBySide(r"adapter/.+/(?:A|B|s)"),  # a pack's tasks appended at once (append_stored)
 )  # fmt: skip
 
 

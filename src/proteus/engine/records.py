@@ -310,10 +310,12 @@ class TaskRecords(list[TaskRecord]):
     def task_of(self) -> torch.Tensor:
         """(C,) the task of each global class."""
 
-        def task_of() -> torch.Tensor:
+        def task_of() -> torch.Tensor:  # (one scatter for every task: the tasks' classes are disjoint)
             out = torch.zeros(self.num_classes, dtype=torch.long)
-            for t in self:
-                out[t.classes] = t.index
+            classes = self.classes()
+            sizes = torch.as_tensor([len(c) for c in classes], dtype=torch.long)
+            owner = torch.repeat_interleave(torch.as_tensor([t.index for t in self], dtype=torch.long), sizes)
+            out[torch.as_tensor([c for cs in classes for c in cs], dtype=torch.long)] = owner
             return out
 
         return self._derived("task_of", task_of)

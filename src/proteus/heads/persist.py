@@ -21,7 +21,7 @@ from torch import Tensor
 
 from proteus.heads.prototypes import PROTOTYPES
 from proteus.kb.packs import spans
-from proteus.tensor_rules import TENSOR_RULES, F, Fields, Required, Schema, ShapeRule, Together
+from proteus.tensor_rules import TENSOR_RULES, F, Fields, Required, Schema, ShapeRule, SideBySide, Together
 
 __all__ = [
     "COLUMNS", "RANPAC_META", "SUPPORTED_DTYPES", "HeadFields", "assemble_columns", "classes_outside",
@@ -115,6 +115,7 @@ TENSOR_RULES.declare(
               "class of the task): every task's have the same m"),
     ShapeRule("counts", ("classes",), "one count per class of the task", "int"),
     Together("(?:Q|counts)", ("Q", "counts")),
+    SideBySide("(?:Q|P|counts)"),  # a pack's tasks placed in the head at once (column_pieces)
 )  # fmt: skip
 
 

@@ -52,10 +52,11 @@ from proteus.kb.files import (
 from proteus.kb.manifests import previous_manifest
 from proteus.kb.objects import ObjectStore
 from proteus.kb.packs import is_pack, pack_tasks
-from proteus.kb.schema import manifest_problems, object_dirs
+from proteus.kb.schema import head_kind, manifest_problems, object_dirs
 from proteus.kb.segments import SEGMENT_TASKS, Segments
 from proteus.kb.signing import signature
 from proteus.kb.sweep import previous_names
+from proteus.tensor_rules import TENSOR_RULES, side_by_side
 from proteus.untrusted import file_kind, load_json
 
 
@@ -130,6 +131,7 @@ def packed(manifest: dict[str, Any], objects: ObjectStore) -> dict[str, Any]:
     if not isinstance(tasks, list) or len(tasks) < SEGMENT_TASKS:
         return manifest
     out: list[Any] | None = None
+    together: Any = None  # the learner's names read a pack's tasks at once (:class:`SideBySide`), when needed
     for first in range(0, len(tasks) - SEGMENT_TASKS + 1, SEGMENT_TASKS):
         seg = tasks[first : first + SEGMENT_TASKS]
         if not all(isinstance(r, dict) and isinstance(r.get("object"), str) for r in seg):
@@ -138,8 +140,9 @@ def packed(manifest: dict[str, Any], objects: ObjectStore) -> dict[str, Any]:
         if is_pack(rel) and all(r["object"] == rel for r in seg):
             continue
         shares = [objects.read_task(manifest, r) for r in seg]
+        together = together or side_by_side(TENSOR_RULES.rules(head_kind(manifest) or "proteus"))
         try:
-            data = pack_tasks(first, shares)
+            data = pack_tasks(first, shares, together)
         except ValueError as e:
             log.warning("%s: tasks %d .. %d stay unpacked: %s", objects.root, first + 1, first + len(seg), e)
             continue

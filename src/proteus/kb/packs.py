@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -68,26 +68,30 @@ def task_prefix(index: int) -> str:
     return f"task {index + 1}"
 
 
-def _axis(shapes: list[tuple[int, ...]]) -> int:
-    """The axis the tensors of one name are concatenated along: the last if every other dimension agrees,
-    else the first if the others agree, else -1 (flattened)."""
+def _axis(shapes: list[tuple[int, ...]], together: bool) -> int:
+    """The axis the tensors of one name are concatenated along: side by side (``together``: a part reads the
+    pack's tasks of it at once, :class:`~proteus.tensor_rules.SideBySide`), the last if every other
+    dimension agrees; else the first if the others agree, which keeps each task's tensor one contiguous piece
+    (as flattening does, -1: the rest)."""
     ndim = {len(s) for s in shapes}
     if len(ndim) != 1:
         return -1
     n = ndim.pop()
     if n == 0:
         return -1
-    if len({s[:-1] for s in shapes}) == 1:
+    if together and len({s[:-1] for s in shapes}) == 1:
         return n - 1
     if len({s[1:] for s in shapes}) == 1:
         return 0
     return -1
 
 
-def pack_tasks(first: int, tasks: Sequence[Mapping[str, torch.Tensor]]) -> bytes:
-    """The bytes of the pack of tasks ``first`` .. ``first + len(tasks) - 1`` (each task's tensors, by name);
-    a ValueError when the tasks hold tensors of one name in different dtypes (such a segment stays
-    unpacked)."""
+def pack_tasks(
+    first: int, tasks: Sequence[Mapping[str, torch.Tensor]], together: Callable[[str], bool] = lambda n: False
+) -> bytes:
+    """The bytes of the pack of tasks ``first`` .. ``first + len(tasks) - 1`` (each task's tensors, by name;
+    ``together``: the names a part reads the tasks of at once, stacked side by side); a ValueError when the
+    tasks hold tensors of one name in different dtypes (such a segment stays unpacked)."""
     names = sorted({n for t in tasks for n in t})
     out: dict[str, torch.Tensor] = {}
     axes: dict[str, int] = {}
@@ -97,7 +101,7 @@ def pack_tasks(first: int, tasks: Sequence[Mapping[str, torch.Tensor]]) -> bytes
         dtypes = {x.dtype for _, x in have}
         if len(dtypes) != 1:
             raise ValueError(f"tensor {name!r} has dtypes {sorted(map(str, dtypes))} across the tasks")
-        axis = _axis([tuple(x.shape) for _, x in have])
+        axis = _axis([tuple(x.shape) for _, x in have], together(name))
         parts = []
         for i, x in have:
             x = x.detach().cpu()
