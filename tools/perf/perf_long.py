@@ -196,16 +196,28 @@ def _predict_split(clf: Proteus, x: torch.Tensor, dev: torch.device) -> tuple[fl
     return times[mid], spent[mid][0], spent[mid][1]
 
 
-def evaluate(clf: Proteus, images: list[Any], truth: list[tuple[int, int]], batch: int) -> dict[str, float]:
-    """Accuracy and task retrieval (%) on every held-out image of the tasks learned so far."""
+def held_out(refs: list[tuple[int, int]], per_class: int, img: int, seed: int) -> list[tuple[Any, int]]:
+    """The held-out images ``refs`` ((task, index in its test set) each) with their classes, made again from
+    their tasks (the harness keeps no image: what it holds would count as the learner's memory)."""
+    tasks = {k: synthetic_task(k, per_class, img, seed) for k in sorted({k for k, _ in refs})}
+    return [tasks[k].test[i] for k, i in refs]
+
+
+def evaluate(
+    clf: Proteus, refs: list[tuple[int, int]], batch: int, per_class: int, img: int, seed: int
+) -> dict[str, float]:
+    """Accuracy and task retrieval (%) on every held-out image (``refs``: :func:`held_out`) of the tasks
+    learned so far."""
     hits = found = 0
-    for i in range(0, len(images), batch):
-        pred = clf.predict(clf.transform_images(images[i : i + batch]))
-        y = torch.tensor([c for c, _ in truth[i : i + batch]])
-        t = torch.tensor([k for _, k in truth[i : i + batch]])
+    for i in range(0, len(refs), batch):
+        part = refs[i : i + batch]
+        images = held_out(part, per_class, img, seed)
+        pred = clf.predict(clf.transform_images([x for x, _ in images]))
+        y = torch.tensor([c for _, c in images])
+        t = torch.tensor([k for k, _ in part])
         hits += int((pred.label.cpu() == y).sum())
         found += int((pred.task.cpu() == t).sum()) if pred.task is not None else 0
-    return {"acc": 100.0 * hits / len(images), "retrieval": 100.0 * found / len(images)}
+    return {"acc": 100.0 * hits / len(refs), "retrieval": 100.0 * found / len(refs)}
 
 
 def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32, per_class: int = 16,
@@ -227,8 +239,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
     kb_dir = Path(tempfile.mkdtemp(prefix="proteus-long-"))
     kb: KnowledgeBase | None = None
     rows: list[dict[str, Any]] = []
-    held: list[Any] = []
-    held_y: list[tuple[int, int]] = []  # (class, task) of every held-out image
+    held: list[tuple[int, int]] = []  # (task, index in its test set) of each held-out image (held_out)
     accounts: dict[int, dict[str, Any]] = {}
     ref = min(10, tasks)
     kept: tuple[Path, Any] | None = None  # a copy of the knowledge base at task ref, and its predict batch
@@ -244,11 +255,9 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                     kb = KnowledgeBase.create(kb_dir, clf.kb_header())
                 commit(kb, clf)
                 t2 = time.perf_counter()
-            held += [task.test[i][0] for i in range(len(task.test))]
-            held_y += [(task.test[i][1], k) for i in range(len(task.test))]
-            x = clf.transform_images(
-                [held[i % len(held)] for i in range(0, len(held), max(1, len(held) // batch))][:batch]
-            )
+            held += [(k, i) for i in range(len(task.test))]
+            picked = [held[i % len(held)] for i in range(0, len(held), max(1, len(held) // batch))][:batch]
+            x = clf.transform_images([x for x, _ in held_out(picked, per_class, img, seed)])
             with PeakMemory(dev) as pm_pred:
                 predict_s = statistics.median(_time_call(partial(clf.predict, x), dev) for _ in range(3))
             sec = stats.seconds
@@ -272,7 +281,7 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
             r = rows[-1]
             r["ranks_min"] = stats.train.ranks_min if stats.train is not None else None
             if eval_every and ((k + 1) % eval_every == 0 or k + 1 == tasks):
-                r.update(evaluate(clf, held, held_y, batch))
+                r.update(evaluate(clf, held, batch, per_class, img, seed))
             if k + 1 in (min(10, tasks), tasks):
                 accounts[k + 1] = account(clf)
                 r["rss_mb"] = accounts[k + 1]["rss_anon_mb"] + accounts[k + 1]["rss_file_mb"]
