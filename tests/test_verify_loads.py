@@ -183,6 +183,16 @@ def test_the_reviews_cases_are_refused_by_verify_naming_the_field(good: dict, ca
     assert named in out, out
 
 
+def test_a_record_whose_tap_split_does_not_fit_its_tensors_is_refused_by_verify(good: dict, capsys) -> None:
+    """A task record's ``novelty.tap_sizes`` that do not add up to its tap statistics' width (found by the
+    property below: verify accepted it, predict split the statistics wrongly) is refused by name."""
+    m = copy.deepcopy(good["manifest"])
+    sizes = m["tasks"][0]["novelty"]["tap_sizes"]
+    m["tasks"][0]["novelty"]["tap_sizes"] = [sizes[0] + 1, *sizes[1:]]
+    m["checksum"] = manifest_checksum(m)
+    assert "novelty: tap_sizes" in _check(good, m, capsys)
+
+
 def test_the_knowledge_base_itself_verifies_and_loads(good: dict, capsys) -> None:
     assert _check(good, good["manifest"], capsys) == ""
 

@@ -994,9 +994,19 @@ def _stored(nov: ClassNovelty, k: int, tensors: Mapping[str, Tensor], info: dict
         if not (isinstance(noise, list) and isinstance(taps, list)):
             noise = None
         else:
-            nov.tap_sizes = [int(v) for v in taps]
-            if len(noise) != len(nov.tap_sizes) + 1 or not all(float(v) > 0 for v in noise):
-                raise ValueError(f"novelty: {len(noise)} task Gaussians for {len(nov.tap_sizes)} taps")
+            sizes = [int(v) for v in taps]
+            if nov.tap_sizes is not None and sizes != nov.tap_sizes:
+                raise ValueError(f"novelty: tap_sizes {sizes}, but an earlier task's are {nov.tap_sizes}")
+            nov.tap_sizes = sizes
+            if len(noise) != len(sizes) + 1 or not all(float(v) > 0 for v in noise):
+                raise ValueError(f"novelty: {len(noise)} task Gaussians for {len(sizes)} taps")
+            widths = [("novelty/taps", -1, sum(sizes))]
+            widths += [(f"novelty/g{c}/mean", 0, n) for c, n in enumerate(sizes)]
+            for name, axis, n in widths:  # the record's split of the tap statistics fits its tensors
+                if name in tensors and (shape := _shape(tensors, name)) and shape[axis] != n:
+                    raise ValueError(
+                        f"novelty: tap_sizes {sizes} give {name} {n} features, it has {shape[axis]}"
+                    )
     n = _rows_of(tensors)
     _bind(nov.rows, k, tensors, in_stats)
     if noise is not None:
