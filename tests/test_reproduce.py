@@ -161,8 +161,12 @@ def test_plan_on_a_local_stream(capsys: pytest.CaptureFixture[str]) -> None:
         cells["inflora"]["runnable"] and cells["inflora"]["config"]["train"]["epochs"] == 5
     )  # no release cfg
     diff = " ".join(plan["differences"])
-    assert "`backbone.name` 'mobilenet_v2' (paper preset: 'vit_b16')" in diff
-    assert "`benchmark.name` 'domains5' (paper preset: 'vtab5t')" in diff
+    assert "`backbone.name=mobilenet_v2` (the paper: vit_b16;" in diff
+    assert "#27 a local stream in place of the paper's benchmark: `benchmark.name=domains5`" in diff
+    # a baseline on a local stream: its released settings are not applied (they are for the paper's data)
+    assert "InfLoRA (`inflora`), domains5:" in plan["differences"]
+    infl = {d["row"] for d in cells["inflora"]["departures"]}
+    assert {15, 27, 28} <= infl
     # another paper column by name; a column the table does not have is refused, with the list
     plan = _plan_json(capsys, "kmeans", "--benchmark", "domains5:imagenet-a", "--seeds", "0")
     assert plan["columns"][0]["paper_benchmark"] == "imagenet-a" and plan["seeds"] == [0]
@@ -247,7 +251,7 @@ def test_reproduce_ablationS_on_the_quickstart(tmp_path: Path, capsys: pytest.Ca
         assert float(r["ours_mean"]) == pytest.approx(ours)
         line = next(ln for ln in md.splitlines() if ln.startswith(f"| {r['variant']} |"))
         assert f"{ours:.2f}" in line
-    assert "`train.epochs` 1 (paper preset: 3)" in md and "`backbone.name` 'vit_ti16'" in md
+    assert "`train.epochs=1` (the paper: not stated)" in md and "`backbone.name=vit_ti16`" in md
     # a second call reuses every finished cell
     capsys.readouterr()
     assert main([a for a in argv if a != "-q"]) == 0

@@ -166,7 +166,7 @@ INFLORA = Variant("InfLoRA", "inflora", configs=_released("inflora"))
 SDLORA = Variant("SD-LoRA", "sd-lora", configs=_released("sd-lora"))
 RANPAC = Variant("RanPAC", "ranpac")
 PROTEUS = Variant("PROTEUS", "proteus-paper")
-#: our default, beyond the paper (docs/experiments.md rows 11-15)
+#: our default, beyond the paper (docs/experiments.md rows 11-14 and 19)
 OURS = Variant("proteus (default, beyond the paper)", "proteus", extra=True)
 
 MAIN_BENCHMARKS = ("cifar100", "imagenet-r", "imagenet-a", "vtab5t-large", "vtab5t", "vtab-sim50")

@@ -6,7 +6,9 @@ runs: benchmarks, methods and settings (its *variants*), seeds, metrics, and the
 :func:`reproduce` runs the grid through :func:`proteus.experiment.compare.compare` (finished cells reused, an
 interrupted cell started again), reads each run's results.json and writes the table in the paper's layout
 (``<out>/<name>.md``, ``.csv``, ``.json``): our mean ± sample std over seeds beside the paper's number in
-each cell, and a footnote with every setting that differs from the paper's (backbone, data, epochs, ...).
+each cell, and a footnote with every resolved setting of every cell that departs from what the paper states
+(:mod:`proteus.experiment.paper_settings`: the backbone and data, the choices the paper leaves open, the
+choices of the code), each named by its row of the differences table in docs/experiments.md.
 
 Without a benchmark the paper's own benchmarks run with their packaged ViT-B/16 presets (a GPU job);
 ``benchmark="domains5"`` (or ``"domains5:vtab5t"``) runs every cell on that local stream instead and
@@ -33,6 +35,8 @@ from typing import Any
 import numpy as np
 
 from proteus.config import LEARNERS, METHODS, ConfigError, RunConfig, flatten, resolve_config
+from proteus.config.schema import parse_set
+from proteus.experiment.paper_settings import Departure, departures, paper_family
 from proteus.experiment.paper_tables import (
     ENTRIES,
     LOCAL_STANDS_FOR,
@@ -44,10 +48,9 @@ from proteus.experiment.paper_tables import (
     entry,
 )
 
-__all__ = ["Cell", "Column", "Plan", "catalogue_lines", "make_plan", "reproduce", "table_rows"]
-
-#: config keys that never count as a difference from the paper (bookkeeping, not recipe)
-_NOT_RECIPE = ("seed", "device", "method", "benchmark.data", "benchmark.tasks_file", "backbone.weights")
+__all__ = [
+    "Cell", "Column", "Plan", "catalogue_lines", "make_plan", "plan_lines", "reproduce", "table_rows",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class Cell:
     cell_id: str
     config: RunConfig | None
     skip: str = ""
+    #: every way this cell departs from what the paper states (:func:`paper_settings.departures`)
+    departures: list[Departure] = field(default_factory=list)
 
     def run_dir(self, out: Path) -> Path:
         return out / self.column.key / self.cell_id / f"seed{self.seed}"
@@ -89,7 +94,7 @@ class Plan:
     columns: list[Column]
     seeds: tuple[int, ...]
     cells: list[Cell]
-    #: footnote lines: the settings of this plan that differ from the paper's presets
+    #: footnote lines: per variant (and column), every resolved setting that departs from the paper
     differences: list[str] = field(default_factory=list)
 
     def runnable(self) -> list[Cell]:
@@ -118,6 +123,7 @@ class Plan:
                     "runnable": c.config is not None,
                     "skip": c.skip or None,
                     "config": c.config.to_dict() if c.config is not None else None,
+                    "departures": [d.to_dict() for d in c.departures],
                 }
                 for c in self.cells
             ],
@@ -241,41 +247,62 @@ def make_plan(
                 skip = _skip_reason(v.method, cfg)
                 cells.append(Cell(col, v, s, cid, None if skip else cfg, skip))
     plan = Plan(e, columns, seeds, cells)
-    plan.differences = _differences(plan, config_files, sets, overrides)
+    _departures(plan)
+    plan.differences = _differences(plan)
     return plan
 
 
-def _differences(
-    plan: Plan, config_files: Sequence[str], sets: Sequence[str], overrides: dict[str, Any] | None
-) -> list[str]:
-    """Per column, the resolved settings of its PROTEUS cell (else its first runnable one) that differ from
-    the same variant on the paper's benchmark with the paper's preset (no ``--config``, no ``--set``)."""
-    lines: list[str] = []
+def _departures(plan: Plan) -> None:
+    """Each runnable cell's departures from the paper: its resolved settings against what the paper
+    states for it (the method, the table's and the variant's settings; for a method the paper gives no
+    recipe of its own, its settings on the paper's benchmark and preset)."""
+    e = plan.entry
     for col in plan.columns:
-        cells = [c for c in plan.runnable() if c.column == col]
-        cell = next((c for c in cells if c.variant.method == "proteus-paper"), cells[0] if cells else None)
         pb = PAPER_BENCHMARKS[col.paper]
-        if cell is None or cell.config is None or pb.preset is None:
-            continue
-        paper_col = Column(col.paper, pb.preset, col.paper, None, local=False)
-        ref = _resolve(plan.entry, paper_col, cell.variant, None, (), (), None)
-        ours, theirs = flatten(cell.config.to_dict()), flatten(ref.to_dict())
-        diff = sorted(
-            k
-            for k in ours.keys() | theirs.keys()
-            if ours.get(k) != theirs.get(k) and k not in _NOT_RECIPE and not k.startswith("report.")
-        )
-        what = f"{col.title} ({cell.variant.method})"
-        if diff:
-            shown = "; ".join(f"`{k}` {ours.get(k)!r} (paper preset: {theirs.get(k)!r})" for k in diff)
-            lines.append(f"{what} against `{pb.preset}`: {shown}.")
-        else:
-            lines.append(f"{what}: the paper preset `{pb.preset}` as it is.")
-    if plan.runnable():
-        lines.append(
-            "The paper states neither the number of epochs nor the augmentation; the ViT-B/16 presets train "
-            "3 epochs (`train.epochs`) with augmentation on (docs/experiments.md, row 9)."
-        )
+        for v in e.variants:
+            cells = [c for c in plan.runnable() if c.column == col and c.variant == v]
+            if not cells:
+                continue
+            cell_settings = flatten(parse_set([*e.settings, *v.settings]))
+            own, released = None, v.configs.get(col.paper)
+            if paper_family(v.method) == "own" and pb.preset is not None:
+                paper_col = Column(col.paper, pb.preset, col.paper, None, local=False)
+                ref = _resolve(e, paper_col, v, None, (), (), None)
+                own = flatten(ref.to_dict())
+            skipped = released if col.local and released is not None else None
+            for c in cells:
+                flat = flatten(c.config.to_dict())  # type: ignore[union-attr]
+                c.departures = departures(flat, col.paper, v.method, cell_settings, own, skipped)
+
+
+def _differences(plan: Plan) -> list[str]:
+    """The footnote: per variant, its departures from the paper, one line per column (columns whose lines
+    are the same are named together)."""
+    lines: list[str] = []
+    for v in plan.entry.variants:
+        by_text: dict[tuple[str, ...], list[str]] = {}
+        for col in plan.columns:
+            cell = next((c for c in plan.runnable() if c.column == col and c.variant == v), None)
+            if cell is not None:
+                by_text.setdefault(tuple(d.text() for d in cell.departures), []).append(col.title)
+        for texts, cols in by_text.items():
+            where = "every column" if len(cols) == len(plan.columns) > 1 else ", ".join(cols)
+            head = f"{v.label} (`{v.method}`), {where}"
+            lines.append(head + (":" if texts else ": as the paper states it."))
+            lines += [f"  - {t}" for t in texts]
+    return lines
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """``--plan``'s text: every cell (benchmark, variant, run folder, seed, whether it runs), then every
+    departure from the paper of each variant (:func:`_differences`)."""
+    lines = []
+    for c in plan.cells:
+        state = f"skip: {c.skip}" if c.config is None else "run"
+        lines.append(f"{c.column.key:<14} {c.variant.label:<34} {c.cell_id:<40} seed {c.seed}  {state}")
+    if plan.differences:
+        lines += ["", "Departures from the paper (# is the row of docs/experiments.md's differences table):"]
+        lines += [f"- {d}" if not d.startswith("  ") else d for d in plan.differences]
     return lines
 
 
@@ -528,8 +555,13 @@ def markdown(plan: Plan, rows: list[dict[str, Any]], command: str = "") -> str:
     if notes:
         lines += [f"[{i + 1}] {t}" for i, t in enumerate(notes)] + [""]
     if plan.differences:
-        lines += ["**Settings that differ from the paper's.**", ""]
-        lines += [f"- {d}" for d in plan.differences]
+        lines += [
+            "**Settings that differ from the paper's**: every resolved setting of each cell that departs "
+            "from what the paper states, or that the paper leaves open; # is the row of the differences "
+            "table in docs/experiments.md.",
+            "",
+        ]
+        lines += [f"- {d}" if not d.startswith("  ") else d for d in plan.differences]
         lines += [""]
     for col in plan.columns:
         if col.local:
