@@ -252,6 +252,12 @@ def test_reproduce_ablationS_on_the_quickstart(tmp_path: Path, capsys: pytest.Ca
         line = next(ln for ln in md.splitlines() if ln.startswith(f"| {r['variant']} |"))
         assert f"{ours:.2f}" in line
     assert "`train.epochs=1` (the paper: not stated)" in md and "`backbone.name=vit_ti16`" in md
+    # the table's provenance (the runs' commit, versions, device, threads; the command), each seed's value
+    report = json.loads((out / "ablationS-quickstart.json").read_text())
+    prov = report["provenance"]
+    assert prov["runs"] == 4 and prov["device"] == "cpu" and isinstance(prov["threads"], int)
+    assert prov["versions"]["torch"] and prov["command"] and prov["commit"]
+    assert all(set(r["ours_by_seed"]) == {"0"} for r in report["rows"])
     # a second call reuses every finished cell
     capsys.readouterr()
     assert main([a for a in argv if a != "-q"]) == 0

@@ -22,6 +22,7 @@ from proteus import distributed as dist
 from proteus.config import RunConfig
 from proteus.core.estimator import Proteus
 from proteus.experiment.evaluate import Evaluator
+from proteus.experiment.provenance import provenance
 from proteus.experiment.results import build_results
 from proteus.experiment.store import (
     build_learner,
@@ -206,6 +207,7 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True, resume: bool = F
                     "learner": cast("type[ContinualClassifier]", type(clf)).name,
                 }
             )
+        extra["provenance"] = provenance(str(getattr(clf, "device_", cfg.device)))
         res = build_results(cfg, stream, evaluation, seconds, extra)
         if main:
             (out / "results.json").write_text(json.dumps(res, indent=1, default=float))

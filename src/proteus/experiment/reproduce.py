@@ -47,6 +47,7 @@ from proteus.experiment.paper_tables import (
     Variant,
     entry,
 )
+from proteus.experiment.provenance import UNKNOWN, merged
 
 __all__ = [
     "Cell", "Column", "Plan", "catalogue_lines", "make_plan", "plan_lines", "reproduce", "table_rows",
@@ -417,11 +418,15 @@ def _fmt_paper(metric: str, p: Published | None) -> str:
     return _fmt(metric, mean) + ("" if std is None else f" ± {_fmt(metric, std)}")
 
 
-def table_rows(plan: Plan, out: Path) -> list[dict[str, Any]]:
-    """Every (variant, column, metric, task) cell of the table: ours over seeds (read from the runs in
-    ``out``) and the paper's number; the long form behind the CSV and the Markdown."""
+def table_rows(
+    plan: Plan, out: Path, runs: list[dict[str, Any] | None] | None = None
+) -> list[dict[str, Any]]:
+    """Every (variant, column, metric, task) cell of the table: ours over seeds (their mean, sample std and
+    each seed's value, read from the runs in ``out``) and the paper's number; the long form behind the CSV
+    and the Markdown. ``runs`` collects each run's provenance (results.json's)."""
     e = plan.entry
     rows: list[dict[str, Any]] = []
+    runs = [] if runs is None else runs
     for col in plan.columns:
         for v in e.variants:
             cells = [c for c in plan.cells if c.column == col and c.variant == v]
@@ -436,6 +441,7 @@ def table_rows(plan: Plan, out: Path) -> list[dict[str, Any]]:
                     continue
                 split = _load(d / "split.json")
                 per_seed.append((c.seed, {m: metric_values(m, res, split) for m in e.metrics}))
+                runs.append(res.get("provenance"))
             for m in e.metrics:
                 per_task = m.endswith("@")
                 keys: set[int | None] = set()
@@ -446,7 +452,8 @@ def table_rows(plan: Plan, out: Path) -> list[dict[str, Any]]:
                 if not per_task:
                     keys = {None}
                 for t in sorted(keys, key=lambda x: -1 if x is None else x):
-                    st = _stat([vals[m][t] for _, vals in per_seed if t in vals[m]])
+                    by_seed = {seed: vals[m][t] for seed, vals in per_seed if t in vals[m]}
+                    st = _stat(list(by_seed.values()))
                     paper = e.paper.get((v.label, col.paper, m, t))
                     rows.append(
                         {
@@ -461,6 +468,7 @@ def table_rows(plan: Plan, out: Path) -> list[dict[str, Any]]:
                             "ours_mean": st["mean"],
                             "ours_std": st["std"],
                             "seeds": st["n"],
+                            "ours_by_seed": {str(k): v for k, v in by_seed.items()},
                             "paper": paper,
                             "skip": skip,
                             "extra": v.extra,
@@ -652,12 +660,14 @@ def reproduce(plan: Plan, out: str | Path, progress: bool = True, command: str =
             return cfg
 
         compare(make_config, ids, seeds, out / col.key, progress=progress, stem=e.name)
-    rows = table_rows(plan, out)
+    runs: list[dict[str, Any] | None] = []
+    rows = table_rows(plan, out, runs)
     stem = (
         e.name if len(plan.columns) != 1 or not plan.columns[0].local else f"{e.name}-{plan.columns[0].key}"
     )
     md = markdown(plan, rows, command)
     report = {**plan.to_dict(), "rows": rows, "table_md": f"{stem}.md", "table_csv": f"{stem}.csv"}
+    report["provenance"] = {**merged(runs), "command": command or UNKNOWN}
     for c in report["cells"]:
         c.pop("config", None)  # each run's config.yaml holds it
     if dist.is_main():
