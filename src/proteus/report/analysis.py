@@ -137,7 +137,10 @@ def premise(own_per_dim: list[float]) -> dict[str, Any]:
 
 def _side(rows: list[dict[str, Any]], w: list[float], suffix: str) -> dict[str, Any]:
     """The bound, minimum delta and assumptions of ``rows`` with one sigma^2 (``suffix`` "" for the
-    proof's, "_a23" for A2-3's): means over the pairs that have a value, counts of the ones that do not."""
+    proof's, "_a23" for A2-3's): means over the pairs that have a value, counts of the ones that do not;
+    a pair that is not tested (fewer than two test inputs) is in neither."""
+    rows = [c for c in rows if c.get("tested") is not False]
+    w = [float(c["n"]) for c in rows]
     bounds = [(c[f"bound{suffix}"], wi) for c, wi in zip(rows, w) if c.get(f"bound{suffix}") is not None]
     ok = [c[f"delta_ok{suffix}"] for c in rows if c.get(f"delta_ok{suffix}") is not None]
     a21 = [c[f"a21{suffix}"] for c in rows if c.get(f"a21{suffix}") is not None]
@@ -170,6 +173,15 @@ def assumptions_statement(comps: list[dict[str, Any]]) -> str:
     """What fails, in words: each assumption or condition with the (task, component) pairs it fails for."""
     if not comps:
         return "no (task, component) pair measured"
+    untested = [c for c in comps if c.get("tested") is False]
+    comps = [c for c in comps if c.get("tested") is not False]
+    apart = (
+        f" ({len(untested)} pairs of fewer than two test inputs not tested, counted apart)"
+        if untested
+        else ""
+    )
+    if not comps:
+        return "no (task, component) pair tested" + apart
     what = {
         "A2-1": "A2-1 (|Lambda_i^s| <= e^(d sigma^2) |Lambda_k^t|, the proof's sigma^2)",
         "A2-1 (A2-3's sigma^2)": "A2-1 with A2-3's sigma^2",
@@ -184,7 +196,7 @@ def assumptions_statement(comps: list[dict[str, Any]]) -> str:
         if pairs:
             shown = ", ".join(pairs[:8]) + (f" and {len(pairs) - 8} more" if len(pairs) > 8 else "")
             parts.append(f"{text} fails for {len(pairs)} of {len(comps)} pairs (task.component {shown})")
-    return "; ".join(parts) if parts else f"every assumption holds for all {len(comps)} pairs"
+    return ("; ".join(parts) if parts else f"every assumption holds for all {len(comps)} pairs") + apart
 
 
 @torch.no_grad()
@@ -228,6 +240,7 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
             {
                 "task": k,
                 "n_components": len(rows),
+                "n_untested": sum(1 for c in rows if c.get("tested") is False),
                 # the bounds' premise: an own-task input's squared Mahalanobis distance is about d
                 "own_distance_per_dim": finite(float(own.median()) / d),
                 # the task's inputs retrieved to another task (not floored, unlike the components' eps)
@@ -247,6 +260,8 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
         "d": d,
         "num_tasks": n,
         "n_components": len(comps),
+        # pairs of fewer than two test inputs: no V[Z], so neither a pass nor a failure (counted apart)
+        "n_untested": sum(1 for c in comps if c.get("tested") is False),
         "sigma2_headline": "V[Z]",
         "delta_median": finite(float(np.median([c["delta"] for c in comps]))) if comps else None,
         "error_mean": _mean([c["error"] for c in comps], weights),
