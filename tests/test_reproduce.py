@@ -103,14 +103,63 @@ def test_published_numbers_are_the_papers() -> None:
                 assert any(f in where for f in printed(std)), (e.name, label, std)
             checked += 1
     assert checked > 200
-    # every "# l. N" comment points at a line that prints the first number of its row
+    # every "# l. N" comment (a single line, not a range) points at a line that prints the first number of
+    # its row: the row starts at the nearest line above naming a label or key, up to the comment's line
+    checked = 0
     for i, ln in enumerate(src):
-        m = re.search(r"\(\(?([0-9.]+)[,)].*# l\. (\d+)$", ln)
+        m = re.search(r"# l\. (\d+)(?![-\d])", ln)
+        if not m:
+            continue
+        start = i
+        while start > max(0, i - 12) and not re.search(r'^\s*("[^"]*":|\(")', src[start]):
+            start -= 1
+        block = "\n".join(src[start : i + 1])
+        found = [v.group(1) for v in re.finditer(r"\(\(?([0-9][0-9.]*)[,)]", block)]
+        if "_per_task(" in block:  # (tasks, values): the row's values are the last tuple
+            found = re.findall(r"^\s*\(([0-9][0-9.]*),", block, re.M)[-1:]
+        first = found[0] if found else None
+        on = lines[int(m.group(1)) - 1]
+        text = re.search(r'\): "([^"]+)",\s*# l\.', ln)  # a string the paper prints ("N/A")
+        if first is None and text:
+            assert text.group(1) in on, f"paper_tables.py:{i + 1}: {text.group(1)} is not on l. {m.group(1)}"
+            continue
+        assert first is not None, f"paper_tables.py:{i + 1}: no number before its line comment"
+        assert any(f in on for f in printed(float(first))), (
+            f"paper_tables.py:{i + 1}: {first} not on l. {m.group(1)}"
+        )
+        checked += 1
+    assert checked >= 40
+
+
+@needs_spec
+def test_titles_number_tables_and_figures_as_the_paper() -> None:
+    """An entry's title that names its table or figure ("Table 10", "Fig. 5", "Figs. 6-7") names the
+    number LaTeX gives it: tables and figures counted by caption, in the order of the source."""
+    number: dict[str, tuple[str, int]] = {}
+    count = {"table": 0, "figure": 0}
+    envs: list[str] = []
+    last: tuple[str, int] | None = None
+    pattern = r"\\(begin|end)\{(table|figure|subfigure|minipage)\*?\}|\\caption(?:of)?\{|\\label\{([^}]*)\}"
+    for ln in SPEC.read_text().splitlines():
+        for m in re.finditer(pattern, ln):
+            if m.group(1) == "begin":
+                envs.append(m.group(2))
+            elif m.group(1) == "end":
+                envs.pop()
+            elif m.group(0).startswith("\\caption") and envs and envs[-1] != "subfigure":
+                kind = next(e for e in reversed(envs) if e in count)
+                count[kind] += 1
+                last = (kind, count[kind])
+            elif m.group(3) and last and envs and envs[-1] != "subfigure":
+                number[re.sub(r"^(tab|table|fig)\s*:\s*", "", m.group(3)).strip()] = last
+    named = 0
+    for e in pt.ENTRIES:
+        m = re.match(r"(Table|Figs?\.) (\d+)", e.title)
         if m:
-            on = lines[int(m.group(2)) - 1]
-            assert any(f in on for f in printed(float(m.group(1)))), (
-                f"paper_tables.py:{i + 1}: not on l. {m.group(2)}"
-            )
+            kind = "table" if m.group(1) == "Table" else "figure"
+            assert number[e.name] == (kind, int(m.group(2))), (e.name, e.title, number[e.name])
+            named += 1
+    assert named >= 8
 
 
 def test_plan_of_ablationS_is_proteus_papers_recipe(capsys: pytest.CaptureFixture[str]) -> None:
@@ -262,3 +311,15 @@ def test_reproduce_ablationS_on_the_quickstart(tmp_path: Path, capsys: pytest.Ca
     capsys.readouterr()
     assert main([a for a in argv if a != "-q"]) == 0
     assert capsys.readouterr().out.count("reusing the finished run") == 4
+
+
+def test_overhead_50T_times_the_papers_m(capsys: pytest.CaptureFixture[str]) -> None:
+    """The 50-task latency table times m = 2, 5, 10, ..., 50, the paper's columns (not 1, 6, 11, ...)."""
+    from proteus.report.analysis import latency_points
+
+    plan = _plan_json(capsys, "overhead_50T")
+    ms = plan["cells"][0]["config"]["report"]["latency_m"]
+    assert ms == [2, 5, 10, 15, 20, 25, 30, 35, 40, 45, 50] == list(pt.entry("overhead_50T").tasks)
+    assert latency_points(50, 11, ms) == ms and latency_points(5, 11, ms) == [2, 5]
+    assert latency_points(50, 11) == [1, 6, 11, 16, 21, 26, 30, 35, 40, 45, 50]  # evenly spaced otherwise
+

@@ -400,7 +400,7 @@ ENTRIES: list[Entry] = [
     Entry(
         "ablationS",
         "table",
-        "Table 7: classification and retrieval with S = 0, S = I, λ = 0 (ImageNet-R)",
+        "Table 10: classification and retrieval with S = 0, S = I, λ = 0 (ImageNet-R)",
         "755-773",
         ("imagenet-r",),
         (
@@ -503,7 +503,7 @@ ENTRIES: list[Entry] = [
     Entry(
         "heatmap",
         "figure",
-        "Fig. 8: S heatmaps on ImageNet-R with λ > 0 and λ = 0 (sparsity of S per task)",
+        "Fig. 5: S heatmaps on ImageNet-R with λ > 0 and λ = 0 (sparsity of S per task)",
         "796-816",
         ("imagenet-r",),
         (PROTEUS, Variant("λ = 0", "proteus-lambda0")),
@@ -518,7 +518,7 @@ ENTRIES: list[Entry] = [
     Entry(
         "sim_vtab_large_qv",
         "figure",
-        "Fig. 9: pairwise cosine of the tasks' LoRA directions, VTAB5T-large",
+        "Fig. 6: pairwise cosine of the tasks' LoRA directions, VTAB5T-large",
         "819-824",
         ("vtab5t-large",),
         (PROTEUS,),
@@ -531,7 +531,7 @@ ENTRIES: list[Entry] = [
     Entry(
         "similarity_INA_QV_Lora",
         "figure",
-        "Fig. 10: pairwise cosine of the tasks' LoRA directions, ImageNet-A",
+        "Fig. 7: pairwise cosine of the tasks' LoRA directions, ImageNet-A",
         "826-831",
         ("imagenet-a",),
         (PROTEUS,),
@@ -562,9 +562,9 @@ ENTRIES: list[Entry] = [
             ("K-Means", "imagenet-a", "retrieval", None): (63.63, None),  # l. 855
         },
         notes=(
-            "`proteus-kmeans` sets K = 20 (`signature.max_components=20`), as the paper does; a `--config` "
-            "that sets `signature.max_components` (mobilenet_cpu: 10) applies to the DP-GMM's truncation "
-            "only (the variant's own setting wins).",
+            "`proteus-kmeans` sets K = 20 (`signature.max_components=20`), as the paper does. A `--config` "
+            "comes after the method, so one that sets `signature.max_components` sets K too "
+            "(mobilenet_cpu: K = T = 10); `--plan` lists it as a departure.",
         ),
     ),
     Entry(
@@ -775,7 +775,7 @@ ENTRIES: list[Entry] = [
             ("InfLoRA", "vtab-sim50", "acc", None): (91.25, 0.25),  # l. 1025
             ("SD-LoRA", "vtab-sim50", "params", None): (464786, None),  # l. 1026
             ("SD-LoRA", "vtab-sim50", "acc", None): (84.91, 1.95),  # l. 1026
-            ("PROTEUS", "vtab-sim50", "params", None): (258192, None),  # l. 1033 (text)
+            ("PROTEUS", "vtab-sim50", "params", None): (258192, None),  # l. 1034 (text)
             ("PROTEUS", "vtab-sim50", "acc", None): (95.89, 0.80),  # l. 323
         },
         notes=(
@@ -798,7 +798,7 @@ ENTRIES: list[Entry] = [
         cols=("benchmark",),
         paper={
             ("α = 0.8", "vtab5t", "acc", None): (94.76, None)
-        },  # l. 1045 (the figure's peak; the rest unprinted)
+        },  # l. 1046 (the figure's peak; the rest unprinted)
         aliases=("alpha ablation VTAB",),
     ),
     Entry(
@@ -928,7 +928,7 @@ ENTRIES: list[Entry] = [
         ("latency@",),
         rows=("variant",),
         cols=("task",),
-        settings=("report.latency_points=11",),
+        settings=("report.latency_m=[2,5,10,15,20,25,30,35,40,45,50]",),
         seeds=(0,),
         tasks=(2, 5, 10, 15, 20, 25, 30, 35, 40, 45, 50),
         paper=_per_task(
@@ -939,8 +939,7 @@ ENTRIES: list[Entry] = [
             (0.27, 0.64, 1.33, 2.08, 2.93, 3.86, 4.89, 5.91, 7.18, 8.26, 9.59),
         ),  # l. 631
         notes=(
-            "`report.latency_points` spaces m evenly from 1 to 50; a paper column whose m was not timed "
-            "shows '-'.",
+            "m is timed at the paper's columns (`report.latency_m`); on a shorter stream, those up to its length.",
         ),
     ),  # fmt: skip
     Entry(

@@ -1,7 +1,7 @@
 """Reports of a run: the paper's figures and a ``report.md`` next to results.json (Sec. 5, Appendix).
 
 ``proteus run`` calls :func:`proteus.report.analysis.analyse_run` on the finished learner (theory checks
-of Sec. 3.2, retrieval confusion, S and cosine analyses of Figs. 8-10, inference latency) and then
+of Sec. 3.2, retrieval confusion, S and cosine analyses of Figs. 5-7, inference latency) and then
 :func:`write_report`, which draws the figures of :mod:`proteus.report.figures` into ``<run>/figures/``
 and writes ``<run>/report.md`` linking them with the results table. ``proteus compare``
 (:mod:`proteus.report.compare`) builds the Table 1 / Fig. 3 comparison over methods and seeds.
@@ -163,11 +163,11 @@ def write_report(out: Path, res: dict[str, Any], bulky: dict[str, Any] | None = 
         if "delta_boxplot" in made:
             md += [f"![delta box plot]({made['delta_boxplot']})", ""]
     if "s_heatmaps" in made:
-        md += ["## Knowledge-transfer matrix S (Fig. 8)", "", f"![S heatmaps]({made['s_heatmaps']})", ""]
+        md += ["## Knowledge-transfer matrix S (Fig. 5)", "", f"![S heatmaps]({made['s_heatmaps']})", ""]
     orth = res.get("orthogonality")
     if "unit_cosines" in made:
         md += [
-            "## Orthogonality of the LoRA updates (Eq. 15; Figs. 9-10)",
+            "## Orthogonality of the LoRA updates (Eq. 15; Figs. 6-7)",
             "",
             f"Largest |cosine| between two tasks' own updates over all adapted maps: "
             f"{fmt((orth or {}).get('max_abs_offdiag'), 9) if orth else '-'}.",

@@ -15,9 +15,9 @@
   component (Mahalanobis), and the error of Theorem 3.6 is the measured retrieval error of the
   component, floored at half an error.
 * :func:`retrieval_confusion` -- true task x retrieved task counts of the final evaluation.
-* :func:`transfer_matrices` -- the learned S per task and adapted map (Fig. 8 heatmaps).
+* :func:`transfer_matrices` -- the learned S per task and adapted map (Fig. 5 heatmaps).
 * :func:`cosine_analysis` -- pairwise cosine of the tasks' own updates ``B_tau A_tau^T`` per map
-  (Figs. 9-10) and the largest off-diagonal magnitude (the orthogonality check of Eq. 15).
+  (Figs. 6-7) and the largest off-diagonal magnitude (the orthogonality check of Eq. 15).
 * :func:`measure_latency` -- wall time of ``predict`` on one batch as a function of the number of tasks m
   (Appendix "Complexity of PROTEUS Inference", latency tables).
 
@@ -294,7 +294,7 @@ def retrieval_confusion(clf: Proteus, evaluator: Evaluator) -> list[list[int]] |
 
 # ====================================================================== adapters
 def transfer_matrices(clf: Proteus) -> dict[str, Any] | None:
-    """Fig. 8: per task k >= 2 (1-based) and adapted map, the S coefficients over older directions."""
+    """Fig. 5: per task k >= 2 (1-based) and adapted map, the S coefficients over older directions."""
     model = clf.model_
     if not model.units or model.num_tasks < 2:
         return None
@@ -308,7 +308,7 @@ def transfer_matrices(clf: Proteus) -> dict[str, Any] | None:
 
 
 def cosine_analysis(clf: Proteus) -> tuple[dict[str, Any] | None, dict[str, list[list[float]]] | None]:
-    """Figs. 9-10: ``(summary, per-map (m, m) cosine matrices)``; (None, None) without adapters."""
+    """Figs. 6-7: ``(summary, per-map (m, m) cosine matrices)``; (None, None) without adapters."""
     model = clf.model_
     if not model.units or model.num_tasks < 1:
         return None, None
@@ -325,10 +325,13 @@ def cosine_analysis(clf: Proteus) -> tuple[dict[str, Any] | None, dict[str, list
 
 
 # ====================================================================== latency
-def latency_points(n: int, points: int) -> list[int]:
-    """Up to ``points`` values of m in 1..n, evenly spaced, always including 1 and n."""
+def latency_points(n: int, points: int, ms: list[int] | None = None) -> list[int]:
+    """Up to ``points`` values of m in 1..n, evenly spaced, always including 1 and n; or the values of
+    ``ms`` within 1..n (``report.latency_m``: the paper's own m values)."""
     if n < 1:
         return []
+    if ms is not None:
+        return sorted({int(m) for m in ms if 1 <= int(m) <= n})
     k = max(2, int(points)) if n > 1 else 1
     return sorted({int(round(v)) for v in np.linspace(1, n, min(k, n))})
 
@@ -360,7 +363,9 @@ def measure_latency(clf: Proteus, stream: TaskStream, rc: ReportConfig) -> dict[
     if n == 0 or clf.head_ is None:
         return None
     x = _batch(stream, clf, rc.latency_batch)
-    ms = latency_points(n, rc.latency_points)
+    ms = latency_points(n, rc.latency_points, rc.latency_m)
+    if not ms:
+        return None
     clf.predict(x, num_tasks=ms[-1])  # warm-up (allocations, kernels)
     seconds = []
     for m in ms:
