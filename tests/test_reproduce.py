@@ -229,8 +229,11 @@ def test_unbuildable_and_unmeasured_cells_say_why(capsys: pytest.CaptureFixture[
     plan = _plan_json(capsys, "long_tasks")
     vtab19 = [c for c in plan["cells"] if c["benchmark"] == "vtab19"]
     assert vtab19 and all(not c["runnable"] and "19-task VTAB" in c["skip"] for c in vtab19)
-    plan = _plan_json(capsys, "retrieval_overhead")
-    assert all(not c["runnable"] and "not measured" in c["skip"] for c in plan["cells"])
+    # retrieval_overhead is measured now (inference time per method); its prompt baselines need a ViT
+    plan = _plan_json(capsys, "retrieval_overhead", "--benchmark", "domains5", "--config", "mobilenet_cpu")
+    runs = {c["method"]: c["runnable"] for c in plan["cells"]}
+    assert runs == {"dualprompt": False, "s-prompt": False, "hide-prompt": False, "proteus-paper": True}
+    assert all("needs a ViT" in c["skip"] for c in plan["cells"] if not c["runnable"])
 
 
 def _fake_run(d: Path, avg_acc: list[float], retrieval: list[float] | None = None) -> None:
@@ -323,3 +326,21 @@ def test_overhead_50T_times_the_papers_m(capsys: pytest.CaptureFixture[str]) -> 
     assert latency_points(50, 11, ms) == ms and latency_points(5, 11, ms) == [2, 5]
     assert latency_points(50, 11) == [1, 6, 11, 16, 21, 26, 30, 35, 40, 45, 50]  # evenly spaced otherwise
 
+
+def test_retrieval_gain_is_computed_from_retrieval_and_inference_time() -> None:
+    """retrieval_overhead: the paper's gain in %/s, (PROTEUS's retrieval - the baseline's) / (PROTEUS's
+    inference time - the baseline's), from our runs' means."""
+    e = pt.entry("retrieval_overhead")
+    assert "retrieval_gain" in e.metrics and e.reference == "PROTEUS" and not e.unsupported
+    assert all(m == "retrieval_gain" for _, _, m, _ in e.paper)
+
+    def row(variant: str, metric: str, mean: float | None) -> dict[str, Any]:
+        return {"benchmark": "b", "variant": variant, "metric": metric, "ours_mean": mean, "seeds": 3}
+
+    rows = [row("PROTEUS", "retrieval", 96.0), row("PROTEUS", "inference", 2.8),
+            row("HiDE", "retrieval", 47.0), row("HiDE", "inference", 0.3),
+            row("HiDE", "retrieval_gain", None), row("SPrompt", "retrieval", None),
+            row("SPrompt", "inference", 0.2), row("SPrompt", "retrieval_gain", None)]  # fmt: skip
+    rep._gains(e, rows)
+    assert rows[4]["ours_mean"] == pytest.approx((96.0 - 47.0) / (2.8 - 0.3))
+    assert rows[7]["ours_mean"] is None  # no retrieval of its own: no gain

@@ -207,6 +207,13 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True, resume: bool = F
                     "learner": cast("type[ContinualClassifier]", type(clf)).name,
                 }
             )
+        if cfg.report.latency and main:  # seconds per batch with every task, any learner
+            from proteus.report.analysis import measure_inference
+
+            try:
+                extra["inference"] = measure_inference(clf, stream, cfg.report)
+            except Exception as e:  # noqa: BLE001 - a timing must not lose a finished run
+                log.warning("inference time not measured: %s", e)
         extra["provenance"] = provenance(str(getattr(clf, "device_", cfg.device)))
         res = build_results(cfg, stream, evaluation, seconds, extra)
         if main:

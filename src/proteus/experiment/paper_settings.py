@@ -80,6 +80,10 @@ STATED: dict[str, Stated] = {
     "backbone.img_size": Stated(None, "ViT-B/16's own 224 px (l. 696)"),
     "backbone.adapt_last": Stated(None, "LoRA on q and v of all 12 blocks (l. 1032)"),
     "adapter.enabled": Stated(True, "a LoRA update per task (Eq. 9)"),
+    "adapter.blocks": Stated(
+        "all",
+        "LoRA on q and v of all 12 blocks (l. 1032); the first 8 or 4 blocks in the lighter variants (l. 1034)",
+    ),
     "adapter.rank": Stated(
         _per(4, imagenet_a=16, vtab5t=16, vtab5t_large=16, cifar100_budget=10, imagenet_r_budget=10),
         "r = 4 (mild, varying), r = 16 (abrupt) (l. 696); r₀ = 10 in the budget runs (l. 885, 903)",

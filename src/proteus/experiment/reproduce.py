@@ -361,6 +361,9 @@ def metric_values(metric: str, res: dict[str, Any], split: dict[str, Any] | None
     elif metric == "orthogonality":
         v = (res.get("orthogonality") or {}).get("max_abs_offdiag")
         out[None] = None if v is None else float(v)
+    elif metric == "inference":
+        v = (res.get("inference") or {}).get("seconds")
+        out[None] = None if v is None else float(v)
     elif metric == "gpu_memory":
         peaks = [t.get("peak_gpu_mb") for t in res.get("tasks") or []]
         peaks = [float(p) for p in peaks if p is not None]
@@ -395,7 +398,7 @@ def _fmt(metric: str, v: float | None) -> str:
         return f"{v:,.0f}"
     if metric == "orthogonality":
         return f"{v:.1e}"
-    if metric == "latency@":
+    if metric in ("latency@", "inference"):
         return f"{v:.3f}"
     if metric == "s_nonzero@":
         return f"{v:.3f}"
@@ -474,7 +477,28 @@ def table_rows(
                             "extra": v.extra,
                         }
                     )
+    _gains(e, rows)
     return rows
+
+
+def _gains(e: Entry, rows: list[dict[str, Any]]) -> None:
+    """Fill each ``retrieval_gain`` row (in place): (the reference's retrieval - the variant's) / (the
+    reference's inference time - the variant's), from the means over seeds; None where a term is missing."""
+    by = {(r["benchmark"], r["variant"], r["metric"]): r for r in rows}
+    for r in rows:
+        if r["metric"] != "retrieval_gain" or not e.reference or r["variant"] == e.reference:
+            continue
+        terms = [
+            by.get((r["benchmark"], v, m))
+            for v in (e.reference, r["variant"])
+            for m in ("retrieval", "inference")
+        ]
+        if any(t is None or t["ours_mean"] is None for t in terms):
+            continue
+        ret_ref, t_ref, ret_v, t_v = (t["ours_mean"] for t in terms)  # type: ignore[index]
+        if t_ref != t_v:
+            r["ours_mean"] = (ret_ref - ret_v) / (t_ref - t_v)
+            r["seeds"] = min(int(t["seeds"]) for t in terms)  # type: ignore[index]
 
 
 def _axis_label(plan: Plan, axis: str, value: Any) -> str:

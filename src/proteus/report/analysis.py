@@ -60,6 +60,7 @@ __all__ = [
     "cosine_analysis",
     "finite",
     "latency_points",
+    "measure_inference",
     "measure_latency",
     "retrieval_confusion",
     "premise",
@@ -336,7 +337,7 @@ def latency_points(n: int, points: int, ms: list[int] | None = None) -> list[int
     return sorted({int(round(v)) for v in np.linspace(1, n, min(k, n))})
 
 
-def _batch(stream: TaskStream, clf: Proteus, size: int) -> torch.Tensor:
+def _batch(stream: TaskStream, clf: Any, size: int) -> torch.Tensor:
     images = []
     for task in stream.tasks:
         for i in range(len(task.test)):
@@ -385,6 +386,30 @@ def measure_latency(clf: Proteus, stream: TaskStream, rc: ReportConfig) -> dict[
         "retrieval": bool(clf.parts_.retrieves),
         "m": ms,
         "seconds": seconds,
+    }
+
+
+@torch.no_grad()
+def measure_inference(clf: Any, stream: TaskStream, rc: ReportConfig) -> dict[str, Any] | None:
+    """Seconds per ``predict`` on one batch of ``rc.latency_batch`` test images with every task learned, for
+    any learner (PROTEUS and the baselines alike: the inference time of the paper's retrieval-overhead
+    table): the median of ``rc.latency_repeats`` calls (fewer past 2 s) after a warm-up call."""
+    x = _batch(stream, clf, rc.latency_batch)
+    if not len(x):
+        return None
+    clf.predict(x)  # warm-up
+    times: list[float] = []
+    while len(times) < max(1, rc.latency_repeats) and sum(times) < _LATENCY_BUDGET_S:
+        _sync(clf.device_)
+        t0 = time.perf_counter()
+        clf.predict(x)
+        _sync(clf.device_)
+        times.append(time.perf_counter() - t0)
+    return {
+        "batch_size": int(x.shape[0]),
+        "device": str(clf.device_),
+        "threads": torch.get_num_threads(),
+        "seconds": float(np.median(times)),
     }
 
 
