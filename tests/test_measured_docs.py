@@ -26,36 +26,118 @@ def _section(page: str, heading: str) -> list[str]:
     return lines[head[0] + 1 : end]
 
 
+def _table(section: list[str], first: str) -> tuple[list[str], list[list[str]]]:
+    """The header and the rows (cells stripped of bold) of the section's Markdown table whose header
+    starts with ``| first |``."""
+    i = next((k for k, line in enumerate(section) if line.startswith(f"| {first} |")), None)
+    assert i is not None, f"no table headed | {first} | in the section"
+    split = lambda line: [c.strip().strip("*").strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
+    rows = []
+    for line in section[i + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(split(line))
+    return split(section[i]), rows
+
+
+def _cell(header: list[str], rows: list[list[str]], first: str, column: str) -> str:
+    """The cell of the row whose first cell is ``first`` under the column titled ``column``."""
+    assert column in header, f"no column {column!r} in {header}"
+    found = [r for r in rows if r[0] == first]
+    assert len(found) == 1, f"one line {first!r} expected, found {len(found)}"
+    return found[0][header.index(column)]
+
+
 def test_there_are_records() -> None:
     assert RECORDS, "docs/measured/ holds no record of a reproduce run"
 
 
 @pytest.mark.parametrize("path", RECORDS, ids=[p.stem for p in RECORDS])
 def test_the_page_shows_every_measured_number(path: Path) -> None:
+    """Each number of the record in the cell of its variant's line under its metric's column, ours and the
+    paper's: a number in another column (two columns swapped) fails."""
+    sys.path.insert(0, str(ROOT / "tools" / "docs"))
+    from record_reproduce import TITLES, _fmt, _paper
+
     rec = json.loads(path.read_text())
     bench = path.stem.removeprefix(f"{rec['table']}-")
     section = _section("docs/experiments.md", f"`{rec['table']}` on {bench}")
+    header, rows = _table(section, "variant")
     for row in rec["rows"]:
-        first = (f"| {row['variant']}", f"| {row['benchmark']} |")
-        cells = [line for line in section if line.startswith(first)]
-        assert cells, f"{path.name}: no table line for {row['variant']!r} in the section of {rec['table']}"
-        if row["ours_mean"] is None:
-            assert any("n/a" in line for line in cells), f"{path.name}: {row['variant']} should read n/a"
-            continue
-        value = f"{row['ours_mean']:.2f} ± {row['ours_std']:.2f}"
-        assert any(value in line for line in cells), f"{path.name}: {row['variant']} {row['metric']} {value}"
+        first = f"{row['variant']} (`{row['method']}`)"
+        title = TITLES.get(row["metric"], row["metric"])
+        ours = _cell(header, rows, first, f"{title}: ours")
+        want = "n/a" if row["skip"] else _fmt(row["ours_mean"], row["ours_std"])
+        assert ours == want, f"{path.name}: {first} {title}: the page shows {ours}, the record {want}"
+        paper = _cell(header, rows, first, f"{title}: paper")
+        assert paper == _paper(row["paper"]), f"{path.name}: {first} {title} (paper): {paper}"
 
 
 @pytest.mark.parametrize("path", COMPARED, ids=[p.stem for p in COMPARED])
 def test_the_retrieval_page_shows_every_compared_number(path: Path) -> None:
+    """Each method's figures in the cells under their columns (compare's titles)."""
+    from proteus.experiment.compare import COLUMNS
+
+    titles = {key: title for key, title, _ in COLUMNS}
     rec = json.loads(path.read_text())
     section = _section("docs/retrieval.md", f"`{rec['name']}`")
+    header, rows = _table(section, "method")
     for method, figures in rec["methods"].items():
-        row = [line for line in section if line.startswith(f"| {method} |")]
-        assert len(row) == 1, f"{path.name}: one table line for {method} expected in `{rec['name']}`"
         for key, (mean, std, n) in figures.items():
             value = f"{mean:.2f}" + (f" ± {std:.2f}" if n > 1 else "")
-            assert value in row[0], f"{path.name}: {method} {key} {value} is not on the page"
+            cell = _cell(header, rows, method, titles[key])
+            assert cell == value, f"{path.name}: {method} {titles[key]}: the page shows {cell}, not {value}"
+
+
+ALL = sorted((ROOT / "docs" / "measured").rglob("*.json"))
+
+
+@pytest.mark.parametrize("path", ALL, ids=[str(p.relative_to(ROOT / "docs" / "measured")) for p in ALL])
+def test_every_record_carries_its_provenance(path: Path) -> None:
+    """Commit, dirty state, package versions, device, threads and command (``unknown`` where they cannot be
+    known: a record made before provenance was recorded says when it was committed and why), and the code
+    it measured."""
+    sys.path.insert(0, str(ROOT / "tools" / "docs"))
+    from records import PROVENANCE_KEYS
+
+    rec = json.loads(path.read_text())
+    prov = rec.get("provenance")
+    assert isinstance(prov, dict), f"{path.name}: no provenance"
+    assert not [k for k in PROVENANCE_KEYS if k not in prov], f"{path.name}: provenance lacks a field"
+    commits = prov["commit"] if isinstance(prov["commit"], list) else [prov["commit"]]
+    for c in commits:
+        assert c == "unknown" or (len(c) == 40 and all(x in "0123456789abcdef" for x in c)), (path.name, c)
+    if "unknown" in commits:
+        assert prov.get("committed_in") or prov.get("source"), f"{path.name}: an unknown commit unexplained"
+    assert prov["command"] and "NAME" not in prov["command"].split(), f"{path.name}: a command with NAME"
+    assert rec.get("measures") and all((ROOT / m).exists() for m in rec["measures"]), path.name
+
+
+@pytest.mark.skipif(
+    not (ROOT / ".git").exists(), reason="not a git checkout: the records' commits cannot be read"
+)
+@pytest.mark.parametrize("path", ALL, ids=[str(p.relative_to(ROOT / "docs" / "measured")) for p in ALL])
+def test_a_stale_record_says_so(path: Path) -> None:
+    """A record whose commit is unknown, or older than the last commit that changed the code it measured,
+    says so (its ``stale`` note) and so does its page (the section starts with **Stale record.**); a fresh
+    one says neither (``python tools/docs/stale.py`` sets both)."""
+    sys.path.insert(0, str(ROOT / "tools" / "docs"))
+    from records import PAGES, STALE_MARK, staleness
+    from stale import heading, kind
+
+    rec = json.loads(path.read_text())
+    why = staleness(rec)
+    assert (rec.get("stale") is not None) == (why is not None), (
+        f"{path.name}: {'stale (' + why + ')' if why else 'fresh'}, but its note says otherwise: run "
+        "`python tools/docs/stale.py`"
+    )
+    page = PAGES.get(kind(path))
+    if page is not None:
+        section = [line for line in _section(page, heading(path, rec)) if line.strip()]
+        marked = bool(section) and section[0].startswith(STALE_MARK)
+        assert marked == (why is not None), (
+            f"{page}, section of {path.name}: run `python tools/docs/stale.py`"
+        )
 
 
 RIVALS = [p for p in COMPARED if p.stem.startswith("rivals-")]

@@ -173,11 +173,17 @@ def test_run_report(run_method: Callable[[str], Path]) -> None:
     # theory: one row per (task, component) with inputs; the summary counts them
     th = res["theory"]
     assert th["summary"]["n_components"] == len(th["components"]) > 0
+    assert th["summary"]["n_untested"] == sum(1 for c in th["components"] if not c["tested"])
     for c in th["components"]:
         assert c["task"] in (0, 1) and c["n"] > 0
         if c["min_delta"] is not None:
             assert c["delta_ok"] == (c["delta"] >= c["min_delta"])
-        # no bound where Theorem 3.5's condition fails, and then the reason (never a silent 1)
+        # no bound where Theorem 3.5's condition fails, and then the reason (never a silent 1); a pair of one
+        # test input is not tested: no bound, the reason says so, nothing failed or passed
+        if not c["tested"]:
+            assert c["n"] == 1 and c["bound"] is None and "not tested" in c["bound_reason"]
+            assert c["failed"] == [] and c["delta_ok"] is None
+            continue
         assert (c["bound"] is None) == (c["bound_reason"] is not None) == ("Thm 3.5 condition" in c["failed"])
         assert (c["bound"] is None or 0.0 <= c["bound"] <= 1.0) and 0.0 <= c["error"] <= 1.0
     assert [r["task"] for r in th["per_task"]] == [0, 1]

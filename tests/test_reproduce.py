@@ -103,14 +103,63 @@ def test_published_numbers_are_the_papers() -> None:
                 assert any(f in where for f in printed(std)), (e.name, label, std)
             checked += 1
     assert checked > 200
-    # every "# l. N" comment points at a line that prints the first number of its row
+    # every "# l. N" comment (a single line, not a range) points at a line that prints the first number of
+    # its row: the row starts at the nearest line above naming a label or key, up to the comment's line
+    checked = 0
     for i, ln in enumerate(src):
-        m = re.search(r"\(\(?([0-9.]+)[,)].*# l\. (\d+)$", ln)
+        m = re.search(r"# l\. (\d+)(?![-\d])", ln)
+        if not m:
+            continue
+        start = i
+        while start > max(0, i - 12) and not re.search(r'^\s*("[^"]*":|\(")', src[start]):
+            start -= 1
+        block = "\n".join(src[start : i + 1])
+        found = [v.group(1) for v in re.finditer(r"\(\(?([0-9][0-9.]*)[,)]", block)]
+        if "_per_task(" in block:  # (tasks, values): the row's values are the last tuple
+            found = re.findall(r"^\s*\(([0-9][0-9.]*),", block, re.M)[-1:]
+        first = found[0] if found else None
+        on = lines[int(m.group(1)) - 1]
+        text = re.search(r'\): "([^"]+)",\s*# l\.', ln)  # a string the paper prints ("N/A")
+        if first is None and text:
+            assert text.group(1) in on, f"paper_tables.py:{i + 1}: {text.group(1)} is not on l. {m.group(1)}"
+            continue
+        assert first is not None, f"paper_tables.py:{i + 1}: no number before its line comment"
+        assert any(f in on for f in printed(float(first))), (
+            f"paper_tables.py:{i + 1}: {first} not on l. {m.group(1)}"
+        )
+        checked += 1
+    assert checked >= 40
+
+
+@needs_spec
+def test_titles_number_tables_and_figures_as_the_paper() -> None:
+    """An entry's title that names its table or figure ("Table 10", "Fig. 5", "Figs. 6-7") names the
+    number LaTeX gives it: tables and figures counted by caption, in the order of the source."""
+    number: dict[str, tuple[str, int]] = {}
+    count = {"table": 0, "figure": 0}
+    envs: list[str] = []
+    last: tuple[str, int] | None = None
+    pattern = r"\\(begin|end)\{(table|figure|subfigure|minipage)\*?\}|\\caption(?:of)?\{|\\label\{([^}]*)\}"
+    for ln in SPEC.read_text().splitlines():
+        for m in re.finditer(pattern, ln):
+            if m.group(1) == "begin":
+                envs.append(m.group(2))
+            elif m.group(1) == "end":
+                envs.pop()
+            elif m.group(0).startswith("\\caption") and envs and envs[-1] != "subfigure":
+                kind = next(e for e in reversed(envs) if e in count)
+                count[kind] += 1
+                last = (kind, count[kind])
+            elif m.group(3) and last and envs and envs[-1] != "subfigure":
+                number[re.sub(r"^(tab|table|fig)\s*:\s*", "", m.group(3)).strip()] = last
+    named = 0
+    for e in pt.ENTRIES:
+        m = re.match(r"(Table|Figs?\.) (\d+)", e.title)
         if m:
-            on = lines[int(m.group(2)) - 1]
-            assert any(f in on for f in printed(float(m.group(1)))), (
-                f"paper_tables.py:{i + 1}: not on l. {m.group(2)}"
-            )
+            kind = "table" if m.group(1) == "Table" else "figure"
+            assert number[e.name] == (kind, int(m.group(2))), (e.name, e.title, number[e.name])
+            named += 1
+    assert named >= 8
 
 
 def test_plan_of_ablationS_is_proteus_papers_recipe(capsys: pytest.CaptureFixture[str]) -> None:
@@ -161,8 +210,12 @@ def test_plan_on_a_local_stream(capsys: pytest.CaptureFixture[str]) -> None:
         cells["inflora"]["runnable"] and cells["inflora"]["config"]["train"]["epochs"] == 5
     )  # no release cfg
     diff = " ".join(plan["differences"])
-    assert "`backbone.name` 'mobilenet_v2' (paper preset: 'vit_b16')" in diff
-    assert "`benchmark.name` 'domains5' (paper preset: 'vtab5t')" in diff
+    assert "`backbone.name=mobilenet_v2` (the paper: vit_b16;" in diff
+    assert "#27 a local stream in place of the paper's benchmark: `benchmark.name=domains5`" in diff
+    # a baseline on a local stream: its released settings are not applied (they are for the paper's data)
+    assert "InfLoRA (`inflora`), domains5:" in plan["differences"]
+    infl = {d["row"] for d in cells["inflora"]["departures"]}
+    assert {15, 27, 28} <= infl
     # another paper column by name; a column the table does not have is refused, with the list
     plan = _plan_json(capsys, "kmeans", "--benchmark", "domains5:imagenet-a", "--seeds", "0")
     assert plan["columns"][0]["paper_benchmark"] == "imagenet-a" and plan["seeds"] == [0]
@@ -176,8 +229,11 @@ def test_unbuildable_and_unmeasured_cells_say_why(capsys: pytest.CaptureFixture[
     plan = _plan_json(capsys, "long_tasks")
     vtab19 = [c for c in plan["cells"] if c["benchmark"] == "vtab19"]
     assert vtab19 and all(not c["runnable"] and "19-task VTAB" in c["skip"] for c in vtab19)
-    plan = _plan_json(capsys, "retrieval_overhead")
-    assert all(not c["runnable"] and "not measured" in c["skip"] for c in plan["cells"])
+    # retrieval_overhead is measured now (inference time per method); its prompt baselines need a ViT
+    plan = _plan_json(capsys, "retrieval_overhead", "--benchmark", "domains5", "--config", "mobilenet_cpu")
+    runs = {c["method"]: c["runnable"] for c in plan["cells"]}
+    assert runs == {"dualprompt": False, "s-prompt": False, "hide-prompt": False, "proteus-paper": True}
+    assert all("needs a ViT" in c["skip"] for c in plan["cells"] if not c["runnable"])
 
 
 def _fake_run(d: Path, avg_acc: list[float], retrieval: list[float] | None = None) -> None:
@@ -247,8 +303,44 @@ def test_reproduce_ablationS_on_the_quickstart(tmp_path: Path, capsys: pytest.Ca
         assert float(r["ours_mean"]) == pytest.approx(ours)
         line = next(ln for ln in md.splitlines() if ln.startswith(f"| {r['variant']} |"))
         assert f"{ours:.2f}" in line
-    assert "`train.epochs` 1 (paper preset: 3)" in md and "`backbone.name` 'vit_ti16'" in md
+    assert "`train.epochs=1` (the paper: not stated)" in md and "`backbone.name=vit_ti16`" in md
+    # the table's provenance (the runs' commit, versions, device, threads; the command), each seed's value
+    report = json.loads((out / "ablationS-quickstart.json").read_text())
+    prov = report["provenance"]
+    assert prov["runs"] == 4 and prov["device"] == "cpu" and isinstance(prov["threads"], int)
+    assert prov["versions"]["torch"] and prov["command"] and prov["commit"]
+    assert all(set(r["ours_by_seed"]) == {"0"} for r in report["rows"])
     # a second call reuses every finished cell
     capsys.readouterr()
     assert main([a for a in argv if a != "-q"]) == 0
     assert capsys.readouterr().out.count("reusing the finished run") == 4
+
+
+def test_overhead_50T_times_the_papers_m(capsys: pytest.CaptureFixture[str]) -> None:
+    """The 50-task latency table times m = 2, 5, 10, ..., 50, the paper's columns (not 1, 6, 11, ...)."""
+    from proteus.report.analysis import latency_points
+
+    plan = _plan_json(capsys, "overhead_50T")
+    ms = plan["cells"][0]["config"]["report"]["latency_m"]
+    assert ms == [2, 5, 10, 15, 20, 25, 30, 35, 40, 45, 50] == list(pt.entry("overhead_50T").tasks)
+    assert latency_points(50, 11, ms) == ms and latency_points(5, 11, ms) == [2, 5]
+    assert latency_points(50, 11) == [1, 6, 11, 16, 21, 26, 30, 35, 40, 45, 50]  # evenly spaced otherwise
+
+
+def test_retrieval_gain_is_computed_from_retrieval_and_inference_time() -> None:
+    """retrieval_overhead: the paper's gain in %/s, (PROTEUS's retrieval - the baseline's) / (PROTEUS's
+    inference time - the baseline's), from our runs' means."""
+    e = pt.entry("retrieval_overhead")
+    assert "retrieval_gain" in e.metrics and e.reference == "PROTEUS" and not e.unsupported
+    assert all(m == "retrieval_gain" for _, _, m, _ in e.paper)
+
+    def row(variant: str, metric: str, mean: float | None) -> dict[str, Any]:
+        return {"benchmark": "b", "variant": variant, "metric": metric, "ours_mean": mean, "seeds": 3}
+
+    rows = [row("PROTEUS", "retrieval", 96.0), row("PROTEUS", "inference", 2.8),
+            row("HiDE", "retrieval", 47.0), row("HiDE", "inference", 0.3),
+            row("HiDE", "retrieval_gain", None), row("SPrompt", "retrieval", None),
+            row("SPrompt", "inference", 0.2), row("SPrompt", "retrieval_gain", None)]  # fmt: skip
+    rep._gains(e, rows)
+    assert rows[4]["ours_mean"] == pytest.approx((96.0 - 47.0) / (2.8 - 0.3))
+    assert rows[7]["ours_mean"] is None  # no retrieval of its own: no gain

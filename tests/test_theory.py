@@ -227,3 +227,32 @@ def test_premise_statement_names_the_tasks_far_from_d() -> None:
     assert not bad["holds"] and "does not hold" in bad["statement"]
     assert "task 2: 2.5e+04 d" in bad["statement"] and "task 1" not in bad["statement"]
     assert not premise([1 / (PREMISE_FACTOR * 1.01)])["holds"] and not premise([])["holds"]
+
+
+def test_a_component_of_one_test_input_is_not_tested() -> None:
+    """One test input gives no V[Z]: the pair is not tested (no sigma^2, bound or minimum delta, no pass),
+    and the summary counts it apart instead of as a pass."""
+    from proteus.report.analysis import _side, assumptions_statement
+
+    g = torch.Generator().manual_seed(2)
+    d, N = 8, 40
+    means = [torch.zeros(2, d), torch.full((1, d), 6.0)]
+    emb = [torch.randn(N, d, generator=g), means[1][0] + torch.randn(N, d, generator=g)]
+    comp = [torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.long)]
+    comp[0][0] = 1  # task 1's component 2 has a single test input
+    maha = [[torch.cdist(emb[k], means[i]) ** 2 for i in range(2)] for k in range(2)]
+    logdets = [torch.zeros(2), torch.zeros(1)]
+    retrieved = [torch.zeros(N, dtype=torch.long), torch.ones(N, dtype=torch.long)]
+    rep = theory_report(
+        maha, logdets, d, retrieved=retrieved, components=comp, embeddings=[[e, e] for e in emb]
+    )
+    one = rep[(0, 1)]
+    assert one["n"] == 1 and one["tested"] is False and "not tested" in one["bound_reason"]
+    assert one["sigma2"] is None and one["bound"] is None and one["delta_ok"] is None and one["failed"] == []
+    assert one["delta"] is not None and one["error"] == 0.0  # delta and the error are still measured
+    assert all(r["tested"] for key, r in rep.items() if key != (0, 1))
+    rows = [{"task": k, "component": t, **r} for (k, t), r in rep.items()]
+    side = _side(rows, [float(r["n"]) for r in rows], "")
+    tested_ok = [r["delta_ok"] for r in rows if r["tested"]]
+    assert side["frac_delta_ok"] == sum(tested_ok) / len(tested_ok)  # the untested pair is in neither count
+    assert "1 pairs of fewer than two test inputs not tested, counted apart" in assumptions_statement(rows)

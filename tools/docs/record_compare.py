@@ -1,7 +1,8 @@
 """Keep what ``proteus compare`` measured, for the docs:
 ``python tools/docs/record_compare.py OUT/compare.json [OUT2/compare.json ...] --name NAME --command "proteus
-compare ..."`` writes ``docs/measured/compare/NAME.json`` (the stream, the seeds, the command and, per method,
-the mean and sample std of each final figure). Several comparisons of the same stream make one record;
+compare ..."`` writes ``docs/measured/compare/NAME.json`` (the stream, the seeds, the command, the runs'
+provenance as their results.json recorded it and, per method, the mean and sample std of each final
+figure). Several comparisons of the same stream make one record;
 ``--add`` adds methods measured later by another ``proteus compare`` of the same stream and seeds to the
 record NAME, its command shown after the record's. ``tests/test_measured_docs.py`` checks that the page
 section headed `` `NAME` `` (docs/retrieval.md) shows every one of them, so the page cannot drift from
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from records import parser, write
 
+from proteus.experiment.provenance import merged
+
 #: the final figures kept, in the order of compare's table
 KEEP = ("final_avg_acc", "forgetting", "retrieval_acc", "oracle_acc")
 
@@ -22,8 +25,10 @@ KEEP = ("final_avg_acc", "forgetting", "retrieval_acc", "oracle_acc")
 def record(paths: list[Path], name: str, command: str, out_dir: Path, add: bool = False) -> Path:
     summary: dict[str, dict[str, dict[str, float]]] = {}
     benchmarks, seeds = set(), set()
+    runs: list[dict[str, object] | None] = []
     for path in paths:
         d = json.loads(path.read_text())
+        runs += [r.get("provenance") for by in d["runs"].values() for r in by.values()]
         benchmarks.add(d["benchmark"])
         seeds |= {int(s) for r in d["runs"].values() for s in r}
         _no_twice(path, summary, d["summary"])
@@ -40,9 +45,13 @@ def record(paths: list[Path], name: str, command: str, out_dir: Path, add: bool 
         command = f"{old['command']}\n{command}"
     if len(benchmarks) != 1:
         raise SystemExit(f"the comparisons are of different streams: {', '.join(sorted(benchmarks))}")
+    prov = {**merged(runs), "command": command}
+    if add:
+        prov = {**merged([old.get("provenance"), prov]), "command": command}
     kept = {"name": name, "benchmark": benchmarks.pop(), "seeds": sorted(seeds), "command": command}
+    kept["provenance"] = prov
     kept["methods"] = methods
-    return write(out_dir, name, kept)
+    return write(out_dir, name, kept, "compare")
 
 
 def _no_twice(path: Path, have: dict[str, object], new: dict[str, object]) -> None:

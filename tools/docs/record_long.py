@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from records import parser, write
+from records import from_checkout, parser, write
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 from perf_long import _window  # noqa: E402  (the harness's own window, so the seconds match its ratios)
@@ -194,8 +194,16 @@ def main() -> None:
     ap = parser(__doc__, "long")
     ap.add_argument("runs", type=Path, nargs="+", help="long_stream.json of perf_long.py runs")
     args = ap.parse_args()
-    rec = {"name": args.name, "command": args.command, "runs": [with_targets(summary(p)) for p in args.runs]}
-    print(write(args.out, args.name, rec))
+    rec: dict[str, Any] = {"name": args.name, "command": args.command}
+    rec["runs"] = [with_targets(summary(p)) for p in args.runs]
+    devices = sorted({json.loads(p.read_text())["settings"].get("device", "unknown") for p in args.runs})
+    threads = "unknown"
+    if "--threads" in args.command.split():
+        threads = int(args.command.split()[args.command.split().index("--threads") + 1])
+    rec["provenance"] = from_checkout(
+        args.command, devices[0] if len(devices) == 1 else str(devices), threads
+    )
+    print(write(args.out, args.name, rec, "long"))
     print(tables(rec))
 
 

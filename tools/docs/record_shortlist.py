@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from records import parser, write
+from records import from_checkout, parser, write
 
 
 def main() -> None:
@@ -31,7 +31,8 @@ def main() -> None:
                          "images": row["images"], "rejected_full": round(100 * row["rejected_full"], 2),
                          "k": ks}  # fmt: skip
     record = {"name": args.name, "command": args.command, "rows": list(rows.values())}
-    print(write(args.out, args.name, record))
+    record["provenance"] = from_checkout(args.command)
+    print(write(args.out, args.name, record, "shortlist"))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,13 @@
 """What the ``record_*`` scripts share: their command line (``--command``, ``--out``, and ``--name`` where a
-record is named) and writing a record as JSON under ``docs/measured/`` for ``tests/test_measured_docs.py``."""
+record is named), the provenance every record carries and writing a record as JSON under ``docs/measured/``
+for ``tests/test_measured_docs.py``.
+
+A record's ``provenance``: the ``commit`` of the code that computed its numbers (``dirty`` when the checkout
+had uncommitted changes under ``src/``), the package ``versions``, the ``device`` and ``threads``, and the
+``command``; a field that cannot be known honestly is ``"unknown"``. ``measures``: the paths of the code that
+computes the numbers (``MEASURES``); ``tests/test_measured_docs.py`` calls a record stale when a commit after
+its own changed one of them, and then wants the record's ``stale`` note and the page to say so.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +19,100 @@ from typing import Any
 #: where the records live
 MEASURED = Path(__file__).resolve().parents[2] / "docs" / "measured"
 
+#: the code a record's numbers depend on, by the kind of record: the learners and everything they run on,
+#: the packaged configs and the loop; a long-stream record also its knowledge base and harness
+_LEARNING = (
+    "src/proteus/adapters", "src/proteus/backbones", "src/proteus/baselines", "src/proteus/core",
+    "src/proteus/engine", "src/proteus/heads", "src/proteus/signatures", "src/proteus/streams",
+    "src/proteus/configs", "src/proteus/metrics.py", "src/proteus/images.py",
+    "src/proteus/experiment/loop.py", "src/proteus/experiment/evaluate.py",
+)  # fmt: skip
+MEASURES: dict[str, tuple[str, ...]] = {
+    "reproduce": _LEARNING,
+    "compare": _LEARNING,
+    "long": (*_LEARNING, "src/proteus/kb", "tools/perf/perf_long.py"),
+    "shortlist": (*_LEARNING, "tools/studies/shortlist.py"),
+}
+#: what every record's provenance holds
+PROVENANCE_KEYS = ("commit", "dirty", "versions", "device", "threads", "command")
 
-def parser(doc: str | None, folder: str = "", named: bool = True) -> argparse.ArgumentParser:
+
+def parser(
+    doc: str | None, folder: str = "", named: bool = True, command: bool = True
+) -> argparse.ArgumentParser:
     """A recorder's argument parser (the caller adds its inputs); records go to ``MEASURED/folder``."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if named:
         ap.add_argument("--name", required=True, help="the record's name: the page's section names it")
-    ap.add_argument("--command", required=True, help="the command that made it (shown in the docs)")
+    ap.add_argument(
+        "--command", required=command, help="the command that made it (shown in the docs)", default=None
+    )
     ap.add_argument("--out", type=Path, default=MEASURED / folder, help="the folder of the records")
     return ap
 
 
-def write(out_dir: Path, name: str, record: dict[str, Any]) -> Path:
-    """Write ``record`` as ``out_dir/name.json``; returns its path."""
+def from_checkout(command: str, device: str = "unknown", threads: Any = "unknown") -> dict[str, Any]:
+    """A provenance for measurements whose output does not carry one: this checkout's commit and package
+    versions (the record is made from the checkout that ran the measurement), with ``source`` saying so."""
+    from proteus.experiment.provenance import provenance
+
+    p = provenance(device)
+    p["threads"] = threads
+    return {**p, "command": command, "source": "the checkout the record was made from"}
+
+
+def write(out_dir: Path, name: str, record: dict[str, Any], kind: str) -> Path:
+    """Write ``record`` as ``out_dir/name.json`` with what it ``measures`` (``MEASURES[kind]``); its
+    ``provenance`` must hold every :data:`PROVENANCE_KEYS` field (``"unknown"`` where it cannot be known).
+    Returns its path."""
+    prov = record.get("provenance") or {}
+    missing = [k for k in PROVENANCE_KEYS if k not in prov]
+    if missing:
+        raise SystemExit(f"{name}: the record's provenance lacks {', '.join(missing)}")
+    record = {**record, "measures": list(MEASURES[kind])}
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{name}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
     return out
+
+
+def _git(*args: str) -> str | None:
+    import subprocess
+
+    try:
+        r = subprocess.run(["git", *args], cwd=MEASURED, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def in_git_checkout() -> bool:
+    return _git("rev-parse", "--is-inside-work-tree") is not None
+
+
+def staleness(record: dict[str, Any]) -> str | None:
+    """Why ``record`` may no longer be what the code computes, or None: its commit is unknown (or had
+    uncommitted changes, or is not in this repository's history), or a later commit changed the code it
+    ``measures``. The reason names the record's commit only, so that it stays the same as code changes."""
+    prov = record.get("provenance") or {}
+    commit = prov.get("commit")
+    if not isinstance(commit, str) or commit == "unknown":
+        at = prov.get("committed_in")
+        where = f" (made at or before `{at[:7]}`)" if isinstance(at, str) and at else ""
+        return f"its runs predate recorded provenance{where}: their commit is unknown"
+    if prov.get("dirty") is True:
+        return f"measured on `{commit[:7]}` with uncommitted changes"
+    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        return f"measured on `{commit[:7]}`, which is not in this repository's history"
+    changed = _git("log", "--format=%h", f"{commit}..HEAD", "--", *record.get("measures", ()))
+    if changed is None:
+        return f"measured on `{commit[:7]}`; git cannot tell what changed since"
+    if changed.strip():
+        return f"measured on `{commit[:7]}`; the code it measured has changed since"
+    return None
+
+
+#: the page that shows each kind of record (its section is headed by the record's name)
+PAGES = {"reproduce": "docs/experiments.md", "compare": "docs/retrieval.md", "long": "docs/performance.md"}
+#: how a page says that the record of its section is stale
+STALE_MARK = "**Stale record.**"

@@ -50,3 +50,9 @@ class AdapterConfig:
         range=NON_NEGATIVE,
     )
     min_rank: int = option(1, help="the budget schedule's smallest rank", range=AT_LEAST_1)
+    blocks: str = option(
+        "all",
+        help="which of the adaptable blocks (every block, or the last backbone.adapt_last) carry adapters: "
+        "all, first:K, last:K (K blocks, or a share P/Q of them rounded: first:2/3) or block indices "
+        "counted from the first adaptable block (0,1,5)",
+    )

@@ -64,6 +64,38 @@ def tap_indices(n: int) -> list[int]:
     return [i for i in sorted({-(-n * j // 3) - 1 for j in (1, 2, 3)}) if i >= 0]
 
 
+def block_indices(spec: str, n: int | None, key: str = "adapter.blocks") -> tuple[int, ...]:
+    """The blocks ``spec`` picks among ``n`` adaptable ones (0-based, counted from the first adaptable
+    block): ``all``; ``first:K`` / ``last:K`` (K blocks, or ``P/Q`` of them rounded, at least one); or
+    comma-separated indices. ``n`` None checks the spelling only. A bad spec raises a ConfigError naming
+    ``key`` and the forms allowed."""
+    forms = "all, first:K, last:K (K a count or a share P/Q) or block indices such as 0,1,5"
+    text = str(spec).strip().replace(" ", "")
+    try:
+        if text == "all":
+            return tuple(range(n or 0))
+        if text.startswith(("first:", "last:")):
+            side, _, amount = text.partition(":")
+            num, slash, den = amount.partition("/")
+            share = int(num) / int(den) if slash else None
+            if (share is not None and not 0 < share <= 1) or (share is None and int(num) < 1):
+                raise ValueError(amount)
+            k = (max(1, round(n * share)) if share is not None else int(num)) if n is not None else 0
+        else:
+            side, idx = "", tuple(sorted({int(i) for i in text.split(",")}))
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"{key} must be {forms}; got {spec!r}") from None
+    if side:
+        if n is None:
+            return ()
+        if k > n:
+            raise ConfigError(f"{key}={spec}: {k} blocks, but the backbone adapts {n}")
+        return tuple(range(k)) if side == "first" else tuple(range(n - k, n))
+    if not idx or idx[0] < 0 or (n is not None and idx[-1] >= n):
+        raise ConfigError(f"{key}={spec}: block indices must lie in 0..{'n-1' if n is None else n - 1}")
+    return idx
+
+
 class Backbone(nn.Module):
     """A frozen backbone: ``forward_prefix`` (shared by all tasks) then ``forward_suffix`` (adapted)."""
 
@@ -76,6 +108,8 @@ class Backbone(nn.Module):
         super().__init__()
         self.data_config = DataConfig()
         self.split = 0  # index of the first adapted block
+        #: the blocks that carry adapters, counted from ``split`` (None: every block from ``split`` on)
+        self.adapted: tuple[int, ...] | None = None
 
     # -- structure -----------------------------------------------------------------------------
     @property
@@ -91,6 +125,18 @@ class Backbone(nn.Module):
         if not 1 <= last <= n:
             raise ConfigError(f"backbone.adapt_last must be in 1..{n} for {self.name}, got {last}")
         self.split = n - last
+
+    def set_adapted_blocks(self, spec: str) -> None:
+        """Carry adapters on the blocks ``spec`` picks among the adaptable ones (:func:`block_indices`,
+        ``adapter.blocks``); "all" every one."""
+        picked = block_indices(spec, self.num_blocks - self.split)
+        self.adapted = None if len(picked) == self.num_blocks - self.split else picked
+
+    def adapted_block_indices(self) -> list[int]:
+        """The backbone's indices of the blocks whose maps :meth:`adapt_targets` returns."""
+        if self.adapted is None:
+            return list(range(self.split, self.num_blocks))
+        return [self.split + i for i in self.adapted]
 
     def set_input_size(self, size: int) -> None:
         self.data_config.input_size = int(size)
@@ -155,6 +201,7 @@ class Backbone(nn.Module):
             "weights_sha256": self.weights_sha256,
             "embed_dim": self.embed_dim,
             "split": self.split,
+            **({} if self.adapted is None else {"adapted": list(self.adapted)}),
             "data_config": self.data_config.to_dict(),
         }
 
@@ -224,6 +271,7 @@ def build_backbone(
     weights: str | None = None,
     img_size: int | None = None,
     adapt_last: int | None = None,
+    adapt_blocks: str = "all",
 ) -> Backbone:
     """Build a registered backbone, frozen, with its data config resolved.
 
@@ -242,4 +290,5 @@ def build_backbone(
     if img_size is not None:
         bb.set_input_size(int(img_size))
     bb.set_adapt_last(adapt_last)
+    bb.set_adapted_blocks(adapt_blocks)
     return bb.freeze()

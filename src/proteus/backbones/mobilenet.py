@@ -44,7 +44,7 @@ class MobileNetV2Backbone(Backbone):
 
     def adapt_targets(self) -> list[AdaptTarget]:
         targets = []
-        for i in range(self.split, self.num_blocks):
+        for i in self.adapted_block_indices():
             for name, mod in self.blocks[i].named_modules():
                 if (
                     isinstance(mod, nn.Conv2d)

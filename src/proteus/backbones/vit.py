@@ -172,7 +172,7 @@ class TimmViTBackbone(Backbone):
         offset = {"q": 0, "k": d, "v": 2 * d}
         rows = {r: (offset[r], offset[r] + d) for r in self.attention_rows}
         out = []
-        for i in range(self.split, self.num_blocks):
+        for i in self.adapted_block_indices():
             qkv = self.vit.blocks[i].attn.qkv
             out.append(AdaptTarget(f"vit.blocks.{i}.attn.qkv", qkv, dict(rows)))
         return out

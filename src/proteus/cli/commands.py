@@ -598,11 +598,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(plan.to_dict(), indent=1, default=str))
         else:
-            for c in plan.cells:
-                state = f"skip: {c.skip}" if c.config is None else "run"
-                print(f"{c.column.key:<14} {c.variant.label:<34} {c.cell_id:<40} seed {c.seed}  {state}")
-            for d in plan.differences:
-                print(f"differs from the paper: {d}")
+            print("\n".join(rep.plan_lines(plan)))
         return 0
     if not plan.runnable():
         reasons = sorted({c.skip for c in plan.cells if c.skip})

@@ -108,6 +108,12 @@ class ReportConfig:
         10, help="m values timed (evenly spaced in 1..tasks, both ends included)", range=AT_LEAST_1,
         per_task=True,
     )  # fmt: skip
+    latency_m: list[int] | None = option(
+        None,
+        help="the m values timed, as a list (those above the tasks learned are left out); null: "
+        "latency_points evenly spaced",
+        per_task=True,
+    )
     latency_repeats: int = option(
         3, help="timed repetitions per m after a warm-up (the median is reported)", range=AT_LEAST_1,
         per_task=True,

@@ -20,6 +20,7 @@ from proteus import devices
 from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
 from proteus.backbones import Backbone
+from proteus.backbones.base import block_indices
 from proteus.config import CACHE_PREFIX, ConfigError, RunConfig, check_sections
 from proteus.engine import experts
 from proteus.engine.class_heads import ClassHeads
@@ -47,6 +48,7 @@ OPTION_SECTIONS = ("backbone", "adapter", "train", "signature", "head", "retriev
 def check_options(cfg: RunConfig) -> None:
     """PROTEUS's options checked by their declarations and the rules between them."""
     check_sections(cfg, OPTION_SECTIONS)
+    block_indices(cfg.adapter.blocks, None)  # the spelling (the count needs the backbone)
     h, r = cfg.head, cfg.retrieval
     if r.mode != "signature" and (h.scope, r.combine) != ("global", "hard"):
         raise ConfigError(
@@ -69,6 +71,16 @@ def check_options(cfg: RunConfig) -> None:
 def task_seed(cfg: RunConfig, k: int) -> int:
     """Task k's seed (0-based): its training order, its key fit and its held-out split."""
     return int(cfg.seed) * 100_003 + 7919 * (k + 1)
+
+
+def trainable_params(model: Any, transfer: str, n_classes: int) -> int:
+    """The parameters the last task's training changed (the paper's parameter count, its Appendix table
+    "params"): its new directions A and B on every adapted map and its S coefficients where S is learned
+    (Eq. 9), counted on the stored tensors, plus the training head over its classes, (d + 1) per class."""
+    tensors = model.task_tensors(model.num_tasks - 1)
+    learned_s = transfer == "learned"
+    n = sum(int(v.numel()) for name, v in tensors.items() if learned_s or not name.endswith("/s"))
+    return n + (int(model.embed_dim) + 1) * n_classes
 
 
 @dataclass
@@ -202,6 +214,9 @@ class ProteusParts:
         if self.trains_adapter(k):
             cache = CACHE_PREFIX[cfg.train.cache_prefix] and not cfg.train.augment
             stats.train = self.trainer.fit(task, k, seed, z if cache else None, y)
+            stats.extra["trainable_params"] = trainable_params(
+                self.model, cfg.adapter.transfer, len(task.classes)
+            )
         sec["train"] = clock() - t0
         crash_point("learn:train")
 

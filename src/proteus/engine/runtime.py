@@ -46,8 +46,9 @@ class Runtime:
         device = dist.device_for_rank(cfg.device)
         b = cfg.backbone
         backbone = build_backbone(
-            b.name, pretrained=b.pretrained, weights=b.weights, img_size=b.img_size, adapt_last=b.adapt_last
-        )
+            b.name, pretrained=b.pretrained, weights=b.weights, img_size=b.img_size, adapt_last=b.adapt_last,
+            adapt_blocks=cfg.adapter.blocks,
+        )  # fmt: skip
         backbone.to(device)
         return cls(
             cfg,

@@ -26,6 +26,7 @@ import yaml
 from proteus import distributed as dist
 from proteus.config import ConfigError, RunConfig, flatten
 from proteus.experiment.loop import run
+from proteus.experiment.provenance import merged
 from proteus.report import fmt
 from proteus.report.figures import plot_compare
 
@@ -55,6 +56,7 @@ def _row(res: dict[str, Any]) -> dict[str, Any]:
         "oracle_acc": _final(res.get("oracle_avg_acc")),
         "seconds": _final(res.get("seconds")),
         "avg_acc": list(res.get("avg_acc") or []),
+        "provenance": res.get("provenance"),
     }
 
 
@@ -214,6 +216,7 @@ def compare(
         "seeds": list(seeds),
         "runs": {m: {str(s): r for s, r in by.items()} for m, by in runs.items()},
         "summary": summary,
+        "provenance": merged(r.get("provenance") for by in runs.values() for r in by.values()),
     }
     if main:
         out.mkdir(parents=True, exist_ok=True)

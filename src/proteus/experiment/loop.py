@@ -22,6 +22,7 @@ from proteus import distributed as dist
 from proteus.config import RunConfig
 from proteus.core.estimator import Proteus
 from proteus.experiment.evaluate import Evaluator
+from proteus.experiment.provenance import provenance
 from proteus.experiment.results import build_results
 from proteus.experiment.store import (
     build_learner,
@@ -206,6 +207,14 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True, resume: bool = F
                     "learner": cast("type[ContinualClassifier]", type(clf)).name,
                 }
             )
+        if cfg.report.latency and main:  # seconds per batch with every task, any learner
+            from proteus.report.analysis import measure_inference
+
+            try:
+                extra["inference"] = measure_inference(clf, stream, cfg.report)
+            except Exception as e:  # noqa: BLE001 - a timing must not lose a finished run
+                log.warning("inference time not measured: %s", e)
+        extra["provenance"] = provenance(str(getattr(clf, "device_", cfg.device)))
         res = build_results(cfg, stream, evaluation, seconds, extra)
         if main:
             (out / "results.json").write_text(json.dumps(res, indent=1, default=float))

@@ -6,7 +6,9 @@ runs: benchmarks, methods and settings (its *variants*), seeds, metrics, and the
 :func:`reproduce` runs the grid through :func:`proteus.experiment.compare.compare` (finished cells reused, an
 interrupted cell started again), reads each run's results.json and writes the table in the paper's layout
 (``<out>/<name>.md``, ``.csv``, ``.json``): our mean ± sample std over seeds beside the paper's number in
-each cell, and a footnote with every setting that differs from the paper's (backbone, data, epochs, ...).
+each cell, and a footnote with every resolved setting of every cell that departs from what the paper states
+(:mod:`proteus.experiment.paper_settings`: the backbone and data, the choices the paper leaves open, the
+choices of the code), each named by its row of the differences table in docs/experiments.md.
 
 Without a benchmark the paper's own benchmarks run with their packaged ViT-B/16 presets (a GPU job);
 ``benchmark="domains5"`` (or ``"domains5:vtab5t"``) runs every cell on that local stream instead and
@@ -33,6 +35,8 @@ from typing import Any
 import numpy as np
 
 from proteus.config import LEARNERS, METHODS, ConfigError, RunConfig, flatten, resolve_config
+from proteus.config.schema import parse_set
+from proteus.experiment.paper_settings import Departure, departures, paper_family
 from proteus.experiment.paper_tables import (
     ENTRIES,
     LOCAL_STANDS_FOR,
@@ -43,11 +47,11 @@ from proteus.experiment.paper_tables import (
     Variant,
     entry,
 )
+from proteus.experiment.provenance import UNKNOWN, merged
 
-__all__ = ["Cell", "Column", "Plan", "catalogue_lines", "make_plan", "reproduce", "table_rows"]
-
-#: config keys that never count as a difference from the paper (bookkeeping, not recipe)
-_NOT_RECIPE = ("seed", "device", "method", "benchmark.data", "benchmark.tasks_file", "backbone.weights")
+__all__ = [
+    "Cell", "Column", "Plan", "catalogue_lines", "make_plan", "plan_lines", "reproduce", "table_rows",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class Cell:
     cell_id: str
     config: RunConfig | None
     skip: str = ""
+    #: every way this cell departs from what the paper states (:func:`paper_settings.departures`)
+    departures: list[Departure] = field(default_factory=list)
 
     def run_dir(self, out: Path) -> Path:
         return out / self.column.key / self.cell_id / f"seed{self.seed}"
@@ -89,7 +95,7 @@ class Plan:
     columns: list[Column]
     seeds: tuple[int, ...]
     cells: list[Cell]
-    #: footnote lines: the settings of this plan that differ from the paper's presets
+    #: footnote lines: per variant (and column), every resolved setting that departs from the paper
     differences: list[str] = field(default_factory=list)
 
     def runnable(self) -> list[Cell]:
@@ -118,6 +124,7 @@ class Plan:
                     "runnable": c.config is not None,
                     "skip": c.skip or None,
                     "config": c.config.to_dict() if c.config is not None else None,
+                    "departures": [d.to_dict() for d in c.departures],
                 }
                 for c in self.cells
             ],
@@ -241,41 +248,62 @@ def make_plan(
                 skip = _skip_reason(v.method, cfg)
                 cells.append(Cell(col, v, s, cid, None if skip else cfg, skip))
     plan = Plan(e, columns, seeds, cells)
-    plan.differences = _differences(plan, config_files, sets, overrides)
+    _departures(plan)
+    plan.differences = _differences(plan)
     return plan
 
 
-def _differences(
-    plan: Plan, config_files: Sequence[str], sets: Sequence[str], overrides: dict[str, Any] | None
-) -> list[str]:
-    """Per column, the resolved settings of its PROTEUS cell (else its first runnable one) that differ from
-    the same variant on the paper's benchmark with the paper's preset (no ``--config``, no ``--set``)."""
-    lines: list[str] = []
+def _departures(plan: Plan) -> None:
+    """Each runnable cell's departures from the paper: its resolved settings against what the paper
+    states for it (the method, the table's and the variant's settings; for a method the paper gives no
+    recipe of its own, its settings on the paper's benchmark and preset)."""
+    e = plan.entry
     for col in plan.columns:
-        cells = [c for c in plan.runnable() if c.column == col]
-        cell = next((c for c in cells if c.variant.method == "proteus-paper"), cells[0] if cells else None)
         pb = PAPER_BENCHMARKS[col.paper]
-        if cell is None or cell.config is None or pb.preset is None:
-            continue
-        paper_col = Column(col.paper, pb.preset, col.paper, None, local=False)
-        ref = _resolve(plan.entry, paper_col, cell.variant, None, (), (), None)
-        ours, theirs = flatten(cell.config.to_dict()), flatten(ref.to_dict())
-        diff = sorted(
-            k
-            for k in ours.keys() | theirs.keys()
-            if ours.get(k) != theirs.get(k) and k not in _NOT_RECIPE and not k.startswith("report.")
-        )
-        what = f"{col.title} ({cell.variant.method})"
-        if diff:
-            shown = "; ".join(f"`{k}` {ours.get(k)!r} (paper preset: {theirs.get(k)!r})" for k in diff)
-            lines.append(f"{what} against `{pb.preset}`: {shown}.")
-        else:
-            lines.append(f"{what}: the paper preset `{pb.preset}` as it is.")
-    if plan.runnable():
-        lines.append(
-            "The paper states neither the number of epochs nor the augmentation; the ViT-B/16 presets train "
-            "3 epochs (`train.epochs`) with augmentation on (docs/experiments.md, row 9)."
-        )
+        for v in e.variants:
+            cells = [c for c in plan.runnable() if c.column == col and c.variant == v]
+            if not cells:
+                continue
+            cell_settings = flatten(parse_set([*e.settings, *v.settings]))
+            own, released = None, v.configs.get(col.paper)
+            if paper_family(v.method) == "own" and pb.preset is not None:
+                paper_col = Column(col.paper, pb.preset, col.paper, None, local=False)
+                ref = _resolve(e, paper_col, v, None, (), (), None)
+                own = flatten(ref.to_dict())
+            skipped = released if col.local and released is not None else None
+            for c in cells:
+                flat = flatten(c.config.to_dict())  # type: ignore[union-attr]
+                c.departures = departures(flat, col.paper, v.method, cell_settings, own, skipped)
+
+
+def _differences(plan: Plan) -> list[str]:
+    """The footnote: per variant, its departures from the paper, one line per column (columns whose lines
+    are the same are named together)."""
+    lines: list[str] = []
+    for v in plan.entry.variants:
+        by_text: dict[tuple[str, ...], list[str]] = {}
+        for col in plan.columns:
+            cell = next((c for c in plan.runnable() if c.column == col and c.variant == v), None)
+            if cell is not None:
+                by_text.setdefault(tuple(d.text() for d in cell.departures), []).append(col.title)
+        for texts, cols in by_text.items():
+            where = "every column" if len(cols) == len(plan.columns) > 1 else ", ".join(cols)
+            head = f"{v.label} (`{v.method}`), {where}"
+            lines.append(head + (":" if texts else ": as the paper states it."))
+            lines += [f"  - {t}" for t in texts]
+    return lines
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """``--plan``'s text: every cell (benchmark, variant, run folder, seed, whether it runs), then every
+    departure from the paper of each variant (:func:`_differences`)."""
+    lines = []
+    for c in plan.cells:
+        state = f"skip: {c.skip}" if c.config is None else "run"
+        lines.append(f"{c.column.key:<14} {c.variant.label:<34} {c.cell_id:<40} seed {c.seed}  {state}")
+    if plan.differences:
+        lines += ["", "Departures from the paper (# is the row of docs/experiments.md's differences table):"]
+        lines += [f"- {d}" if not d.startswith("  ") else d for d in plan.differences]
     return lines
 
 
@@ -333,6 +361,9 @@ def metric_values(metric: str, res: dict[str, Any], split: dict[str, Any] | None
     elif metric == "orthogonality":
         v = (res.get("orthogonality") or {}).get("max_abs_offdiag")
         out[None] = None if v is None else float(v)
+    elif metric == "inference":
+        v = (res.get("inference") or {}).get("seconds")
+        out[None] = None if v is None else float(v)
     elif metric == "gpu_memory":
         peaks = [t.get("peak_gpu_mb") for t in res.get("tasks") or []]
         peaks = [float(p) for p in peaks if p is not None]
@@ -367,7 +398,7 @@ def _fmt(metric: str, v: float | None) -> str:
         return f"{v:,.0f}"
     if metric == "orthogonality":
         return f"{v:.1e}"
-    if metric == "latency@":
+    if metric in ("latency@", "inference"):
         return f"{v:.3f}"
     if metric == "s_nonzero@":
         return f"{v:.3f}"
@@ -390,11 +421,15 @@ def _fmt_paper(metric: str, p: Published | None) -> str:
     return _fmt(metric, mean) + ("" if std is None else f" ± {_fmt(metric, std)}")
 
 
-def table_rows(plan: Plan, out: Path) -> list[dict[str, Any]]:
-    """Every (variant, column, metric, task) cell of the table: ours over seeds (read from the runs in
-    ``out``) and the paper's number; the long form behind the CSV and the Markdown."""
+def table_rows(
+    plan: Plan, out: Path, runs: list[dict[str, Any] | None] | None = None
+) -> list[dict[str, Any]]:
+    """Every (variant, column, metric, task) cell of the table: ours over seeds (their mean, sample std and
+    each seed's value, read from the runs in ``out``) and the paper's number; the long form behind the CSV
+    and the Markdown. ``runs`` collects each run's provenance (results.json's)."""
     e = plan.entry
     rows: list[dict[str, Any]] = []
+    runs = [] if runs is None else runs
     for col in plan.columns:
         for v in e.variants:
             cells = [c for c in plan.cells if c.column == col and c.variant == v]
@@ -409,6 +444,7 @@ def table_rows(plan: Plan, out: Path) -> list[dict[str, Any]]:
                     continue
                 split = _load(d / "split.json")
                 per_seed.append((c.seed, {m: metric_values(m, res, split) for m in e.metrics}))
+                runs.append(res.get("provenance"))
             for m in e.metrics:
                 per_task = m.endswith("@")
                 keys: set[int | None] = set()
@@ -419,7 +455,8 @@ def table_rows(plan: Plan, out: Path) -> list[dict[str, Any]]:
                 if not per_task:
                     keys = {None}
                 for t in sorted(keys, key=lambda x: -1 if x is None else x):
-                    st = _stat([vals[m][t] for _, vals in per_seed if t in vals[m]])
+                    by_seed = {seed: vals[m][t] for seed, vals in per_seed if t in vals[m]}
+                    st = _stat(list(by_seed.values()))
                     paper = e.paper.get((v.label, col.paper, m, t))
                     rows.append(
                         {
@@ -434,12 +471,34 @@ def table_rows(plan: Plan, out: Path) -> list[dict[str, Any]]:
                             "ours_mean": st["mean"],
                             "ours_std": st["std"],
                             "seeds": st["n"],
+                            "ours_by_seed": {str(k): v for k, v in by_seed.items()},
                             "paper": paper,
                             "skip": skip,
                             "extra": v.extra,
                         }
                     )
+    _gains(e, rows)
     return rows
+
+
+def _gains(e: Entry, rows: list[dict[str, Any]]) -> None:
+    """Fill each ``retrieval_gain`` row (in place): (the reference's retrieval - the variant's) / (the
+    reference's inference time - the variant's), from the means over seeds; None where a term is missing."""
+    by = {(r["benchmark"], r["variant"], r["metric"]): r for r in rows}
+    for r in rows:
+        if r["metric"] != "retrieval_gain" or not e.reference or r["variant"] == e.reference:
+            continue
+        terms = [
+            by.get((r["benchmark"], v, m))
+            for v in (e.reference, r["variant"])
+            for m in ("retrieval", "inference")
+        ]
+        if any(t is None or t["ours_mean"] is None for t in terms):
+            continue
+        ret_ref, t_ref, ret_v, t_v = (t["ours_mean"] for t in terms)  # type: ignore[index]
+        if t_ref != t_v:
+            r["ours_mean"] = (ret_ref - ret_v) / (t_ref - t_v)
+            r["seeds"] = min(int(t["seeds"]) for t in terms)  # type: ignore[index]
 
 
 def _axis_label(plan: Plan, axis: str, value: Any) -> str:
@@ -528,8 +587,13 @@ def markdown(plan: Plan, rows: list[dict[str, Any]], command: str = "") -> str:
     if notes:
         lines += [f"[{i + 1}] {t}" for i, t in enumerate(notes)] + [""]
     if plan.differences:
-        lines += ["**Settings that differ from the paper's.**", ""]
-        lines += [f"- {d}" for d in plan.differences]
+        lines += [
+            "**Settings that differ from the paper's**: every resolved setting of each cell that departs "
+            "from what the paper states, or that the paper leaves open; # is the row of the differences "
+            "table in docs/experiments.md.",
+            "",
+        ]
+        lines += [f"- {d}" if not d.startswith("  ") else d for d in plan.differences]
         lines += [""]
     for col in plan.columns:
         if col.local:
@@ -620,12 +684,14 @@ def reproduce(plan: Plan, out: str | Path, progress: bool = True, command: str =
             return cfg
 
         compare(make_config, ids, seeds, out / col.key, progress=progress, stem=e.name)
-    rows = table_rows(plan, out)
+    runs: list[dict[str, Any] | None] = []
+    rows = table_rows(plan, out, runs)
     stem = (
         e.name if len(plan.columns) != 1 or not plan.columns[0].local else f"{e.name}-{plan.columns[0].key}"
     )
     md = markdown(plan, rows, command)
     report = {**plan.to_dict(), "rows": rows, "table_md": f"{stem}.md", "table_csv": f"{stem}.csv"}
+    report["provenance"] = {**merged(runs), "command": command or UNKNOWN}
     for c in report["cells"]:
         c.pop("config", None)  # each run's config.yaml holds it
     if dist.is_main():

@@ -1,7 +1,7 @@
 """Reports of a run: the paper's figures and a ``report.md`` next to results.json (Sec. 5, Appendix).
 
 ``proteus run`` calls :func:`proteus.report.analysis.analyse_run` on the finished learner (theory checks
-of Sec. 3.2, retrieval confusion, S and cosine analyses of Figs. 8-10, inference latency) and then
+of Sec. 3.2, retrieval confusion, S and cosine analyses of Figs. 5-7, inference latency) and then
 :func:`write_report`, which draws the figures of :mod:`proteus.report.figures` into ``<run>/figures/``
 and writes ``<run>/report.md`` linking them with the results table. ``proteus compare``
 (:mod:`proteus.report.compare`) builds the Table 1 / Fig. 3 comparison over methods and seeds.
@@ -54,14 +54,22 @@ def _theory_markdown(th: dict[str, Any]) -> list[str]:
     s = th["summary"]
     premise = s.get("premise") or {}
     no_bound = s.get("n_no_bound") or 0
+    untested = s.get("n_untested") or 0
+    apart = (
+        f" ({untested} of them not tested: fewer than two test inputs give no V[Z]; they are counted "
+        "neither as passing nor as failing)"
+        if untested
+        else ""
+    )
     out = [
         *(
             [f"**Premise ({'holds' if premise['holds'] else 'does not hold'}).** {premise['statement']}.", ""]
             if premise
             else []
         ),
-        f"{s['n_components']} (task, component) pairs, d = {s['d']}, with σ² = max V[Z]/d, the variance "
-        f"bound the proof of Theorem 3.5 uses: **{pct(s.get('frac_delta_ok'))}** have an empirical δ at "
+        f"{s['n_components']} (task, component) pairs{apart}, d = {s['d']}, with σ² = max V[Z]/d, the "
+        f"variance bound the proof of Theorem 3.5 uses: **{pct(s.get('frac_delta_ok'))}** of the tested "
+        "pairs have an empirical δ at "
         f"least the minimum Theorem 3.6 requires for their measured retrieval error (median δ "
         f"{fmt(s['delta_median'])}, median minimum {fmt(s.get('min_delta_median'))}); mean Theorem 3.5 "
         "bound "
@@ -79,14 +87,16 @@ def _theory_markdown(th: dict[str, Any]) -> list[str]:
         "",
         f"σ²: {s['sigma2']}; D_k^t: {s['components_of_inputs']}; ε: {s['eps']}.",
         "",
-        "| task | components | own distance / d | empirical δ (mean) | empirical δ (min) | minimum δ (mean) "
-        "| minimum δ, A2-3's σ² (mean) | Thm 3.5 bound | no bound | retrieval error | δ ≥ minimum | fails |",
+        "| task | components (not tested) | own distance / d | empirical δ (mean) | empirical δ (min) "
+        "| minimum δ (mean) | minimum δ, A2-3's σ² (mean) | Thm 3.5 bound | no bound | retrieval error "
+        "| δ ≥ minimum | fails |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in th["per_task"]:
         failed = ", ".join(f"{k} ({v})" for k, v in (r.get("failed") or {}).items()) or "-"
         out.append(
-            f"| {r['task'] + 1} | {r['n_components']} | {fmt(r.get('own_distance_per_dim'))} | "
+            f"| {r['task'] + 1} | {r['n_components']} ({r.get('n_untested', 0)}) | "
+            f"{fmt(r.get('own_distance_per_dim'))} | "
             f"{fmt(r['delta_mean'])} | {fmt(r['delta_min'])} | {fmt(r.get('min_delta_mean'))} | "
             f"{fmt(r.get('min_delta_mean_a23'))} | {fmt(r.get('bound_mean'), 3)} | "
             f"{r.get('n_no_bound', 0)} | "
@@ -153,11 +163,11 @@ def write_report(out: Path, res: dict[str, Any], bulky: dict[str, Any] | None = 
         if "delta_boxplot" in made:
             md += [f"![delta box plot]({made['delta_boxplot']})", ""]
     if "s_heatmaps" in made:
-        md += ["## Knowledge-transfer matrix S (Fig. 8)", "", f"![S heatmaps]({made['s_heatmaps']})", ""]
+        md += ["## Knowledge-transfer matrix S (Fig. 5)", "", f"![S heatmaps]({made['s_heatmaps']})", ""]
     orth = res.get("orthogonality")
     if "unit_cosines" in made:
         md += [
-            "## Orthogonality of the LoRA updates (Eq. 15; Figs. 9-10)",
+            "## Orthogonality of the LoRA updates (Eq. 15; Figs. 6-7)",
             "",
             f"Largest |cosine| between two tasks' own updates over all adapted maps: "
             f"{fmt((orth or {}).get('max_abs_offdiag'), 9) if orth else '-'}.",

@@ -15,9 +15,9 @@
   component (Mahalanobis), and the error of Theorem 3.6 is the measured retrieval error of the
   component, floored at half an error.
 * :func:`retrieval_confusion` -- true task x retrieved task counts of the final evaluation.
-* :func:`transfer_matrices` -- the learned S per task and adapted map (Fig. 8 heatmaps).
+* :func:`transfer_matrices` -- the learned S per task and adapted map (Fig. 5 heatmaps).
 * :func:`cosine_analysis` -- pairwise cosine of the tasks' own updates ``B_tau A_tau^T`` per map
-  (Figs. 9-10) and the largest off-diagonal magnitude (the orthogonality check of Eq. 15).
+  (Figs. 6-7) and the largest off-diagonal magnitude (the orthogonality check of Eq. 15).
 * :func:`measure_latency` -- wall time of ``predict`` on one batch as a function of the number of tasks m
   (Appendix "Complexity of PROTEUS Inference", latency tables).
 
@@ -60,6 +60,7 @@ __all__ = [
     "cosine_analysis",
     "finite",
     "latency_points",
+    "measure_inference",
     "measure_latency",
     "retrieval_confusion",
     "premise",
@@ -137,7 +138,10 @@ def premise(own_per_dim: list[float]) -> dict[str, Any]:
 
 def _side(rows: list[dict[str, Any]], w: list[float], suffix: str) -> dict[str, Any]:
     """The bound, minimum delta and assumptions of ``rows`` with one sigma^2 (``suffix`` "" for the
-    proof's, "_a23" for A2-3's): means over the pairs that have a value, counts of the ones that do not."""
+    proof's, "_a23" for A2-3's): means over the pairs that have a value, counts of the ones that do not;
+    a pair that is not tested (fewer than two test inputs) is in neither."""
+    rows = [c for c in rows if c.get("tested") is not False]
+    w = [float(c["n"]) for c in rows]
     bounds = [(c[f"bound{suffix}"], wi) for c, wi in zip(rows, w) if c.get(f"bound{suffix}") is not None]
     ok = [c[f"delta_ok{suffix}"] for c in rows if c.get(f"delta_ok{suffix}") is not None]
     a21 = [c[f"a21{suffix}"] for c in rows if c.get(f"a21{suffix}") is not None]
@@ -170,6 +174,15 @@ def assumptions_statement(comps: list[dict[str, Any]]) -> str:
     """What fails, in words: each assumption or condition with the (task, component) pairs it fails for."""
     if not comps:
         return "no (task, component) pair measured"
+    untested = [c for c in comps if c.get("tested") is False]
+    comps = [c for c in comps if c.get("tested") is not False]
+    apart = (
+        f" ({len(untested)} pairs of fewer than two test inputs not tested, counted apart)"
+        if untested
+        else ""
+    )
+    if not comps:
+        return "no (task, component) pair tested" + apart
     what = {
         "A2-1": "A2-1 (|Lambda_i^s| <= e^(d sigma^2) |Lambda_k^t|, the proof's sigma^2)",
         "A2-1 (A2-3's sigma^2)": "A2-1 with A2-3's sigma^2",
@@ -184,7 +197,7 @@ def assumptions_statement(comps: list[dict[str, Any]]) -> str:
         if pairs:
             shown = ", ".join(pairs[:8]) + (f" and {len(pairs) - 8} more" if len(pairs) > 8 else "")
             parts.append(f"{text} fails for {len(pairs)} of {len(comps)} pairs (task.component {shown})")
-    return "; ".join(parts) if parts else f"every assumption holds for all {len(comps)} pairs"
+    return ("; ".join(parts) if parts else f"every assumption holds for all {len(comps)} pairs") + apart
 
 
 @torch.no_grad()
@@ -228,6 +241,7 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
             {
                 "task": k,
                 "n_components": len(rows),
+                "n_untested": sum(1 for c in rows if c.get("tested") is False),
                 # the bounds' premise: an own-task input's squared Mahalanobis distance is about d
                 "own_distance_per_dim": finite(float(own.median()) / d),
                 # the task's inputs retrieved to another task (not floored, unlike the components' eps)
@@ -247,6 +261,8 @@ def theory_analysis(clf: Proteus, evaluator: Evaluator) -> dict[str, Any] | None
         "d": d,
         "num_tasks": n,
         "n_components": len(comps),
+        # pairs of fewer than two test inputs: no V[Z], so neither a pass nor a failure (counted apart)
+        "n_untested": sum(1 for c in comps if c.get("tested") is False),
         "sigma2_headline": "V[Z]",
         "delta_median": finite(float(np.median([c["delta"] for c in comps]))) if comps else None,
         "error_mean": _mean([c["error"] for c in comps], weights),
@@ -279,7 +295,7 @@ def retrieval_confusion(clf: Proteus, evaluator: Evaluator) -> list[list[int]] |
 
 # ====================================================================== adapters
 def transfer_matrices(clf: Proteus) -> dict[str, Any] | None:
-    """Fig. 8: per task k >= 2 (1-based) and adapted map, the S coefficients over older directions."""
+    """Fig. 5: per task k >= 2 (1-based) and adapted map, the S coefficients over older directions."""
     model = clf.model_
     if not model.units or model.num_tasks < 2:
         return None
@@ -293,7 +309,7 @@ def transfer_matrices(clf: Proteus) -> dict[str, Any] | None:
 
 
 def cosine_analysis(clf: Proteus) -> tuple[dict[str, Any] | None, dict[str, list[list[float]]] | None]:
-    """Figs. 9-10: ``(summary, per-map (m, m) cosine matrices)``; (None, None) without adapters."""
+    """Figs. 6-7: ``(summary, per-map (m, m) cosine matrices)``; (None, None) without adapters."""
     model = clf.model_
     if not model.units or model.num_tasks < 1:
         return None, None
@@ -310,15 +326,18 @@ def cosine_analysis(clf: Proteus) -> tuple[dict[str, Any] | None, dict[str, list
 
 
 # ====================================================================== latency
-def latency_points(n: int, points: int) -> list[int]:
-    """Up to ``points`` values of m in 1..n, evenly spaced, always including 1 and n."""
+def latency_points(n: int, points: int, ms: list[int] | None = None) -> list[int]:
+    """Up to ``points`` values of m in 1..n, evenly spaced, always including 1 and n; or the values of
+    ``ms`` within 1..n (``report.latency_m``: the paper's own m values)."""
     if n < 1:
         return []
+    if ms is not None:
+        return sorted({int(m) for m in ms if 1 <= int(m) <= n})
     k = max(2, int(points)) if n > 1 else 1
     return sorted({int(round(v)) for v in np.linspace(1, n, min(k, n))})
 
 
-def _batch(stream: TaskStream, clf: Proteus, size: int) -> torch.Tensor:
+def _batch(stream: TaskStream, clf: Any, size: int) -> torch.Tensor:
     images = []
     for task in stream.tasks:
         for i in range(len(task.test)):
@@ -345,7 +364,9 @@ def measure_latency(clf: Proteus, stream: TaskStream, rc: ReportConfig) -> dict[
     if n == 0 or clf.head_ is None:
         return None
     x = _batch(stream, clf, rc.latency_batch)
-    ms = latency_points(n, rc.latency_points)
+    ms = latency_points(n, rc.latency_points, rc.latency_m)
+    if not ms:
+        return None
     clf.predict(x, num_tasks=ms[-1])  # warm-up (allocations, kernels)
     seconds = []
     for m in ms:
@@ -365,6 +386,30 @@ def measure_latency(clf: Proteus, stream: TaskStream, rc: ReportConfig) -> dict[
         "retrieval": bool(clf.parts_.retrieves),
         "m": ms,
         "seconds": seconds,
+    }
+
+
+@torch.no_grad()
+def measure_inference(clf: Any, stream: TaskStream, rc: ReportConfig) -> dict[str, Any] | None:
+    """Seconds per ``predict`` on one batch of ``rc.latency_batch`` test images with every task learned, for
+    any learner (PROTEUS and the baselines alike: the inference time of the paper's retrieval-overhead
+    table): the median of ``rc.latency_repeats`` calls (fewer past 2 s) after a warm-up call."""
+    x = _batch(stream, clf, rc.latency_batch)
+    if not len(x):
+        return None
+    clf.predict(x)  # warm-up
+    times: list[float] = []
+    while len(times) < max(1, rc.latency_repeats) and sum(times) < _LATENCY_BUDGET_S:
+        _sync(clf.device_)
+        t0 = time.perf_counter()
+        clf.predict(x)
+        _sync(clf.device_)
+        times.append(time.perf_counter() - t0)
+    return {
+        "batch_size": int(x.shape[0]),
+        "device": str(clf.device_),
+        "threads": torch.get_num_threads(),
+        "seconds": float(np.median(times)),
     }
 
 

@@ -8,9 +8,9 @@
 * :func:`plot_delta_box` -- empirical separation factor delta against the minimum Theorem 3.6 requires,
   per task (Fig. 2; Appendix table of the 50-task delta);
 * :func:`plot_transfer` -- |S| heatmaps per task, rows = adapted maps, columns = older directions
-  (Fig. 8);
+  (Fig. 5);
 * :func:`plot_cosines` -- pairwise cosine of the tasks' own updates per adapted map, upper triangle
-  (Figs. 9-10);
+  (Figs. 6-7);
 * :func:`plot_confusion` -- true task x retrieved task (Sec. 5.2 retrieval accuracy);
 * :func:`plot_latency` -- seconds per batch against the number of tasks m (Appendix latency tables).
 
@@ -200,7 +200,7 @@ def _pick(n: int, most: int) -> list[int]:
 
 
 def plot_transfer(transfer: dict[str, Any], path: Path, most: int = 9) -> Path:
-    """Fig. 8: |S| per task (rows = adapted maps, columns = older tasks' rank-1 directions)."""
+    """Fig. 5: |S| per task (rows = adapted maps, columns = older tasks' rank-1 directions)."""
     names = transfer["units"]
     tasks = transfer["tasks"]
     chosen = [tasks[i] for i in _pick(len(tasks), most)]
@@ -240,7 +240,7 @@ def _short(name: str) -> str:
 
 
 def plot_cosines(cosines: dict[str, list[list[float]]], path: Path, most: int = 24) -> Path:
-    """Figs. 9-10: per adapted map, |cosine| of the tasks' own updates (upper triangle)."""
+    """Figs. 6-7: per adapted map, |cosine| of the tasks' own updates (upper triangle)."""
     names = list(cosines)
     chosen = [names[i] for i in _pick(len(names), most)]
     ncol = min(6, len(chosen))

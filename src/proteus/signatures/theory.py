@@ -157,6 +157,16 @@ def _with_sigma2(
     }
 
 
+#: a (task, component) pair with fewer test inputs is *not tested*: V[Z] (the proof's sigma^2) needs two
+MIN_TEST_INPUTS = 2
+
+#: the fields of a row that need a variance (None in a row that is not tested)
+_NEEDS_VARIANCE = (
+    "sigma2", "bound", "min_delta", "delta_ok", "a21", "sigma2_a23", "bound_a23", "bound_reason_a23",
+    "min_delta_a23", "delta_ok_a23", "a21_a23", "a23",
+)  # fmt: skip
+
+
 def failed_assumptions(row: dict[str, Any]) -> list[str]:
     """The names of what fails for one (task, component) row of :func:`theory_report`: ``"A2-1"`` (with
     the headline sigma^2), ``"A2-1 (A2-3's sigma^2)"``, ``"A2-3"`` (A2-3's sigma^2 does not bound
@@ -179,6 +189,13 @@ def failed_assumptions(row: dict[str, Any]) -> list[str]:
     if measured and row.get("bound_a23") is not None and err > row["bound_a23"]:
         out.append("bound < error (A2-3's sigma^2)")
     return out
+
+
+def _error(retrieved: list[Tensor] | None, k: int, sel: Tensor) -> float:
+    """The measured retrieval error of task k's inputs ``sel`` (nan without ``retrieved``)."""
+    if retrieved is None:
+        return math.nan
+    return float((retrieved[k].to(sel.device).index_select(0, sel) != k).double().mean())
 
 
 def theory_report(
@@ -216,8 +233,11 @@ def theory_report(
     (``sigma2_a23``, ``bound_a23``, ``bound_reason_a23``, ``min_delta_a23``, ``delta_ok_a23``); the
     assumptions ``a21`` (A2-1 with sigma2), ``a21_a23`` (with sigma2_a23) and ``a23`` (sigma2_a23 >=
     sigma2, i.e. A2-3's variance bound gives the proof's ``V[Z] <= d sigma^2``), None where not measured;
-    and ``failed`` (:func:`failed_assumptions`). Pairs with no input are omitted; with a single task,
-    delta, kappa and the bounds are undefined and the dict is empty.
+    and ``failed`` (:func:`failed_assumptions`); ``tested``: False for a pair of fewer than
+    :data:`MIN_TEST_INPUTS` test inputs, whose variance, bounds, minimum delta and assumptions are None
+    (``bound_reason`` says so): one input gives no V[Z], and a sigma^2 of 0 would make it a pass. Pairs
+    with no input are omitted; with a single task, delta, kappa and the bounds are undefined and the dict
+    is empty.
     """
     n = len(maha)
     if len(logdets) != n:
@@ -249,7 +269,15 @@ def theory_report(
             delta = separation_factor(float(Z.mean(0).min()), d)
             ld_true = float(logdets[k].reshape(-1)[t])
             kap = float(kappa(ld_true, ld_other))
-            sigma2 = float(Z.var(dim=0, unbiased=True).max()) / d if n_kt > 1 else 0.0
+            if n_kt < MIN_TEST_INPUTS:  # no variance from one input: the pair is not tested (not a pass)
+                out[(k, t)] = {
+                    "n": n_kt, "delta": delta, "kappa": kap, "tau": tau, "tested": False,
+                    "error": _error(retrieved, k, sel), **dict.fromkeys(_NEEDS_VARIANCE),
+                    "bound_reason": f"not tested: {n_kt} test input (V[Z] needs {MIN_TEST_INPUTS})",
+                    "failed": [],
+                }  # fmt: skip
+                continue
+            sigma2 = float(Z.var(dim=0, unbiased=True).max()) / d
             sigma2_a23: float | None = None
             if embeddings is not None:
                 sigma2_a23 = (
@@ -259,10 +287,7 @@ def theory_report(
                     )
                     / d
                 )
-            if retrieved is not None:
-                err = float((retrieved[k].to(sel.device).index_select(0, sel) != k).double().mean())
-            else:
-                err = math.nan
+            err = _error(retrieved, k, sel)
             floor = eps_floor if eps_floor is not None else 0.5 / n_kt
             eps_used = max(err, floor) if math.isfinite(err) else math.nan
             spread = (
@@ -271,6 +296,7 @@ def theory_report(
 
             row: dict[str, Any] = {
                 "n": n_kt, "delta": delta, "kappa": kap, "sigma2": sigma2, "tau": tau, "error": err,
+                "tested": True,
                 **_with_sigma2(d, delta, kap, sigma2, n, tau, eps_used, spread),
             }  # fmt: skip
             if sigma2_a23 is not None:

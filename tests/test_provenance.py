@@ -1,0 +1,38 @@
+"""A result's provenance (``proteus.experiment.provenance``): the checkout's commit, package versions,
+device and threads, and how several runs' provenances merge."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from proteus.experiment.provenance import UNKNOWN, git_state, merged, provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_provenance_of_this_process() -> None:
+    p = provenance("cpu")
+    assert p["device"] == "cpu" and p["threads"] >= 1
+    assert {"proteus", "torch", "numpy", "scikit-learn", "python"} <= set(p["versions"])
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout: the commit is HEAD's
+        assert p["commit"] == head.stdout.strip() and p["dirty"] in (True, False)
+    else:
+        assert p["commit"] == UNKNOWN
+
+
+def test_outside_a_checkout_the_commit_is_unknown(tmp_path: Path) -> None:
+    assert git_state(tmp_path) == (UNKNOWN, None)
+
+
+def test_merged() -> None:
+    a = {"commit": "a" * 40, "dirty": False, "device": "cpu", "threads": 2, "versions": {"torch": "2.1"},
+         "time": "2026-01-02T00:00:00Z"}  # fmt: skip
+    b = {**a, "threads": 1, "time": "2026-01-01T00:00:00Z"}
+    m = merged([a, b])
+    assert m["commit"] == "a" * 40 and m["threads"] == [1, 2] and m["versions"]["torch"] == "2.1"
+    assert m["time"] == ["2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z"] and m["runs"] == 2
+    old = merged([a, None])  # a run of an earlier release: no provenance
+    assert old["commit"] == ["a" * 40, UNKNOWN] and old["versions"]["torch"] == ["2.1", UNKNOWN]
+    assert merged([]) == {}
