@@ -26,6 +26,15 @@ with Q an orthonormal basis of the old columns. Then A_tau^T A_new = 0 and there
 <B_new A_new^T, B_tau A_tau^T>_F = tr((A_tau^T A_new)(B_new^T B_tau)) = 0 to numerical precision, for
 any B. This is sufficient for Eq. 15's constraint and leaves B free. When the old span fills the input
 space no new orthogonal direction exists; the rank is reduced (and reported) instead.
+
+The basis Q is extended one task at a time: each task's columns are orthogonalised against the basis of the
+older ones (classical Gram-Schmidt, twice, in float64) and orthonormalised (QR), so opening task k costs
+O(q R r), not a QR of the whole q x R matrix, O(q R^2) (else the cost of opening task k grows with k). It is
+built the same way from the first task after a truncation, a load from a knowledge base, or a move to another
+device or dtype, so that a learner restored from a knowledge base trains bit for bit as the one that never
+stopped. Once the old columns fill the input space (``total_rank == in_features``: every later task opens
+with rank 0) nothing is left to project out and no basis is kept (a q x q matrix per map that no task
+reads); a truncation that frees room builds it again from the first task.
 """
 
 from __future__ import annotations
@@ -140,16 +149,9 @@ class LoRAUnit(nn.Module):
 
     @torch.no_grad()
     def _extend_basis(self) -> None:
-        """Make :attr:`basis` an orthonormal basis of span(A), one task's columns at a time: each task's
-        columns are orthogonalised against the basis of the older ones (classical Gram-Schmidt, twice, in
-        float64) and orthonormalised (QR). Opening task k extends the basis by task k - 1's columns,
-        O(q R r), instead of a QR of the whole q x R matrix, O(q R^2), at every task (else the cost of opening
-        task k grows with k). Built the same way from the first task after a truncation, a load from a
-        knowledge base, or a move to another device or dtype, so that a learner restored from a knowledge
-        base trains bit for bit as the one that never stopped. Once the old columns fill the input space
-        (``total_rank == in_features``: every later task opens with rank 0) nothing is left to project out and
-        no basis is kept (a q x q matrix per map that no task reads); a truncation that frees room builds it
-        again from the first task."""
+        """Make :attr:`basis` an orthonormal basis of span(A), one task's columns at a time (module doc,
+        "Orthogonality": O(q R r) per task, built the same way after a truncation, a load or a move, none kept
+        once the room is full)."""
         if self.total_rank >= self.in_features:
             self.basis, self._basis_tasks = self.A.new_zeros(self.in_features, 0), self.num_tasks
             return

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -712,6 +712,39 @@ class TaskDetector:
         return cls(None, [float(v) for v in loc], [float(v) for v in scale], float(numbers[-1]))
 
 
+class TaskCounts(dict[int, tuple[int, bool]]):
+    """Task -> (its calibration rows, whether they keep tap statistics), with what is derived from every task
+    (:meth:`derived`) kept until an entry is set or removed: a prediction reads it without a pass over every
+    task."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._derived: dict[str, Any] = {}
+
+    def __setitem__(self, k: int, v: tuple[int, bool]) -> None:
+        self._derived.clear()
+        super().__setitem__(k, v)
+
+    def __delitem__(self, k: int) -> None:
+        self._derived.clear()
+        super().__delitem__(k)
+
+    def pop(self, k: int, *default: Any) -> Any:
+        self._derived.clear()
+        return super().pop(k, *default)
+
+    def derived(self, name: str, fn: Callable[[], Any]) -> Any:
+        if name not in self._derived:
+            self._derived[name] = fn()
+        return self._derived[name]
+
+
+def _all_with_taps(counts: Mapping[int, tuple[int, bool]], gaussians: Container[int]) -> bool:
+    """Whether every task with calibration rows keeps their tap statistics and has its Gaussians."""
+    live = [(k, taps) for k, (n, taps) in counts.items() if n]
+    return bool(live) and all(taps and k in gaussians for k, taps in live)
+
+
 @dataclass
 class ClassNovelty:
     """The ``class-gaussian`` detector's state: each task's :class:`CalibrationRows` and the rate
@@ -741,17 +774,10 @@ class ClassNovelty:
     #: each task's calibration rows scored under their shortlist (with ``shortlist``)
     scores: ShortlistScores = field(default_factory=ShortlistScores)
     #: task -> (its calibration rows, whether they keep tap statistics): what the detector needs of every
-    #: task without reading its rows
-    counts: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    #: task without reading its rows (set where a task's Gaussians come or go)
+    counts: TaskCounts = field(default_factory=lambda: TaskCounts())
     #: a stored task's Gaussians' noise variances (its record's; the rest of them is in its tensors)
     _noises: dict[int, list[float]] = field(default_factory=dict)
-    #: bumped by every change of :attr:`counts` or of which tasks have Gaussians (:meth:`_changed`):
-    #: :attr:`uses_taps`, a pass over every task, is computed once per change, not once per prediction
-    _version: int = 0
-    _uses_taps: tuple[int, bool] = (-1, False)
-
-    def _changed(self) -> None:
-        self._version += 1
 
     def draw(
         self, k: int, X: Tensor, y: Tensor, seed: int, taps: Tensor | None = None,
@@ -776,7 +802,6 @@ class ClassNovelty:
                 self.gaussians[k] = [PPCA.fit(c[rest]) for c in parts]
         self.counts[k] = (len(self.rows[k].y), kept_taps is not None)
         self._fitted = None
-        self._changed()
 
     def calibrate(
         self, X: Tensor, labels: Tensor, task_of: Tensor, statistics: tuple[Tensor, Tensor, Tensor],
@@ -791,12 +816,11 @@ class ClassNovelty:
     def replace(self, rows: dict[int, CalibrationRows]) -> None:
         """New calibration rows for every task (``kb calibrate --images``); tasks absent get none."""
         self.rows.clear()
-        self.counts = {k: (len(r.y), r.taps is not None) for k, r in rows.items()}
+        self.counts = TaskCounts({k: (len(r.y), r.taps is not None) for k, r in rows.items()})
         self.rows.update(rows)
         self._fitted = None
         self.scores.clear()
         self.generation += 1
-        self._changed()
 
     def drop(self, k: int) -> None:
         self.rows.pop(k, None)
@@ -805,17 +829,12 @@ class ClassNovelty:
         self._noises.pop(k, None)
         self.scores.drop(k)
         self._fitted = None
-        self._changed()
 
     @property
     def uses_taps(self) -> bool:
         """Whether the detector scores with the task Gaussians (every task with calibration rows has its
         Gaussians and its rows' tap statistics), and so needs the inputs' tap statistics."""
-        if self._uses_taps[0] != self._version:
-            live = [(k, taps) for k, (n, taps) in self.counts.items() if n]
-            uses = bool(live) and all(taps and k in self.gaussians for k, taps in live)
-            self._uses_taps = (self._version, uses)
-        return self._uses_taps[1]
+        return self.counts.derived("uses_taps", lambda: _all_with_taps(self.counts, self.gaussians))
 
     def _live(self) -> list[int]:
         """The tasks with calibration rows, in order."""
@@ -1015,7 +1034,6 @@ def _stored(nov: ClassNovelty, k: int, tensors: Mapping[str, Tensor], info: dict
     if info is not None or k in nov.scores:
         nov.scores.load(k, tensors, n)
     nov.counts[k] = (n, "novelty/taps" in tensors)
-    nov._changed()
 
 
 def _held(shares: MutableMapping[int, Any], k: int) -> bool:
