@@ -27,11 +27,13 @@ _LEARNING = (
     "src/proteus/configs", "src/proteus/metrics.py", "src/proteus/images.py",
     "src/proteus/experiment/loop.py", "src/proteus/experiment/evaluate.py",
 )  # fmt: skip
+#: what the records that run PROTEUS alone depend on (no baseline's code)
+_PROTEUS = tuple(p for p in _LEARNING if p != "src/proteus/baselines")
 MEASURES: dict[str, tuple[str, ...]] = {
     "reproduce": _LEARNING,
     "compare": _LEARNING,
-    "long": (*_LEARNING, "src/proteus/kb", "tools/perf/perf_long.py"),
-    "shortlist": (*_LEARNING, "tools/studies/shortlist.py"),
+    "long": (*_PROTEUS, "src/proteus/kb", "tools/perf/perf_long.py"),
+    "shortlist": (*_PROTEUS, "tools/studies/shortlist.py"),
 }
 #: what every record's provenance holds
 PROVENANCE_KEYS = ("commit", "dirty", "versions", "device", "threads", "command")
