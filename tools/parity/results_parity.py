@@ -27,8 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-#: results.json keys (at any depth) that hold wall-clock measurements, not computed results
-TIMING_KEYS = ("seconds", "latency", "figures", "peak_gpu_mb")
+#: results.json keys (at any depth) that hold wall-clock measurements or how the run was made (the commit,
+#: the thread count, the time: ``provenance``), not computed results
+TIMING_KEYS = ("seconds", "latency", "figures", "peak_gpu_mb", "provenance")
 
 
 def strip_timings(d: Any) -> Any:
