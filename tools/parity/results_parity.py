@@ -114,8 +114,8 @@ def compare(a: Path, b: Path, ignore: tuple[str, ...] = ()) -> int:
             print(f"{fa.stem}: missing in {b}")
             bad += 1
             continue
-        d = [x for x in diff(strip_timings(json.loads(fa.read_text())), strip_timings(json.loads(fb.read_text())))
-             if not any(x.startswith(f".{i}:") for i in ignore)]  # fmt: skip
+        ra, rb = (strip_timings(json.loads(f.read_text())) for f in (fa, fb))
+        d = [x for x in diff(ra, rb) if not any(x.startswith(f".{i}:") for i in ignore)]
         print(f"{fa.stem}: {'identical' if not d else f'{len(d)} differences'}")
         for line in d[:10]:
             print("   ", line)
