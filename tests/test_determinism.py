@@ -23,6 +23,7 @@ import pytest
 
 from kbfiles import read_manifest
 from proteus.cli import main
+from runresults import computed
 from tiny import sets
 
 pytestmark = pytest.mark.slow
@@ -37,11 +38,7 @@ TIME_STAMPS = ("created", "updated", "learned", "kb_id")  # the checksum leaves 
 
 
 def _strip(d):
-    if isinstance(d, dict):
-        return {k: _strip(v) for k, v in d.items() if "seconds" not in k and k not in TIME_STAMPS}
-    if isinstance(d, list):
-        return [_strip(v) for v in d]
-    return d
+    return computed(d, drop=lambda k: k in TIME_STAMPS)
 
 
 def test_same_seed_same_results(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ import torch
 
 from proteus.cli import main
 from proteus.kb import KnowledgeBase
+from runresults import computed
 from tiny import TINY_SETS, sets
 
 pytestmark = pytest.mark.slow
@@ -70,12 +71,7 @@ def _single(out: Path, extra: list[str]) -> None:
 
 
 def _strip(d):
-    if isinstance(d, dict):
-        return {k: _strip(v) for k, v in d.items() if "seconds" not in k and not k.startswith("loss_")
-                and k != "manifest"}  # fmt: skip
-    if isinstance(d, list):
-        return [_strip(v) for v in d]
-    return d
+    return computed(d, drop=lambda k: k.startswith("loss_") or k == "manifest")
 
 
 def _hashes(out: Path) -> tuple[list[str], str]:

@@ -15,6 +15,7 @@ import pytest
 
 from proteus.cli import main
 from proteus.faults import ENV
+from runresults import computed
 from tiny import sets
 
 SETS = sets("benchmark.max_train_per_class=20", "report.figures=false", "report.latency=false")
@@ -23,11 +24,7 @@ TIMING = ("seconds", "latency", "figures", "peak_gpu_mb")
 
 
 def _plain(d: Any) -> Any:
-    if isinstance(d, dict):
-        return {k: _plain(v) for k, v in d.items() if not any(t in k for t in TIMING)}
-    if isinstance(d, list):
-        return [_plain(v) for v in d]
-    return d
+    return computed(d, drop=lambda k: any(t in k for t in TIMING))
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import torch
 
 from kbfiles import read_manifest
 from proteus import Proteus
+from runresults import computed
 from tiny import sets
 
 pytestmark = pytest.mark.slow
@@ -37,11 +38,7 @@ ROUND_OFF = 1e-12
 
 
 def _strip(d):
-    if isinstance(d, dict):
-        return {k: _strip(v) for k, v in d.items() if "seconds" not in k}
-    if isinstance(d, list):
-        return [_strip(v) for v in d]
-    return d
+    return computed(d)
 
 
 def _run(out: Path, threads: int) -> None:

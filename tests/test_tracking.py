@@ -26,6 +26,7 @@ from proteus.cli.parser import build_parser
 from proteus.config import ConfigError
 from proteus.experiment.tracking import SINKS, Sink, Step, TaskEnd, Tracker, TrackingError, parse_sinks
 from proteus.progress import PLAIN_INTERVAL, PlainBar, bar
+from runresults import computed
 from tiny import sets
 
 EventAccumulator = pytest.importorskip(
@@ -112,12 +113,7 @@ def _same_training(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """results.json without wall-clock times and the manifest's size (the stored config records the run's
     report.tracking as it records every report key)."""
 
-    def strip(d: Any) -> Any:
-        if isinstance(d, dict):
-            return {k: strip(v) for k, v in d.items() if "seconds" not in k and k != "manifest"}
-        return [strip(v) for v in d] if isinstance(d, list) else d
-
-    return strip(a) == strip(b)
+    return computed(a, drop=lambda k: k == "manifest") == computed(b, drop=lambda k: k == "manifest")
 
 
 def _values(ea: Any, tag: str) -> list[float]:
