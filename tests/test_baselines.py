@@ -75,6 +75,7 @@ def test_every_declared_baseline_has_a_learner() -> None:
         "tuna",
         "mos",
         "tosca",
+        "moal",
     }
     assert set(BASELINE_METHODS) == expected
     for m in BASELINE_METHODS:
