@@ -42,6 +42,7 @@ BASELINES: dict[str, tuple[str, list[str]]] = {
     "tuna": ("mobilenet_v2", ["backbone.adapt_last=2", "baseline.ca_epochs=2"]),
     "mos": ("mobilenet_v2", ["backbone.adapt_last=2", "baseline.ca_epochs=2"]),
     "tosca": ("mobilenet_v2", ["backbone.adapt_last=2"]),
+    "moal": ("mobilenet_v2", ["backbone.adapt_last=2", "baseline.hidden=64", "baseline.drift_epochs=2"]),
     "adapromptcl": (
         "vit_ti16",
         ["baseline.remerge_samples=10", "baseline.kmeans_run=3", "baseline.pool_size=20"],

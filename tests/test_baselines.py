@@ -75,6 +75,7 @@ def test_every_declared_baseline_has_a_learner() -> None:
         "tuna",
         "mos",
         "tosca",
+        "moal",
     }
     assert set(BASELINE_METHODS) == expected
     for m in BASELINE_METHODS:
@@ -270,7 +271,9 @@ def test_every_baseline_runs(method: str, tmp_path: Path) -> None:
             "--backbone", backbone, "--set", "backbone.pretrained=false", "--set", "backbone.img_size=32",
             "--set", "train.epochs=1", "--set", "benchmark.num_tasks=2",
             "--set", "benchmark.max_train_per_class=8", "--set", "baseline.pool_size=20",
-            *(["--set", "baseline.ca_epochs=2"] if method in ("tuna", "mos") else [])]  # fmt: skip
+            *(["--set", "baseline.ca_epochs=2"] if method in ("tuna", "mos") else []),
+            *(["--set", "baseline.hidden=64", "--set", "baseline.drift_epochs=2"] if method == "moal"
+              else [])]  # fmt: skip
     assert main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["method"] == method and res["num_tasks"] == 2 and len(res["avg_acc"]) == 2

@@ -55,6 +55,9 @@ BASELINE = {
     "mos-imagenet-r": ("mos", "imagenet-r", 10, 16, "sgd", 0.05),
     "tosca-cifar100": ("tosca", "cifar100", 20, 48, "sgd", 0.025),
     "tosca-imagenet-r": ("tosca", "imagenet-r", 20, 48, "sgd", 0.025),
+    "moal-cifar100": ("moal", "cifar100", 80, 48, "sgd", 0.01),
+    "moal-imagenet-r": ("moal", "imagenet-r", 80, 48, "sgd", 0.01),
+    "moal-imagenet-a": ("moal", "imagenet-a", 80, 48, "sgd", 0.01),
 }
 
 

@@ -245,9 +245,10 @@ def ordered_loaders(module, clf, learner):
     module.DataLoader = data_loader
 
 
-def load_adapter_vit(m, plain, d):
+def load_adapter_vit(m, plain, d, adapter="adapter"):
     """our timm ViT's weights into their AdaptFormer-style VisionTransformer ``m`` (qkv split into q/k/v,
-    mlp.fc* renamed, as their in21k builders do), only heads and adapters left trainable; returns ``m``"""
+    mlp.fc* renamed, as their in21k builders do), only heads and adapters (the parameters whose name holds
+    ``adapter``) left trainable; returns ``m``"""
     state = {k: v for k, v in plain.state_dict().items() if not k.startswith("head")}
     for key in list(state):
         if "qkv." in key:
@@ -257,10 +258,10 @@ def load_adapter_vit(m, plain, d):
         elif "mlp.fc" in key:
             state[key.replace("mlp.", "")] = state.pop(key)
     missing, unexpected = m.load_state_dict(state, strict=False)
-    assert not unexpected and all("adapter" in k or k.startswith("head") for k in missing), (
+    assert not unexpected and all(adapter in k or k.startswith("head") for k in missing), (
         missing,
         unexpected,
     )
     for name, p in m.named_parameters():
-        p.requires_grad = "head" in name or "adapter" in name
+        p.requires_grad = "head" in name or adapter in name
     return m

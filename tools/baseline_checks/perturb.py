@@ -34,10 +34,78 @@ ADA = "proteus/baselines/adapromptcl.py"
 TUNA = "proteus/baselines/tuna.py"
 MOS = "proteus/baselines/mos.py"
 TOSCA = "proteus/baselines/tosca.py"
+MOAL = "proteus/baselines/moal.py"
 ADAPTERS = "proteus/baselines/adaptformer.py"
 
 #: (name, check script, file under src, [(old text, new text), ...]); every old text must occur exactly once
 PERTURBATIONS = [
+    # ---- MoAL (check_moal.py)
+    (
+        "MoAL: the first task's head without its factor 0.9",
+        "moal",
+        MOAL,
+        [("FIRST_SCALE = 0.9", "FIRST_SCALE = 1.0")],
+    ),
+    (
+        "MoAL: no moving average (the adapter as trained)",
+        "moal",
+        MOAL,
+        [
+            (
+                'adapter = state["ema"] if k else clone_set(state["adapter"])',
+                'adapter = clone_set(state["adapter"])',
+            )
+        ],
+    ),
+    ("MoAL: the moving average at alpha 0.99", "moal", MOAL, [("a = b.adapter_ema", "a = 0.99")]),
+    (
+        "MoAL: dropout off while training",
+        "moal",
+        MOAL,
+        [("            training=train,\n", "            training=False,\n")],
+    ),
+    (
+        "MoAL: the later tasks' new cosine rows drawn, not zero",
+        "moal",
+        MOAL,
+        [
+            (
+                "torch.cat([self.rows_.cpu(), torch.zeros(len(classes), d)])",
+                "torch.cat([self.rows_.cpu(), self._new_rows(len(classes))])",
+            )
+        ],
+    ),
+    (
+        "MoAL: the recursive update keeps R",
+        "moal",
+        MOAL,
+        [("return R - RA @ torch.linalg.solve(K, RA.T), W", "return R, W")],
+    ),
+    ("MoAL: the drift map's cosine period 20 epochs, not 10", "moal", MOAL, [("32, 10, 0.9", "32, 20, 0.9")]),
+    (
+        "MoAL: the earlier class means not carried by the drift map",
+        "moal",
+        MOAL,
+        [("old_means = f(old_means)", "old_means = old_means + 0 * f(old_means)")],
+    ),
+    (
+        "MoAL: pseudo-features not shifted by the class means' difference",
+        "moal",
+        MOAL,
+        [("xs.append(xs[r] - new_means[r].double() + old_means[j].double())", "xs.append(xs[r].clone())")],
+    ),
+    (
+        "MoAL: the rumination on every row, not the misclassified ones",
+        "moal",
+        MOAL,
+        [("wrong = (A @ W0).argmax(1) != yb", "wrong = (A @ W0).argmax(1) >= 0")],
+    ),
+    (
+        "MoAL: the misclassified rows judged by the head the rumination updates",
+        "moal",
+        MOAL,
+        [("wrong = (A @ W0).argmax(1) != yb", "wrong = (A @ W).argmax(1) != yb")],
+    ),
     # ---- TOSCA (check_tosca.py)
     (
         "TOSCA: no residual inside the adapter's LayerNorm",

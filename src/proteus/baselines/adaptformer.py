@@ -52,8 +52,9 @@ from proteus.tensor_rules import TENSOR_RULES, ShapeRule
 
 __all__ = [
     "KEYS", "RIDGE", "AdapterClassifier", "AdapterLike", "AdapterOptions", "AdapterSet", "ClassGaussian",
-    "Site", "adapted_suffix", "align_heads", "cholesky", "class_gaussians", "clone_set", "emr_merge",
-    "fit_epochs", "init_set", "load_set", "pseudo_features", "set_tensors", "sites_of", "task_stats",
+    "ParallelAdapterOptions", "Site", "adapted_suffix", "align_heads", "cholesky", "class_gaussians",
+    "clone_set", "emr_merge", "fit_epochs", "init_set", "load_set", "pseudo_features", "set_tensors",
+    "sites_of", "task_stats",
 ]  # fmt: skip
 
 #: the tensors of one block's adapter: down (r, c_in) and its bias, up (c_out, r) and its bias
@@ -86,16 +87,22 @@ TENSOR_RULES.declare(
 
 
 @dataclasses.dataclass
-class AdapterOptions:
-    """The adapters' and the class statistics' options that TUNA and MOS share (``baseline.*``)."""
+class ParallelAdapterOptions:
+    """The parallel adapter's options (``baseline.*``): TUNA's, MOS's and MoAL's."""
 
     adapter_rank: int = option(
-        16, help="the adapter's bottleneck width (the releases' ffn_num: 16)", range=AT_LEAST_1
+        16, help="the adapter's bottleneck width (the releases' ffn_num)", range=AT_LEAST_1
     )
     adapter_scale: float = option(
         0.1, help="the adapter's output scale s (the releases: 0.1)", range=POSITIVE
     )
     adapter_dropout: float = option(0.1, help="dropout on the bottleneck while training (0.1)", range=UNIT)
+
+
+@dataclasses.dataclass
+class AdapterOptions(ParallelAdapterOptions):
+    """The adapters' and the class statistics' options that TUNA and MOS share (``baseline.*``)."""
+
     ca_lr: float = option(5e-3, help="the classifier alignment's SGD learning rate", range=POSITIVE)
     ca_epochs: int = option(30, help="the classifier alignment's epochs (crct_epochs)", range=NON_NEGATIVE)
     ca_draws: int = option(
@@ -359,13 +366,15 @@ def fit_epochs(
     groups: Callable[[], list[dict[str, Any]]],
     step_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     after_step: Callable[[], None] | None = None,
+    after_epoch: Callable[[int], None] | None = None,
 ) -> tuple[list[float], tuple[torch.Tensor | None, torch.Tensor | None, Any]]:
     """Open task k (``clf._begin_task``), then train ``groups()`` (``params`` with an ``lr_scale``) for
     ``train.epochs`` epochs of the task's batches (:meth:`ContinualClassifier._batches`: the cached prefix
     outputs shuffled by the task's generator, or augmented images) under ``baseline.optimizer`` (SGD with
     momentum in both releases) and ``baseline.schedule``; ``step_loss(z, y)`` returns (the classification
     loss, the auxiliary loss) of a batch with global labels ``y``; ``after_step`` runs after each step
-    (MOS's pull). Returns the classification losses and the task's inputs ``(z, y, loader)``."""
+    (MOS's pull), ``after_epoch(epoch)`` after each epoch (MoAL's moving average). Returns the
+    classification losses and the task's inputs ``(z, y, loader)``."""
     cfg, b = clf.config, clf.options_
     seed, z, y_all, loader = task_inputs(clf, task, k)
     clf._begin_task(k, z, loader)
@@ -398,6 +407,8 @@ def fit_epochs(
             bar.update(1)
             if len(losses) % 10 == 0:
                 bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+        if after_epoch is not None:
+            after_epoch(epoch)
     bar.close()
     opt.zero_grad(set_to_none=True)
     return losses, (z, y_all, loader)
