@@ -46,9 +46,9 @@ class Browser:
         self.events: list[dict[str, Any]] = []
         self.session = ""
         target = self.send("Target.createTarget", {"url": "about:blank"}, session=None)["targetId"]
-        self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True}, session=None)[
-            "sessionId"
-        ]
+        self.session = self.send(
+            "Target.attachToTarget", {"targetId": target, "flatten": True}, session=None
+        )["sessionId"]
         self.send("Page.enable")
 
     @classmethod

@@ -1,7 +1,8 @@
 """A griffe extension for the docs site's Python API page (``mkdocs.yml``, ``mkdocstrings`` options): the
-package's docstrings cross-reference in reST roles (``:meth:`fit_task```, ``:class:`~proteus.config.RunConfig```),
-which mkdocstrings would show as written. Each role becomes the inline code a reader expects: the name as
-written (``~`` keeps its last part, as Sphinx does), with ``()`` after a method or function.
+package's docstrings cross-reference in reST roles (``:meth:`fit_task```,
+``:class:`~proteus.config.RunConfig```), which mkdocstrings would show as written. Each role becomes the
+inline code a reader expects: the name as written (``~`` keeps its last part, as Sphinx does), with ``()``
+after a method or function.
 
     python tools/docs/griffe_roles.py ':class:`~proteus.config.RunConfig`'   # prints `RunConfig`
 """

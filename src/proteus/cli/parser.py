@@ -304,19 +304,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser(
         "predict",
-        help="classify image files: class, retrieved task and component, scores",
+        help="classify image files or folders: class, retrieved task and component, scores",
         description="Classify image files with a knowledge base (Algorithm 2). Each input gets a line: its "
         "class, p (the probability of that class among the learned classes, calibrated by a temperature "
         "fitted per task when the task was learned: of the answers given p = 0.9, about 9 in 10 are "
         "right) and the task it came from (1-based), or 'unknown' for an input from no learned task. "
-        "--verbose adds the retrieval's raw numbers, --json every field (docs/predict.md).",
-        epilog="examples:\n  proteus predict --kb kb/ photo.jpg\n  proteus predict --kb kb/ photos/*.png "
-        "--skip-unreadable --top-k 3 --json > predictions.json",
+        "--verbose adds the retrieval's raw numbers, --json every field, --out FILE writes every field as "
+        "JSON Lines or CSV (docs/predict.md). Inputs are files, folders (every image inside, recursively, "
+        "recognised by its content), globs, or - (paths read from standard input, one per line); every "
+        "input's header is checked before the knowledge base loads, then the images are predicted in "
+        "batches, with a progress line and a summary (counts per class, unknown, unreadable).",
+        epilog="examples:\n  proteus predict --kb kb/ photo.jpg\n  proteus predict --kb kb/ photos/ --out "
+        "predictions.csv\n  proteus predict --kb kb/ 'photos/**/*.png' --skip-unreadable --top-k 3 --json > "
+        "predictions.json\n  find /data -name '*.jpg' | proteus predict --kb kb/ - --out predictions.jsonl",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     pr.add_argument("--kb", required=True)
-    pr.add_argument("images", nargs="+", help="image files")
-    pr.add_argument("--json", action="store_true", help="print JSON")
+    pr.add_argument(
+        "images", nargs="+", metavar="IMAGE",
+        help="image files, folders (searched recursively; files that are no images are ignored), globs "
+        "(quoted: 'photos/**/*.jpg'), or - for paths on standard input",
+    )  # fmt: skip
+    written = pr.add_mutually_exclusive_group()
+    written.add_argument("--json", action="store_true", help="print JSON (every row together, at the end)")
+    written.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write every row to FILE as it is predicted: JSON Lines (FILE.jsonl) or CSV (FILE.csv); an "
+        "unreadable file skipped gets a row with its error",
+    )
     pr.add_argument(
         "-v", "--verbose", action="store_true",
         help="text output: add the retrieval's raw numbers (component, signature score, novelty, p_task)",
@@ -333,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="also list the K best classes of the retrieved task (an integer >= 1)",
     )
-    pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no speed line")
+    pr.add_argument("-q", "--quiet", action="store_true", help="no progress line and no summary")
     pr.add_argument(
         "--max-pixels",
         type=_at_least(1),
