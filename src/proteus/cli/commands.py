@@ -39,13 +39,23 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
     from proteus.config import resolve_config
 
-    return resolve_config(
+    cfg = resolve_config(
         benchmark=args.benchmark,
         method=method or getattr(args, "method", "proteus") or "proteus",
         config_files=args.config,
         sets=args.set,
         overrides=_overrides(args),
     )
+    _use_threads(cfg.threads)
+    return cfg
+
+
+def _use_threads(n: int | None) -> None:
+    """The config's ``threads`` (a --config file's, --set's, a resumed run's), once it is known."""
+    if n is not None:
+        from proteus.cli import threads
+
+        threads.apply(n)
 
 
 def _warn_full_backbone_on_cpu(cfg: RunConfig) -> None:
@@ -83,7 +93,7 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
 
 
 #: the options ``run --resume`` takes beside the run directory (everything else is the run's own config)
-_RESUME_OPTIONS = ("device", "precision", "quiet", "resume", "debug", "func", "command", "set")
+_RESUME_OPTIONS = ("device", "precision", "threads", "quiet", "resume", "debug", "func", "command", "set")
 
 
 def _resumed_config(args: argparse.Namespace) -> RunConfig:
@@ -92,7 +102,7 @@ def _resumed_config(args: argparse.Namespace) -> RunConfig:
     from proteus.config import RunConfig, load_yaml
 
     given = [k for k, v in vars(args).items() if k not in _RESUME_OPTIONS and v not in (None, [], False)]
-    if given or args.set:
+    if given or [s for s in args.set if not s.startswith("threads=")]:  # (--threads N is --set threads=N)
         names = ", ".join(f"--{k.replace('_', '-')}" for k in given) or "--set"
         raise UsageError(f"--resume continues a run with its own config.yaml; drop {names}")
     path = Path(args.resume) / "config.yaml"
@@ -109,6 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.resume:
         cfg, out = _resumed_config(args), Path(args.resume)
+        _use_threads(args.threads or cfg.threads)
     else:
         if not args.benchmark:
             raise UsageError("run: --benchmark is required (or --resume DIR to continue an interrupted run)")
@@ -181,16 +192,18 @@ QUICKSTART_MARK = ".quickstart"
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
-    if args.task > 1:  # the knowledge base must exist: a wrong folder is named before anything loads
-        check_kb(args.kb)
+    if args.task > 1 and Path(args.kb).exists():  # a wrong folder named before anything loads (a missing
+        check_kb(args.kb)  # one: learn_task says to learn task 1 first)
     from proteus.experiment.learn import learn_task
 
     kb_dir = Path(args.kb)
+    given = _given(args)
+    _use_threads(given.get("threads"))  # (a new knowledge base's config applies it too: _config)
     out = learn_task(
         kb_dir,
         args.task,
         lambda: _config(args),
-        _given(args),
+        given,
         evaluate=not args.no_eval,
         progress=not args.quiet,
     )
@@ -244,7 +257,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     max_pixels = args.max_pixels or kb_eval_setting(manifest, "max_image_pixels", DEFAULT_MAX_PIXELS)
     inputs = image_inputs(args.images, max_pixels=max_pixels, skip_unreadable=args.skip_unreadable)
     if not inputs.files and not inputs.skipped:
-        raise UsageError(f"no image file in {' '.join(map(printable, args.images))}")
+        given = " ".join(map(printable, args.images))
+        raise UsageError(
+            f"{given}: no image file found (folders are searched recursively, hidden files left out)"
+        )
     if inputs.skipped:
         print(describe_skipped(inputs.skipped), file=sys.stderr)
     from proteus.experiment.batches import predict_images
