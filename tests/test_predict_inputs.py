@@ -240,3 +240,24 @@ def test_paths_on_stdin_to_json_lines(world: dict, tmp_path: Path, monkeypatch: 
     assert main(["predict", "--kb", str(world["kb1"]), "-", "--out", str(out), "-q"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["file"] for r in rows] == [str(f) for f in files] and all("confidence" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_the_json_table_of_the_docs_names_every_key_of_a_row(
+    world: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/predict.md's table of the JSON row lists exactly the keys a row has."""
+    import re
+
+    from proteus.cli import main
+
+    image = world["tree"] / "test" / "a" / "0.png"
+    capsys.readouterr()
+    assert main(["predict", "--kb", str(world["kb1"]), str(image), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "predict.md").read_text()
+    section = page[page.index("## The JSON row") :].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    assert documented == set(row), (
+        f"documented only: {documented - set(row)}; undocumented: {set(row) - documented}"
+    )
