@@ -115,8 +115,6 @@ def _resumed_config(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from proteus.experiment import format_table, run
-
     if args.resume:
         cfg, out = _resumed_config(args), Path(args.resume)
         _use_threads(args.threads or cfg.threads)
@@ -126,6 +124,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = _config(args)
         out = Path(args.out or f"runs/{cfg.benchmark.name}-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         _check_out_dir(out, "--out", allow_existing_dir=True)
+    from proteus.experiment import format_table, run  # (torch: after the config and --out are checked)
+
     _warn_full_backbone_on_cpu(cfg)
     args.run_dir = out  # an interrupted run says how to continue it (proteus.cli.main)
     res = run(cfg, out, progress=not args.quiet, resume=bool(args.resume))
@@ -194,11 +194,11 @@ QUICKSTART_MARK = ".quickstart"
 def cmd_learn(args: argparse.Namespace) -> int:
     if args.task > 1 and Path(args.kb).exists():  # a wrong folder named before anything loads (a missing
         check_kb(args.kb)  # one: learn_task says to learn task 1 first)
+    given = _given(args)  # every key checked before torch loads
+    _use_threads(given.get("threads"))  # (a new knowledge base's config applies it too: _config)
     from proteus.experiment.learn import learn_task
 
     kb_dir = Path(args.kb)
-    given = _given(args)
-    _use_threads(given.get("threads"))  # (a new knowledge base's config applies it too: _config)
     out = learn_task(
         kb_dir,
         args.task,
@@ -580,14 +580,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from proteus.experiment.compare import compare
-
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
         seeds = [int(s) for s in str(args.seeds).split(",")]
     except ValueError:
         raise UsageError(f"--seeds expects comma-separated integers (0,1,2), got {args.seeds!r}") from None
     out = Path(args.out or f"runs/compare-{args.benchmark}-{time.strftime('%Y%m%d-%H%M%S')}")
+    for method in methods:  # every method's config checked before torch loads (a typo named at once)
+        _config(_with(args, method=method, seed=seeds[0]), method)
+    from proteus.experiment.compare import compare
+
     compare(
         lambda method, seed: _config(_with(args, method=method, seed=seed), method),
         methods,
