@@ -100,6 +100,17 @@ def demo(policy: str, busy: int, work: Path) -> dict[str, Any]:
     }
 
 
+def _write(record: dict[str, Any], path: Path) -> None:
+    """The record at ``path``, each run's CPU and wall time also as a ratio to the quiet run's."""
+    quiet = next((r for r in record["runs"] if r["busy"] == 0 and r["policy"] == "passive"), None)
+    if quiet is not None:
+        for r in record["runs"]:
+            r["cpu_vs_quiet"] = round(r["cpu_s"] / quiet["cpu_s"], 3)
+            r["wall_vs_quiet"] = round(r["wall_s"] / quiet["wall_s"], 3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="passive:0,passive:2", help="POLICY:BUSY settings, in order")
@@ -130,14 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             run = demo(policy, busy, Path(work))
         record["runs"].append(run)
         print(json.dumps(run), flush=True)
-    quiet = next((r for r in record["runs"] if r["busy"] == 0 and r["policy"] == "passive"), None)
-    if quiet is not None:
-        for r in record["runs"]:
-            r["cpu_vs_quiet"] = round(r["cpu_s"] / quiet["cpu_s"], 3)
-            r["wall_vs_quiet"] = round(r["wall_s"] / quiet["wall_s"], 3)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        if args.out:  # after each run: an interrupted measurement keeps the runs it finished
+            _write(record, Path(args.out))
     for r in record["runs"]:
         vs = f" ({r['cpu_vs_quiet']:.2f}x the quiet CPU time)" if "cpu_vs_quiet" in r else ""
         print(f"{r['policy']:>8}, {r['busy']} busy: {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU{vs}")
