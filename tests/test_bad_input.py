@@ -152,7 +152,7 @@ def test_predict_on_unreadable_files_names_them(kb1: dict, tmp_path: Path, capsy
     folder = tmp_path / "a-folder"
     folder.mkdir()
     for bad, why in ((trunc, "Truncated"), (garbage, "not an image"), (empty, "an empty file"),
-                     (folder, "is a directory"), (tmp_path / "nowhere.png", "no such file")):  # fmt: skip
+                     (folder, "no image file"), (tmp_path / "nowhere.png", "no such file")):  # fmt: skip
         assert main(["predict", "--kb", str(kb1["kb"]), str(bad)]) == 2
         err = capsys.readouterr().err
         assert f"{bad.name}: " in err and why in err and "Traceback" not in err, err

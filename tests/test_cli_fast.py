@@ -35,7 +35,10 @@ def test_the_configuration_imports_no_torch() -> None:
 
 
 def test_a_missing_image_is_named_before_any_model_loads(tmp_path) -> None:  # noqa: ANN001
-    """``proteus predict --kb KB nothere.jpg`` names the file at once: no torch, no knowledge base read."""
+    """``proteus predict --kb KB nothere.jpg`` names the file at once: no torch, no knowledge base read (its
+    manifest alone is checked first)."""
+    (tmp_path / "kb").mkdir()
+    (tmp_path / "kb" / "manifest.json").write_text('{"format": "proteus-kb", "format_version": 5}')
     code = (
         "import sys\nfrom proteus.cli import main\n"
         f"rc = main(['predict', '--kb', {str(tmp_path / 'kb')!r}, 'nothere.jpg'])\n"

@@ -63,16 +63,87 @@ def test_the_references_name_every_key_and_command(tmp_path: Path) -> None:
         assert f"`{command}`" in cli, command
 
 
-@pytest.mark.slow
-def test_the_site_builds_offline_without_warnings(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The docs site built as ``make docs`` builds it (strict: a warning fails), into a folder named
+    ``site`` as the README says."""
     pytest.importorskip("mkdocs")
     import subprocess
 
+    out = tmp_path_factory.mktemp("docs") / "site"
     p = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
+    return out
+
+
+@pytest.mark.slow
+def test_the_site_builds_offline_without_warnings(site: Path) -> None:
+    assert (site / "index.html").is_file() and (site / "api.html").is_file()
+
+
+def _nav_pages() -> list[tuple[str, str]]:
+    """(title, page) of every entry of mkdocs.yml's navigation, in order."""
+    import yaml
+
+    out: list[tuple[str, str]] = []
+
+    def walk(items: list) -> None:
+        for item in items:
+            for title, value in item.items():
+                walk(value) if isinstance(value, list) else out.append((title, value))
+
+    walk(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    return out
+
+
+@pytest.mark.slow
+def test_every_navigation_link_opens_its_page_from_the_file_system(site: Path, tmp_path: Path) -> None:
+    """The README's way to read the docs, ``site/index.html`` opened in a browser from the file system: in a
+    headless Chromium, each link of the navigation, clicked on the home page, lands on its page (its title,
+    its heading), not on a folder's listing."""
+    from browser import Browser, find_chromium
+
+    if find_chromium() is None:
+        pytest.skip("no Chromium installed (apt-get install chromium; or set $PROTEUS_CHROMIUM)")
+    pages = _nav_pages()
+    home = (site / "index.html").as_uri()
+    link = ".md-nav--primary a.md-nav__link[href]:not([href*='#'])"  # the navigation's links to pages
+    with Browser.start(tmp_path) as b:
+        b.open(home)
+        assert b.evaluate(f"document.querySelectorAll({link!r}).length") == len(pages)
+        for i, (title, page) in enumerate(pages):
+            b.open(home)
+            href = b.click(link, i)
+            want = "proteus" if page == "index.md" else f"{title} - proteus"
+            landed = b.evaluate("[location.href, document.title, !!document.querySelector('article h1')]")
+            assert landed == [(site / page).with_suffix(".html").as_uri(), want, True], (href, landed)
+
+
+@pytest.mark.slow
+def test_the_api_page_shows_no_rest_role(site: Path) -> None:
+    """The Python API page renders the docstrings' cross-references (``:meth:`fit_task```,
+    ``:class:`~proteus.config.RunConfig```) as names, not as the raw roles (tools/docs/griffe_roles.py)."""
+    import html
+
+    text = html.unescape(re.sub(r"<[^>]+>", "", (site / "api.html").read_text()))
+    assert "fit_task" in text and "RunConfig" in text
+    raw = re.findall(r".{0,30}:(?:meth|class|func|data|attr|mod|exc|obj):.{0,30}", text)
+    assert not raw and "~proteus" not in text, raw
+
+
+def test_rest_roles_become_inline_code() -> None:
+    sys.path.insert(0, str(ROOT / "tools" / "docs"))
+    from griffe_roles import plain
+
+    assert plain("see :class:`~proteus.config.RunConfig` and :meth:`fit_task`") == (
+        "see `RunConfig` and `fit_task()`"
+    )
+    assert plain(":func:`proteus.config.validate_keys`, :mod:`proteus.report`") == (
+        "`proteus.config.validate_keys()`, `proteus.report`"
+    )
 
 
 def test_user_docs_name_no_issue_numbers() -> None:

@@ -38,7 +38,9 @@ regular files), no permission, not an image, truncated or corrupt data, an unsup
 
 The limits (:mod:`proteus.budgets`): ``image_pixels`` per image (above); :func:`image_size` reads a
 header alone, so that a caller holding several images (``proteus serve``) can check their sum
-(``request_pixels``) before decoding any.
+(``request_pixels``) before decoding any. :func:`check_image_file` finds what a header and a file's last
+bytes can tell (not an image, empty, too large, truncated) before anything is decoded or any model loaded
+(``proteus predict`` checks every input with it first).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import struct
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
@@ -62,7 +65,9 @@ from proteus.untrusted import file_kind
 __all__ = [
     "DEFAULT_MAX_PIXELS",
     "ImageError",
+    "ImageInfo",
     "ImageTooLargeError",
+    "check_image_file",
     "describe_skipped",
     "image_size",
     "load_images",
@@ -331,22 +336,13 @@ def _decode(path: BinaryIO, p: str, stream: bool, max_pixels: int | None) -> Ima
         ) from None
     except UnidentifiedImageError:
         size = len(path.getbuffer()) if isinstance(path, io.BytesIO) else None if stream else _file_size(p)
-        what = "an empty file" if size == 0 else "not an image in a format PIL can read"
-        raise ImageError.for_file(p, f"{what} (expected e.g. JPEG, PNG, BMP, GIF, TIFF or WebP)") from None
+        raise ImageError.for_file(p, NOT_AN_IMAGE[size == 0]) from None
     except _DECODE_ERRORS as e:
         raise ImageError.for_file(p, f"cannot read the image header ({type(e).__name__}: {e})") from e
 
     with im:
         width, height = im.size
-        pixels = int(width) * int(height)
-        if pixels <= 0:
-            raise ImageError.for_file(p, f"empty image ({width} x {height} pixels)")
-        if max_pixels is not None and pixels > max_pixels:
-            raise ImageTooLargeError.for_file(
-                p,
-                f"{width} x {height} = {_megapixels(pixels)} megapixels is above the limit of "
-                f"{_megapixels(max_pixels)} megapixels (raise it with --max-pixels / eval.max_image_pixels)",
-            )
+        pixels = _within_limit(p, width, height, max_pixels)
         pil_limit = Image.MAX_IMAGE_PIXELS
         # PIL re-checks sizes while decoding some formats (GIF frames, TIFF tiles): lift its check only
         # when this image, which our limit allows, is above PIL's own limit
@@ -371,6 +367,88 @@ def _decode(path: BinaryIO, p: str, stream: bool, max_pixels: int | None) -> Ima
     if rgb is im:  # keep nothing that refers to the closed file
         rgb = rgb.copy()
     return rgb
+
+
+def _within_limit(p: str, width: int, height: int, max_pixels: int | None) -> int:
+    """``width * height``, refused when it is empty or above ``max_pixels``."""
+    pixels = int(width) * int(height)
+    if pixels <= 0:
+        raise ImageError.for_file(p, f"empty image ({width} x {height} pixels)")
+    if max_pixels is not None and pixels > max_pixels:
+        raise ImageTooLargeError.for_file(
+            p,
+            f"{width} x {height} = {_megapixels(pixels)} megapixels is above the limit of "
+            f"{_megapixels(max_pixels)} megapixels (raise it with --max-pixels / eval.max_image_pixels)",
+        )
+    return pixels
+
+
+#: the reason given for a file PIL does not recognise: ``NOT_AN_IMAGE[True]`` when it is empty
+NOT_AN_IMAGE = {
+    False: "not an image in a format PIL can read (expected e.g. JPEG, PNG, BMP, GIF, TIFF or WebP)",
+    True: "an empty file (expected e.g. JPEG, PNG, BMP, GIF, TIFF or WebP)",
+}
+
+#: how a complete file of a format ends (after any padding of NUL bytes or white space): JPEG's end-of-image
+#: marker, PNG's IEND chunk with its CRC, GIF's trailer
+ENDINGS = {"JPEG": b"\xff\xd9", "MPO": b"\xff\xd9", "PNG": b"IEND\xaeB`\x82", "GIF": b";"}
+
+
+def check_image_file(path: str | os.PathLike[str], max_pixels: int | None = DEFAULT_MAX_PIXELS) -> ImageInfo:
+    """What can be known of an image file without decoding it, as :func:`open_image` would find it: a
+    regular file, not empty, a header PIL reads (its format and size), at most ``max_pixels`` pixels, and,
+    for a format whose files end in a known way (:data:`ENDINGS`; WebP and BMP: the size their header
+    declares), that ending (other formats, TIFF among them, are found truncated when they are decoded). A
+    file that lacks its ending is decoded, so that a truncated or corrupt one is refused with
+    :func:`open_image`'s error while one with bytes after its end is accepted. Reads a header and the last
+    bytes of most files; :class:`ImageError` names the file and the fault."""
+    _check_max_pixels(max_pixels)
+    p = os.fspath(path)
+    with _open_regular(p) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise ImageError.for_file(p, NOT_AN_IMAGE[True])
+        try:
+            with _pil_bomb_check_lifted(), Image.open(f) as im:
+                fmt, (width, height) = str(im.format), im.size
+        except UnidentifiedImageError:
+            raise ImageError.for_file(p, NOT_AN_IMAGE[False]) from None
+        except _DECODE_ERRORS as e:
+            raise ImageError.for_file(p, f"cannot read the image header ({type(e).__name__}: {e})") from None
+        _within_limit(p, width, height, max_pixels)
+        complete = _ends_complete(f, fmt, size)
+    if not complete:
+        open_image(p, max_pixels)  # truncated data raises here; bytes after a complete image do not
+    return ImageInfo(fmt, int(width), int(height))
+
+
+def _ends_complete(f: BinaryIO, fmt: str, size: int) -> bool:
+    """Whether the open file ``f`` (``size`` bytes, of format ``fmt``) ends as a complete file of its format
+    does (True for a format without a known ending)."""
+    declared = _DECLARED_SIZE.get(fmt)  # (offset, bytes to add) of a little-endian size field
+    if declared is not None:
+        f.seek(declared[0])
+        field = f.read(4)
+        return len(field) == 4 and size >= int.from_bytes(field, "little") + declared[1]
+    ending = ENDINGS.get(fmt)
+    if ending is None:
+        return True
+    f.seek(max(0, size - 256))
+    return f.read().rstrip(b"\0\r\n\t ").endswith(ending)
+
+
+#: formats whose header declares the file's size: (offset of the 4-byte little-endian field, bytes it leaves
+#: out): WebP's RIFF chunk size, BMP's file size
+_DECLARED_SIZE = {"WEBP": (4, 8), "BMP": (2, 0)}
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """An image file's format (PIL's name: ``JPEG``, ``PNG`` ...) and size, read from its header."""
+
+    format: str
+    width: int
+    height: int
 
 
 def _file_size(path: str) -> int | None:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
+from proteus.cli import threads
 from proteus.cli.parser import build_parser
 from proteus.errors import ProteusError
 from proteus.untrusted import printable
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ``ProteusError``: one line naming the file, task, key or device at fault), 130 interrupted (Ctrl-C),
     143 terminated (SIGTERM: the same clean-up as Ctrl-C)."""
     args = build_parser().parse_args(argv)
+    threads.prepare(getattr(args, "threads", None))  # before any command imports torch (OpenMP reads it then)
     if getattr(args, "wait", None) is not None and args.wait < 0:
         args.wait = None  # --wait without a value: as long as it takes
     if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:  # torch only under torchrun

@@ -10,16 +10,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from proteus.cli.inputs import UsageError, check_kb
 from proteus.config import ConfigError
-from proteus.errors import ProteusError
 from proteus.untrusted import printable
 
 if TYPE_CHECKING:
     from proteus.config import RunConfig
-
-
-class UsageError(ProteusError, ValueError):
-    """A command line that cannot be carried out (exit code 2)."""
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -43,13 +39,23 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _config(args: argparse.Namespace, method: str | None = None) -> RunConfig:
     from proteus.config import resolve_config
 
-    return resolve_config(
+    cfg = resolve_config(
         benchmark=args.benchmark,
         method=method or getattr(args, "method", "proteus") or "proteus",
         config_files=args.config,
         sets=args.set,
         overrides=_overrides(args),
     )
+    _use_threads(cfg.threads)
+    return cfg
+
+
+def _use_threads(n: int | None) -> None:
+    """The config's ``threads`` (a --config file's, --set's, a resumed run's), once it is known."""
+    if n is not None:
+        from proteus.cli import threads
+
+        threads.apply(n)
 
 
 def _warn_full_backbone_on_cpu(cfg: RunConfig) -> None:
@@ -87,7 +93,7 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
 
 
 #: the options ``run --resume`` takes beside the run directory (everything else is the run's own config)
-_RESUME_OPTIONS = ("device", "precision", "quiet", "resume", "debug", "func", "command", "set")
+_RESUME_OPTIONS = ("device", "precision", "threads", "quiet", "resume", "debug", "func", "command", "set")
 
 
 def _resumed_config(args: argparse.Namespace) -> RunConfig:
@@ -96,7 +102,7 @@ def _resumed_config(args: argparse.Namespace) -> RunConfig:
     from proteus.config import RunConfig, load_yaml
 
     given = [k for k, v in vars(args).items() if k not in _RESUME_OPTIONS and v not in (None, [], False)]
-    if given or args.set:
+    if given or [s for s in args.set if not s.startswith("threads=")]:  # (--threads N is --set threads=N)
         names = ", ".join(f"--{k.replace('_', '-')}" for k in given) or "--set"
         raise UsageError(f"--resume continues a run with its own config.yaml; drop {names}")
     path = Path(args.resume) / "config.yaml"
@@ -109,16 +115,17 @@ def _resumed_config(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from proteus.experiment import format_table, run
-
     if args.resume:
         cfg, out = _resumed_config(args), Path(args.resume)
+        _use_threads(args.threads or cfg.threads)
     else:
         if not args.benchmark:
             raise UsageError("run: --benchmark is required (or --resume DIR to continue an interrupted run)")
         cfg = _config(args)
         out = Path(args.out or f"runs/{cfg.benchmark.name}-{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         _check_out_dir(out, "--out", allow_existing_dir=True)
+    from proteus.experiment import format_table, run  # (torch: after the config and --out are checked)
+
     _warn_full_backbone_on_cpu(cfg)
     args.run_dir = out  # an interrupted run says how to continue it (proteus.cli.main)
     res = run(cfg, out, progress=not args.quiet, resume=bool(args.resume))
@@ -185,6 +192,10 @@ QUICKSTART_MARK = ".quickstart"
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
+    if args.task > 1 and Path(args.kb).exists():  # a wrong folder named before anything loads (a missing
+        check_kb(args.kb)  # one: learn_task says to learn task 1 first)
+    given = _given(args)  # every key checked before torch loads
+    _use_threads(given.get("threads"))  # (a new knowledge base's config applies it too: _config)
     from proteus.experiment.learn import learn_task
 
     kb_dir = Path(args.kb)
@@ -192,7 +203,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
         kb_dir,
         args.task,
         lambda: _config(args),
-        _given(args),
+        given,
         evaluate=not args.no_eval,
         progress=not args.quiet,
     )
@@ -215,6 +226,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    check_kb(args.kb)  # before anything loads: a wrong folder is named at once
     from proteus.experiment import format_table
     from proteus.experiment.learn import evaluate_kb
 
@@ -234,16 +246,31 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from proteus.images import ImageError, describe_skipped
+    """``proteus predict``: every input checked first (the knowledge base's folder and manifest, each image's
+    header: :mod:`.inputs`, no torch), then the knowledge base loaded and the images predicted in batches,
+    each batch's rows printed or written (``--out``) as it is done, and a summary."""
+    from proteus.cli.inputs import check_kb, image_inputs, kb_eval_setting, output_format
+    from proteus.images import DEFAULT_MAX_PIXELS, describe_skipped
 
-    if not args.skip_unreadable:  # said before any model is loaded
-        for f in args.images:
-            if Path(f).is_dir():
-                raise ImageError.for_file(f, "is a directory, not an image file")
-            if not Path(f).exists():
-                raise ImageError.for_file(f, "no such file (--skip-unreadable goes on without it)")
+    manifest = check_kb(args.kb)
+    kind = output_format(args.out) if args.out else None
+    max_pixels = args.max_pixels or kb_eval_setting(manifest, "max_image_pixels", DEFAULT_MAX_PIXELS)
+    inputs = image_inputs(args.images, max_pixels=max_pixels, skip_unreadable=args.skip_unreadable)
+    if not inputs.files and not inputs.skipped:
+        given = " ".join(map(printable, args.images))
+        raise UsageError(
+            f"{given}: no image file found (folders are searched recursively, hidden files left out)"
+        )
+    if inputs.skipped:
+        print(describe_skipped(inputs.skipped), file=sys.stderr)
     from proteus.experiment.batches import predict_images
-    from proteus.experiment.predictions import NOT_CALIBRATED, NOT_CHECKED, format_row, prediction_rows
+    from proteus.experiment.predictions import (
+        NOT_CALIBRATED,
+        NOT_CHECKED,
+        Summary,
+        format_row,
+        prediction_rows,
+    )
     from proteus.experiment.store import load_learner
     from proteus.kb import KBError, KnowledgeBase
 
@@ -251,40 +278,94 @@ def cmd_predict(args: argparse.Namespace) -> int:
     clf = load_learner(kb, "proteus predict", device=args.device, precision=args.precision)
     if clf.num_tasks == 0:
         raise KBError(f"{args.kb}: the knowledge base holds no task yet; learn task 1 first (proteus learn)")
-    bs = clf.config.eval.batch_size
-    rows, skipped_all, batch = [], [], None
-    batches = predict_images(
-        clf,
-        args.images,
-        progress=not args.quiet and len(args.images) > bs,  # the bar counts images and shows images/s
-        max_pixels=args.max_pixels,
-        skip_unreadable=args.skip_unreadable,
-    )
-    for batch in batches:
-        skipped_all += batch.skipped
-        if batch.prediction is not None:
-            rows += prediction_rows(clf, batch.prediction, batch.files, top_k=args.top_k)
-    if skipped_all:
-        print(describe_skipped(skipped_all), file=sys.stderr)
+    summary = Summary(unreadable=len(inputs.skipped), ignored=inputs.ignored)
+    many = len(inputs.files) + len(inputs.skipped) > 1 or kind is not None
+    rows: list[dict[str, Any]] = []  # --json prints them together at the end
+    unchecked, uncalibrated, seconds = True, False, 0.0
+    with _RowSink(args.out, kind, args.top_k) as sink:
+        for path, reason in inputs.skipped:
+            sink.write([{"file": path, "error": reason}])
+        batches = predict_images(
+            clf,
+            inputs.files,
+            progress=not args.quiet and len(inputs.files) > clf.config.eval.batch_size,  # images, images/s
+            max_pixels=max_pixels,
+            skip_unreadable=args.skip_unreadable,
+        )
+        for batch in batches:
+            seconds = batch.seconds
+            if batch.skipped:  # found only when decoded (data corrupt past a complete-looking header)
+                print(describe_skipped(batch.skipped), file=sys.stderr)
+                summary.unreadable += len(batch.skipped)
+                sink.write([{"file": p, "error": why} for p, why in batch.skipped])
+            if batch.prediction is None:
+                continue
+            got = prediction_rows(clf, batch.prediction, batch.files, top_k=args.top_k)
+            summary.add(got)
+            unchecked &= all(r["known"] is None for r in got)
+            uncalibrated |= any(r["known"] is not False and not r["calibrated"] for r in got)
+            if sink.kind is not None:
+                sink.write(got)
+            elif args.json:
+                rows += got
+            else:
+                for r in got:
+                    print(printable(format_row(r, verbose=args.verbose)), flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))
-    else:
-        for r in rows:
-            print(printable(format_row(r, verbose=args.verbose)))
-        calibratable = "retrieval" in clf.supports  # `kb calibrate` fits thresholds on task retrieval
-        if rows and all(r["known"] is None for r in rows) and not args.quiet and calibratable:
+    elif sink.kind is None and summary.predicted and not args.quiet:
+        if unchecked and "retrieval" in clf.supports:  # `kb calibrate` fits thresholds on task retrieval
             print(NOT_CHECKED, file=sys.stderr)
-        if any(r["known"] is not False and not r["calibrated"] for r in rows) and not args.quiet:
+        if uncalibrated:
             print(NOT_CALIBRATED, file=sys.stderr)
-    if batch is not None and len(rows) > bs and not args.quiet:
-        print(
-            f"{len(rows)} images in {batch.seconds:.1f} s ({batch.images_per_second:.1f} images/s)",
-            file=sys.stderr,
-        )
-    return 0 if rows or not skipped_all else 2
+    if many and not args.quiet:
+        written = f"; rows written to {printable(str(args.out))}" if args.out else ""
+        print(f"predicted {summary.line(seconds)}{written}", file=sys.stderr)
+    return 0 if summary.predicted or not summary.unreadable else 2
+
+
+class _RowSink:
+    """Where ``predict --out FILE`` writes each batch's rows as it is done: JSON Lines or CSV
+    (:func:`proteus.experiment.predictions.csv_row`); nothing without a file (``kind`` None)."""
+
+    def __init__(self, path: str | None, kind: str | None, top_k: int) -> None:
+        self.path, self.kind, self.top_k = path, kind, top_k
+        self._file: Any = None
+        self._csv: Any = None
+        self._columns: list[str] = []
+
+    def __enter__(self) -> _RowSink:
+        if self.path is None:
+            return self
+        self._file = open(self.path, "w", encoding="utf-8", newline="")  # noqa: SIM115 - closed in __exit__
+        if self.kind == "csv":
+            import csv
+
+            from proteus.experiment.predictions import csv_columns
+
+            self._columns = csv_columns(self.top_k)
+            self._csv = csv.writer(self._file)
+            self._csv.writerow(self._columns)
+        return self
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        if self._file is None:
+            return
+        if self._csv is not None:
+            from proteus.experiment.predictions import csv_row
+
+            self._csv.writerows(csv_row(r, self._columns) for r in rows)
+        else:
+            self._file.writelines(json.dumps(r) + "\n" for r in rows)
+        self._file.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 def cmd_kb_forget(args: argparse.Namespace) -> int:
+    check_kb(args.kb)  # before anything loads: a wrong folder is named at once
     from proteus.experiment.manage import forget
 
     names = forget(args.kb, args.task, wait=args.wait, key=_kb_key(args))
@@ -317,6 +398,7 @@ def _commit_words(s: dict[str, Any]) -> str:
 
 
 def cmd_kb_undo(args: argparse.Namespace) -> int:
+    check_kb(args.kb)  # before anything loads: a wrong folder is named at once
     from proteus.experiment.manage import undo
 
     done = undo(args.kb, wait=args.wait, key=_kb_key(args))
@@ -329,6 +411,7 @@ def cmd_kb_undo(args: argparse.Namespace) -> int:
 
 
 def cmd_kb_sign(args: argparse.Namespace) -> int:
+    check_kb(args.kb)  # before anything loads: a wrong folder is named at once
     from proteus.kb import KnowledgeBase, write_lock
     from proteus.kb.signing import key_id
 
@@ -345,6 +428,7 @@ def cmd_kb_sign(args: argparse.Namespace) -> int:
 
 
 def cmd_kb_gc(args: argparse.Namespace) -> int:
+    check_kb(args.kb)  # before anything loads: a wrong folder is named at once
     from proteus.kb import KnowledgeBase, write_lock
 
     with write_lock(args.kb, wait=args.wait):
@@ -357,6 +441,7 @@ def cmd_kb_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_kb_upgrade(args: argparse.Namespace) -> int:
+    check_kb(args.kb)  # before anything loads: a wrong folder is named at once
     from proteus.kb import FORMAT_VERSION, KnowledgeBase, write_lock
 
     with write_lock(args.kb, wait=args.wait):
@@ -374,6 +459,7 @@ def cmd_kb_upgrade(args: argparse.Namespace) -> int:
 
 
 def cmd_kb_calibrate(args: argparse.Namespace) -> int:
+    check_kb(args.kb)  # before anything loads: a wrong folder is named at once
     from proteus.experiment.manage import calibrate_images, recalibrate
 
     if args.images is None and args.tpr is None:
@@ -422,6 +508,7 @@ def cmd_kb_verify(args: argparse.Namespace) -> int:
 
 def cmd_kb_show(args: argparse.Namespace) -> int:
     """``proteus kb info | list KB``."""
+    check_kb(args.kb)  # before anything loads: a wrong folder is named at once
     import proteus.kb as kbmod
 
     kb = kbmod.KnowledgeBase.open(args.kb, key=_kb_key(args))
@@ -481,6 +568,7 @@ def _printer() -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_kb(args.kb)  # before anything loads: a wrong folder is named at once
     from proteus.serve import serve
 
     limits = ("read_timeout", "request_timeout", "max_concurrency", "max_queue", "max_batch", "max_body",
@@ -492,14 +580,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from proteus.experiment.compare import compare
-
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
         seeds = [int(s) for s in str(args.seeds).split(",")]
     except ValueError:
         raise UsageError(f"--seeds expects comma-separated integers (0,1,2), got {args.seeds!r}") from None
     out = Path(args.out or f"runs/compare-{args.benchmark}-{time.strftime('%Y%m%d-%H%M%S')}")
+    for method in methods:  # every method's config checked before torch loads (a typo named at once)
+        _config(_with(args, method=method, seed=seeds[0]), method)
+    from proteus.experiment.compare import compare
+
     compare(
         lambda method, seed: _config(_with(args, method=method, seed=seed), method),
         methods,

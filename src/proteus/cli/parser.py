@@ -103,6 +103,7 @@ def _add_run_args(p: argparse.ArgumentParser, benchmark_required: bool = True) -
         help="torch.compile the backbone's inference forwards in this mode (default none: eager; same "
         "results to float round-off); the same as --set compile=MODE",
     )
+    _threads_option(p, config=True)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
@@ -117,6 +118,33 @@ class _CompileAction(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         namespace.set = [*(getattr(namespace, "set", None) or []), f"compile={values}"]
+
+
+class _ThreadsAction(argparse.Action):
+    """``--threads N`` of a command that resolves a config: the thread count from the start (``args.threads``:
+    :func:`proteus.cli.threads.prepare`) and ``--set threads=N`` (recorded with the run)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        namespace.threads = values
+        namespace.set = [*(getattr(namespace, "set", None) or []), f"threads={values}"]
+
+
+def _threads_option(p: argparse.ArgumentParser, config: bool = False) -> None:
+    """``--threads N``: torch's CPU threads (``config``: the command resolves a config, which records it)."""
+    p.add_argument(
+        "--threads",
+        type=_at_least(1),
+        action=_ThreadsAction if config else "store",
+        metavar="N",
+        help="CPU threads for torch (default: the cores this process may use, or OMP_NUM_THREADS; "
+        + ("the same as --set threads=N)" if config else "threads waiting for work sleep, not spin)"),
+    )
 
 
 class _TrackAction(argparse.Action):
@@ -279,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--method", default="proteus")
     q.add_argument("--config", action="append", default=[])
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    _threads_option(q, config=True)
     q.add_argument("-q", "--quiet", action="store_true")
     q.set_defaults(func=cmd_quickstart)
 
@@ -299,30 +328,48 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="write results.json here")
     ev.add_argument("--device")
     _add_precision(ev)
+    _threads_option(ev)
     ev.add_argument("-q", "--quiet", action="store_true")
     ev.set_defaults(func=cmd_evaluate)
 
     pr = sub.add_parser(
         "predict",
-        help="classify image files: class, retrieved task and component, scores",
+        help="classify image files or folders: class, retrieved task and component, scores",
         description="Classify image files with a knowledge base (Algorithm 2). Each input gets a line: its "
         "class, p (the probability of that class among the learned classes, calibrated by a temperature "
         "fitted per task when the task was learned: of the answers given p = 0.9, about 9 in 10 are "
         "right) and the task it came from (1-based), or 'unknown' for an input from no learned task. "
-        "--verbose adds the retrieval's raw numbers, --json every field (docs/predict.md).",
-        epilog="examples:\n  proteus predict --kb kb/ photo.jpg\n  proteus predict --kb kb/ photos/*.png "
-        "--skip-unreadable --top-k 3 --json > predictions.json",
+        "--verbose adds the retrieval's raw numbers, --json every field, --out FILE writes every field as "
+        "JSON Lines or CSV (docs/predict.md). Inputs are files, folders (every image inside, recursively, "
+        "recognised by its content), globs, or - (paths read from standard input, one per line); every "
+        "input's header is checked before the knowledge base loads, then the images are predicted in "
+        "batches, with a progress line and a summary (counts per class, unknown, unreadable).",
+        epilog="examples:\n  proteus predict --kb kb/ photo.jpg\n  proteus predict --kb kb/ photos/ --out "
+        "predictions.csv\n  proteus predict --kb kb/ 'photos/**/*.png' --skip-unreadable --top-k 3 --json > "
+        "predictions.json\n  find /data -name '*.jpg' | proteus predict --kb kb/ - --out predictions.jsonl",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     pr.add_argument("--kb", required=True)
-    pr.add_argument("images", nargs="+", help="image files")
-    pr.add_argument("--json", action="store_true", help="print JSON")
+    pr.add_argument(
+        "images", nargs="+", metavar="IMAGE",
+        help="image files, folders (searched recursively; files that are no images are ignored), globs "
+        "(quoted: 'photos/**/*.jpg'), or - for paths on standard input",
+    )  # fmt: skip
+    written = pr.add_mutually_exclusive_group()
+    written.add_argument("--json", action="store_true", help="print JSON (every row together, at the end)")
+    written.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write every row to FILE as it is predicted: JSON Lines (FILE.jsonl) or CSV (FILE.csv); an "
+        "unreadable file skipped gets a row with its error",
+    )
     pr.add_argument(
         "-v", "--verbose", action="store_true",
         help="text output: add the retrieval's raw numbers (component, signature score, novelty, p_task)",
     )  # fmt: skip
     pr.add_argument("--device")
     _add_precision(pr)
+    _threads_option(pr)
     pr.add_argument(
         "--skip-unreadable", action="store_true", help="report unreadable files and go on with the rest"
     )
@@ -333,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="also list the K best classes of the retrieved task (an integer >= 1)",
     )
-    pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no speed line")
+    pr.add_argument("-q", "--quiet", action="store_true", help="no progress line and no summary")
     pr.add_argument(
         "--max-pixels",
         type=_at_least(1),
@@ -437,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     kc.add_argument("kb", help="knowledge base directory")
+    _threads_option(kc)
     kc.add_argument(
         "--images",
         metavar="DIR",
@@ -494,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=_at_least(0, 65535), default=8000, help="TCP port (0: any free port)")
     sv.add_argument("--device")
     _add_precision(sv)
+    _threads_option(sv)
     sv.add_argument("--poll", type=_positive, default=1.0, help="seconds between checks for a new commit")
     sv.add_argument(
         "--read-timeout",
@@ -606,6 +655,7 @@ preset builds) are shown as n/a with the reason.""",
     p.add_argument("--weights", help="local backbone weights (.safetensors or .pth)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: auto)")
     _add_precision(p)
+    _threads_option(p, config=True)
     p.add_argument("--out", help="output directory (default runs/reproduce[-BENCHMARK])")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_reproduce)

@@ -146,6 +146,13 @@ class RunConfig:
         choices=COMPILE_MODES,
         per_task=True,
     )
+    threads: int | None = option(
+        None,
+        help="CPU threads of the command line's torch operations (--threads); null: as many as the cores "
+        "the process may use (its CPU affinity, within a cgroup quota), unless OMP_NUM_THREADS is set",
+        range=AT_LEAST_1,
+        per_task=True,
+    )
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -195,10 +202,10 @@ class RunConfig:
 
     def task_settings(self) -> dict[str, Any]:
         """What a task's record keeps of how it was learned: the keys that may change per task but the
-        device (the learner records the one it resolved), ``compile`` (how fast, not what), the data's
-        location and the report."""
+        device (the learner records the one it resolved), ``compile`` and ``threads`` (how fast, not what),
+        the data's location and the report."""
         flat = flatten(self.to_dict())
-        skip = ("device", "compile", "report.", "benchmark.")
+        skip = ("device", "compile", "threads", "report.", "benchmark.")
         return {k: v for k, v in flat.items() if per_task(k) and not k.startswith(skip)}
 
     def fingerprint(self) -> str:

@@ -84,7 +84,7 @@ def predict_batches(
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]
     it = enumerate(items)
-    bar = progress_bar(total=total, unit="img", enabled=progress)
+    bar = progress_bar(desc="predict", total=total, unit="img", enabled=progress)
     t0 = time.perf_counter()
     done = predicted = 0
     try:

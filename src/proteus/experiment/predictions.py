@@ -38,10 +38,17 @@ The schema (docs/predict.md):
 
 Every number of a row depends on its own input only: rows do not change with the other inputs of the
 batch (beyond float round-off).
+
+``proteus predict --out FILE`` writes the rows as JSON Lines (one object per line, as above) or CSV
+(:func:`csv_row`: the same keys as columns, ``top_k`` as ``top1_class``, ``top1_confidence``, ...); a file
+skipped as unreadable gets a row with its ``file`` and ``error`` only. :class:`Summary` counts what a run
+predicted.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,7 +57,16 @@ from proteus.config import ConfigError
 from proteus.core.estimator import Prediction, Proteus
 from proteus.engine.confidence import calibrated_probabilities
 
-__all__ = ["NOT_CALIBRATED", "NOT_CHECKED", "format_row", "prediction_rows"]
+__all__ = [
+    "CSV_COLUMNS",
+    "NOT_CALIBRATED",
+    "NOT_CHECKED",
+    "Summary",
+    "csv_columns",
+    "csv_row",
+    "format_row",
+    "prediction_rows",
+]
 
 
 def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int = 1) -> list[dict[str, Any]]:
@@ -160,3 +176,70 @@ NOT_CHECKED = (
     "note: this knowledge base has no rejection thresholds, so an input from no learned task still gets a "
     "class; fit them with `proteus kb calibrate KB --images DIR` (held-out images; docs/predict.md)"
 )
+
+
+#: the columns of ``predict --out FILE.csv`` (``top_k`` flattened by :func:`csv_columns`; ``head_softmax``,
+#: the deprecated name of ``p_all``, left out); ``error``: why a skipped file has no prediction
+CSV_COLUMNS = ("file", "class", "nearest_class", "label", "class_index", "task", "component",
+               "signature_score", "known", "novelty", "head_score", "p_task", "p_all", "confidence",
+               "temperature", "calibrated", "error")  # fmt: skip
+
+
+def csv_columns(top_k: int) -> list[str]:
+    """The CSV header for rows of ``top_k`` best classes (those columns only when ``top_k`` > 1)."""
+    if top_k == 1:
+        return list(CSV_COLUMNS)
+    return [*CSV_COLUMNS, *(f"top{i}_{key}" for i in range(1, top_k + 1) for key in ("class", "confidence"))]
+
+
+def csv_row(r: dict[str, Any], columns: list[str]) -> list[str]:
+    """Row ``r`` (a prediction, or ``{"file", "error"}``) as CSV cells of ``columns``: null empty, booleans
+    ``true``/``false`` as in JSON, numbers as Python writes them (every digit)."""
+    flat = dict(r)
+    for i, t in enumerate(r.get("top_k") or [], 1):
+        flat[f"top{i}_class"], flat[f"top{i}_confidence"] = t["class"], t["confidence"]
+
+    def cell(v: Any) -> str:
+        return "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    return [cell(flat.get(c)) for c in columns]
+
+
+@dataclass
+class Summary:
+    """What a prediction over many files came to: the inputs predicted per class, those from no learned
+    task (``unknown``), the files skipped as unreadable and those of the folders given that are no images."""
+
+    classes: Counter[str] = field(default_factory=Counter)
+    unknown: int = 0
+    unreadable: int = 0
+    ignored: int = 0
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        """Count a batch's rows."""
+        for r in rows:
+            if r["known"] is False:
+                self.unknown += 1
+            else:
+                self.classes[r["class"]] += 1
+
+    @property
+    def predicted(self) -> int:
+        """Inputs that got a row (a class or unknown)."""
+        return sum(self.classes.values()) + self.unknown
+
+    def line(self, seconds: float) -> str:
+        """``"1000 images in 12.3 s (81.3 images/s): cat 512, dog 480, unknown 8; 2 unreadable (skipped)"``:
+        the classes most predicted first."""
+        n = self.predicted
+        rate = f" ({n / seconds:.1f} images/s)" if seconds > 0 else ""
+        counts = [f"{c} {k}" for c, k in sorted(self.classes.items(), key=lambda ck: (-ck[1], ck[0]))]
+        counts += [f"unknown {self.unknown}"] if self.unknown else []
+        text = f"{n} image{'s' if n != 1 else ''} in {seconds:.1f} s{rate}"
+        text += f": {', '.join(counts)}" if counts else ""
+        if self.unreadable:
+            text += f"; {self.unreadable} unreadable (skipped)"
+        if self.ignored:
+            files = "file" if self.ignored == 1 else "files"
+            text += f"; {self.ignored} other {files} in the folders ignored (no image)"
+        return text
