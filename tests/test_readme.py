@@ -4,7 +4,8 @@ in torch's hub cache nor in ``../shared/weights``), its demo table holds the num
 ``tools/parity/results_parity.py`` for the methods ``make demo`` compares, its methods table names every
 registered method, and it stays short; the figures that move with the thread count (the README's
 ``proteus-paper`` sentence, docs/reliability.md's table of 1 against 2 threads) are the recorded ones
-(``tools/parity/`` with one thread, ``tools/parity/threads2/`` with two)."""
+(``tools/parity/`` with one thread, ``tools/parity/threads2/`` with two); its times of ``make demo`` are
+``tools/perf/busy_demo.py``'s record."""
 
 from __future__ import annotations
 
@@ -108,3 +109,34 @@ def test_the_methods_table_names_every_method_and_the_readme_is_short() -> None:
     missing = [m for m in METHODS.names() if f"`{m}`" not in text]
     assert not missing, f"methods the README's table does not name: {missing}"
     assert len(text.splitlines()) <= 150
+
+
+#: tools/perf/busy_demo.py's record of `make demo` (its two commands) quiet and beside two busy processes
+DEMO_LOAD = README.parent / "tools" / "perf" / "records" / "demo-load.json"
+
+
+def test_the_demo_s_times_are_the_measured_ones() -> None:
+    """The README's times of ``make demo`` are those of the record: wall and CPU time with nothing else
+    started (and the load average it began at), beside two busy processes (and the CPU ratio), and, where
+    the record has it, with the spinning wait of earlier releases beside the same two."""
+    rec = json.loads(DEMO_LOAD.read_text())
+    run = {(r["policy"], r["busy"]): r for r in rec["runs"]}
+    quiet, loaded = run["passive", 0], run["passive", 2]
+    for r in rec["runs"]:  # threads change when a thread works, not what it computes
+        assert r["final_avg_acc"] == quiet["final_avg_acc"], r["policy"]
+
+    def minutes(seconds: float) -> str:
+        return f"{seconds / 60:.1f} min"
+
+    text = " ".join(README.read_text().split())
+    want = (
+        f"{minutes(quiet['wall_s'])} of wall time and {minutes(quiet['cpu_s'])} of CPU time with nothing "
+        f"else started on the {rec['cores']}-core machine (load average {quiet['load_before']:.1f} when it "
+        f"began); beside two busy processes on the same cores {minutes(loaded['wall_s'])} of wall time and "
+        f"{minutes(loaded['cpu_s'])} of CPU time ({loaded['cpu_s'] / quiet['cpu_s']:.2f}x)"
+    )
+    assert want in text, want
+    if ("spinning", 2) in run:  # the wait policy of earlier releases beside the same busy processes
+        spinning = minutes(run["spinning", 2]["cpu_s"])
+        said = f"{spinning} of CPU time with the spinning wait of earlier releases"
+        assert said in text, said

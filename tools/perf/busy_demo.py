@@ -4,7 +4,7 @@ per setting, each timed in wall time and in CPU time (user + system of every pro
 ``wait4``). A loaded setting first starts that many busy processes (each a Python loop spinning on a core,
 at this script's own priority) and stops them after.
 
-    python tools/perf/busy_demo.py --record docs/measured/demo/demo-load.json      # quiet, then 2 busy
+    python tools/perf/busy_demo.py --record tools/perf/records/demo-load.json      # quiet, then 2 busy
     python tools/perf/busy_demo.py --runs passive:0,passive:2,spinning:2 --out runs/demo-load.json
 
 A setting is ``POLICY:BUSY``: ``passive`` runs the command line as it is (OpenMP's threads wait passively:
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown policy {policy!r}; choose {', '.join(LAUNCH)}")
     sys.path.insert(0, str(ROOT / "src"))
     from proteus.cli.threads import usable_cores
+    from proteus.experiment.provenance import provenance
 
     fetch = [sys.executable, "-m", "proteus", "weights", "fetch", "mobilenet_v2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.processor() or platform.machine(),
         "nice": os.nice(0),
         "date": time.strftime("%Y-%m-%d"),
+        "provenance": provenance("cpu"),  # this checkout's commit and versions: the demo runs from it
         "runs": [],
     }
     for policy, busy in runs:
