@@ -36,3 +36,7 @@ def test_merged() -> None:
     old = merged([a, None])  # a run of an earlier release: no provenance
     assert old["commit"] == ["a" * 40, UNKNOWN] and old["versions"]["torch"] == ["2.1", UNKNOWN]
     assert merged([]) == {}
+    record = merged([a, {"commit": UNKNOWN, "versions": UNKNOWN}])  # a record made before provenance
+    assert record["versions"]["torch"] == ["2.1", UNKNOWN] and record["commit"] == ["a" * 40, UNKNOWN]
+    twice = merged([m, {**a, "time": "2026-01-03T00:00:00Z"}])  # a merged provenance's span, and one more run
+    assert twice["time"] == ["2026-01-01T00:00:00Z", "2026-01-03T00:00:00Z"]

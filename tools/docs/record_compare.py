@@ -46,8 +46,10 @@ def record(paths: list[Path], name: str, command: str, out_dir: Path, add: bool 
     if len(benchmarks) != 1:
         raise SystemExit(f"the comparisons are of different streams: {', '.join(sorted(benchmarks))}")
     prov = {**merged(runs), "command": command}
-    if add:
-        prov = {**merged([old.get("provenance"), prov]), "command": command}
+    if add:  # what the record said of its earlier runs' unknown fields stays
+        was = old.get("provenance") or {}
+        said = {k: was[k] for k in ("committed_in", "source") if k in was}
+        prov = {**merged([was, prov]), **said, "command": command}
     kept = {"name": name, "benchmark": benchmarks.pop(), "seeds": sorted(seeds), "command": command}
     kept["provenance"] = prov
     kept["methods"] = methods

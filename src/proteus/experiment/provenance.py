@@ -84,8 +84,8 @@ def provenance(device: str | None = None) -> dict[str, Any]:
 
 def merged(items: Iterable[dict[str, Any] | None]) -> dict[str, Any]:
     """The provenance of several runs in one: each field's value where they agree, else the sorted list
-    of their values (``commit`` etc.); a run without one (written by an earlier release) counts as
-    :data:`UNKNOWN` in every field. ``time`` is the span ``[first, last]``."""
+    of their values (``commit`` etc.); a run without one (written by an earlier release), or a field it
+    holds as :data:`UNKNOWN` (a record's ``versions``), counts as :data:`UNKNOWN` in every field. ``time`` is the span ``[first, last]``."""
     runs: list[dict[str, Any]] = [it or {} for it in items]
     if not runs:
         return {}
@@ -94,12 +94,14 @@ def merged(items: Iterable[dict[str, Any] | None]) -> dict[str, Any]:
     for k in keys:
         values = sorted({json.dumps(it.get(k, UNKNOWN)) for it in runs})
         out[k] = json.loads(values[0]) if len(values) == 1 else [json.loads(v) for v in values]
-    names = sorted({n for it in runs for n in (it.get("versions") or {})}) or list(PACKAGES)
+    versions = [v if isinstance(v := it.get("versions"), dict) else {} for it in runs]  # or UNKNOWN
+    names = sorted({n for v in versions for n in v}) or list(PACKAGES)
     out["versions"] = {}
     for n in names:
-        values = sorted({str((it.get("versions") or {}).get(n, UNKNOWN)) for it in runs})
+        values = sorted({str(v.get(n, UNKNOWN)) for v in versions})
         out["versions"][n] = values[0] if len(values) == 1 else values
-    times = sorted(str(it["time"]) for it in runs if it.get("time"))
+    spans = [t if isinstance(t := it.get("time"), list) else [t] for it in runs]  # a merged one: a span
+    times = sorted(str(t) for span in spans for t in span if t and t != UNKNOWN)
     out["time"] = [times[0], times[-1]] if times else UNKNOWN
     out["runs"] = len(runs)
     return out
