@@ -237,3 +237,23 @@ def test_an_interrupted_run_says_how_to_continue(
     out = tmp_path / "r"
     assert main(["run", "--benchmark", "quickstart", "--out", str(out), "-q", *TINY]) == 130
     assert f"proteus run --resume {out}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("given", "waits"), [([], 0.0), (["--wait", "5"], 5.0), (["--wait"], None)])
+def test_learn_passes_its_wait_to_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: list[str], waits: float | None
+) -> None:
+    """``learn --wait [SECONDS]`` waits for another writer as the other writing commands do (it used to fail
+    at once whatever --wait said)."""
+    import proteus.experiment.learn as learn
+
+    seen: dict[str, object] = {}
+
+    def fake(*a: object, **k: object) -> object:
+        seen.update(k)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(learn, "learn_task", fake)
+    with pytest.raises(SystemExit):
+        main(["learn", "--kb", str(tmp_path / "kb"), "--task", "1", "--benchmark", "quickstart", *given])
+    assert seen["wait"] == waits

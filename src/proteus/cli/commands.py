@@ -206,6 +206,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
         given,
         evaluate=not args.no_eval,
         progress=not args.quiet,
+        wait=args.wait,
     )
     if not _is_main():
         return 0

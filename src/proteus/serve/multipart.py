@@ -46,6 +46,32 @@ def boundary_of(ctype: str) -> bytes:
 
 _PREAMBLE, _HEADERS, _BODY, _AFTER, _DONE = range(5)
 
+#: the most levels of nested comments ``(...)`` a part's headers may have: RFC 5322 allows them nested, the
+#: standard library's header parser recurses once per level, and no client nests them at all
+MAX_COMMENT_DEPTH = 16
+
+
+def _comment_depth(headers: bytes) -> int:
+    """The deepest nesting of comments in ``headers`` (outside quoted strings; backslash escapes skipped),
+    in one pass."""
+    depth = deepest = 0
+    quoted = escaped = False
+    for b in headers:
+        if escaped:
+            escaped = False
+        elif b == 0x5C:  # backslash
+            escaped = True
+        elif b == 0x22 and not depth:  # a quoted string (inside a comment a quote is a character)
+            quoted = not quoted
+        elif quoted:
+            continue
+        elif b == 0x28:
+            depth += 1
+            deepest = max(deepest, depth)
+        elif b == 0x29 and depth:
+            depth -= 1
+    return deepest
+
 
 class MultipartParser:
     """Feed it the body (:meth:`feed`), then :meth:`finish` for the (name, bytes) parts."""
@@ -118,6 +144,11 @@ class MultipartParser:
         return False
 
     def _close_part(self, data: bytes) -> None:
+        if _comment_depth(self._headers) > MAX_COMMENT_DEPTH:  # the email parser recurses per level
+            raise MultipartError(
+                f"part {len(self.parts) + 1}: its headers nest comments '(...)' over "
+                f"{MAX_COMMENT_DEPTH} levels"
+            )
         headers = email.parser.BytesHeaderParser(policy=email.policy.HTTP).parsebytes(self._headers)
         name = headers.get_filename() or headers.get_param("name", header="content-disposition")
         cte = str(headers.get("content-transfer-encoding", "")).strip().lower()

@@ -223,7 +223,9 @@ def serve(
     precision: str | None = None,
     **limits: float,
 ) -> None:
-    """Serve ``kb_dir`` until interrupted (Ctrl-C or SIGTERM: running requests are finished first);
+    """Serve ``kb_dir`` until interrupted (Ctrl-C or SIGTERM: running requests get
+    :data:`GRACEFUL_SHUTDOWN` s, and the process ends within :data:`EXIT_GRACE` s more whatever a worker
+    thread is doing);
     ``limits``: the fields of :class:`Limits`."""
     server = KBServer(
         (host, port), kb_dir, device=device, poll_seconds=poll_seconds, precision=precision, **limits
@@ -245,6 +247,13 @@ def serve(
         f"{server.limits.max_batch} images)",
         flush=True,
     )
+    handle_exit = server.server.handle_exit
+
+    def on_signal(sig: int, frame: Any) -> None:  # stopping waits for the worker threads: bound it from here
+        handle_exit(sig, frame)
+        _exit_within(GRACEFUL_SHUTDOWN + EXIT_GRACE)
+
+    server.server.handle_exit = on_signal  # type: ignore[method-assign]
     try:
         server.serve_forever()
     finally:
