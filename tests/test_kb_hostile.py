@@ -247,6 +247,7 @@ def test_a_signed_kb_cannot_be_rolled_back(
     shutil.copytree(kb2, kb)
     key = tmp_path / "kb.key"
     key.write_text("0123456789abcdef" * 4)
+    key.chmod(0o600)
     assert _run(["kb", "sign", str(kb), "--key-file", str(key)], capsys)[0] == 0
     m = json.loads((kb / "manifest.json").read_text())
     rc, text = _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)
@@ -258,6 +259,7 @@ def test_a_signed_kb_cannot_be_rolled_back(
     assert _run(["kb", "info", str(kb), "--key-file", str(key)], capsys)[0] == 2
     other = tmp_path / "copy.key"  # the same key elsewhere, nothing recorded beside it: the history of
     other.write_text("0123456789abcdef" * 4)  # commits (format 4) still holds the newer one
+    other.chmod(0o600)
     rc, text = _run(["kb", "verify", str(kb), "--key-file", str(other)], capsys)
     assert rc == 1 and f"is commit {m['sequence']} of the same knowledge base" in text and "put back" in text
     rc, text = _run(
@@ -331,3 +333,33 @@ def test_two_identical_states_have_the_same_checksum(
     assert ma["updated"] != mb["updated"] and ma["tasks"][0]["learned"] != mb["tasks"][0]["learned"]
     assert ma["checksum"] == mb["checksum"]
     assert manifest_checksum({**ma, "kb_id": "another"}) == ma["checksum"]
+
+
+def test_a_full_disk_lets_gc_run_and_ends_other_writes_in_one_line(
+    kb2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a full disk the write lock's holder record cannot be written: the lock (a flock) still holds, so
+    `kb gc`, the command that frees space, runs; a write the disk refuses ends in one line naming the file
+    and what to do (exit 2), not an internal error."""
+    import errno
+
+    import proteus.kb.lock as lock
+
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+
+    def full(*a: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lock.os, "pwrite", full)
+    rc, text = _run(["kb", "gc", str(kb)], capsys)
+    assert rc == 0, text
+    monkeypatch.undo()
+
+    def refused(self: KnowledgeBase) -> list[str]:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(kb / "objects" / "x.tmp"))
+
+    monkeypatch.setattr(KnowledgeBase, "gc", refused)
+    rc, text = _run(["kb", "gc", str(kb)], capsys)
+    assert rc == 2 and f"error: {kb / 'objects' / 'x.tmp'}: No space left on device; free some space" in text
+    assert "internal error" not in text and len(text.strip().splitlines()) == 1, text

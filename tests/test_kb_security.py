@@ -151,6 +151,7 @@ def kb2(world: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def key_file(tmp_path: Path) -> Path:
     path = tmp_path / "kb.key"
     path.write_text("0123456789abcdef" * 4 + "\n")
+    path.chmod(0o600)  # a private key, as ssh wants one
     return path
 
 
@@ -473,6 +474,7 @@ def test_sign_verify_and_tamper(
     assert key == b"0123456789abcdef" * 4  # the newline is not part of it
     other = tmp_path / "other.key"
     other.write_text("f" * 64)
+    other.chmod(0o600)
     prev_before = _manifest(kb, "manifest.prev.json")
     assert main(["kb", "sign", str(kb), "--key-file", str(key_file)]) == 0
     assert f"signed (hmac-sha256, key id {key_id(key)})" in capsys.readouterr().out
@@ -525,8 +527,15 @@ def test_sign_verify_and_tamper(
         KnowledgeBase.open(plain)
     short = tmp_path / "short.key"
     short.write_text("abc")
+    short.chmod(0o600)
     with pytest.raises(KBError, match="too short"):
         kbmod.read_key_file(short)
+    for mode in (0o644, 0o640, 0o666, 0o602):  # readable or writable by others than its owner: refused
+        open_key = tmp_path / f"open-{mode:o}.key"
+        open_key.write_text("0123456789abcdef" * 4)
+        open_key.chmod(mode)
+        with pytest.raises(KBError, match=rf"its mode {mode:04o} lets others .* chmod 600 "):
+            kbmod.read_key_file(open_key)
 
 
 def test_commits_with_a_key_sign_and_undo_checks_the_previous_signature(

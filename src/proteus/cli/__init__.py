@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import os
 import signal
@@ -22,6 +23,16 @@ from proteus.cli import threads
 from proteus.cli.parser import build_parser
 from proteus.errors import ProteusError
 from proteus.untrusted import printable
+
+#: what a command's error says of a file-system error that is the machine's state, not a bug (every write
+#: of a knowledge base is atomic: it is as it was, or as the command left it)
+ENVIRONMENT_ERRNOS = {
+    errno.ENOSPC: "free some space and run the command again (a knowledge base is left as it was)",
+    errno.EDQUOT: "the disk quota is used up: free some space and run the command again",
+    errno.EROFS: "the file system is read-only: choose a writable place",
+    errno.EACCES: "check the permissions, or choose another place",
+    errno.EPERM: "check the permissions, or choose another place",
+}
 
 __all__ = ["Terminated", "build_parser", "main"]
 
@@ -141,10 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         lines = [printable(line) for line in _message(e).split("\n")]  # each line escaped, then laid out
         print("error: " + "\n  ".join(line.strip() for line in lines if line.strip()), file=sys.stderr)
         return 2
-    except Exception as e:  # anything else is a bug in proteus
+    except Exception as e:
         if args.debug:
             raise
-        msg = printable(" ".join(str(e).split()))  # one line
+        if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:  # the machine's state, not a bug
+            where = f"{printable(str(e.filename))}: " if e.filename else ""
+            print(f"error: {where}{e.strerror}; {ENVIRONMENT_ERRNOS[e.errno]}", file=sys.stderr)
+            return 2
+        msg = printable(" ".join(str(e).split()))  # anything else is a bug in proteus: one line
         print(
             f"internal error: {type(e).__name__}: {msg} -- this is a bug in proteus; please report it "
             "(run with --debug for the traceback)",

@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sign",
         help="sign the knowledge base (its manifest, and the previous one kept for undo) with an HMAC-SHA256 "
         "under a secret key; readers check it with --key-file or $PROTEUS_KB_KEY_FILE (docs/reliability.md)",
-        epilog="examples:\n  python -c 'import secrets; print(secrets.token_hex(32))' > kb.key\n"
+        epilog="examples:\n  (umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > kb.key)\n"
         "  proteus kb sign kb/ --key-file kb.key\n"
         "  PROTEUS_KB_KEY_FILE=kb.key proteus predict --kb kb/ x.jpg",
         formatter_class=argparse.RawDescriptionHelpFormatter,

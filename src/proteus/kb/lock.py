@@ -168,9 +168,14 @@ def write_lock(root: str | Path, wait: float | None = 0.0) -> Iterator[dict[str,
         _acquire(fd, root, wait)
         previous = _read_record(path)
         record = {"pid": os.getpid(), "host": socket.gethostname(), "since": _now(), "argv": list(sys.argv)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        os.fsync(fd)
+        try:  # best effort: the flock is the lock, the record only names its holder to a waiting writer
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.fsync(fd)
+        except OSError as e:  # a full disk: `kb gc` must still run, the command the docs give for it
+            log.warning(
+                "%s: the lock is held, but its holder record cannot be written (%s)", root, e.strerror
+            )
         if previous is not None:  # a holder that did not release cleanly (a clean release clears the record)
             pid = previous.get("pid")
             if _holder_gone(previous):

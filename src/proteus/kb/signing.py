@@ -60,16 +60,23 @@ def read_key_file(
     path: str | Path, source: str = "--key-file", min_sequence: int | None = None
 ) -> SigningKey:
     """The key in file ``path`` (trailing whitespace removed; a regular file, never a FIFO); :class:`KBError`
-    naming the file when it cannot be read or is too short. ``source`` says where the name came from."""
+    naming the file when it cannot be read, is too short, or lets anyone but its owner read or write it (its
+    mode named, as ssh refuses such a private key). ``source`` says where the name came from."""
     path = Path(path)
     try:
         key = read_regular(path, "side_file_bytes").rstrip()
+        mode = path.stat().st_mode & 0o777
     except OSError as e:
         raise KBError(f"{path} ({source}): cannot read the key file ({e.strerror or e})") from None
+    if mode & 0o077:
+        raise KBError(
+            f"{path} ({source}): its mode {mode:04o} lets others than its owner use the key; make it "
+            f"private: chmod 600 {path}"
+        )
     if len(key) < MIN_KEY_BYTES:
         raise KBError(
             f"{path} ({source}): a key of {len(key)} bytes is too short (at least {MIN_KEY_BYTES}); "
-            'make one with: python -c "import secrets; print(secrets.token_hex(32))" > KEYFILE'
+            'make one with: (umask 077; python -c "import secrets; print(secrets.token_hex(32))" > KEYFILE)'
         )
     return SigningKey(key, path, min_sequence)
 
