@@ -166,7 +166,7 @@ def test_ranges_and_registries_are_checked_for_given_keys_alone() -> None:
     """What ``learn`` checks before comparing with a KB: types, then registries and ranges (declared once,
     :data:`proteus.presets.RANGES`)."""
     assert validate_keys({"train.lr": "1e-3", "head.rp_dim": "0"}) == {"train.lr": 0.001, "head.rp_dim": 0}
-    with pytest.raises(ConfigError, match=r"head.rp_dim must be a number in \[0, inf\); got -5"):  # C14
+    with pytest.raises(ConfigError, match=r"head.rp_dim must be a number in \[0, 65536\]; got -5"):  # C14
         validate_keys({"head.rp_dim": -5})
     with pytest.raises(ConfigError, match="signature.keys must be one of"):
         validate_keys({"signature.keys": "bogus"})
@@ -178,7 +178,8 @@ def test_run_refuses_before_any_work(tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     for item, message in (
         ("train.epoch=1", "unknown config key 'train.epoch'; known keys here: epochs"),  # C13
-        ("head.rp_dim=-5", "head.rp_dim must be a number in [0, inf); got -5"),  # C14
+        ("head.rp_dim=-5", "head.rp_dim must be a number in [0, 65536]; got -5"),  # C14
+        ("head.rp_dim=100000000", "head.rp_dim must be a number in [0, 65536]; got 100000000"),
         ("train.epochs=2.5", "train.epochs must be an integer; got 2.5"),
     ):
         assert main(["run", "--benchmark", "quickstart", "--out", str(out), "--set", item]) == 2

@@ -30,8 +30,8 @@ from proteus.errors import ConfigError
 from proteus.registry import Registry
 
 __all__ = [
-    "AT_LEAST_1", "MISSING", "NO_LEGACY", "NON_NEGATIVE", "POSITIVE", "UNIT", "ConfigError", "Interval",
-    "OptionInfo", "check_section", "check_value", "info", "option", "options_of",
+    "AT_LEAST_1", "MAX_SQUARE_SIDE", "MISSING", "NO_LEGACY", "NON_NEGATIVE", "POSITIVE", "UNIT",
+    "ConfigError", "Interval", "OptionInfo", "check_section", "check_value", "info", "option", "options_of",
 ]  # fmt: skip
 
 MISSING: Any = dataclasses.MISSING
@@ -73,6 +73,9 @@ POSITIVE = Interval(0, None, "neither")
 AT_LEAST_1 = Interval(1, None)
 NON_NEGATIVE = Interval(0, None)
 UNIT = Interval(0, 1)
+#: the longest side of a square statistic a width option may ask for (RanPAC's G is M x M): 65,536 is 32 GiB
+#: in float64, refused by name before anything is allocated
+MAX_SQUARE_SIDE = 65_536
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ from proteus.config import declare
 from proteus.engine.errors import TaskError
 from proteus.engine.runtime import task_seed
 from proteus.learners import LEARNERS
-from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, UNIT, option
+from proteus.options import MAX_SQUARE_SIDE, NON_NEGATIVE, POSITIVE, UNIT, Interval, option
 from proteus.streams import Task
 from proteus.tensor_rules import TENSOR_RULES, ShapeRule
 
@@ -104,7 +104,9 @@ class MoALOptions(ParallelAdapterOptions, TrainingOptions):
     adapter_ema: float = option(
         0.999, help="alpha: the adapter's moving average over the epochs of tasks 2.. (0: none)", range=UNIT
     )
-    hidden: int = option(5000, help="H: the analytic head's random ReLU expansion (Hidden)", range=AT_LEAST_1)
+    hidden: int = option(
+        5000, help="H: the analytic head's random ReLU expansion (Hidden)", range=Interval(1, MAX_SQUARE_SIDE)
+    )
     ridge: float | None = option(
         None, help="the head's ridge (null: chosen at the first task, 10^-8 .. 10^8)", range=POSITIVE
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proteus.options import NON_NEGATIVE, Interval, option
+from proteus.options import MAX_SQUARE_SIDE, Interval, option
 
 __all__ = ["HeadConfig"]
 
@@ -17,7 +17,7 @@ class HeadConfig:
         10000,
         help="M: the random projection's width, with ReLU, in front of the head (RanPAC uses 10000; the "
         "paper writes Eq. 23 on h: 0 disables the projection)",
-        range=NON_NEGATIVE,
+        range=Interval(0, MAX_SQUARE_SIDE),
     )
     gamma_min_exp: int = option(-8, help="the ridge grid's smallest exponent: gamma from 10^min")
     gamma_max_exp: int = option(14, help="the ridge grid's end exponent (excluded): gamma below 10^max")
