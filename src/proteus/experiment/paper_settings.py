@@ -159,10 +159,10 @@ def stated_value(key: str, paper_benchmark: str) -> Any:
 
 
 #: keys that change no number of a run: where the data and weights lie, what a run reports, how fast it
-#: runs, prediction-time options off in every experiment (rejection), a baseline's own options (compared
-#: with its released settings instead)
+#: runs (the thread count moves only the last bits of the ridge solutions), prediction-time options off in
+#: every experiment (rejection), a baseline's own options (compared with its released settings instead)
 BOOKKEEPING = (
-    "method", "seed", "device", "compile", "backbone.weights", "benchmark.data", "benchmark.tasks_file",
+    "method", "seed", "device", "threads", "compile", "backbone.weights", "benchmark.data", "benchmark.tasks_file",
     "benchmark.download", "eval.", "report.", "train.cache_prefix", "train.num_workers", "retrieval.oracle",
     "retrieval.reject", "retrieval.novelty", "retrieval.shortlist", "retrieval.calibration_holdout",
     "retrieval.reject_tpr", "head.forgettable", "baseline.",
