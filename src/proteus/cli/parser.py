@@ -502,7 +502,7 @@ def add_kb_sign(ksub: argparse._SubParsersAction) -> None:
         "under a secret key; readers check it with --key-file or $PROTEUS_KB_KEY_FILE (docs/reliability.md)",
         **_about(
             "Sign the knowledge base's manifest with a key (HMAC-SHA256).",
-            "python -c 'import secrets; print(secrets.token_hex(32))' > kb.key",
+            "(umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > kb.key)",
             "proteus kb sign kb/ --key-file kb.key",
             "PROTEUS_KB_KEY_FILE=kb.key proteus predict --kb kb/ x.jpg",
         ),
