@@ -78,10 +78,9 @@ def test_list_shows_every_table_and_figure_of_the_paper(capsys: pytest.CaptureFi
 
 @needs_spec
 def test_published_numbers_are_the_papers() -> None:
-    """Every transcribed number is printed on the spec line its comment names (the catalogue's source
-    lines are read back), and in the entry's line range."""
+    """Every transcribed number is printed in its entry's line range, and on the line of the paper's source
+    that its row of the packaged data names (the data's lines are read back)."""
     lines = SPEC.read_text().splitlines()
-    src = Path(pt.__file__).read_text().splitlines()
 
     def printed(v: float) -> list[str]:
         forms = {f"{v:g}", f"{v:.2f}", f"{v:.1f}", f"{v:,.0f}"}
@@ -103,32 +102,26 @@ def test_published_numbers_are_the_papers() -> None:
                 assert any(f in where for f in printed(std)), (e.name, label, std)
             checked += 1
     assert checked > 200
-    # every "# l. N" comment (a single line, not a range) points at a line that prints the first number of
-    # its row: the row starts at the nearest line above naming a label or key, up to the comment's line
+    # every published row of the packaged data names the line (or lines) of the paper's source that prints
+    # it, and each of its numbers (a mean, or the string the paper prints) is printed there
     checked = 0
-    for i, ln in enumerate(src):
-        m = re.search(r"# l\. (\d+)(?![-\d])", ln)
-        if not m:
-            continue
-        start = i
-        while start > max(0, i - 12) and not re.search(r'^\s*("[^"]*":|\(")', src[start]):
-            start -= 1
-        block = "\n".join(src[start : i + 1])
-        found = [v.group(1) for v in re.finditer(r"\(\(?([0-9][0-9.]*)[,)]", block)]
-        if "_per_task(" in block:  # (tasks, values): the row's values are the last tuple
-            found = re.findall(r"^\s*\(([0-9][0-9.]*),", block, re.M)[-1:]
-        first = found[0] if found else None
-        on = lines[int(m.group(1)) - 1]
-        text = re.search(r'\): "([^"]+)",\s*# l\.', ln)  # a string the paper prints ("N/A")
-        if first is None and text:
-            assert text.group(1) in on, f"paper_tables.py:{i + 1}: {text.group(1)} is not on l. {m.group(1)}"
-            continue
-        assert first is not None, f"paper_tables.py:{i + 1}: no number before its line comment"
-        assert any(f in on for f in printed(float(first))), (
-            f"paper_tables.py:{i + 1}: {first} not on l. {m.group(1)}"
-        )
-        checked += 1
-    assert checked >= 40
+    for spec in pt.load_data()["entries"]:
+        for row in spec.get("paper", []):
+            lo, _, hi = str(row["line"]).partition("-")
+            on = "\n".join(lines[int(lo) - 1 : int(hi or lo)])
+            for v in row.get("values") or row.get("per_task") or [row["value"]]:
+                if isinstance(v, str):
+                    assert v in on, (spec["name"], row["variant"], v, row["line"])
+                else:
+                    mean = float(v[0] if isinstance(v, list) else v)
+                    assert any(f in on for f in printed(mean)), (
+                        spec["name"],
+                        row["variant"],
+                        mean,
+                        row["line"],
+                    )
+            checked += 1
+    assert checked >= 90
 
 
 @needs_spec

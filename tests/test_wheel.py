@@ -1,5 +1,6 @@
 """The package from its wheel: ``pip wheel .`` then that wheel installed into a new environment outside the
-checkout gives a working ``proteus`` (the packaged configs, the splits, the quickstart, ``serve``'s app).
+checkout gives a working ``proteus`` (the packaged configs, the splits, the paper's tables, the quickstart,
+``serve``'s app).
 The new environment borrows the test environment's third-party packages (torch, timm, ...) through a path
 file, so nothing is downloaded; proteus itself comes from the wheel only."""
 
@@ -28,6 +29,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("proteus/configs/benchmarks/") for n in names)
     assert any(n.startswith("proteus/streams/splits/") for n in names)
+    assert "proteus/experiment/paper_tables.yaml" in names  # the paper's tables, read by `reproduce`
     env = tmp / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     py = env / "bin" / "python"
@@ -54,6 +56,8 @@ def test_the_wheel_gives_a_working_proteus(installed: Path, tmp_path: Path) -> N
     assert p.returncode == 0 and "proteus-paper" in p.stdout and "inflora" in p.stdout, p.stderr
     p = _run(installed, "run", "--benchmark", "cifar100", "--method", "ranpac", "--help", cwd=tmp_path)
     assert p.returncode == 0
+    p = _run(installed, "reproduce", "--list", cwd=tmp_path)
+    assert p.returncode == 0 and "main-table" in p.stdout, p.stderr
     code = "from proteus.config import resolve_config; print(resolve_config('cifar100').backbone.name)"
     out = subprocess.run(
         [str(installed / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True

@@ -1,4 +1,6 @@
-"""The ``proteus`` argument parser: every command, flag and example."""
+"""The ``proteus`` argument parser: one ``add_<command>(sub)`` per command, its flags, description and
+examples in one place (the work is ``cmd_<command>`` in :mod:`proteus.cli.commands`), beside the options
+several commands share; :data:`COMMANDS` lists them in the order of ``proteus --help``."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import argparse
 import math
 import textwrap
 from collections.abc import Callable
+from typing import Any
 
 from proteus.cli.commands import (
     cmd_bench,
@@ -180,104 +183,19 @@ def _add_precision(p: argparse.ArgumentParser) -> None:
     )
 
 
-#: each command's description and examples, where its parser does not give its own: (description, examples)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "run": (
-        "Learn a task stream with one method in one process: each task learned, evaluated on every test set "
-        "so far and committed to the run's knowledge base; results.json, train_log.csv and acc_matrix.csv "
-        "in the run directory. An interrupted run goes on with --resume.",
-        "proteus run --benchmark quickstart --out runs/q\n"
-        "proteus run --benchmark cifar10 --data ~/data/cifar10 --config mobilenet_cpu --method ranpac\n"
-        "proteus run --resume runs/q                 # after Ctrl-C, a crash or a killed job",
-    ),
-    "quickstart": (
-        "The offline demo: scikit-learn's digits in 5 tasks of 2 classes on MobileNetV2 with ImageNet "
-        "weights; prints the accuracy after each task.",
-        "proteus quickstart --out runs/quickstart",
-    ),
-    "learn": (
-        "Learn task K of a stream into a knowledge base that holds tasks 1..K-1 (a new process per task: "
-        "add a task today, the next one next month). Options that define the model must equal the "
-        "knowledge base's; per-task ones (epochs, learning rate, batch sizes, device) may change and are "
-        "recorded with the task. The result equals `proteus run` on the same stream.",
-        "proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 1\n"
-        "proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 2 --set train.epochs=5\n"
-        "proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 3 --no-eval --wait",
-    ),
-    "evaluate": (
-        "Evaluate a knowledge base on the test sets of the tasks it holds (the stream it was learned on, "
-        "or --benchmark / --data): the accuracy matrix's last row, retrieval and oracle accuracy.",
-        "proteus evaluate --kb kb/ --data DATA\nproteus evaluate --kb kb/ --data DATA --out runs/eval",
-    ),
-    "compare": (
-        "Run several methods over several seeds on one stream and print a Table-1-style summary (mean and "
-        "spread); finished runs in --out are reused, so an interrupted compare resumes.",
-        "proteus compare --benchmark quickstart --methods proteus,ranpac,frozen --seeds 0,1,2\n"
-        "proteus compare --benchmark domains5 --config mobilenet_cpu --methods proteus,ranpac --out runs/d5",
-    ),
-    "bench": (
-        "The performance harness (tools/perf, from a checkout): each ratio measured side by side in one "
-        "process (docs/performance.md).",
-        "proteus bench --out runs/bench.json",
-    ),
-    "weights": (
-        "Provision pretrained weights into the torch hub cache (offline fallbacks included).",
-        "proteus weights fetch mobilenet_v2",
-    ),
-    "weights fetch": (
-        "Download (or obtain offline) a backbone's weights and verify their sha256.",
-        "proteus weights fetch mobilenet_v2",
-    ),
-    "data": (
-        "Build datasets from local material.",
-        "proteus data abrupt --cifar ../data/cifar10 --out data/abrupt",
-    ),
-    "data abrupt": (
-        "Build the CIFAR-10 / digits sequence: CIFAR-10 classes alternating with handwritten digits.",
-        "proteus data abrupt --cifar ../data/cifar10 --out data/abrupt",
-    ),
-    "kb": ("Inspect and manage a knowledge base; every change is a commit (undo reverts it).", ""),
-    "kb verify": (
-        "Check every object's checksum and the manifest; list every problem found.",
-        "proteus kb verify kb/",
-    ),
-    "kb info": (
-        "The knowledge base's backbone, method, tasks, classes, sizes and settings.",
-        "proteus kb info kb/",
-    ),
-    "kb list": ("One line per learned task: its classes and how it was learned.", "proteus kb list kb/"),
-    "kb sign": ("Sign the knowledge base's manifest with a key (HMAC-SHA256).", ""),
-    "kb gc": ("Remove files no commit refers to (left by an interrupted commit).", "proteus kb gc kb/"),
-    "kb upgrade": (
-        "Write a knowledge base of an older format again in this proteus's format, as a commit.",
-        "proteus kb upgrade kb/",
-    ),
-    "kb calibrate": ("", "proteus kb calibrate kb/ --tpr 0.9\nproteus kb calibrate kb/ --images held_out/"),
-    "kb forget": ("Never predict a task again (its head statistics subtracted exactly).", ""),
-    "kb undo": (
-        "Make the previous commit the current state again (itself a commit: undo twice redoes).",
-        "proteus kb undo kb/",
-    ),
-    "list": ("List the registered backbones, benchmarks or methods.", "proteus list methods"),
-}
-
-
-def _describe(name: str, p: argparse.ArgumentParser) -> None:
-    """Give ``p`` (command ``name``) its description and examples from :data:`COMMANDS` where it has none,
-    then its sub-commands."""
-    desc, examples = COMMANDS.get(name, ("", ""))
-    if not p.description and desc:
-        p.description = textwrap.fill(desc, 100)
-    if not p.epilog and examples:
-        p.epilog = "examples:\n" + "\n".join(f"  {line}" for line in examples.splitlines())
-        p.formatter_class = argparse.RawDescriptionHelpFormatter
-    for action in p._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub, sp in action.choices.items():
-                _describe(f"{name} {sub}".strip(), sp)
+def _about(description: str = "", *examples: str) -> dict[str, Any]:
+    """A command's ``add_parser`` keywords for its description (wrapped at 100 columns) and its examples (one
+    command line each, under "examples:"), shown as written."""
+    out: dict[str, Any] = {"formatter_class": argparse.RawDescriptionHelpFormatter}
+    if description:
+        out["description"] = textwrap.fill(description, 100)
+    if examples:
+        out["epilog"] = "examples:\n" + "\n".join(f"  {line}" for line in examples)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``proteus`` parser: its global options, then each command of :data:`COMMANDS`."""
     p = argparse.ArgumentParser(
         prog="proteus",
         description="Continual fine-tuning of pre-trained vision backbones with provably accurate, "
@@ -287,8 +205,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return p
 
-    r = sub.add_parser("run", help="run a method over a whole task stream in one process")
+
+def add_run(sub: argparse._SubParsersAction) -> None:
+    """``proteus run``: a method over a whole task stream in one process."""
+    r = sub.add_parser(
+        "run",
+        help="run a method over a whole task stream in one process",
+        **_about(
+            "Learn a task stream with one method in one process: each task learned, evaluated on every test "
+            "set so far and committed to the run's knowledge base; results.json, train_log.csv and "
+            "acc_matrix.csv in the run directory. An interrupted run goes on with --resume.",
+            "proteus run --benchmark quickstart --out runs/q",
+            "proteus run --benchmark cifar10 --data ~/data/cifar10 --config mobilenet_cpu --method ranpac",
+            "proteus run --resume runs/q                 # after Ctrl-C, a crash or a killed job",
+        ),
+    )
     _add_run_args(r, benchmark_required=False)
     r.add_argument("--method", help="method name (default proteus; see `proteus list methods`)")
     r.add_argument("--out", help="run directory (default runs/<benchmark>-<method>-<time>)")
@@ -302,7 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
     _track_option(r)
     r.set_defaults(func=cmd_run)
 
-    q = sub.add_parser("quickstart", help="offline demo: digits in 5 tasks on MobileNetV2 (ImageNet weights)")
+
+def add_quickstart(sub: argparse._SubParsersAction) -> None:
+    """``proteus quickstart``: the offline demo."""
+    q = sub.add_parser(
+        "quickstart",
+        help="offline demo: digits in 5 tasks on MobileNetV2 (ImageNet weights)",
+        **_about(
+            "The offline demo: scikit-learn's digits in 5 tasks of 2 classes on MobileNetV2 with ImageNet "
+            "weights; prints the accuracy after each task.",
+            "proteus quickstart --out runs/quickstart",
+        ),
+    )
     q.add_argument("--out", default="runs/quickstart")
     q.add_argument("--method", default="proteus")
     q.add_argument("--config", action="append", default=[])
@@ -311,7 +257,22 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-q", "--quiet", action="store_true")
     q.set_defaults(func=cmd_quickstart)
 
-    lr = sub.add_parser("learn", help="learn task K into a knowledge base left by task K-1 (fresh process)")
+
+def add_learn(sub: argparse._SubParsersAction) -> None:
+    """``proteus learn``: one task into a knowledge base, in a fresh process."""
+    lr = sub.add_parser(
+        "learn",
+        help="learn task K into a knowledge base left by task K-1 (fresh process)",
+        **_about(
+            "Learn task K of a stream into a knowledge base that holds tasks 1..K-1 (a new process per "
+            "task: add a task today, the next one next month). Options that define the model must equal the "
+            "knowledge base's; per-task ones (epochs, learning rate, batch sizes, device) may change and "
+            "are recorded with the task. The result equals `proteus run` on the same stream.",
+            "proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 1",
+            "proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 2 --set train.epochs=5",
+            "proteus learn --kb kb/ --benchmark cifar10 --data DATA --task 3 --no-eval --wait",
+        ),
+    )
     _add_run_args(lr)
     lr.add_argument("--kb", required=True, help="knowledge base directory")
     lr.add_argument("--task", type=int, required=True, help="task number, 1-based")
@@ -320,7 +281,19 @@ def build_parser() -> argparse.ArgumentParser:
     _wait_option(lr)
     lr.set_defaults(func=cmd_learn)
 
-    ev = sub.add_parser("evaluate", help="evaluate a knowledge base on the test sets of its tasks")
+
+def add_evaluate(sub: argparse._SubParsersAction) -> None:
+    """``proteus evaluate``: a knowledge base on the test sets of its tasks."""
+    ev = sub.add_parser(
+        "evaluate",
+        help="evaluate a knowledge base on the test sets of its tasks",
+        **_about(
+            "Evaluate a knowledge base on the test sets of the tasks it holds (the stream it was learned "
+            "on, or --benchmark / --data): the accuracy matrix's last row, retrieval and oracle accuracy.",
+            "proteus evaluate --kb kb/ --data DATA",
+            "proteus evaluate --kb kb/ --data DATA --out runs/eval",
+        ),
+    )
     ev.add_argument("--kb", required=True)
     ev.add_argument("--benchmark", help="(checked against the knowledge base)")
     ev.add_argument("--data")
@@ -332,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("-q", "--quiet", action="store_true")
     ev.set_defaults(func=cmd_evaluate)
 
+
+def add_predict(sub: argparse._SubParsersAction) -> None:
+    """``proteus predict``: classify image files, folders or globs with a knowledge base."""
     pr = sub.add_parser(
         "predict",
         help="classify image files or folders: class, retrieved task and component, scores",
@@ -388,8 +364,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.set_defaults(func=cmd_predict)
 
+
+def add_compare(sub: argparse._SubParsersAction) -> None:
+    """``proteus compare``: several methods on one split, side by side."""
     c = sub.add_parser(
-        "compare", help="run several methods on one split and print a Table-1-style comparison"
+        "compare",
+        help="run several methods on one split and print a Table-1-style comparison",
+        **_about(
+            "Run several methods over several seeds on one stream and print a Table-1-style summary (mean "
+            "and spread); finished runs in --out are reused, so an interrupted compare resumes.",
+            "proteus compare --benchmark quickstart --methods proteus,ranpac,frozen --seeds 0,1,2",
+            "proteus compare --benchmark domains5 --config mobilenet_cpu --methods proteus,ranpac --out "
+            "runs/d5",
+        ),
     )
     _add_run_args(c)
     c.add_argument("--methods", required=True, help="comma-separated method names")
@@ -398,23 +385,66 @@ def build_parser() -> argparse.ArgumentParser:
     _track_option(c)
     c.set_defaults(func=cmd_compare)
 
-    _add_reproduce(sub)
 
-    b = sub.add_parser("bench", help="performance harness: ratios measured side by side in one process")
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    """``proteus bench``: the performance harness."""
+    b = sub.add_parser(
+        "bench",
+        help="performance harness: ratios measured side by side in one process",
+        **_about(
+            "The performance harness (tools/perf, from a checkout): each ratio measured side by side in one "
+            "process (docs/performance.md).",
+            "proteus bench --out runs/bench.json",
+        ),
+    )
     b.add_argument("--out", help="write the JSON report here")
     b.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
     b.add_argument("--device", default="auto")
     b.set_defaults(func=cmd_bench)
 
-    w = sub.add_parser("weights", help="provision pretrained weights into the torch hub cache")
+
+def add_weights(sub: argparse._SubParsersAction) -> None:
+    """``proteus weights fetch``: provision pretrained weights."""
+    w = sub.add_parser(
+        "weights",
+        help="provision pretrained weights into the torch hub cache",
+        **_about(
+            "Provision pretrained weights into the torch hub cache (offline fallbacks included).",
+            "proteus weights fetch mobilenet_v2",
+        ),
+    )
     wsub = w.add_subparsers(dest="action", required=True)
-    wf = wsub.add_parser("fetch", help="download (or obtain offline) and verify weights")
+    wf = wsub.add_parser(
+        "fetch",
+        help="download (or obtain offline) and verify weights",
+        **_about(
+            "Download (or obtain offline) a backbone's weights and verify their sha256.",
+            "proteus weights fetch mobilenet_v2",
+        ),
+    )
     wf.add_argument("name", help="backbone name, e.g. mobilenet_v2")
     wf.set_defaults(func=cmd_weights)
 
-    d = sub.add_parser("data", help="build datasets from local material")
+
+def add_data(sub: argparse._SubParsersAction) -> None:
+    """``proteus data abrupt``: build a dataset from local material."""
+    d = sub.add_parser(
+        "data",
+        help="build datasets from local material",
+        **_about(
+            "Build datasets from local material.",
+            "proteus data abrupt --cifar ../data/cifar10 --out data/abrupt",
+        ),
+    )
     dsub = d.add_subparsers(dest="action", required=True)
-    da = dsub.add_parser("abrupt", help="CIFAR-10 classes alternating with handwritten digits (5 tasks)")
+    da = dsub.add_parser(
+        "abrupt",
+        help="CIFAR-10 classes alternating with handwritten digits (5 tasks)",
+        **_about(
+            "Build the CIFAR-10 / digits sequence: CIFAR-10 classes alternating with handwritten digits.",
+            "proteus data abrupt --cifar ../data/cifar10 --out data/abrupt",
+        ),
+    )
     da.add_argument(
         "--cifar", required=True, help="CIFAR-10 ImageFolder root (e.g. ../shared/data/cifar10-subset)"
     )
@@ -422,58 +452,103 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--seed", type=int, default=0)
     da.set_defaults(func=cmd_data)
 
+
+def add_kb(sub: argparse._SubParsersAction) -> None:
+    """``proteus kb ...``: inspect, sign, clean, upgrade, calibrate, forget and undo a knowledge base."""
     k = sub.add_parser(
         "kb",
         help="inspect a knowledge base: verify every checksum, show its tasks and settings",
-        epilog="examples:\n  proteus kb verify kb/\n  proteus kb info kb/\n  proteus kb list kb/ --json\n"
-        "  proteus kb sign kb/ --key-file kb.key && proteus kb verify kb/ --key-file kb.key\n"
-        "  proteus kb gc kb/",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **_about(
+            "Inspect and manage a knowledge base; every change is a commit (undo reverts it).",
+            "proteus kb verify kb/",
+            "proteus kb info kb/",
+            "proteus kb list kb/ --json",
+            "proteus kb sign kb/ --key-file kb.key && proteus kb verify kb/ --key-file kb.key",
+            "proteus kb gc kb/",
+        ),
     )
     ksub = k.add_subparsers(dest="action", required=True)
-    for action, text, func in (
+    for action, text, about, func in (
         ("verify", "check the manifest (fields, object paths, signature with --key-file), every object "
          "(checksum, dtypes, shapes, finite values) and the previous commit; list every problem (exit 1 if "
-         "any) and, as warnings, files no commit needs (exit 0)", cmd_kb_verify),
-        ("info", "backbone, method, tasks, classes, sizes (also on disk) and per-task settings", cmd_kb_show),
-        ("list", "one line per learned task", cmd_kb_show),
+         "any) and, as warnings, files no commit needs (exit 0)",
+         _about("Check every object's checksum and the manifest; list every problem found.",
+                "proteus kb verify kb/"), cmd_kb_verify),
+        ("info", "backbone, method, tasks, classes, sizes (also on disk) and per-task settings",
+         _about("The knowledge base's backbone, method, tasks, classes, sizes and settings.",
+                "proteus kb info kb/"), cmd_kb_show),
+        ("list", "one line per learned task",
+         _about("One line per learned task: its classes and how it was learned.", "proteus kb list kb/"),
+         cmd_kb_show),
     ):  # fmt: skip
-        kp = ksub.add_parser(action, help=text)
+        kp = ksub.add_parser(action, help=text, **about)
         kp.add_argument("kb", help="knowledge base directory")
         kp.add_argument("--json", action="store_true", help="print JSON (info, list)")
         _key_option(kp)
         kp.set_defaults(func=func)
+    add_kb_sign(ksub)
+    add_kb_gc(ksub)
+    add_kb_upgrade(ksub)
+    add_kb_calibrate(ksub)
+    add_kb_forget(ksub)
+    add_kb_undo(ksub)
+
+
+def add_kb_sign(ksub: argparse._SubParsersAction) -> None:
+    """``proteus kb sign``: sign a knowledge base with a secret key."""
     ks = ksub.add_parser(
         "sign",
         help="sign the knowledge base (its manifest, and the previous one kept for undo) with an HMAC-SHA256 "
         "under a secret key; readers check it with --key-file or $PROTEUS_KB_KEY_FILE (docs/reliability.md)",
-        epilog="examples:\n  (umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > kb.key)\n"
-        "  proteus kb sign kb/ --key-file kb.key\n"
-        "  PROTEUS_KB_KEY_FILE=kb.key proteus predict --kb kb/ x.jpg",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **_about(
+            "Sign the knowledge base's manifest with a key (HMAC-SHA256).",
+            "(umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > kb.key)",
+            "proteus kb sign kb/ --key-file kb.key",
+            "PROTEUS_KB_KEY_FILE=kb.key proteus predict --kb kb/ x.jpg",
+        ),
     )
     ks.add_argument("kb", help="knowledge base directory")
     _key_option(ks, required=True)
     _wait_option(ks)
     ks.set_defaults(func=cmd_kb_sign)
+
+
+def add_kb_gc(ksub: argparse._SubParsersAction) -> None:
+    """``proteus kb gc``: remove the files no commit needs."""
     kg = ksub.add_parser(
         "gc",
         help="remove the files neither the current nor the previous commit needs (orphan objects and "
         "temporary files of failed or interrupted commits) and say how many bytes it freed",
+        **_about(
+            "Remove files no commit refers to (left by an interrupted commit).",
+            "proteus kb gc kb/",
+        ),
     )
     kg.add_argument("kb", help="knowledge base directory")
     _wait_option(kg)
     kg.set_defaults(func=cmd_kb_gc)
+
+
+def add_kb_upgrade(ksub: argparse._SubParsersAction) -> None:
+    """``proteus kb upgrade``: write an older knowledge base in this format."""
     kup = ksub.add_parser(
         "upgrade",
         help="write a knowledge base of an older format (1-3) again in this proteus's format (a commit: "
         "atomic; `proteus kb undo` goes back); a KB in an older format is read as it is, and upgraded at its "
         "next commit anyway",
+        **_about(
+            "Write a knowledge base of an older format again in this proteus's format, as a commit.",
+            "proteus kb upgrade kb/",
+        ),
     )
     kup.add_argument("kb", help="knowledge base directory")
     _key_option(kup)
     _wait_option(kup)
     kup.set_defaults(func=cmd_kb_upgrade)
+
+
+def add_kb_calibrate(ksub: argparse._SubParsersAction) -> None:
+    """``proteus kb calibrate``: fit the thresholds that flag unknown inputs."""
     kc = ksub.add_parser(
         "calibrate",
         help="fit the thresholds that flag inputs from no learned task as unknown: from a folder of your "
@@ -481,7 +556,11 @@ def build_parser() -> argparse.ArgumentParser:
         "true-positive rate from what the tasks stored (--tpr)",
         description="examples:\n  proteus kb calibrate runs/kb --images held_out/   # sub-folders named "
         "after learned classes, or loose images\n  proteus kb calibrate runs/kb --tpr 0.9",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **_about(
+            "",
+            "proteus kb calibrate kb/ --tpr 0.9",
+            "proteus kb calibrate kb/ --images held_out/",
+        ),
     )
     kc.add_argument("kb", help="knowledge base directory")
     _threads_option(kc)
@@ -499,13 +578,20 @@ def build_parser() -> argparse.ArgumentParser:
     _key_option(kc)
     _wait_option(kc)
     kc.set_defaults(func=cmd_kb_calibrate)
+
+
+def add_kb_forget(ksub: argparse._SubParsersAction) -> None:
+    """``proteus kb forget``: remove a task from what can be predicted."""
     kf = ksub.add_parser(
         "forget",
         help="remove a task from what can be predicted (its head statistics subtracted exactly, its key "
         "removed; needs head.forgettable=true when it was learned); undo with `proteus kb undo`",
-        epilog="examples:\n  proteus learn --kb kb/ ... --set head.forgettable=true\n"
-        "  proteus kb forget kb/ --task 2\n  proteus kb undo kb/",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **_about(
+            "Never predict a task again (its head statistics subtracted exactly).",
+            "proteus learn --kb kb/ ... --set head.forgettable=true",
+            "proteus kb forget kb/ --task 2",
+            "proteus kb undo kb/",
+        ),
     )
     kf.add_argument("kb", help="knowledge base directory")
     kf.add_argument(
@@ -514,16 +600,27 @@ def build_parser() -> argparse.ArgumentParser:
     _key_option(kf)
     _wait_option(kf)
     kf.set_defaults(func=cmd_kb_forget)
+
+
+def add_kb_undo(ksub: argparse._SubParsersAction) -> None:
+    """``proteus kb undo``: go back to the previous commit."""
     ku = ksub.add_parser(
         "undo",
         help="go back to the previous commit (undoes the last learn, forget or calibrate; undo "
         "again goes back to the state undone)",
+        **_about(
+            "Make the previous commit the current state again (itself a commit: undo twice redoes).",
+            "proteus kb undo kb/",
+        ),
     )
     ku.add_argument("kb", help="knowledge base directory")
     _key_option(ku)
     _wait_option(ku)
     ku.set_defaults(func=cmd_kb_undo)
 
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    """``proteus serve``: a knowledge base over HTTP."""
     sv = sub.add_parser(
         "serve",
         help="serve a knowledge base over HTTP (POST /predict, GET /tasks), reloading new commits",
@@ -591,11 +688,19 @@ def build_parser() -> argparse.ArgumentParser:
         sv.add_argument(flag, type=_at_least(1), default=argparse.SUPPRESS, metavar="N", help=what)
     sv.set_defaults(func=cmd_serve)
 
-    ls = sub.add_parser("list", help="list backbones, benchmarks or methods")
+
+def add_list(sub: argparse._SubParsersAction) -> None:
+    """``proteus list``: backbones, benchmarks or methods."""
+    ls = sub.add_parser(
+        "list",
+        help="list backbones, benchmarks or methods",
+        **_about(
+            "List the registered backbones, benchmarks or methods.",
+            "proteus list methods",
+        ),
+    )
     ls.add_argument("what", nargs="?", choices=["backbones", "benchmarks", "methods"])
     ls.set_defaults(func=cmd_list)
-    _describe("", p)
-    return p
 
 
 REPRODUCE_EPILOG = """\
@@ -611,7 +716,7 @@ examples:
 """
 
 
-def _add_reproduce(sub: argparse._SubParsersAction) -> None:
+def add_reproduce(sub: argparse._SubParsersAction) -> None:
     """``proteus reproduce``: the paper's tables by name (proteus.experiment.reproduce)."""
     p = sub.add_parser(
         "reproduce",
@@ -692,3 +797,22 @@ def _wait_option(p: argparse.ArgumentParser) -> None:
         help="when another process is writing to the KB, wait for it (as long as it takes, or SECONDS) "
         "instead of failing at once",
     )
+
+
+#: every command's parser, in the order of ``proteus --help``: a new command is a ``cmd_<name>`` in
+#: :mod:`proteus.cli.commands` and an ``add_<name>(sub)`` here, named in this tuple
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    add_run,
+    add_quickstart,
+    add_learn,
+    add_evaluate,
+    add_predict,
+    add_compare,
+    add_reproduce,
+    add_bench,
+    add_weights,
+    add_data,
+    add_kb,
+    add_serve,
+    add_list,
+)
