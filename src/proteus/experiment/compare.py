@@ -25,12 +25,12 @@ import yaml
 
 from proteus import distributed as dist
 from proteus.config import ConfigError, RunConfig, flatten
-from proteus.experiment.loop import run
+from proteus.experiment.executors import CellsFailed, Executor, Job, LocalExecutor, run_jobs
 from proteus.experiment.provenance import merged
 from proteus.report import fmt
 from proteus.report.figures import plot_compare
 
-__all__ = ["COLUMNS", "compare", "compare_markdown", "summarise"]
+__all__ = ["COLUMNS", "compare", "compare_markdown", "pending_jobs", "summarise", "write_comparison"]
 
 #: (results.json value, column title, higher is better)
 COLUMNS: list[tuple[str, str, bool]] = [
@@ -172,6 +172,21 @@ def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     return json.loads(res_file.read_text())
 
 
+def pending_jobs(
+    cfgs: dict[tuple[str, int], RunConfig], out: Path, progress: bool = True, label: str = ""
+) -> list[Job]:
+    """The cells of ``cfgs`` ((method, seed) -> config, run into ``out/<method>/seed<k>``) that have no
+    finished run of the same configuration yet (the finished ones are named as reused)."""
+    jobs = []
+    for (m, s), cfg in cfgs.items():
+        run_dir = out / m / f"seed{s}"
+        if _finished(run_dir, cfg) is None:
+            jobs.append(Job(f"{label}{m}, seed {s}", run_dir, cfg))
+        elif progress and dist.is_main():
+            print(f"== {label}{m}, seed {s}: reusing the finished run in {run_dir}", flush=True)
+    return jobs
+
+
 def compare(
     make_config: Callable[[str, int], RunConfig],
     methods: Sequence[str],
@@ -179,29 +194,44 @@ def compare(
     out: str | Path,
     progress: bool = True,
     stem: str = "compare",
+    executor: Executor | None = None,
 ) -> dict[str, Any]:
-    """Run every method with every seed into ``out/<method>/seed<k>`` and write the comparison
-    (``<stem>.md``, ``<stem>.json``, ``<stem>_accuracy.png``; ``proteus reproduce`` names them after its
-    table, so that tables sharing ``out`` keep their own)."""
+    """Run every method with every seed into ``out/<method>/seed<k>`` (through ``executor``, this process by
+    default) and write the comparison (``<stem>.md``, ``<stem>.json``, ``<stem>_accuracy.png``; ``proteus
+    reproduce`` names them after its table, so that tables sharing ``out`` keep their own)."""
 
     if not methods:
         raise ConfigError("compare: no methods given")
     if not seeds:
         raise ConfigError("compare: no seeds given")
     out = Path(out)
-    main = dist.is_main()
     # resolve every configuration first: a misspelt method fails before hours of runs
     cfgs = {(m, s): make_config(m, s) for m in methods for s in seeds}
+    executor = executor or LocalExecutor()
+    try:
+        run_jobs(executor, pending_jobs(cfgs, out, progress), out, progress)
+    except CellsFailed:
+        write_comparison(cfgs, out, stem)  # what finished, then the failed cells named
+        raise
+    if executor.dry_run:
+        return {}
+    return write_comparison(cfgs, out, stem)
+
+
+def write_comparison(
+    cfgs: dict[tuple[str, int], RunConfig], out: Path, stem: str = "compare"
+) -> dict[str, Any]:
+    """Gather the finished runs of ``cfgs`` from their results.json files and write the comparison."""
+    main = dist.is_main()
+    methods = list(dict.fromkeys(m for m, _ in cfgs))
+    seeds = list(dict.fromkeys(s for _, s in cfgs))
     runs: dict[str, dict[int, dict[str, Any]]] = {m: {} for m in methods}
-    for (m, s), cfg in cfgs.items():
+    for m, s in cfgs:
         run_dir = out / m / f"seed{s}"
-        res = _finished(run_dir, cfg)
-        if res is None:
-            if progress and main:
-                print(f"== {m}, seed {s} -> {run_dir}", flush=True)
-            res = run(cfg, run_dir, progress=progress)
-        elif progress and main:
-            print(f"== {m}, seed {s}: reusing the finished run in {run_dir}", flush=True)
+        try:
+            res = json.loads((run_dir / "results.json").read_text())
+        except (OSError, ValueError):
+            continue  # not run (a failed cell): left out of the means, named by the caller
         runs[m][s] = {**_row(res), "dir": str(run_dir.relative_to(out))}
     first = next(iter(cfgs.values()))
     num_tasks = max((len(r["avg_acc"]) for by in runs.values() for r in by.values()), default=0)
