@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,6 +70,15 @@ def test_time_limits_in_slurms_forms() -> None:
         _minutes("soon")
 
 
+def test_a_pool_shares_the_cores_and_gives_each_process_its_gpu() -> None:
+    pool = make_executor("pool", ExecutorOptions(jobs=2, threads=3))
+    env = [pool._env(slot, gpus=2) for slot in (0, 1)]  # type: ignore[attr-defined]
+    assert [e["OMP_NUM_THREADS"] for e in env] == ["3", "3"]
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0", "1"]
+    assert "CUDA_VISIBLE_DEVICES" not in pool._env(0, gpus=1) or "CUDA_VISIBLE_DEVICES" in os.environ  # type: ignore[attr-defined]
+
+
 def test_the_recorded_command_leaves_out_where_cells_ran() -> None:
     argv = ["reproduce", "x", "--executor", "pool", "--jobs", "2", "--seeds", "0", "--dry-run",
             "--slurm-opt", "mem=4G", "--time=90", "--out", "o"]  # fmt: skip
@@ -118,7 +128,7 @@ def test_slurm_without_submitit_says_how_to_install_it(
 ) -> None:
     monkeypatch.setitem(sys.modules, "submitit", None)  # (an import of it fails)
     assert main([*ABLATION, "--out", str(tmp_path), "--executor", "slurm", "--dry-run"]) == 2
-    assert "pip install 'proteus-cl[cluster]'" in capsys.readouterr().err
+    assert "pip install submitit" in capsys.readouterr().err
 
 
 def test_slurm_dry_run_prints_the_job_array(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,12 +198,68 @@ def test_the_pool_gathers_the_local_table_and_resumes_an_interrupted_grid(
     assert main([*ABLATION, "--out", str(pool), "--status"]) == 0
     status = capsys.readouterr().out
     assert "2 done, 2 failed of 4 cells" in status and status.count("is gone") == 2
-    # the re-run runs only those two, and the table is the local one again
+    # one killed job started again in its folder (as a re-queued SLURM job) continues from task 2
+    again = lost[0].run_dir(pool)
+    subprocess.run([sys.executable, "-m", "proteus.experiment.cell", str(again), "--quiet"], check=True)
+    assert json.loads((again / "state.json").read_text())["resumed"] is True
+    mine = json.loads((local / lost[0].run_dir(Path()) / "results.json").read_text())
+    assert json.loads((again / "results.json").read_text())["avg_acc"] == mine["avg_acc"]
+    # the re-run runs only the one left, and the table is the local one again
     assert main([*ABLATION, "--out", str(pool), "--executor", "pool", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.count("reusing the finished run") == 2 and "running 2 cells (pool)" in out
-    assert all(c.cell_id in out.split("running 2 cells")[1] for c in lost)
+    assert out.count("reusing the finished run") == 3 and "running 1 cell (pool)" in out
+    assert lost[1].cell_id in out.split("running 1 cell")[1]
     assert all(
         (c.run_dir(pool) / "results.json").stat().st_mtime_ns == t for c, t in zip(kept, stamps.values())
     )
     assert (pool / f"{stem}.csv").read_bytes() == (local / f"{stem}.csv").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_grid_on_a_single_node_slurm_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The grid as a SLURM job array (a cluster started for the test): the local table again; a job killed
+    part-way is named, started again in its folder by the scheduler (it continues from its last committed
+    task), and the next run submits nothing."""
+    pytest.importorskip("submitit", reason="submitit (the extra 'cluster') is not installed")
+    from contextlib import ExitStack
+
+    from slurmcluster import Unavailable, single_node
+
+    with ExitStack() as stack:
+        try:
+            env = stack.enter_context(single_node())
+        except Unavailable as e:
+            pytest.skip(f"no single-node SLURM cluster here: {e}")
+        monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
+        local, slurm = tmp_path / "local", tmp_path / "slurm"
+        stem, on_slurm = (
+            "ablationS-quickstart",
+            ["--executor", "slurm", "--partition", "debug", "--time", "30"],
+        )
+        assert main([*ABLATION, "--out", str(local), "-q"]) == 0
+        assert main([*ABLATION, "--out", str(slurm), "-q", *on_slurm]) == 0
+        for suffix in (".csv", ".md"):
+            assert (slurm / f"{stem}{suffix}").read_bytes() == (local / f"{stem}{suffix}").read_bytes()
+        cells = json.loads((slurm / f"{stem}.json").read_text())["cells"]
+        assert {c["ran"]["executor"] for c in cells} == {"slurm"}
+        # one cell again, its job killed in task 2 (task 1 committed)
+        cell = rep.make_plan("ablationS", benchmark="quickstart", seeds=[0], sets=TINY).runnable()[1]
+        d = cell.run_dir(slurm)
+        for p in sorted(d.rglob("*"), reverse=True):
+            p.unlink() if p.is_file() else p.rmdir()
+        monkeypatch.setenv("PROTEUS_TEST_KILL_AT", "learn:prefix@2")
+        capsys.readouterr()
+        assert main([*ABLATION, "--out", str(slurm), "-q", *on_slurm]) == 2
+        assert "1 of 1 cells failed" in capsys.readouterr().err and cell_state(d).state == "failed"
+        monkeypatch.delenv("PROTEUS_TEST_KILL_AT")
+        # the scheduler starts it again in its folder: it continues from task 2
+        wrap = f"{sys.executable} -m proteus.experiment.cell {d} --executor slurm --quiet"
+        subprocess.run(["sbatch", "--wait", "--partition", "debug", "--wrap", wrap], check=True, timeout=900)
+        state = json.loads((d / "state.json").read_text())
+        assert state["state"] == "done" and state["resumed"] is True and state["job_id"]
+        assert main([*ABLATION, "--out", str(slurm), *on_slurm]) == 0
+        out = capsys.readouterr().out
+        assert out.count("reusing the finished run") == 4 and "(slurm):" not in out  # nothing submitted
+        assert (slurm / f"{stem}.csv").read_bytes() == (local / f"{stem}.csv").read_bytes()

@@ -686,7 +686,7 @@ def _executor_options(p: argparse.ArgumentParser) -> None:
         default="local",
         choices=EXECUTORS.names(),
         help="local: one after the other in this process (default); pool: --jobs processes on this machine; "
-        "slurm: a SLURM job array through submitit (pip install 'proteus-cl[cluster]')",
+        "slurm: a SLURM job array through submitit (pip install submitit)",
     )
     g.add_argument("--jobs", type=_at_least(1), metavar="N", help="pool: processes at once")
     g.add_argument("--partition", help="slurm: the partition")

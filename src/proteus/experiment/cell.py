@@ -100,6 +100,10 @@ def run_cell(
         if job is None or not isinstance(job.get("config"), dict):
             raise FileNotFoundError(f"{run_dir / JOB_FILE}: no readable job file (the cell's configuration)")
         cfg = RunConfig.from_stored(job["config"])
+        if cfg.threads is not None:  # the config's own count wins over the executor's share
+            import torch
+
+            torch.set_num_threads(cfg.threads)
     resume = KnowledgeBase.exists(run_dir / "kb") and not (run_dir / "results.json").is_file()
     _mark(run_dir, "running", executor, resumed=resume)
     try:

@@ -239,7 +239,7 @@ class SlurmExecutor(Executor):
         except ImportError:
             raise ConfigError(
                 "--executor slurm runs through submitit, which is not installed: "
-                "pip install 'proteus-cl[cluster]' (or pip install submitit)"
+                "pip install submitit (or, from a checkout, pip install '.[cluster]')"
             ) from None
         return submitit
 
