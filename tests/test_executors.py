@@ -204,11 +204,12 @@ def test_the_pool_gathers_the_local_table_and_resumes_an_interrupted_grid(
     assert json.loads((again / "state.json").read_text())["resumed"] is True
     mine = json.loads((local / lost[0].run_dir(Path()) / "results.json").read_text())
     assert json.loads((again / "results.json").read_text())["avg_acc"] == mine["avg_acc"]
-    # the re-run runs only the one left, and the table is the local one again
+    # the re-run runs only the one left (continued from task 2), and the table is the local one again
     assert main([*ABLATION, "--out", str(pool), "--executor", "pool", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("reusing the finished run") == 3 and "running 1 cell (pool)" in out
-    assert lost[1].cell_id in out.split("running 1 cell")[1]
+    assert f"{lost[1].cell_id}, seed 0: failed: its process" in out.split("running 1 cell")[1]
+    assert json.loads((lost[1].run_dir(pool) / "state.json").read_text())["resumed"] is True
     assert all(
         (c.run_dir(pool) / "results.json").stat().st_mtime_ns == t for c, t in zip(kept, stamps.values())
     )
@@ -263,3 +264,24 @@ def test_a_grid_on_a_single_node_slurm_cluster(
         out = capsys.readouterr().out
         assert out.count("reusing the finished run") == 4 and "(slurm):" not in out  # nothing submitted
         assert (slurm / f"{stem}.csv").read_bytes() == (local / f"{stem}.csv").read_bytes()
+
+
+def test_an_interrupted_run_of_the_same_config_is_continued_else_set_aside(tmp_path: Path) -> None:
+    from proteus.experiment.compare import _finished, resumable
+
+    plan = rep.make_plan("ablationS", benchmark="quickstart", seeds=[0], sets=TINY)
+    same, other = plan.runnable()[:2]
+    for c, cfg in ((same, same.config), (other, same.config)):  # `other` holds the first cell's config
+        d = c.run_dir(tmp_path)
+        (d / "kb").mkdir(parents=True)
+        (d / "kb" / "manifest.json").write_text("{}")
+        (d / "config.yaml").write_text(cfg.to_yaml())  # type: ignore[union-attr]
+    assert resumable(same.run_dir(tmp_path), same.config)  # type: ignore[arg-type]
+    assert _finished(same.run_dir(tmp_path), same.config) is None  # type: ignore[arg-type]
+    assert not resumable(other.run_dir(tmp_path), other.config)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="holds an unfinished run"):
+        _finished(other.run_dir(tmp_path), other.config)  # type: ignore[arg-type]
+    rep._restart_interrupted(plan, tmp_path, progress=False)
+    assert (same.run_dir(tmp_path) / "kb" / "manifest.json").is_file()  # left for its job to continue
+    assert not other.run_dir(tmp_path).exists()
+    assert len(list(other.run_dir(tmp_path).parent.glob("seed0.interrupted-*"))) == 1

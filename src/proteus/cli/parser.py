@@ -625,7 +625,9 @@ then write it in the paper's layout as Markdown and CSV (OUT/NAME.md, .csv, .jso
 from the paper's.
 
 Runs go to OUT/BENCHMARK/CELL/seedK; finished ones are reused (tables sharing OUT share runs)
-and an interrupted one starts again. Without --benchmark the paper's benchmarks run with their
+and an interrupted one continues from its last committed task. --executor pool|slurm runs the
+cells side by side (docs: "Reproduce a table on a cluster"); --status shows each one's state.
+Without --benchmark the paper's benchmarks run with their
 ViT-B/16 presets (--data ROOT holds cifar100/, imagenet-r/, imagenet-a/, vtab/, vtab-large/);
 --benchmark LOCAL[:PAPER] runs every cell on one local stream instead (domains5, cifar10,
 quickstart, ...) beside the paper's column PAPER (default: the one the stream stands in for,

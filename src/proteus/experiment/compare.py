@@ -8,8 +8,10 @@ average accuracy after each task for all methods (Fig. 3). Outputs: ``compare.md
 ``compare_accuracy.png`` in ``<out>``; the table is also printed.
 
 A (method, seed) directory that already holds a finished run of the same configuration (``report.*`` keys
-aside) is reused, so an interrupted comparison resumes where it stopped; one with a different
-configuration or an unfinished knowledge base is an error naming the directory.
+aside) is reused, and one such run that stopped part-way is continued from its last committed task, so an
+interrupted comparison resumes where it stopped; a run of a different configuration is an error naming the
+directory. The cells run through an executor (:mod:`proteus.experiment.executors`: this process, a pool of
+processes, a SLURM job array) and the comparison is gathered from their results.json files.
 """
 
 from __future__ import annotations
@@ -145,17 +147,37 @@ def _same(key: str, a: Any, b: Any) -> bool:
     return False
 
 
+def resumable(run_dir: Path, cfg: RunConfig) -> bool:
+    """True when ``run_dir`` holds a run of ``cfg`` interrupted part-way (a knowledge base, its config.yaml
+    the same configuration, no results.json): its job continues it from the last committed task."""
+    if (run_dir / "results.json").exists() or not (run_dir / "kb" / "manifest.json").is_file():
+        return False
+    try:
+        _check_config(run_dir, cfg)
+    except (ConfigError, OSError, yaml.YAMLError):
+        return False
+    return True
+
+
 def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
-    """The results of a finished run of ``cfg`` in ``run_dir``; None when there is none yet."""
-    res_file, cfg_file = run_dir / "results.json", run_dir / "config.yaml"
+    """The results of a finished run of ``cfg`` in ``run_dir``; None when there is none yet, or a run of
+    ``cfg`` that stopped part-way (:func:`resumable`: its job continues it)."""
+    res_file = run_dir / "results.json"
     if not res_file.is_file():
         for started in ("kb/manifest.json", "model.json"):  # model.json: a baseline run of an earlier release
-            if (run_dir / started).is_file():
+            if (run_dir / started).is_file() and not resumable(run_dir, cfg):
                 raise ConfigError(
-                    f"{run_dir}: holds an unfinished run ({started} but no results.json); remove the "
-                    "directory to run it again"
+                    f"{run_dir}: holds an unfinished run ({started} but no results.json) of another or no "
+                    "configuration; remove the directory to run it again"
                 )
         return None
+    _check_config(run_dir, cfg)
+    return json.loads(res_file.read_text())
+
+
+def _check_config(run_dir: Path, cfg: RunConfig) -> None:
+    """Refuse ``run_dir`` when its config.yaml is missing, unreadable or of a configuration not ``cfg``."""
+    cfg_file = run_dir / "config.yaml"
     old = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else None
     if not isinstance(old, dict):
         raise ConfigError(
@@ -169,7 +191,6 @@ def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
             f"{run_dir}: holds a run with a different configuration: {shown}"
             f"{f' and {len(diff) - 3} more' if len(diff) > 3 else ''}; choose a new --out or remove it"
         )
-    return json.loads(res_file.read_text())
 
 
 def pending_jobs(

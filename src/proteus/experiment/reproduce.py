@@ -3,12 +3,13 @@
 The catalogue (:mod:`proteus.experiment.paper_tables`) says what each table of Sec. 5 and the Appendix
 runs: benchmarks, methods and settings (its *variants*), seeds, metrics, and the published numbers.
 :func:`make_plan` resolves every cell's configuration without running anything (``--plan``);
-:func:`reproduce` runs the grid through :func:`proteus.experiment.compare.compare` (finished cells reused, an
-interrupted cell started again), reads each run's results.json and writes the table in the paper's layout
-(``<out>/<name>.md``, ``.csv``, ``.json``): our mean ± sample std over seeds beside the paper's number in
-each cell, and a footnote with every resolved setting of every cell that departs from what the paper states
-(:mod:`proteus.experiment.paper_settings`: the backbone and data, the choices the paper leaves open, the
-choices of the code), each named by its row of the differences table in docs/experiments.md.
+:func:`reproduce` runs the grid's cells through an executor (:mod:`proteus.experiment.executors`: finished
+cells reused, an interrupted cell continued from its last committed task), reads each run's results.json and
+writes the table in the paper's layout (``<out>/<name>.md``, ``.csv``, ``.json``): our mean ± sample std
+over seeds beside the paper's number in each cell, and a footnote with every resolved setting of every cell
+that departs from what the paper states (:mod:`proteus.experiment.paper_settings`: the backbone and data,
+the choices the paper leaves open, the choices of the code), each named by its row of the differences table
+in docs/experiments.md.
 
 Without a benchmark the paper's own benchmarks run with their packaged ViT-B/16 presets (a GPU job);
 ``benchmark="domains5"`` (or ``"domains5:vtab5t"``) runs every cell on that local stream instead and
@@ -647,14 +648,20 @@ def _csv_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------- running
 def _restart_interrupted(plan: Plan, out: Path, progress: bool) -> None:
-    """A cell whose run stopped part-way (a knowledge base, no results.json) cannot be continued: move it
+    """A cell whose run stopped part-way (a knowledge base, no results.json) is continued by its job from the
+    last committed task when it ran the cell's configuration (:func:`compare.resumable`); any other is moved
     aside (``seed<k>.interrupted-<time>``) so that it starts again. A cell whose knowledge base another
     process holds is left alone (compare then names it)."""
+    from proteus.experiment.compare import resumable
     from proteus.kb.lock import lock_holder
 
     for c in plan.runnable():
         d = c.run_dir(out)
         if (d / "results.json").is_file() or not (d / "kb").exists() or lock_holder(d / "kb") is not None:
+            continue
+        if resumable(d, c.config):  # type: ignore[arg-type]
+            if progress:
+                print(f"== {c.cell_id}, seed {c.seed}: interrupted earlier; its job continues it")
             continue
         dest = d.with_name(f"{d.name}.interrupted-{time.strftime('%Y%m%d-%H%M%S')}")
         d.rename(dest)
