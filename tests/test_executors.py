@@ -24,9 +24,9 @@ from proteus.experiment.executors import (
     CellsFailed,
     ExecutorOptions,
     Job,
-    _minutes,
     make_executor,
     run_jobs,
+    time_minutes,
 )
 
 #: tiny settings (as tests/test_reproduce.py's): a random ViT-Ti/16 at 32 px, 2 tasks, one epoch
@@ -59,7 +59,7 @@ def test_an_option_of_another_executor_is_refused_by_name(
 
 
 def test_time_limits_in_slurms_forms() -> None:
-    assert [_minutes(t) for t in ("90", "2:00", "1:30:00", "1-00:00:00", "0:10:30")] == [
+    assert [time_minutes(t) for t in ("90", "2:00", "1:30:00", "1-00:00:00", "0:10:30")] == [
         90,
         120,
         90,
@@ -67,7 +67,7 @@ def test_time_limits_in_slurms_forms() -> None:
         11,
     ]
     with pytest.raises(ConfigError, match="--time 'soon'"):
-        _minutes("soon")
+        time_minutes("soon")
 
 
 def test_a_pool_shares_the_cores_and_gives_each_process_its_gpu() -> None:

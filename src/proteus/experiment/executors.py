@@ -33,7 +33,7 @@ from proteus.registry import Registry
 
 __all__ = [
     "EXECUTORS", "CellsFailed", "Executor", "ExecutorOptions", "Failure", "Job", "LocalExecutor",
-    "PoolExecutor", "SlurmExecutor", "make_executor", "run_jobs",
+    "PoolExecutor", "SlurmExecutor", "make_executor", "run_jobs", "time_minutes",
 ]  # fmt: skip
 
 
@@ -160,8 +160,8 @@ class PoolExecutor(Executor):
     def run(self, jobs: Sequence[Job], root: Path, progress: bool = True) -> list[Failure]:
         n = max(1, self.options.jobs or 1)
         gpus = _gpus()
-        queue, running = list(jobs), {}  # type: ignore[var-annotated]
-        free, failures = list(range(n)), []
+        queue, free, failures = list(jobs), list(range(n)), []
+        running: dict[subprocess.Popen[bytes], tuple[Job, int]] = {}
         try:
             while queue or running:
                 while queue and free:
@@ -193,7 +193,7 @@ class PoolExecutor(Executor):
         return failures
 
 
-def _minutes(text: str) -> int:
+def time_minutes(text: str) -> int:
     """``--time``: minutes (``90``), ``H:MM`` or ``H:MM:SS``, or ``D-HH:MM:SS`` (SLURM's forms)."""
     days, _, rest = text.partition("-") if "-" in text else ("0", "", text)
     try:
