@@ -70,10 +70,13 @@ def test_time_limits_in_slurms_forms() -> None:
         time_minutes("soon")
 
 
-def test_a_pool_shares_the_cores_and_gives_each_process_its_gpu() -> None:
-    pool = make_executor("pool", ExecutorOptions(jobs=2, threads=3))
+def test_a_pool_gives_each_process_this_ones_threads_and_its_gpu() -> None:
+    """The thread count decides a run's numbers: each process gets this one's (the local executor's)."""
+    import torch
+
+    pool = make_executor("pool", ExecutorOptions(jobs=2))
     env = [pool._env(slot, gpus=2) for slot in (0, 1)]  # type: ignore[attr-defined]
-    assert [e["OMP_NUM_THREADS"] for e in env] == ["3", "3"]
+    assert [e["OMP_NUM_THREADS"] for e in env] == [str(torch.get_num_threads())] * 2
     if "CUDA_VISIBLE_DEVICES" not in os.environ:
         assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0", "1"]
     assert "CUDA_VISIBLE_DEVICES" not in pool._env(0, gpus=1) or "CUDA_VISIBLE_DEVICES" in os.environ  # type: ignore[attr-defined]
@@ -153,7 +156,7 @@ def test_a_pool_names_its_failed_cells(tmp_path: Path) -> None:
         "data": str(tmp_path / "no-data"), "tasks_file": str(tmp_path / "no-tasks.yaml")}})  # fmt: skip
     jobs = [Job(f"cell {i}", tmp_path / f"c{i}", cfg) for i in range(2)]
     with pytest.raises(CellsFailed, match="2 of 2 cells failed") as err:
-        run_jobs(make_executor("pool", ExecutorOptions(jobs=2, threads=1)), jobs, tmp_path, progress=False)
+        run_jobs(make_executor("pool", ExecutorOptions(jobs=2)), jobs, tmp_path, progress=False)
     for i in range(2):
         assert f"cell {i} ({tmp_path / f'c{i}'}): " in str(err.value)
         st = cell_state(tmp_path / f"c{i}")

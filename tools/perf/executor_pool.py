@@ -42,11 +42,13 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--extra", default="", help="more arguments of the reproduce command (quoted)")
     p.add_argument("--out", help="write the record (JSON) here")
+    p.add_argument("--keep", help="run into this folder (kept) instead of a temporary one")
     args = p.parse_args()
     base = ["reproduce", args.table, "--benchmark", args.benchmark, *shlex.split(args.extra)]
     runs: list[dict[str, object]] = []
     stem = f"{args.table}-{args.benchmark}"
-    with tempfile.TemporaryDirectory(prefix="executor-pool-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="executor-pool-") as scratch:
+        tmp = args.keep or scratch
         for i in range(args.repeats):
             for name, flags in (("local", ["--executor", "local"]),
                                 ("pool", ["--executor", "pool", "--jobs", str(args.jobs)])):  # fmt: skip

@@ -626,13 +626,8 @@ def _executor(args: argparse.Namespace) -> Any:
     """The executor the command line names, with its options (one it does not take is refused)."""
     from proteus.experiment.executors import ExecutorOptions, make_executor, time_minutes
 
-    threads = None
-    if args.executor == "pool" and args.jobs:  # each process its share of the cores, unless set
-        from proteus.cli.threads import usable_cores
-
-        threads = args.threads or max(1, usable_cores() // args.jobs)
     options = ExecutorOptions(
-        jobs=args.jobs, threads=threads, partition=args.partition, gpus_per_task=args.gpus_per_task,
+        jobs=args.jobs, partition=args.partition, gpus_per_task=args.gpus_per_task,
         time=time_minutes(args.time) if args.time else None, array_parallelism=args.array_parallelism,
         slurm_opts=dict(args.slurm_opt), dry_run=args.dry_run,
     )  # fmt: skip

@@ -2,8 +2,9 @@
 executors (timm style), each cell one job with its own folder (:mod:`proteus.experiment.cell`).
 
 - ``local``: every cell in this process, one after the other (the default; an error stops the grid);
-- ``pool``: ``jobs`` processes on this machine (``python -m proteus.experiment.cell``), each with its share
-  of the cores (``threads``) and, where there are several GPUs, its own one (``CUDA_VISIBLE_DEVICES``);
+- ``pool``: ``jobs`` processes on this machine (``python -m proteus.experiment.cell``), each with the thread
+  count this process has (a run's numbers depend on torch's thread count: the same count gives the local
+  executor's numbers) and, where there are several GPUs, its own one (``CUDA_VISIBLE_DEVICES``);
 - ``slurm``: one SLURM job array through submitit (the optional extra ``cluster``), a task per cell, with
   the options users set (partition, GPUs per task, time, array parallelism, any other sbatch option);
   ``dry_run`` prints the job script and each task's command instead of submitting.
@@ -62,8 +63,6 @@ class ExecutorOptions:
 
     #: pool: processes at once
     jobs: int | None = None
-    #: pool: torch threads of each process (None: the environment's)
-    threads: int | None = None
     #: slurm: ``--partition``
     partition: str | None = None
     #: slurm: ``--gpus-per-task``
@@ -147,12 +146,14 @@ def _gpus() -> int:
 @EXECUTORS.register("pool", help="--jobs N processes on this machine, each its share of cores or its GPU")
 class PoolExecutor(Executor):
     name = "pool"
-    takes = ("jobs", "threads")
+    takes = ("jobs",)
 
     def _env(self, slot: int, gpus: int) -> dict[str, str]:
         env = dict(os.environ)
-        if self.options.threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.options.threads)
+        if "torch" in sys.modules:  # this process's thread count (the environment's, or --threads')
+            import torch
+
+            env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
         if gpus > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
             env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
         return env
