@@ -260,7 +260,20 @@ def test_a_grid_on_a_single_node_slurm_cluster(
         monkeypatch.delenv("PROTEUS_TEST_KILL_AT")
         # the scheduler starts it again in its folder: it continues from task 2
         wrap = f"{sys.executable} -m proteus.experiment.cell {d} --executor slurm --quiet"
-        subprocess.run(["sbatch", "--wait", "--partition", "debug", "--wrap", wrap], check=True, timeout=900)
+        subprocess.run(
+            [
+                "sbatch",
+                "--wait",
+                "--partition",
+                "debug",
+                "--output",
+                str(tmp_path / "again.out"),
+                "--wrap",
+                wrap,
+            ],
+            check=True,
+            timeout=900,
+        )
         state = json.loads((d / "state.json").read_text())
         assert state["state"] == "done" and state["resumed"] is True and state["job_id"]
         assert main([*ABLATION, "--out", str(slurm), *on_slurm]) == 0
