@@ -589,6 +589,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/compare-{args.benchmark}-{time.strftime('%Y%m%d-%H%M%S')}")
     for method in methods:  # every method's config checked before torch loads (a typo named at once)
         _config(_with(args, method=method, seed=seeds[0]), method)
+    executor = _executor(args)
     from proteus.experiment.compare import compare
 
     compare(
@@ -597,8 +598,41 @@ def cmd_compare(args: argparse.Namespace) -> int:
         seeds,
         out,
         progress=not args.quiet,
+        executor=executor,
     )
     return 0
+
+
+#: the options that say where cells run, not what they compute (left out of the command a table records)
+_EXECUTOR_FLAGS = {"--executor": 1, "--jobs": 1, "--partition": 1, "--gpus-per-task": 1, "--time": 1,
+                   "--array-parallelism": 1, "--slurm-opt": 1, "--dry-run": 0}  # fmt: skip
+
+
+def _without_executor(argv: list[str]) -> list[str]:
+    """``argv`` without the executor's options: the same cells give the same table wherever they ran."""
+    out, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = a.split("=", 1)[0]
+        if name in _EXECUTOR_FLAGS:
+            skip = _EXECUTOR_FLAGS[name] if "=" not in a else 0
+            continue
+        out.append(a)
+    return out
+
+
+def _executor(args: argparse.Namespace) -> Any:
+    """The executor the command line names, with its options (one it does not take is refused)."""
+    from proteus.experiment.executors import ExecutorOptions, make_executor, time_minutes
+
+    options = ExecutorOptions(
+        jobs=args.jobs, partition=args.partition, gpus_per_task=args.gpus_per_task,
+        time=time_minutes(args.time) if args.time else None, array_parallelism=args.array_parallelism,
+        slurm_opts=dict(args.slurm_opt), dry_run=args.dry_run,
+    )  # fmt: skip
+    return make_executor(args.executor, options)
 
 
 def _with(args: argparse.Namespace, **kw: Any) -> argparse.Namespace:
@@ -697,10 +731,14 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     bench = f"-{args.benchmark.split(':')[0]}" if args.benchmark else ""
     out = Path(args.out or f"runs/reproduce{bench}")
     _check_out_dir(out, "--out", allow_existing_dir=True)
+    if args.status:
+        print("\n".join(rep.status_lines(plan, out)))
+        return 0
+    executor = _executor(args)
     command = (
-        "proteus " + " ".join(sys.argv[1:])
+        "proteus " + " ".join(_without_executor(sys.argv[1:]))
         if sys.argv and sys.argv[0].endswith(("proteus", "__main__.py"))
         else ""
     )
-    rep.reproduce(plan, out, progress=not args.quiet, command=command)
+    rep.reproduce(plan, out, progress=not args.quiet, command=command, executor=executor)
     return 0

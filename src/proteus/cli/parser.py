@@ -383,6 +383,7 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seeds", default="0", help="comma-separated seeds (mean and std over them)")
     c.add_argument("--out", help="output directory")
     _track_option(c)
+    _executor_options(c)
     c.set_defaults(func=cmd_compare)
 
 
@@ -729,7 +730,9 @@ then write it in the paper's layout as Markdown and CSV (OUT/NAME.md, .csv, .jso
 from the paper's.
 
 Runs go to OUT/BENCHMARK/CELL/seedK; finished ones are reused (tables sharing OUT share runs)
-and an interrupted one starts again. Without --benchmark the paper's benchmarks run with their
+and an interrupted one continues from its last committed task. --executor pool|slurm runs the
+cells side by side (docs: "Reproduce a table on a cluster"); --status shows each one's state.
+Without --benchmark the paper's benchmarks run with their
 ViT-B/16 presets (--data ROOT holds cifar100/, imagenet-r/, imagenet-a/, vtab/, vtab-large/);
 --benchmark LOCAL[:PAPER] runs every cell on one local stream instead (domains5, cifar10,
 quickstart, ...) beside the paper's column PAPER (default: the one the stream stands in for,
@@ -763,7 +766,51 @@ preset builds) are shown as n/a with the reason.""",
     _threads_option(p, config=True)
     p.add_argument("--out", help="output directory (default runs/reproduce[-BENCHMARK])")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--status",
+        action="store_true",
+        help="show each cell's state in --out (done, running, failed with its log's last line, missing); "
+        "run nothing",
+    )
+    _executor_options(p)
     p.set_defaults(func=cmd_reproduce)
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. account=lab), got {text!r}")
+    return key.strip(), value
+
+
+def _executor_options(p: argparse.ArgumentParser) -> None:
+    """Where the cells run (proteus.experiment.executors): --executor and each executor's options."""
+    from proteus.experiment.executors import EXECUTORS
+
+    g = p.add_argument_group("where the cells run (each cell is one job with its own folder)")
+    g.add_argument(
+        "--executor",
+        default="local",
+        choices=EXECUTORS.names(),
+        help="local: one after the other in this process (default); pool: --jobs processes on this machine; "
+        "slurm: a SLURM job array through submitit (pip install submitit)",
+    )
+    g.add_argument("--jobs", type=_at_least(1), metavar="N", help="pool: processes at once")
+    g.add_argument("--partition", help="slurm: the partition")
+    g.add_argument("--gpus-per-task", type=_at_least(0), metavar="N", help="slurm: GPUs of each cell")
+    g.add_argument("--time", metavar="TIME", help="slurm: each cell's time limit (minutes, H:MM:SS)")
+    g.add_argument(
+        "--array-parallelism", type=_at_least(1), metavar="N", help="slurm: at most N cells at once"
+    )
+    g.add_argument(
+        "--slurm-opt",
+        action="append",
+        default=[],
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="slurm: any other sbatch option (repeatable: --slurm-opt account=lab --slurm-opt mem=16G)",
+    )
+    g.add_argument("--dry-run", action="store_true", help="slurm: print the job script; submit nothing")
 
 
 def _key_option(p: argparse.ArgumentParser, required: bool = False) -> None:

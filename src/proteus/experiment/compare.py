@@ -8,8 +8,10 @@ average accuracy after each task for all methods (Fig. 3). Outputs: ``compare.md
 ``compare_accuracy.png`` in ``<out>``; the table is also printed.
 
 A (method, seed) directory that already holds a finished run of the same configuration (``report.*`` keys
-aside) is reused, so an interrupted comparison resumes where it stopped; one with a different
-configuration or an unfinished knowledge base is an error naming the directory.
+aside) is reused, and one such run that stopped part-way is continued from its last committed task, so an
+interrupted comparison resumes where it stopped; a run of a different configuration is an error naming the
+directory. The cells run through an executor (:mod:`proteus.experiment.executors`: this process, a pool of
+processes, a SLURM job array) and the comparison is gathered from their results.json files.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import yaml
 
 from proteus import distributed as dist
 from proteus.config import ConfigError, RunConfig, flatten
-from proteus.experiment.loop import run
+from proteus.experiment.executors import CellsFailed, Executor, Job, LocalExecutor, run_jobs
 from proteus.experiment.provenance import merged
 from proteus.report import fmt
 from proteus.report.figures import plot_compare
 
-__all__ = ["COLUMNS", "compare", "compare_markdown", "summarise"]
+__all__ = ["COLUMNS", "compare", "compare_markdown", "pending_jobs", "summarise", "write_comparison"]
 
 #: (results.json value, column title, higher is better)
 COLUMNS: list[tuple[str, str, bool]] = [
@@ -145,17 +147,37 @@ def _same(key: str, a: Any, b: Any) -> bool:
     return False
 
 
+def resumable(run_dir: Path, cfg: RunConfig) -> bool:
+    """True when ``run_dir`` holds a run of ``cfg`` interrupted part-way (a knowledge base, its config.yaml
+    the same configuration, no results.json): its job continues it from the last committed task."""
+    if (run_dir / "results.json").exists() or not (run_dir / "kb" / "manifest.json").is_file():
+        return False
+    try:
+        _check_config(run_dir, cfg)
+    except (ConfigError, OSError, yaml.YAMLError):
+        return False
+    return True
+
+
 def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
-    """The results of a finished run of ``cfg`` in ``run_dir``; None when there is none yet."""
-    res_file, cfg_file = run_dir / "results.json", run_dir / "config.yaml"
+    """The results of a finished run of ``cfg`` in ``run_dir``; None when there is none yet, or a run of
+    ``cfg`` that stopped part-way (:func:`resumable`: its job continues it)."""
+    res_file = run_dir / "results.json"
     if not res_file.is_file():
         for started in ("kb/manifest.json", "model.json"):  # model.json: a baseline run of an earlier release
-            if (run_dir / started).is_file():
+            if (run_dir / started).is_file() and not resumable(run_dir, cfg):
                 raise ConfigError(
-                    f"{run_dir}: holds an unfinished run ({started} but no results.json); remove the "
-                    "directory to run it again"
+                    f"{run_dir}: holds an unfinished run ({started} but no results.json) of another or no "
+                    "configuration; remove the directory to run it again"
                 )
         return None
+    _check_config(run_dir, cfg)
+    return json.loads(res_file.read_text())
+
+
+def _check_config(run_dir: Path, cfg: RunConfig) -> None:
+    """Refuse ``run_dir`` when its config.yaml is missing, unreadable or of a configuration not ``cfg``."""
+    cfg_file = run_dir / "config.yaml"
     old = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else None
     if not isinstance(old, dict):
         raise ConfigError(
@@ -169,7 +191,21 @@ def _finished(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
             f"{run_dir}: holds a run with a different configuration: {shown}"
             f"{f' and {len(diff) - 3} more' if len(diff) > 3 else ''}; choose a new --out or remove it"
         )
-    return json.loads(res_file.read_text())
+
+
+def pending_jobs(
+    cfgs: dict[tuple[str, int], RunConfig], out: Path, progress: bool = True, label: str = ""
+) -> list[Job]:
+    """The cells of ``cfgs`` ((method, seed) -> config, run into ``out/<method>/seed<k>``) that have no
+    finished run of the same configuration yet (the finished ones are named as reused)."""
+    jobs = []
+    for (m, s), cfg in cfgs.items():
+        run_dir = out / m / f"seed{s}"
+        if _finished(run_dir, cfg) is None:
+            jobs.append(Job(f"{label}{m}, seed {s}", run_dir, cfg))
+        elif progress and dist.is_main():
+            print(f"== {label}{m}, seed {s}: reusing the finished run in {run_dir}", flush=True)
+    return jobs
 
 
 def compare(
@@ -179,29 +215,44 @@ def compare(
     out: str | Path,
     progress: bool = True,
     stem: str = "compare",
+    executor: Executor | None = None,
 ) -> dict[str, Any]:
-    """Run every method with every seed into ``out/<method>/seed<k>`` and write the comparison
-    (``<stem>.md``, ``<stem>.json``, ``<stem>_accuracy.png``; ``proteus reproduce`` names them after its
-    table, so that tables sharing ``out`` keep their own)."""
+    """Run every method with every seed into ``out/<method>/seed<k>`` (through ``executor``, this process by
+    default) and write the comparison (``<stem>.md``, ``<stem>.json``, ``<stem>_accuracy.png``; ``proteus
+    reproduce`` names them after its table, so that tables sharing ``out`` keep their own)."""
 
     if not methods:
         raise ConfigError("compare: no methods given")
     if not seeds:
         raise ConfigError("compare: no seeds given")
     out = Path(out)
-    main = dist.is_main()
     # resolve every configuration first: a misspelt method fails before hours of runs
     cfgs = {(m, s): make_config(m, s) for m in methods for s in seeds}
+    executor = executor or LocalExecutor()
+    try:
+        run_jobs(executor, pending_jobs(cfgs, out, progress), out, progress)
+    except CellsFailed:
+        write_comparison(cfgs, out, stem)  # what finished, then the failed cells named
+        raise
+    if executor.dry_run:
+        return {}
+    return write_comparison(cfgs, out, stem)
+
+
+def write_comparison(
+    cfgs: dict[tuple[str, int], RunConfig], out: Path, stem: str = "compare"
+) -> dict[str, Any]:
+    """Gather the finished runs of ``cfgs`` from their results.json files and write the comparison."""
+    main = dist.is_main()
+    methods = list(dict.fromkeys(m for m, _ in cfgs))
+    seeds = list(dict.fromkeys(s for _, s in cfgs))
     runs: dict[str, dict[int, dict[str, Any]]] = {m: {} for m in methods}
-    for (m, s), cfg in cfgs.items():
+    for m, s in cfgs:
         run_dir = out / m / f"seed{s}"
-        res = _finished(run_dir, cfg)
-        if res is None:
-            if progress and main:
-                print(f"== {m}, seed {s} -> {run_dir}", flush=True)
-            res = run(cfg, run_dir, progress=progress)
-        elif progress and main:
-            print(f"== {m}, seed {s}: reusing the finished run in {run_dir}", flush=True)
+        try:
+            res = json.loads((run_dir / "results.json").read_text())
+        except (OSError, ValueError):
+            continue  # not run (a failed cell): left out of the means, named by the caller
         runs[m][s] = {**_row(res), "dir": str(run_dir.relative_to(out))}
     first = next(iter(cfgs.values()))
     num_tasks = max((len(r["avg_acc"]) for by in runs.values() for r in by.values()), default=0)

@@ -3,12 +3,13 @@
 The catalogue (:mod:`proteus.experiment.paper_tables`) says what each table of Sec. 5 and the Appendix
 runs: benchmarks, methods and settings (its *variants*), seeds, metrics, and the published numbers.
 :func:`make_plan` resolves every cell's configuration without running anything (``--plan``);
-:func:`reproduce` runs the grid through :func:`proteus.experiment.compare.compare` (finished cells reused, an
-interrupted cell started again), reads each run's results.json and writes the table in the paper's layout
-(``<out>/<name>.md``, ``.csv``, ``.json``): our mean ± sample std over seeds beside the paper's number in
-each cell, and a footnote with every resolved setting of every cell that departs from what the paper states
-(:mod:`proteus.experiment.paper_settings`: the backbone and data, the choices the paper leaves open, the
-choices of the code), each named by its row of the differences table in docs/experiments.md.
+:func:`reproduce` runs the grid's cells through an executor (:mod:`proteus.experiment.executors`: finished
+cells reused, an interrupted cell continued from its last committed task), reads each run's results.json and
+writes the table in the paper's layout (``<out>/<name>.md``, ``.csv``, ``.json``): our mean ± sample std
+over seeds beside the paper's number in each cell, and a footnote with every resolved setting of every cell
+that departs from what the paper states (:mod:`proteus.experiment.paper_settings`: the backbone and data,
+the choices the paper leaves open, the choices of the code), each named by its row of the differences table
+in docs/experiments.md.
 
 Without a benchmark the paper's own benchmarks run with their packaged ViT-B/16 presets (a GPU job);
 ``benchmark="domains5"`` (or ``"domains5:vtab5t"``) runs every cell on that local stream instead and
@@ -36,6 +37,7 @@ import numpy as np
 
 from proteus.config import LEARNERS, METHODS, ConfigError, RunConfig, flatten, resolve_config
 from proteus.config.schema import parse_set
+from proteus.experiment.executors import Executor
 from proteus.experiment.paper_settings import Departure, departures, paper_family
 from proteus.experiment.paper_tables import (
     ENTRIES,
@@ -50,7 +52,8 @@ from proteus.experiment.paper_tables import (
 from proteus.experiment.provenance import UNKNOWN, merged
 
 __all__ = [
-    "Cell", "Column", "Plan", "catalogue_lines", "make_plan", "plan_lines", "reproduce", "table_rows",
+    "Cell", "Column", "Plan", "catalogue_lines", "make_plan", "plan_lines", "reproduce", "status_lines",
+    "table_rows",
 ]  # fmt: skip
 
 
@@ -645,14 +648,20 @@ def _csv_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------- running
 def _restart_interrupted(plan: Plan, out: Path, progress: bool) -> None:
-    """A cell whose run stopped part-way (a knowledge base, no results.json) cannot be continued: move it
+    """A cell whose run stopped part-way (a knowledge base, no results.json) is continued by its job from the
+    last committed task when it ran the cell's configuration (:func:`compare.resumable`); any other is moved
     aside (``seed<k>.interrupted-<time>``) so that it starts again. A cell whose knowledge base another
     process holds is left alone (compare then names it)."""
+    from proteus.experiment.compare import resumable
     from proteus.kb.lock import lock_holder
 
     for c in plan.runnable():
         d = c.run_dir(out)
         if (d / "results.json").is_file() or not (d / "kb").exists() or lock_holder(d / "kb") is not None:
+            continue
+        if resumable(d, c.config):  # type: ignore[arg-type]
+            if progress:
+                print(f"== {c.cell_id}, seed {c.seed}: interrupted earlier; its job continues it")
             continue
         dest = d.with_name(f"{d.name}.interrupted-{time.strftime('%Y%m%d-%H%M%S')}")
         d.rename(dest)
@@ -660,30 +669,67 @@ def _restart_interrupted(plan: Plan, out: Path, progress: bool) -> None:
             print(f"== {c.cell_id}, seed {c.seed}: interrupted earlier, kept in {dest}; starting it again")
 
 
-def reproduce(plan: Plan, out: str | Path, progress: bool = True, command: str = "") -> dict[str, Any]:
-    """Run every runnable cell of ``plan`` under ``out`` (finished ones reused) and write the table:
-    ``<out>/<name>[-<benchmark>].md``, ``.csv`` and ``.json``. Returns the JSON's content."""
-    from proteus import distributed as dist
-    from proteus.experiment.compare import compare
+def _column_configs(plan: Plan) -> dict[str, dict[tuple[str, int], RunConfig]]:
+    """Per column (its folder's key): (cell id, seed) -> the cell's configuration, of every runnable cell."""
+    out: dict[str, dict[tuple[str, int], RunConfig]] = {}
+    for c in plan.runnable():
+        out.setdefault(c.column.key, {})[(c.cell_id, c.seed)] = c.config  # type: ignore[assignment]
+    return out
+
+
+def status_lines(plan: Plan, out: str | Path) -> list[str]:
+    """``--status``: each runnable cell's state from its folder (done, running, failed with the last line of
+    its log, interrupted, missing), where it ran, then the count of each state."""
+    from proteus.experiment.cell import cell_state
 
     out = Path(out)
+    lines, counts = [], dict.fromkeys(("done", "running", "failed", "interrupted", "missing"), 0)
+    for c in plan.runnable():
+        st = cell_state(c.run_dir(out))
+        counts[st.state] += 1
+        where = ", ".join(f"{k} {v}" for k, v in st.where().items() if v)
+        text = st.state + (f" ({where})" if where else "") + (f": {st.detail}" if st.detail else "")
+        lines.append(f"{c.column.key:<14} {c.variant.label:<34} seed {c.seed}  {text}")
+    lines.append(", ".join(f"{n} {k}" for k, n in counts.items() if n) + f" of {len(plan.runnable())} cells")
+    return lines
+
+
+def reproduce(
+    plan: Plan, out: str | Path, progress: bool = True, command: str = "", executor: Executor | None = None
+) -> dict[str, Any]:
+    """Run every runnable cell of ``plan`` under ``out`` (finished ones reused; through ``executor``, this
+    process by default, every column's cells together) and write the table: ``<out>/<name>[-<benchmark>].md``,
+    ``.csv`` and ``.json``, gathered from the runs' files. Returns the JSON's content ({} for a dry run). When
+    cells fail, the table of the others is written and :class:`CellsFailed` names the failed ones."""
+    from proteus.experiment.compare import pending_jobs
+    from proteus.experiment.executors import CellsFailed, LocalExecutor, run_jobs
+
+    out = Path(out)
+    executor = executor or LocalExecutor()
+    if not executor.dry_run:
+        _restart_interrupted(plan, out, progress)
+    columns = _column_configs(plan)
+    jobs = [j for key, cfgs in columns.items() for j in pending_jobs(cfgs, out / key, progress, f"{key}/")]
+    try:
+        run_jobs(executor, jobs, out, progress)
+    except CellsFailed:
+        _write_tables(plan, out, columns, False, command)
+        raise
+    if executor.dry_run:
+        return {}
+    return _write_tables(plan, out, columns, progress, command)
+
+
+def _write_tables(
+    plan: Plan, out: Path, columns: dict[str, dict[tuple[str, int], RunConfig]], progress: bool, command: str
+) -> dict[str, Any]:
+    from proteus import distributed as dist
+    from proteus.experiment.cell import cell_state
+    from proteus.experiment.compare import write_comparison
+
     e = plan.entry
-    _restart_interrupted(plan, out, progress)
-    for col in plan.columns:
-        cells = [c for c in plan.runnable() if c.column == col]
-        if not cells:
-            continue
-        configs = {(c.cell_id, c.seed): c.config for c in cells}
-        ids = list(dict.fromkeys(c.cell_id for c in cells))
-        seeds = list(dict.fromkeys(c.seed for c in cells))
-
-        def make_config(cid: str, seed: int, configs: dict[tuple[str, int], Any] = configs) -> RunConfig:
-            cfg = configs.get((cid, seed))
-            if cfg is None:
-                raise ConfigError(f"reproduce {e.name}: no configuration for {cid}, seed {seed}")
-            return cfg
-
-        compare(make_config, ids, seeds, out / col.key, progress=progress, stem=e.name)
+    for key, cfgs in columns.items():
+        write_comparison(cfgs, out / key, stem=e.name)
     runs: list[dict[str, Any] | None] = []
     rows = table_rows(plan, out, runs)
     stem = (
@@ -692,8 +738,10 @@ def reproduce(plan: Plan, out: str | Path, progress: bool = True, command: str =
     md = markdown(plan, rows, command)
     report = {**plan.to_dict(), "rows": rows, "table_md": f"{stem}.md", "table_csv": f"{stem}.csv"}
     report["provenance"] = {**merged(runs), "command": command or UNKNOWN}
-    for c in report["cells"]:
+    for c, cell in zip(report["cells"], plan.cells):
         c.pop("config", None)  # each run's config.yaml holds it
+        if cell.config is not None:  # where it ran: the executor, host and device of its state.json
+            c["ran"] = cell_state(cell.run_dir(out)).where()
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{stem}.md").write_text(md)
