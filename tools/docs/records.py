@@ -98,19 +98,24 @@ def staleness(record: dict[str, Any]) -> str | None:
     ``measures``. The reason names the record's commit only, so that it stays the same as code changes."""
     prov = record.get("provenance") or {}
     commit = prov.get("commit")
-    if not isinstance(commit, str) or commit == "unknown":
+    commits = commit if isinstance(commit, list) and commit else [commit]  # runs made at several commits
+    if not all(isinstance(c, str) and c != "unknown" for c in commits):
         at = prov.get("committed_in")
         where = f" (made at or before `{at[:7]}`)" if isinstance(at, str) and at else ""
         return f"its runs predate recorded provenance{where}: their commit is unknown"
-    if prov.get("dirty") is True:
-        return f"measured on `{commit[:7]}` with uncommitted changes"
-    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
-        return f"measured on `{commit[:7]}`, which is not in this repository's history"
-    changed = _git("log", "--format=%h", f"{commit}..HEAD", "--", *record.get("measures", ()))
-    if changed is None:
-        return f"measured on `{commit[:7]}`; git cannot tell what changed since"
-    if changed.strip():
-        return f"measured on `{commit[:7]}`; the code it measured has changed since"
+    named = ", ".join(f"`{c[:7]}`" for c in commits)
+    dirty = prov.get("dirty")
+    if dirty is True or (isinstance(dirty, list) and True in dirty):
+        return f"measured on {named} with uncommitted changes"
+    for c in commits:
+        if _git("cat-file", "-e", f"{c}^{{commit}}") is None:
+            return f"measured on `{c[:7]}`, which is not in this repository's history"
+    for c in commits:
+        changed = _git("log", "--format=%h", f"{c}..HEAD", "--", *record.get("measures", ()))
+        if changed is None:
+            return f"measured on {named}; git cannot tell what changed since"
+        if changed.strip():
+            return f"measured on {named}; the code it measured has changed since"
     return None
 
 

@@ -225,7 +225,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         eval_every: int = 0, sets_extra: dict[str, Any] | None = None, device: str = "cpu",
         keep_kb: Path | None = None, log: Any = print) -> dict[str, Any]:  # fmt: skip
     """Learn ``tasks`` synthetic tasks, measuring every k; returns the report (also written to ``out``);
-    ``keep_kb``: copy the final knowledge base there (for profiling a long stream's learner)."""
+    ``keep_kb``: copy the final knowledge base there, and task ``ref``'s beside it (``<keep_kb>-<ref>``: for
+    profiling a long stream's learner)."""
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(device)
     sets = {
@@ -307,6 +308,8 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
                                 per_class=per_class, img=img, seed=seed, device=device)  # fmt: skip
         if keep_kb is not None:
             shutil.copytree(kb_dir, keep_kb, dirs_exist_ok=True)
+            if kept is not None:  # and task ``ref``'s beside it, for profiling the two side by side
+                shutil.copytree(kept[0], keep_kb.with_name(f"{keep_kb.name}-{ref}"), dirs_exist_ok=True)
     finally:
         shutil.rmtree(kb_dir, ignore_errors=True)
         if kept is not None:
