@@ -140,6 +140,31 @@ def test_a_stale_record_says_so(path: Path) -> None:
         )
 
 
+@pytest.mark.skipif(
+    not (ROOT / ".git").exists(), reason="not a git checkout: the records' commits cannot be read"
+)
+def test_a_change_of_the_measured_code_makes_a_record_stale() -> None:
+    """The staleness check itself: a record made at the commit that last changed the code it measures is
+    fresh; at that commit's parent it is stale (the paths it measures are the repository's, read from
+    wherever the check runs); made at several commits, it is stale once any of them is."""
+    sys.path.insert(0, str(ROOT / "tools" / "docs"))
+    from records import _git, staleness
+
+    measured = "src/proteus/engine/novelty.py"
+    last = (_git("log", "-1", "--format=%H", "--", f":(top){measured}") or "").strip()
+    parent = (_git("rev-parse", f"{last}^") or "").strip()
+    if not last or not parent or _git("diff", "--quiet", "HEAD", "--", f":(top){measured}") is None:
+        pytest.skip("the measured file has uncommitted changes or no history here")
+
+    def rec(commit: object) -> dict:
+        return {"provenance": {"commit": commit, "dirty": False}, "measures": [measured]}
+
+    assert staleness(rec(last)) is None
+    assert "changed since" in (staleness(rec(parent)) or "")
+    assert "changed since" in (staleness(rec([last, parent])) or "")
+    assert "uncommitted" in (staleness({**rec([last]), "provenance": {"commit": [last], "dirty": [False, True]}}) or "")
+
+
 RIVALS = [p for p in COMPARED if p.stem.startswith("rivals-")]
 
 

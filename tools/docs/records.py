@@ -111,7 +111,7 @@ def staleness(record: dict[str, Any]) -> str | None:
         if _git("cat-file", "-e", f"{c}^{{commit}}") is None:
             return f"measured on `{c[:7]}`, which is not in this repository's history"
     for c in commits:
-        changed = _git("log", "--format=%h", f"{c}..HEAD", "--", *record.get("measures", ()))
+        changed = _git("log", "--format=%h", f"{c}..HEAD", "--", *(f":(top){m}" for m in record.get("measures", ())))
         if changed is None:
             return f"measured on {named}; git cannot tell what changed since"
         if changed.strip():
