@@ -162,7 +162,8 @@ def test_a_change_of_the_measured_code_makes_a_record_stale() -> None:
     assert staleness(rec(last)) is None
     assert "changed since" in (staleness(rec(parent)) or "")
     assert "changed since" in (staleness(rec([last, parent])) or "")
-    assert "uncommitted" in (staleness({**rec([last]), "provenance": {"commit": [last], "dirty": [False, True]}}) or "")
+    dirty = {**rec([last]), "provenance": {"commit": [last], "dirty": [False, True]}}
+    assert "uncommitted" in (staleness(dirty) or "")
 
 
 RIVALS = [p for p in COMPARED if p.stem.startswith("rivals-")]
