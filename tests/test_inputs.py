@@ -126,6 +126,52 @@ def test_float_images_scaled_by_range() -> None:
     assert got32.min() == 0 and got32.max() == 255
 
 
+@pytest.mark.parametrize("mode", ["F", "I", "I;16"])
+def test_high_bit_depth_by_strips_as_in_one_piece(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """A high-bit-depth image converts a strip of rows at a time (temporaries bounded, not the image's size):
+    the same bytes as in one piece, NaN and infinities included."""
+    import proteus.images as images
+
+    rng = np.random.default_rng(0)
+    if mode == "F":
+        arr = (rng.standard_normal((37, 23)) * 1e3).astype(np.float32)
+        arr[3, 4], arr[5, 6], arr[7, 8] = np.nan, np.inf, -np.inf
+    elif mode == "I":
+        arr = rng.integers(-(2**31), 2**31 - 1, (37, 23), dtype=np.int64).astype(np.int32)
+    else:
+        arr = rng.integers(0, 65535, (37, 23), dtype=np.int64).astype(np.uint16)
+    img = Image.fromarray(arr)  # F, I and I;16 from float32, int32 and uint16
+    assert img.mode == mode
+    whole = np.asarray(to_rgb(img))
+    monkeypatch.setattr(images, "STRIP_SAMPLES", 50)  # strips of 2 rows
+    assert np.array_equal(np.asarray(to_rgb(img)), whole)
+
+
+def test_an_extreme_aspect_ratio_is_cut_before_the_resize() -> None:
+    """The resize scales the short side, so a long thin image (64 megapixels at 8,000,000 x 8) would become
+    gigapixels: it is cut to its centre at 4 x its short side first, which keeps the centre crop whole (the
+    same crop to the resampling's round-off); an image within that ratio is not touched."""
+    from proteus.backbones.base import DataConfig
+    from proteus.backbones.transforms import MAX_ASPECT, _bounded_aspect, build_transform
+
+    cfg = DataConfig(input_size=32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    tf = build_transform(cfg)
+    rng = np.random.default_rng(0)
+    thin = Image.fromarray(rng.integers(0, 255, (40, 4000, 3), dtype=np.uint8))  # 4000 x 40: 100 to 1
+    assert _bounded_aspect(thin).size == (MAX_ASPECT * 40, 40)
+    ok = Image.fromarray(rng.integers(0, 255, (40, 160, 3), dtype=np.uint8))
+    assert _bounded_aspect(ok) is ok
+    import torchvision.transforms as T
+
+    ref = T.Compose([T.Resize(round(32 / cfg.crop_pct)), T.CenterCrop(32), T.ToTensor(),
+                     T.Normalize(cfg.mean, cfg.std)])(thin)  # fmt: skip
+    got = tf(thin)
+    assert got.shape == ref.shape == (3, 32, 32)
+    assert float((got - ref).abs().max()) < 0.05
+    huge = Image.new("L", (8_000_000, 8)).convert("RGB")  # resized whole: 73 x 73,000,000 pixels
+    assert tf(huge).shape == (3, 32, 32)
+
+
 def test_oversized_header_refused_before_decoding_without_pil_bomb_warning(tmp_path: Path) -> None:
     limit_before = Image.MAX_IMAGE_PIXELS
     big = png_header_only(tmp_path / "big.png", 12000, 12000)  # above PIL's warning threshold

@@ -46,11 +46,12 @@ bytes can tell (not an image, empty, too large, truncated) before anything is de
 from __future__ import annotations
 
 import io
+import math
 import os
 import stat
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -170,24 +171,67 @@ def _declared_bits(img: Image.Image) -> int | None:
     return int(bits) if isinstance(bits, int) and 1 <= bits <= 32 else None
 
 
-def _scale_unsigned(arr: np.ndarray, max_value: int) -> np.ndarray:
-    """Map 0..max_value to 0..255, rounding half up (for 16-bit data: ``round(v / 257)``)."""
-    v = arr.astype(np.float64)
-    return np.clip(np.floor(v * (255.0 / max_value) + 0.5), 0, 255).astype(np.uint8)
+#: the most samples a high-bit-depth conversion reads and turns into float64 at once (:func:`_strips`): a
+#: few MiB of temporaries per strip, where a whole 64-megapixel image would take gigabytes
+STRIP_SAMPLES = 1 << 20
 
 
-def _min_max(arr: np.ndarray) -> np.ndarray:
-    """Map the array's finite minimum to 0 and maximum to 255 (NaN -> 0, +inf -> 255, -inf -> 0)."""
-    v = arr.astype(np.float64)
-    finite = np.isfinite(v)
-    out = np.zeros(v.shape, dtype=np.float64)
-    if finite.any():
-        lo = float(v[finite].min())
-        hi = float(v[finite].max())
-        if hi > lo:
+def _strips(img: Image.Image) -> Iterator[tuple[int, np.ndarray]]:
+    """``img``'s samples a strip of rows at a time (each strip's first row, and the strip as an array): no
+    array of the whole image is made."""
+    w, h = img.size
+    rows = max(1, STRIP_SAMPLES // max(1, w))
+    for i in range(0, h, rows):
+        yield i, np.asarray(img.crop((0, i, w, min(h, i + rows))))
+
+
+def _by_strips(img: Image.Image, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``fn`` (elementwise, to uint8) applied to ``img``'s samples a strip of rows at a time: the same bytes
+    as one call on the whole array, with temporaries of :data:`STRIP_SAMPLES` samples."""
+    w, h = img.size
+    out = np.empty((h, w), dtype=np.uint8)
+    for i, a in _strips(img):
+        out[i : i + a.shape[0]] = fn(a)
+    return out
+
+
+def _scale_unsigned(img: Image.Image, max_value: int) -> np.ndarray:
+    """Map 0..max_value to 0..255 (values above clipped to max_value), rounding half up (for 16-bit data:
+    ``round(v / 257)``); by strips (:func:`_by_strips`)."""
+
+    def scale(a: np.ndarray) -> np.ndarray:
+        v = np.minimum(a, max_value).astype(np.float64)
+        return np.clip(np.floor(v * (255.0 / max_value) + 0.5), 0, 255).astype(np.uint8)
+
+    return _by_strips(img, scale)
+
+
+def _finite_range(img: Image.Image) -> tuple[float, float] | None:
+    """The finite minimum and maximum of ``img``'s samples (None: no finite value), by strips."""
+    lo, hi = math.inf, -math.inf
+    for _, a in _strips(img):
+        v = a[np.isfinite(a)]
+        if v.size:
+            lo, hi = min(lo, float(v.min())), max(hi, float(v.max()))
+    return None if lo > hi else (lo, hi)
+
+
+def _min_max(img: Image.Image) -> np.ndarray:
+    """Map the samples' finite minimum to 0 and maximum to 255 (NaN -> 0, +inf -> 255, -inf -> 0), by
+    strips."""
+    span = _finite_range(img)
+
+    def scale(a: np.ndarray) -> np.ndarray:
+        v = a.astype(np.float64)
+        finite = np.isfinite(v)
+        out = np.zeros(v.shape, dtype=np.float64)
+        if span is not None and span[1] > span[0]:
+            lo, hi = span
             out[finite] = (v[finite] - lo) * (255.0 / (hi - lo))
-    out[np.isposinf(v)] = 255.0
-    return np.clip(np.floor(out + 0.5), 0, 255).astype(np.uint8)
+        out[np.isposinf(v)] = 255.0
+        return np.clip(np.floor(out + 0.5), 0, 255).astype(np.uint8)
+
+    return _by_strips(img, scale)
 
 
 def _gray_to_rgb(arr8: np.ndarray) -> Image.Image:
@@ -205,26 +249,26 @@ def to_rgb(img: Image.Image, bits: int | None = None) -> Image.Image:
     if mode == "RGB":
         return img
     if mode in _UINT16_MODES:
-        arr = np.asarray(img)
         max_value = (1 << bits) - 1 if bits is not None and 8 < bits < 16 else 65535
-        return _gray_to_rgb(_scale_unsigned(np.minimum(arr, max_value), max_value))
+        return _gray_to_rgb(_scale_unsigned(img, max_value))
     if mode in ("I", "I;16S", "I;32", "I;32S"):
-        arr = np.asarray(img)
-        lo = int(arr.min()) if arr.size else 0
-        hi = int(arr.max()) if arr.size else 0
+        span = _finite_range(img)
+        lo, hi = (int(span[0]), int(span[1])) if span is not None else (0, 0)
         if bits is not None and bits <= 16 and lo >= 0:
-            max_value = (1 << bits) - 1
-            return _gray_to_rgb(_scale_unsigned(np.minimum(arr, max_value), max_value))
+            return _gray_to_rgb(_scale_unsigned(img, (1 << bits) - 1))
         if bits is None and lo >= 0 and hi <= 65535:
-            return _gray_to_rgb(_scale_unsigned(arr, 65535))
-        return _gray_to_rgb(_min_max(arr))
+            return _gray_to_rgb(_scale_unsigned(img, 65535))
+        return _gray_to_rgb(_min_max(img))
     if mode == "F":
-        arr = np.asarray(img)
-        finite = arr[np.isfinite(arr)]
-        if finite.size and float(finite.min()) >= 0.0 and float(finite.max()) <= 1.0:
-            v = np.where(np.isposinf(arr), 1.0, np.nan_to_num(arr, nan=0.0, neginf=0.0, posinf=1.0))
-            return _gray_to_rgb(np.clip(np.floor(v * 255.0 + 0.5), 0, 255).astype(np.uint8))
-        return _gray_to_rgb(_min_max(arr))
+        span = _finite_range(img)
+        if span is not None and span[0] >= 0.0 and span[1] <= 1.0:
+
+            def unit(a: np.ndarray) -> np.ndarray:
+                v = np.nan_to_num(a, nan=0.0, neginf=0.0, posinf=1.0)
+                return np.clip(np.floor(v * 255.0 + 0.5), 0, 255).astype(np.uint8)
+
+            return _gray_to_rgb(_by_strips(img, unit))
+        return _gray_to_rgb(_min_max(img))
     if mode == "P":
         # a palette with a transparent index goes through RGBA (PIL warns otherwise); alpha is dropped
         return img.convert("RGBA").convert("RGB") if "transparency" in img.info else img.convert("RGB")
