@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
+from proteus import heap
 from proteus.cli import threads
 from proteus.cli.parser import build_parser
 from proteus.errors import ProteusError
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     143 terminated (SIGTERM: the same clean-up as Ctrl-C)."""
     args = build_parser().parse_args(argv)
     threads.prepare(getattr(args, "threads", None))  # before any command imports torch (OpenMP reads it then)
+    if args.command == "serve":
+        heap.bound_arenas()  # before torch's threads take arenas of their own (proteus.heap)
     if getattr(args, "wait", None) is not None and args.wait < 0:
         args.wait = None  # --wait without a value: as long as it takes
     if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:  # torch only under torchrun

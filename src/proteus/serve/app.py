@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from proteus import heap
 from proteus.budgets import BUDGETS, BudgetError, limit
 from proteus.config import ConfigError
 from proteus.core.estimator import Proteus
@@ -183,7 +184,10 @@ class PixelBudget:
     def release(self, n: int) -> None:
         with self._cond:
             self.used -= n
+            idle = self.used == 0
             self._cond.notify_all()
+        if idle:  # the burst is over: its freed pages back to the system (proteus.heap)
+            heap.trim()
 
 
 def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:

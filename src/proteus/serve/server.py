@@ -18,6 +18,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from proteus import heap
 from proteus.core.estimator import Proteus
 from proteus.errors import ProteusError
 from proteus.serve.app import CLIENT_EOF, Limits, create_app
@@ -227,6 +228,7 @@ def serve(
     :data:`GRACEFUL_SHUTDOWN` s, and the process ends within :data:`EXIT_GRACE` s more whatever a worker
     thread is doing);
     ``limits``: the fields of :class:`Limits`."""
+    heap.bound_arenas()  # where the command line has not (an embedding program), before the workers start
     server = KBServer(
         (host, port), kb_dir, device=device, poll_seconds=poll_seconds, precision=precision, **limits
     )
