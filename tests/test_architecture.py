@@ -31,7 +31,7 @@ LAYERS = {
     "engine": 4,
     "config": 3,
     "adapters": 2, "signatures": 2, "heads": 2, "kb": 2, "backbones": 2, "streams": 2, "metrics": 2,
-    "distributed": 2, "devices": 2, "faults": 2, "images": 2, "progress": 2,
+    "distributed": 2, "devices": 2, "faults": 2, "images": 2, "progress": 2, "heap": 2,
     "options": 1, "tensor_rules": 1, "lazy": 0, "budgets": 0, "untrusted": 1, "collector": 0,
     "registry": 0, "errors": 0,
     "_version": -1,

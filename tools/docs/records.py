@@ -107,11 +107,10 @@ def staleness(record: dict[str, Any]) -> str | None:
     dirty = prov.get("dirty")
     if dirty is True or (isinstance(dirty, list) and True in dirty):
         return f"measured on {named} with uncommitted changes"
+    paths = [f":(top){m}" for m in record.get("measures", ())]  # the repository's paths, from any folder
     for c in commits:
         if _git("cat-file", "-e", f"{c}^{{commit}}") is None:
             return f"measured on `{c[:7]}`, which is not in this repository's history"
-    paths = [f":(top){m}" for m in record.get("measures", ())]  # the repository's paths, from any folder
-    for c in commits:
         changed = _git("log", "--format=%h", f"{c}..HEAD", "--", *paths)
         if changed is None:
             return f"measured on {named}; git cannot tell what changed since"

@@ -28,7 +28,8 @@ from collections import deque
 from typing import Any
 
 import torch
-from perf_timing import _malloc_trim, glibc_function
+
+from proteus.heap import glibc_function, trim
 
 #: attributes whose tensors are reported one level deeper (``model_.units`` rather than ``model_``)
 SPLIT = ("model_", "keys_", "heads_")
@@ -162,7 +163,7 @@ def _status_kib(field: str) -> int | None:
 def account(learner: Any) -> dict[str, Any]:
     """One account of the process's memory, in MiB (see the module docstring)."""
     gc.collect()
-    _malloc_trim()
+    trim()
     mapped = file_mappings()
     owners = tensor_owners(learner, mapped)
     tensors = _all_tensor_bytes(mapped)

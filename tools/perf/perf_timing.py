@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from proteus.heap import trim
+
 
 # ====================================================================== timing and memory
 def _sync(dev: torch.device) -> None:
@@ -67,25 +69,6 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def glibc_function(name: str) -> Any | None:
-    """glibc's function ``name`` through ctypes (None without glibc, or in a glibc without it)."""
-    try:
-        import ctypes
-
-        return getattr(ctypes.CDLL("libc.so.6"), name)
-    except (OSError, AttributeError):
-        return None
-
-
-def _malloc_trim() -> bool:
-    """Return free heap memory to the system (glibc only), so that RSS growth measures new memory."""
-    trim = glibc_function("malloc_trim")
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
-
 def _maxrss_bytes() -> int:
     try:
         import resource
@@ -125,7 +108,7 @@ class PeakMemory:
             self._base = torch.cuda.memory_allocated(self.dev)
         else:
             gc.collect()
-            trimmed = _malloc_trim()
+            trimmed = trim()
             self._base = _rss_bytes() or 0
             self._peak = self._base
             self._trimmed = trimmed

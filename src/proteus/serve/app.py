@@ -162,6 +162,11 @@ class Runtime:
     decoding: PixelBudget
 
 
+#: pixels decoded, as a burst, before the heap is trimmed once no decode runs (:func:`proteus.heap.trim`):
+#: requests of small images do not pay for a walk over the heap each
+TRIM_AFTER_PIXELS = 16_000_000
+
+
 class PixelBudget:
     """Pixels being decoded at once by all requests (budget ``decoding_pixels``): a decode waits until its
     image fits (one image alone always fits), so the server's memory for decoding is bounded whatever the
@@ -169,6 +174,7 @@ class PixelBudget:
 
     def __init__(self, total: int) -> None:
         self.total, self.used = total, 0
+        self.since_trim = 0  # pixels decoded since the heap was last trimmed
         self._cond = threading.Condition()
 
     def acquire(self, n: int, cancelled: threading.Event) -> bool:
@@ -184,9 +190,12 @@ class PixelBudget:
     def release(self, n: int) -> None:
         with self._cond:
             self.used -= n
-            idle = self.used == 0
+            self.since_trim += n
+            trim = self.used == 0 and self.since_trim >= TRIM_AFTER_PIXELS
+            if trim:
+                self.since_trim = 0
             self._cond.notify_all()
-        if idle:  # the burst is over: its freed pages back to the system (proteus.heap)
+        if trim:  # a burst of large decodes is over: their freed pages back to the system
             heap.trim()
 
 
