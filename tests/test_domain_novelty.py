@@ -267,6 +267,60 @@ def test_pair_scores_are_each_pairs_own_nll_in_blocks_of_tasks(
                 assert float(got[c][i, j]) == pytest.approx(float(want), rel=1e-9, abs=1e-9)
 
 
+def test_the_widest_variance_bounds_every_nll_from_below() -> None:
+    """``||z - mean||^2 / widest + logdet`` never exceeds :meth:`PPCA.nll` (what the pruning relies on)."""
+    from proteus.engine import novelty
+
+    g = torch.Generator().manual_seed(8)
+    gaussians = {t: [PPCA.fit(torch.randn(n, 9, generator=g, dtype=torch.float64) * (t + 1), rank=5)]
+                 for t, n in enumerate([3, 8, 40])}  # fmt: skip
+    Z = torch.randn(30, 9, generator=g) * 3
+    cand = torch.arange(3).repeat(30, 1)
+    (lb,) = novelty._lower_bounds(gaussians, [Z], cand)
+    (nll,) = novelty.pair_scores(gaussians, [Z], cand)
+    assert (lb <= nll + 1e-9).all() and (lb > -float("inf")).all()
+
+
+@pytest.mark.parametrize("K", [1, 2, 5])
+def test_the_pruned_search_finds_the_full_computations_best_candidate(K: int) -> None:
+    """:func:`shortlist_novelty` (the best candidate's combined score, candidates whose lower bound cannot
+    win never scored in full) is the full computation's minimum over the candidates, with candidates
+    without Gaussians (+inf) among them; on well-separated tasks it scores far fewer pairs in full."""
+    from proteus.engine import novelty
+
+    g = torch.Generator().manual_seed(9)
+    dims = (4, 6, 11)
+    gaussians = {
+        t: [PPCA.fit(torch.randn(n, d, generator=g, dtype=torch.float64) + 4 * t, rank=6) for d in dims]
+        for t, n in enumerate([5, 12, 9, 30, 7, 9, 14, 6])
+        if t != 4
+    }
+    truth = torch.randint(0, 8, (40,), generator=g)
+    parts = [torch.randn(40, d, generator=g) + 4 * truth[:, None] for d in dims]
+    # the keys' candidates: mostly the true task first, the rest random
+    cand = torch.stack([torch.cat([t[None], torch.randperm(8, generator=g)]).unique_consecutive()[:K]
+                        for t in truth])  # fmt: skip
+    cand = torch.stack([torch.cat([r, torch.tensor([x for x in range(8) if x not in r])])[:K] for r in cand])
+    loc, scale = [1.0, -2.0, 3.0], [2.0, 0.5, 4.0]
+    full = novelty.TaskDetector.combined(novelty.pair_scores(gaussians, parts, cand), loc, scale)
+    scored: list[int] = []
+    real = novelty.pair_scores
+
+    def counting(gs, ps, c, comps=None):  # type: ignore[no-untyped-def]
+        scored.append(int((c >= 0).sum()) * len(ps))
+        return real(gs, ps, c, comps)
+
+    novelty.pair_scores = counting  # type: ignore[assignment]
+    try:
+        got = novelty.shortlist_novelty(gaussians, parts, cand, loc, scale)
+    finally:
+        novelty.pair_scores = real  # type: ignore[assignment]
+    assert torch.allclose(got, full, rtol=1e-12, atol=1e-12)
+    assert torch.equal(torch.isinf(got), torch.isinf(full))
+    if K == 5:
+        assert sum(scored) < 0.5 * cand.numel() * len(dims)
+
+
 def test_a_stored_gaussian_keeps_its_float64_basis_once_a_shortlist_scores_under_it() -> None:
     """A Gaussian decoded from a knowledge base keeps the float64 copy of its basis that :func:`pair_scores`
     made (the same numbers, counted in the decoded Gaussians' budget); one held in memory, or a call that

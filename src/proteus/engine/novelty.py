@@ -316,6 +316,13 @@ class PPCA:
         """``1 / var`` in float64 (r numbers, kept: a shortlist scores the same tasks' Gaussians again)."""
         return 1.0 / self.var.double()
 
+    @functools.cached_property
+    def widest(self) -> float:
+        """The covariance's largest variance (the kept ones', or ``noise``): ``||z - mean||^2 / widest +
+        logdet`` is a lower bound of :meth:`nll` that needs no basis (every direction's variance is at most
+        this), what :func:`shortlist_novelty` prunes with."""
+        return max(float(self.var.max()) if self.var.numel() else 0.0, self.noise)
+
 
 class TaskGaussians:
     """One component's Gaussians of many tasks, scored together: ``scores(Z)`` is ``(N, T)``, column t
@@ -354,14 +361,19 @@ class TaskGaussians:
 PAIR_BLOCK = 2**21
 
 
-def pair_scores(gaussians: Mapping[int, list[PPCA]], parts: list[Tensor], cand: Tensor) -> list[Tensor]:
+def pair_scores(
+    gaussians: Mapping[int, list[PPCA]],
+    parts: list[Tensor],
+    cand: Tensor,
+    components: list[int] | None = None,
+) -> list[Tensor]:
     """Per component, (n, K): each row's negative log-density (:meth:`PPCA.nll`) under each of its candidate
-    tasks ``cand`` (n, K) (``gaussians``: each task's, per component; ``parts``: the rows' components); +inf
-    for a candidate without Gaussians (forgotten, too few rows). The pairs are sorted by task, so that each
-    task's rows are one slice: centring every pair's row on its task's mean, the squares and the weighting
-    run once over a block of tasks together (:func:`_pair_block`), and what is left per task is the one
-    product with its basis, read where it lies (no padded copy of the bases: a batch spread over hundreds of
-    candidate tasks reads each basis once)."""
+    tasks ``cand`` (n, K) (``gaussians``: each task's, per component; ``parts``: the rows' components, or
+    those numbered ``components``); +inf for a candidate without Gaussians (forgotten, too few rows, or -1).
+    The pairs are sorted by task, so that each task's rows are one slice: centring every pair's row on its
+    task's mean, the squares and the weighting run once over a block of tasks together (:func:`_pair_block`),
+    and what is left per task is the one product with its basis, read where it lies (no padded copy of the
+    bases: a batch spread over hundreds of candidate tasks reads each basis once)."""
     n, K = cand.shape
     flat = cand.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -374,14 +386,14 @@ def pair_scores(gaussians: Mapping[int, list[PPCA]], parts: list[Tensor], cand: 
         return [o.view(n, K) for o in out]
     of = {i: gaussians[tasks[i]] for i in held}
     sizes = counts.tolist()
-    for c, part in enumerate(parts):
+    for c, (comp, part) in enumerate(zip(components or range(len(parts)), parts, strict=True)):
         Z = part.double()
         for block in _blocks(held, sizes, Z.shape[1]):
             idx = torch.as_tensor(block)
             ct = counts[idx]
             first = torch.repeat_interleave(starts[idx] - (torch.cumsum(ct, 0) - ct), ct)
             pairs = order[torch.arange(len(first)) + first]  # the block's pairs, task by task
-            out[c][pairs] = _pair_block([of[i][c] for i in block], Z, pairs // K, ct)
+            out[c][pairs] = _pair_block([of[i][comp] for i in block], Z, pairs // K, ct)
     return [o.view(n, K) for o in out]
 
 
@@ -420,6 +432,71 @@ def _pair_block(gs: list[PPCA], Z: Tensor, rows: Tensor, counts: Tensor) -> Tens
     logdet = torch.tensor([g.logdet for g in gs], dtype=torch.float64)[owner]
     rest = ((D * D).sum(1) - P2.sum(1)).clamp_min(0.0)
     return (P2 * inv_var[owner]).sum(1) + rest * inv_noise + logdet
+
+
+#: how far (in the combined score's units) a candidate's lower bound must exceed the best score found for
+#: :func:`shortlist_novelty` to skip it: far above the bound's float64 round-off, far below any difference
+#: that matters
+PRUNE_MARGIN = 1e-6
+
+
+def shortlist_novelty(
+    gaussians: Mapping[int, list[PPCA]], parts: list[Tensor], cand: Tensor,
+    loc: list[float], scale: list[float],
+) -> Tensor:  # fmt: skip
+    """(n,): each row's combined score (:meth:`TaskDetector.combined`) at its best candidate of ``cand``
+    (n, K), without scoring every candidate: the first (the keys' best) is scored in full, every other is
+    given a lower bound per component that needs only its mean (:attr:`PPCA.widest`), and the components
+    are then scored in full, cheapest first, only for the candidates whose bound, with the components scored
+    so far, does not already exceed the row's best score by :data:`PRUNE_MARGIN`. A candidate skipped
+    cannot be the best, so the result is the full computation's: the same numbers where the best candidate
+    is scored in the same blocks, float64 round-off otherwise. A batch spread over hundreds of tasks reads
+    the bases of the few that can win instead of every shortlisted task's (the detector's memory traffic)."""
+    first = pair_scores(gaussians, parts, cand[:, :1])
+    best = TaskDetector.combined(first, loc, scale)
+    rest = cand[:, 1:]
+    if not rest.numel():
+        return best
+    bounds = _lower_bounds(gaussians, parts, rest)
+    terms = [(lb - a) / b for lb, a, b in zip(bounds, loc, scale, strict=True)]
+    for c in sorted(range(len(parts)), key=lambda c: parts[c].shape[1]):
+        live = sum(terms) <= (best + PRUNE_MARGIN)[:, None]
+        if not bool(live.any()):
+            return best
+        (nll,) = pair_scores(gaussians, [parts[c]], torch.where(live, rest, -1), [c])
+        terms[c] = torch.where(live, (nll - loc[c]) / scale[c], terms[c])
+    total = sum(terms)
+    assert isinstance(total, Tensor)
+    return torch.minimum(best, total.min(1).values)
+
+
+def _lower_bounds(gaussians: Mapping[int, list[PPCA]], parts: list[Tensor], cand: Tensor) -> list[Tensor]:
+    """Per component, (n, K): a lower bound of each row's :meth:`PPCA.nll` under each candidate task,
+    ``||z - mean||^2 / widest + logdet`` (+inf for a candidate without Gaussians): the rows centred on
+    their candidates' means, task by task as in :func:`pair_scores`, and no basis read."""
+    n, K = cand.shape
+    flat = cand.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    found, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    out = [torch.full((n * K,), float("inf"), dtype=torch.float64) for _ in parts]
+    held = [(i, gaussians[t]) for i, t in enumerate(found.tolist()) if t in gaussians]
+    if not held:
+        return [o.view(n, K) for o in out]
+    idx = torch.as_tensor([i for i, _ in held])
+    ct = counts[idx]
+    starts = (torch.cumsum(counts, 0) - counts)[idx]
+    pairs = order[
+        torch.repeat_interleave(starts - (torch.cumsum(ct, 0) - ct), ct) + torch.arange(int(ct.sum()))
+    ]
+    owner = torch.repeat_interleave(torch.arange(len(held)), ct)
+    rows = pairs // K
+    for c, part in enumerate(parts):
+        gs = [g[c] for _, g in held]
+        D = part.double()[rows] - torch.stack([g.mean for g in gs]).double()[owner]
+        widest = torch.tensor([g.widest for g in gs], dtype=torch.float64)[owner]
+        logdet = torch.tensor([g.logdet for g in gs], dtype=torch.float64)[owner]
+        out[c][pairs] = (D * D).sum(1) / widest + logdet
+    return [o.view(n, K) for o in out]
 
 
 def _pooled(live: Mapping[int, CalibrationRows], tasks: list[int] | None = None) -> tuple[Tensor, Tensor]:
@@ -688,7 +765,7 @@ class TaskDetector:
         elif cand is None:
             raise ValueError("the detector scores under a shortlist: give each row's candidate tasks")
         else:
-            per = pair_scores(gaussians, parts, cand.cpu())
+            return shortlist_novelty(gaussians, parts, cand.cpu(), self.loc, self.scale) - self.threshold
         return self.combined(per, self.loc, self.scale) - self.threshold
 
     def state(self, tpr: float) -> dict[str, Any] | None:
