@@ -348,6 +348,31 @@ def test_sweep_keeps_the_previous_commit(tmp_path: Path) -> None:
     assert _names(KnowledgeBase.open(root)) == [*SEEDS, "c"]
 
 
+@pytest.mark.parametrize("how", ["renamed", "replaced"])
+def test_a_knowledge_base_moved_under_its_writer_is_not_re_created(tmp_path: Path, how: str) -> None:
+    """A writer whose knowledge base was renamed away (or replaced by another directory) while it held the
+    write lock fails its next write by name; nothing appears at the old path, the moved one is unchanged."""
+    root = tmp_path / "kb"
+    _seed(root)
+    with KnowledgeBase.write_lock(root):
+        kb = KnowledgeBase.open(root)
+        root.rename(tmp_path / "moved")
+        if how == "replaced":
+            root.mkdir()
+            (root / "note").write_text("someone else's folder")
+        with pytest.raises(
+            KBError, match="moved, removed or replaced while this process held its write lock"
+        ):
+            _append(kb, "c")
+        with pytest.raises(KBError, match="moved, removed or replaced"):
+            kb.commit(kb.manifest)
+    assert (not root.exists()) if how == "renamed" else sorted(p.name for p in root.iterdir()) == ["note"]
+    assert _names(KnowledgeBase.open(tmp_path / "moved")) == SEEDS
+    with KnowledgeBase.write_lock(tmp_path / "moved"):  # at its new path it takes new tasks
+        _append(KnowledgeBase.open(tmp_path / "moved"), "c")
+    assert _names(KnowledgeBase.open(tmp_path / "moved")) == [*SEEDS, "c"]
+
+
 # ====================================================================== never delete what a KB holds
 def test_new_writes_nothing_before_its_first_commit(tmp_path: Path) -> None:
     root = tmp_path / "deep" / "kb"

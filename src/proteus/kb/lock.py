@@ -133,6 +133,32 @@ def _acquire(fd: int, root: Path, wait: float | None) -> None:
 
 
 _HELD: dict[tuple[int, str], dict[str, Any]] = {}  # (pid, lock path) -> record, for re-entrant use
+#: (pid, lock path) -> the held lock file's (device, inode): the directory a writer locked (:func:`moved`)
+_FILES: dict[tuple[int, str], tuple[int, int]] = {}
+
+
+def _key(root: str | Path) -> tuple[int, str]:
+    return os.getpid(), str((Path(root) / LOCK).resolve())
+
+
+def moved(root: str | Path) -> str | None:
+    """Why a writer of this process may not commit to ``root``: its directory is no longer the one whose
+    write lock this process holds (moved or removed, another put in its place), so that a commit would
+    create a new knowledge base at the old path; None when it is, or when no lock of ``root`` is held here."""
+    held = _FILES.get(_key(root))
+    if held is None:
+        return None
+    try:
+        st = os.stat(Path(root) / LOCK)
+        if (st.st_dev, st.st_ino) == held:
+            return None
+    except OSError:
+        pass
+    return (
+        f"{root}: the knowledge base was moved, removed or replaced while this process held its write lock; "
+        "nothing was committed (the knowledge base it was writing to is wherever it was moved, unchanged "
+        "by this commit): open it at its new path and learn again"
+    )
 
 
 @contextlib.contextmanager
@@ -153,7 +179,7 @@ def write_lock(root: str | Path, wait: float | None = 0.0) -> Iterator[dict[str,
     except OSError as e:
         raise _not_writable(root, e) from None
     path = root / LOCK
-    key = (os.getpid(), str(path.resolve()))
+    key = _key(root)
     if key in _HELD:
         yield _HELD[key]
         return
@@ -189,10 +215,13 @@ def write_lock(root: str | Path, wait: float | None = 0.0) -> Iterator[dict[str,
                     previous.get("since"),
                 )
         _HELD[key] = record
+        st = os.fstat(fd)
+        _FILES[key] = (st.st_dev, st.st_ino)
         try:
             yield record
         finally:
             del _HELD[key]
+            _FILES.pop(key, None)
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)  # a clean release leaves no holder record
     finally:

@@ -100,7 +100,7 @@ from proteus.kb.files import (
     log,
     read_kb_file,
 )
-from proteus.kb.lock import lock_holder, write_lock
+from proteus.kb.lock import lock_holder, moved, write_lock
 from proteus.kb.manifests import previous_manifest, read_manifest, segmented
 from proteus.kb.objects import ObjectStore, Part, StoredPart
 from proteus.kb.packs import StoredTensors, is_pack
@@ -237,6 +237,8 @@ class KnowledgeBase:
         object that changes at every commit (the head), which would pay for the lookup's hashing for
         nothing."""
         try:
+            if self._on_disk and (problem := moved(self.root)):
+                raise KBError(problem)
             return self.objects.write(kind, tensors, reuse)
         except BaseException:
             Commit(self.root, self.objects, None).abandon()
@@ -248,6 +250,9 @@ class KnowledgeBase:
         objects neither it nor the previous state references. Writers hold :meth:`write_lock` around open
         ... commit. A manifest this proteus could not read back is refused; a failed commit leaves the KB as
         it was."""
+        problem = moved(self.root)
+        if problem:
+            raise KBError(problem)
         commit = Commit(self.root, self.objects, self._manifest_sha)
         current = _refs(self.manifest)  # each manifest's references walked once in a commit
         replaced = None
