@@ -344,3 +344,6 @@ def test_a_stored_gaussian_keeps_its_float64_basis_once_a_shortlist_scores_under
         first[:, 0], novelty.pair_scores({0: [held]}, [Z], torch.zeros(5, 1, dtype=torch.long))[0][:, 0]
     )
     assert novelty._decoded_bytes([stored]) == 8 * (stored.basis.numel() + stored.var.numel())
+    fresh = PPCA(held.mean, held.basis, held.var, held.noise, stored=True)
+    assert novelty.held_bytes([fresh]) == 0  # decoded, bounded at most: no float64 copy yet
+    assert novelty.held_bytes([stored]) == novelty._decoded_bytes([stored])  # scored: what it reserved

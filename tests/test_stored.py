@@ -62,6 +62,7 @@ def test_the_budget_counts_a_value_as_its_size_says() -> None:
     for k in range(4):
         shares[k]  # noqa: B018
     assert shares.decoded_bytes == 3 * 40  # three of 40 counted bytes each: task 0 out
+    assert shares.holding(lambda v: int(v[0] > 1)) == 2  # what they hold now, as another size counts it
     shares[1], shares[2], shares[3]  # noqa: B018  (kept: not decoded again)
     assert calls == [0, 1, 2, 3]
     shares[0]  # noqa: B018

@@ -48,6 +48,8 @@ import torch
 import yaml
 
 from proteus import Proteus
+from proteus.engine.novelty import held_bytes
+from proteus.engine.stored import TaskShares
 from proteus.experiment.store import commit
 from proteus.kb import KnowledgeBase
 from proteus.streams.base import Task
@@ -86,10 +88,12 @@ def synthetic_task(k: int, per_class: int, img: int, seed: int) -> Task:
 
 
 def _detector_cache_bytes(clf: Proteus) -> int:
-    """The bytes of the detector's decoded Gaussians (the float64 bases a shortlist scores under, kept within
-    their budget: :data:`proteus.engine.novelty.GAUSSIANS_BUDGET`); 0 without a detector."""
+    """The bytes the detector's decoded Gaussians hold (the float64 bases a shortlist scored under, kept
+    within their budget: :data:`proteus.engine.novelty.GAUSSIANS_BUDGET`, which counts each task at what it
+    may come to hold); 0 without a detector."""
     novelty = getattr(getattr(clf, "keys_", None), "novelty", None)
-    return int(getattr(getattr(novelty, "gaussians", None), "decoded_bytes", 0))
+    shares = getattr(novelty, "gaussians", None)
+    return shares.holding(held_bytes) if isinstance(shares, TaskShares) else 0
 
 
 def _caches_mb(row: dict[str, Any]) -> float:

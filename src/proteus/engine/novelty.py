@@ -1178,6 +1178,15 @@ def _decoded_bytes(gs: list[PPCA]) -> int:
     return sum(8 * (g.basis.numel() + g.var.numel()) for g in gs)
 
 
+def held_bytes(gs: list[PPCA]) -> int:
+    """What a decoded task's Gaussians hold now: the float64 copies of the bases and inverse variances made
+    so far (at most :func:`_decoded_bytes`: a task whose candidates were only bounded made none)."""
+    return sum(
+        8 * ((g._basis64.numel() if g._basis64 is not None else 0) + ("inv_var" in vars(g)) * g.var.numel())
+        for g in gs
+    )
+
+
 def _stored_gaussians(k: int, tensors: Mapping[str, Tensor]) -> list[PPCA]:
     """Task k's Gaussians from its stored tensors (their noise variances from its record)."""
     noise = tensors.info if isinstance(tensors, _Share) else None

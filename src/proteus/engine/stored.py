@@ -120,6 +120,12 @@ class TaskShares(MutableMapping[int, V], Generic[V]):
         """The bytes of the decoded values kept (at most the budget, but for the one used last)."""
         return self._decoded_bytes
 
+    def holding(self, size: Callable[[V], int]) -> int:
+        """The bytes the decoded values kept hold now, as ``size`` counts them (:attr:`decoded_bytes` counts
+        each as its ``size`` when it was decoded: for values that make their copies later, what they may
+        come to hold, the bound the budget keeps)."""
+        return sum(size(v) for v, _ in self._decoded.values())
+
     def _keep(self, k: int, value: V) -> None:
         if self.budget == 0:
             return
