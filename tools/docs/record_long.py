@@ -208,6 +208,10 @@ def main() -> None:
     args = ap.parse_args()
     rec: dict[str, Any] = {"name": args.name, "command": args.command}
     rec["runs"] = [summary(p) for p in args.runs]
+    labels = [r["label"] for r in rec["runs"]]
+    for i, run in enumerate(rec["runs"]):  # runs of the same settings (the spread between runs), numbered
+        if labels.count(labels[i]) > 1:
+            run["label"] = f"{labels[i]}, run {labels[:i].count(labels[i]) + 1}"
     devices = sorted({json.loads(p.read_text())["settings"].get("device", "unknown") for p in args.runs})
     threads = "unknown"
     if "--threads" in args.command.split():

@@ -141,20 +141,21 @@ def _key(root: str | Path) -> tuple[int, str]:
     return os.getpid(), str((Path(root) / LOCK).resolve())
 
 
-def moved(root: str | Path) -> str | None:
-    """Why a writer of this process may not commit to ``root``: its directory is no longer the one whose
-    write lock this process holds (moved or removed, another put in its place), so that a commit would
-    create a new knowledge base at the old path; None when it is, or when no lock of ``root`` is held here."""
+def check_not_moved(root: str | Path) -> None:
+    """Raise :class:`KBError` when a writer of this process may not commit to ``root``: its directory is no
+    longer the one whose write lock this process holds (moved or removed, another put in its place), so that
+    a commit would create a new knowledge base at the old path. Nothing when it is, or when no lock of
+    ``root`` is held here."""
     held = _FILES.get(_key(root))
     if held is None:
-        return None
+        return
     try:
         st = os.stat(Path(root) / LOCK)
         if (st.st_dev, st.st_ino) == held:
-            return None
+            return
     except OSError:
         pass
-    return (
+    raise KBError(
         f"{root}: the knowledge base was moved, removed or replaced while this process held its write lock; "
         "nothing was committed (the knowledge base it was writing to is wherever it was moved, unchanged "
         "by this commit): open it at its new path and learn again"

@@ -100,7 +100,7 @@ from proteus.kb.files import (
     log,
     read_kb_file,
 )
-from proteus.kb.lock import lock_holder, moved, write_lock
+from proteus.kb.lock import check_not_moved, lock_holder, write_lock
 from proteus.kb.manifests import previous_manifest, read_manifest, segmented
 from proteus.kb.objects import ObjectStore, Part, StoredPart
 from proteus.kb.packs import StoredTensors, is_pack
@@ -233,12 +233,11 @@ class KnowledgeBase:
     ) -> tuple[str, str]:
         """Write a content-addressed object; returns (relative path, sha256). Not yet committed (a KB from
         :meth:`new` keeps it in memory until its first commit). ``reuse``: look the content up among the
-        objects this KB wrote (:func:`~proteus.kb.content.content_key`) before serialising it; False for an
-        object that changes at every commit (the head), which would pay for the lookup's hashing for
-        nothing."""
+        objects this KB wrote (:func:`~proteus.kb.content.content_key`) first; False for an object that
+        changes at every commit (the head), which would pay for the lookup's hashing for nothing."""
         try:
-            if self._on_disk and (problem := moved(self.root)):
-                raise KBError(problem)
+            if self._on_disk:
+                check_not_moved(self.root)
             return self.objects.write(kind, tensors, reuse)
         except BaseException:
             Commit(self.root, self.objects, None).abandon()
@@ -250,9 +249,7 @@ class KnowledgeBase:
         objects neither it nor the previous state references. Writers hold :meth:`write_lock` around open
         ... commit. A manifest this proteus could not read back is refused; a failed commit leaves the KB as
         it was."""
-        problem = moved(self.root)
-        if problem:
-            raise KBError(problem)
+        check_not_moved(self.root)
         commit = Commit(self.root, self.objects, self._manifest_sha)
         current = _refs(self.manifest)  # each manifest's references walked once in a commit
         replaced = None
