@@ -181,6 +181,76 @@ def test_a_sparse_object_is_refused_by_its_size_before_it_is_read(
     assert rc == 1 and "over the limit of 2147483648 bytes (kb_object_bytes)" in text, text
 
 
+def test_objects_whose_recorded_sizes_add_up_over_the_total_budget_are_refused_before_any_is_read(
+    kb2: Path,
+    world: dict,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sizes a manifest records for its objects, added up, over ``kb_total_bytes``: every command names
+    the budget (each object alone within ``kb_object_bytes``), and the environment raises it."""
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+    total = sum(p.stat().st_size for p in (kb / "objects").iterdir())
+    monkeypatch.setenv("PROTEUS_LIMIT_KB_TOTAL_BYTES", str(total // 2))
+    for argv, expected in _commands(kb, _img(world)):
+        rc, text = _run(argv, capsys)
+        assert rc == expected and "(kb_total_bytes)" in text and "PROTEUS_LIMIT_KB_TOTAL_BYTES" in text, text
+    monkeypatch.setenv("PROTEUS_LIMIT_KB_TOTAL_BYTES", str(2 * total))
+    assert _run(["kb", "verify", str(kb)], capsys)[0] == 0
+
+
+#: a child that checks a knowledge base (``kb verify``'s check: argv[1]) once to import what checking needs,
+#: then another (argv[2]), and prints how far its peak resident memory rose during the second, in MiB
+_CHECK_PEAK = r"""
+import sys
+from pathlib import Path
+import proteus.kb as kbmod
+
+def hwm():
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
+
+kbmod.check(sys.argv[1])
+before = hwm()
+report = kbmod.check(sys.argv[2])
+print((hwm() - before) >> 10, len(report.errors))
+print("\n".join(report.errors))
+"""
+
+
+def test_a_sparse_object_of_its_recorded_size_and_sha256_is_checked_in_bounded_memory(
+    kb2: Path, tmp_path: Path
+) -> None:
+    """An object of 512 MiB of zeros (a sparse file: nothing on disk) whose true size and sha256 the manifest
+    records, as an attacker who writes the manifest can: `kb verify` hashes it as a stream and finds it is
+    no safetensors file, its peak resident memory rising by a few MiB, not by the object (it used to read
+    the object whole and copy it twice: 4.9 GB for one of 2 GiB)."""
+    import subprocess
+    import sys
+
+    kb = tmp_path / "kb"
+    shutil.copytree(kb2, kb)
+    size = 512 << 20
+    h, block = hashlib.sha256(), bytes(1 << 24)
+    for _ in range(size // len(block)):
+        h.update(block)
+    sha = h.hexdigest()
+    m = read_manifest(kb)
+    name = f"objects/task000-{sha[:16]}.safetensors"
+    with (kb / name).open("wb") as f:
+        f.truncate(size)
+    m["tasks"][0].update(object=name, sha256=sha, bytes=size)
+    write_manifest(kb, m)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHECK_PEAK, str(kb2), str(kb)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    rise, n_errors = map(int, out[0].split())
+    assert n_errors >= 1 and any(name in e and "not a valid safetensors file" in e for e in out[1:]), out
+    assert rise < 128, f"the check's peak resident memory rose {rise} MiB for an object of 512 MiB"
+
+
 @pytest.mark.parametrize(
     ("edit", "words", "where"),
     [

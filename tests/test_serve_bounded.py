@@ -199,20 +199,22 @@ _STUCK = """
 import sys, time
 import proteus.serve.batching as batching
 batching.MicroBatcher._predict = lambda self, jobs: time.sleep(3600)
-from proteus.serve.server import serve
-serve(sys.argv[1], port=0, device="cpu")
+import proteus.serve.server as server
+server.GRACEFUL_SHUTDOWN, server.EXIT_GRACE = float(sys.argv[2]), float(sys.argv[3])
+server.serve(sys.argv[1], port=0, device="cpu")
 """
+#: the graceful period and the exit grace the stuck server is given (the defaults' 10 + 10 s, shortened)
+_GRACES = (2.0, 2.0)
 
 
 @pytest.mark.slow
 def test_sigterm_ends_the_process_while_a_request_is_in_flight(world: dict) -> None:
     """SIGTERM with a request stuck in a worker thread: the running requests get the graceful period, then the
     process ends (exit 143) within that and its exit grace (it used to wait for the thread forever)."""
-    from proteus.serve.server import EXIT_GRACE, GRACEFUL_SHUTDOWN
-
+    GRACEFUL_SHUTDOWN, EXIT_GRACE = _GRACES
     proc = subprocess.Popen(
-        [sys.executable, "-c", _STUCK, str(world["kb1"])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", _STUCK, str(world["kb1"]), *map(str, _GRACES)], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         line = proc.stdout.readline() if proc.stdout else ""

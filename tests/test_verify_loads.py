@@ -193,6 +193,16 @@ def test_a_record_whose_tap_split_does_not_fit_its_tensors_is_refused_by_verify(
     assert "novelty: tap_sizes" in _check(good, m, capsys)
 
 
+def test_a_segment_record_without_its_object_is_refused_by_verify(good: dict, capsys) -> None:
+    """A task record without ``object`` in its record segment (found by the property below: an internal
+    error while the segment was expanded) is refused, naming the segment and the field."""
+    m = copy.deepcopy(good["manifest"])
+    del m["tasks"][0]["object"]
+    m["checksum"] = manifest_checksum(m)
+    out = _check(good, m, capsys)
+    assert "segments[0]" in out and "object" in out, out
+
+
 def test_the_knowledge_base_itself_verifies_and_loads(good: dict, capsys) -> None:
     assert _check(good, good["manifest"], capsys) == ""
 

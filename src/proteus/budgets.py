@@ -70,8 +70,13 @@ BUDGETS: dict[str, Budget] = {
         Budget("kb_manifest_bytes", 64 * _MIB, "bytes",
                "memory of reading manifest.json or manifest.prev.json (checked with fstat before reading)"),
         Budget("kb_object_bytes", 2048 * _MIB, "bytes",
-               "memory of reading one knowledge-base object; an object is also compared with the size its "
-               "manifest records before it is read"),
+               "time of checking one knowledge-base object (hashed as a stream, then memory-mapped: its "
+               "pages are read when used, not held for the check) and the size of a head's square "
+               "statistic (head.rp_dim up to about 16,000 in float64); an object is also compared with the "
+               "size its manifest records before it is read"),
+        Budget("kb_total_bytes", 64 * 1024 * _MIB, "bytes",
+               "time of verifying or opening a knowledge base: the sizes its manifest records for all its "
+               "objects, added up before any object is read"),
         Budget("side_file_bytes", 1 * _MIB, "bytes",
                "a key file, its sequence record, the write lock's record: read whole, so capped"),
         Budget("yaml_bytes", 16 * _MIB, "bytes", "a config file or a tasks file, read whole"),

@@ -319,8 +319,9 @@ def map_object(root: Path, rel: str, sha: str, size: int | None, trusted: Any = 
     """Object ``rel`` memory-mapped (private, copy-on-write: its tensors are views of the page cache, not
     copies, and a write to one never reaches the file) and checked against ``sha``: opened, compared with
     its recorded size and its budget and hashed as :func:`read_object` does, before any tensor is made of
-    it. An object unlinked later (a sweep) stays readable through its mapping. ``trusted``: a
-    :class:`~proteus.kb.verified.Verified` record; a file it trusts is not hashed, one hashed is added."""
+    it (hashed as a stream, so that checking it holds one chunk, not the file). An object unlinked later (a
+    sweep) stays readable through its mapping. ``trusted``: a :class:`~proteus.kb.verified.Verified`
+    record; a file it trusts is not hashed, one hashed is added."""
     shown = root / rel
     objects, name = rel.split("/", 1)
     try:
@@ -352,15 +353,16 @@ def map_object(root: Path, rel: str, sha: str, size: int | None, trusted: Any = 
             raise over("kb_object_bytes", str(shown), st.st_size, cap)
         if st.st_size == 0:
             raise KBError(f"{shown}: empty, not a safetensors file")
+        hashed = trusted is None or not trusted.trusts(rel, sha, st)
+        if hashed:  # read as a stream, a chunk at a time: the whole file never resident for the check
+            _check_sha(shown, sha, _stream_sha(fd))
         mapped = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
     except OSError as e:
         raise KBError(f"{shown}: cannot be read ({e.strerror or e})") from None
     finally:
         os.close(fd)
-    if trusted is None or not trusted.trusts(rel, sha, st):
-        _check_sha(shown, sha, hashlib.sha256(mapped).hexdigest())
-        if trusted is not None:
-            trusted.add(rel, sha, st)
+    if hashed and trusted is not None:
+        trusted.add(rel, sha, st)
     return mapped
 
 

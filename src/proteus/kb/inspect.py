@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from safetensors.torch import load as st_load
 
 from proteus.errors import ProteusError
 from proteus.kb.chain import chain_problems
@@ -29,8 +28,8 @@ from proteus.kb.files import (
     _sha,
     _tmp_pid,
     kb_file_kind,
+    map_object,
     read_kb_file,
-    read_object,
     recorded_size,
 )
 from proteus.kb.manifests import parse, read_manifest
@@ -38,7 +37,7 @@ from proteus.kb.packs import Pack, is_pack
 from proteus.kb.schema import downgrade_problem, object_path
 from proteus.kb.signing import accept, describe, key_from_env, sequence_problem, signature_problem
 from proteus.kb.store import KnowledgeBase
-from proteus.kb.tensors import Obj, check_objects, int_totals, nonfinite, parse_header
+from proteus.kb.tensors import Obj, check_objects, int_totals, nonfinite, parse_header, tensors_of
 
 
 @dataclass
@@ -195,29 +194,27 @@ def _object_problems(
     """The problems of one object (missing, size, checksum, header, dtypes, non-finite values) and, when
     its tensors could be read, their shapes for the rules of :mod:`proteus.kb.tensors`."""
     path = root / rel
-    try:
-        data = read_object(root, rel, sha, size)
+    try:  # mapped, hashed as a stream: an object's pages are resident only while its values are checked
+        data = map_object(root, rel, sha, size)
     except ProteusError as e:
         return [f"{e} ({label})"], None
     try:
         shapes = parse_header(data)
-        tensors = st_load(data)
-    except Exception as e:  # safetensors raises several types for bad headers
+        tensors = tensors_of(data)
+    except ValueError as e:
         return [f"{path}: not a valid safetensors file ({e}) ({label})"], None
+    pack = None
     if is_pack(rel):  # the tasks' shares are checked one by one (:class:`_PackValues`)
         try:
-            pack = Pack(bytearray(data), where=str(path))  # (writable: views of it warn otherwise)
+            pack = Pack(data, where=str(path))
         except ValueError as e:
             return [f"{path}: not a valid pack ({e}) ({label})"], None
-        found = [nonfinite(n, t) for n, t in tensors.items()]
-        return [f"{path}: {b} ({label})" for b in found if b], Obj(label, str(path), {}, None, shapes,
-                                                                  _PackValues(pack))  # fmt: skip
-    out = []
-    for tname, t in tensors.items():
-        bad = nonfinite(tname, t)
-        if bad:
-            out.append(f"{path}: {bad} ({label})")
-    return out, Obj(label, str(path), {}, None, shapes, totals=int_totals(tensors))
+    found = [f"{path}: {bad} ({label})" for n, t in tensors.items() if (bad := nonfinite(n, t))]
+    totals = None if pack is not None else int_totals(tensors)
+    data.madvise(mmap.MADV_DONTNEED)  # its pages leave the process (read again from the file if needed)
+    if pack is not None:
+        return found, Obj(label, str(path), {}, None, shapes, _PackValues(pack))
+    return found, Obj(label, str(path), {}, None, shapes, totals=totals)
 
 
 class _PackValues(dict[str, Any]):

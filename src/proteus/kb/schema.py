@@ -29,7 +29,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from proteus.budgets import BudgetError
+from proteus.budgets import BudgetError, limit, over
 from proteus.kb.files import FORMAT, OBJECTS, READABLE_VERSIONS, V3_KEYS, V4_KEYS, KBError, manifest_checksum
 from proteus.tensor_rules import (
     ATOMS,
@@ -171,7 +171,8 @@ MANIFEST_V4: Schema = {
 SEGMENT: Schema = {
     "format": F("str", True),
     "first": F("count", True),
-    "tasks": F("list[map]", True, items={"bytes": F("count", True)}),
+    # (each record's object named before the segment is expanded: the sizes are kept by object)
+    "tasks": F("list[map]", True, items={"bytes": F("count", True), "object": TASK["object"]}),
     "evaluation": F("list[map]", True, items=EVALUATION_ROW),
 }
 #: task fields that must have as many items as the first one names
@@ -395,7 +396,16 @@ def _size_problems(manifest: dict[str, Any]) -> list[str]:
     if not isinstance(sizes, dict):
         return []
     bad = [(k, v) for k, v in sizes.items() if type_problem(v, "count") is not None]
-    return [f"object_bytes.{_shown(k)}: expected an integer >= 0, got {_shown(v)}" for k, v in bad[:20]]
+    out = [f"object_bytes.{_shown(k)}: expected an integer >= 0, got {_shown(v)}" for k, v in bad[:20]]
+    total = total_problem(sizes) if not bad else None
+    return out + ([total] if total else [])
+
+
+def total_problem(sizes: dict[str, Any]) -> str | None:
+    """What is wrong with the sizes a manifest records for its objects (``sizes``: by object, each
+    counted once) taken together: over the budget ``kb_total_bytes``, or None."""
+    total = sum(v for v in sizes.values() if _is_int(v))
+    return str(over("kb_total_bytes", "its objects", total)) if total > limit("kb_total_bytes") else None
 
 
 def downgrade_problem(manifest: dict[str, Any], previous: dict[str, Any] | None, path: Path) -> str | None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from proteus.kb.files import EXPANDED_KEYS, KBError
-from proteus.kb.schema import SEGMENT, fields_problems
+from proteus.kb.schema import SEGMENT, fields_problems, total_problem
 from proteus.untrusted import load_json
 
 __all__ = ["RECORDS_FORMAT", "SEGMENT_TASKS", "Segments", "content_digest", "expand", "physical_keys"]
@@ -126,6 +126,8 @@ class Segments:
         head = manifest.get("head")
         if isinstance(head, dict) and isinstance(head.get("bytes"), int):
             sizes[head["object"]] = head["bytes"]
+        if problem := total_problem(sizes):
+            raise KBError(f"{where}: {problem}")
         return {**manifest, "tasks": tasks, "evaluation": rows, "object_bytes": sizes}
 
     def _read(
