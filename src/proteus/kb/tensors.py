@@ -109,7 +109,7 @@ def tensors_of(data: Any, checked: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
-def parse_header(data: bytes) -> dict[str, tuple[str, tuple[int, ...]]]:
+def parse_header(data: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The (dtype, shape) of each tensor of a safetensors file, from its header alone; raises ValueError
     naming what is wrong (the header's size, JSON, a dtype proteus does not write, offsets)."""
     return {name: (dtype, shape) for name, (dtype, shape, _) in _entries(data).items()}
