@@ -322,7 +322,8 @@ def test_a_signed_kb_cannot_be_rolled_back(
     m = json.loads((kb / "manifest.json").read_text())
     rc, text = _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)
     assert rc == 0 and f"OK, signed commit {m['sequence']} of knowledge base {m['kb_id'][:8]}" in text, text
-    assert json.loads((tmp_path / "kb.key.sequences").read_text()) == {m["kb_id"]: m["sequence"]}
+    recorded = {"at": {os.path.realpath(kb): {"kb_id": m["kb_id"], "sequence": m["sequence"]}}}
+    assert json.loads((tmp_path / "kb.key.sequences").read_text()) == recorded
     shutil.copy(kb / "manifest.prev.json", kb / "manifest.json")  # one task lost, validly signed
     rc, text = _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)
     assert rc == 1 and f"rollback refused: manifest.json is commit {m['sequence'] - 1}" in text, text
@@ -345,6 +346,62 @@ def test_a_signed_kb_cannot_be_rolled_back(
     assert _run(["kb", "undo", str(kb), "--key-file", str(key)], capsys)[0] == 0
     assert _manifest(kb)["sequence"] == m["sequence"] + 1
     assert _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)[0] == 0
+
+
+def _signed(kb: Path, key: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert _run(["kb", "sign", str(kb), "--key-file", str(key)], capsys)[0] == 0
+    return json.loads((kb / "manifest.json").read_text())
+
+
+def test_another_knowledge_base_signed_with_the_key_is_refused_in_its_place_and_copies_count_apart(
+    kb2: Path, world: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One key, several knowledge bases: the signed manifest of another one (its objects copied too) put in
+    this one's directory is refused by name, unless ``--kb-id`` names it; a copy of a knowledge base in
+    another directory commits under the key without its sequences counting against the original; a record
+    beside the key that cannot be read makes ``kb verify`` refuse to vouch unless ``--min-sequence`` is
+    given."""
+    key = tmp_path / "kb.key"
+    key.write_text("0123456789abcdef" * 4)
+    key.chmod(0o600)
+    kb, other = tmp_path / "kb", tmp_path / "other"
+    shutil.copytree(kb2, kb)
+    assert (
+        main(["learn", "--kb", str(other), "--task", "1", *folder_args(world["tree"], world["spec"]), *TINY])
+        == 0
+    )
+    mine, theirs = _signed(kb, key, capsys), _signed(other, key, capsys)
+    assert mine["kb_id"] != theirs["kb_id"]
+    assert _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)[0] == 0
+    for p in (other / "objects").iterdir():
+        shutil.copy(p, kb / "objects" / p.name)
+    shutil.copy(other / "manifest.json", kb / "manifest.json")
+    rc, text = _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)
+    assert rc == 1 and f"is of knowledge base {theirs['kb_id'][:8]}, but this key accepted" in text, text
+    assert f"--kb-id {theirs['kb_id'][:8]}" in text
+    assert _run(["kb", "info", str(kb), "--key-file", str(key)], capsys)[0] == 2
+    rc, text = _run(["kb", "verify", str(kb), "--key-file", str(key), "--kb-id", mine["kb_id"][:8]], capsys)
+    assert rc == 1 and f"not {mine['kb_id'][:8]} (--kb-id)" in text, text
+    rc, text = _run(
+        ["kb", "verify", str(kb), "--key-file", str(key), "--kb-id", theirs["kb_id"][:12]], capsys
+    )
+    assert rc == 0, text  # replaced on purpose: now the one accepted here
+    assert _run(["kb", "verify", str(kb), "--key-file", str(key)], capsys)[0] == 0
+    # a copy elsewhere moves on (an undo with the key is a commit); the original's sequence still verifies
+    orig, copy = tmp_path / "orig", tmp_path / "copy"
+    shutil.copytree(kb2, orig)
+    first = _signed(orig, key, capsys)
+    shutil.copytree(orig, copy)
+    rc, text = _run(["kb", "undo", str(copy), "--key-file", str(key)], capsys)
+    assert rc == 0, text
+    assert json.loads((copy / "manifest.json").read_text())["sequence"] > first["sequence"]
+    assert _run(["kb", "verify", str(orig), "--key-file", str(key)], capsys)[0] == 0
+    # an unreadable record: verify will not vouch (exit 1) unless --min-sequence stands in for it
+    (tmp_path / "kb.key.sequences").write_text("{not json")
+    rc, text = _run(["kb", "verify", str(orig), "--key-file", str(key)], capsys)
+    assert rc == 1 and "cannot read the accepted sequences" in text and "--min-sequence" in text, text
+    rc, text = _run(["kb", "verify", str(orig), "--key-file", str(key), "--min-sequence", "0"], capsys)
+    assert rc == 0, text
 
 
 def test_special_key_files_and_images(kb2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -374,23 +374,24 @@ def cmd_kb_forget(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kb_key(args: argparse.Namespace) -> bytes | None:
-    """The key of ``--key-file`` with ``--min-sequence`` (None: none given; ``KnowledgeBase.open`` reads
-    $PROTEUS_KB_KEY_FILE)."""
-    from proteus.kb import read_key_file
+def _kb_key(args: argparse.Namespace, strict: bool = False) -> bytes | None:
+    """The key of ``--key-file`` (else $PROTEUS_KB_KEY_FILE's, when ``--min-sequence``, ``--kb-id`` or
+    ``strict`` need one) with ``--min-sequence`` and ``--kb-id``; ``strict``: a record of accepted sequences
+    that cannot be read or written is a problem (``kb verify``). None: no key given (``KnowledgeBase.open``
+    reads $PROTEUS_KB_KEY_FILE)."""
+    from proteus.kb.signing import key_from_env, read_key_file
 
-    floor = getattr(args, "min_sequence", None)
-    if getattr(args, "key_file", None):
-        return read_key_file(args.key_file, min_sequence=floor)
-    if floor is not None:
-        from proteus.kb.signing import key_from_env
-
+    floor, pinned = getattr(args, "min_sequence", None), getattr(args, "kb_id", None)
+    key = read_key_file(args.key_file) if getattr(args, "key_file", None) else None
+    if key is None and (floor is not None or pinned is not None or strict):
         key = key_from_env()
-        if key is None:
-            raise ConfigError("--min-sequence checks a signature: give --key-file (or $PROTEUS_KB_KEY_FILE)")
-        key.min_sequence = floor
-        return key
-    return None
+        if key is None and (floor is not None or pinned is not None):
+            raise ConfigError(
+                "--min-sequence and --kb-id check a signature: give --key-file (or $PROTEUS_KB_KEY_FILE)"
+            )
+    if key is not None:
+        key.min_sequence, key.kb_id, key.strict = floor, pinned, strict
+    return key
 
 
 def _commit_words(s: dict[str, Any]) -> str:
@@ -483,7 +484,7 @@ def cmd_kb_verify(args: argparse.Namespace) -> int:
     (:func:`proteus.learners.load_problems`): what verify accepts, ``predict`` and ``kb info`` load."""
     import proteus.kb as kbmod
 
-    key = _kb_key(args)
+    key = _kb_key(args, strict=True)
     report = kbmod.check(args.kb, key)
     if not report.errors:
         from proteus.learners import load_problems

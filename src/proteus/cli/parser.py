@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -828,8 +829,26 @@ def _key_option(p: argparse.ArgumentParser, required: bool = False) -> None:
             type=_at_least(0),
             metavar="N",
             help="refuse a signed manifest whose commit sequence number is below N (a rollback); the highest "
-            "sequence a key accepted is also recorded beside it (KEYFILE.sequences) and enforced",
+            "sequence a key accepted in each directory is also recorded beside it (KEYFILE.sequences) and "
+            "enforced",
         )
+        p.add_argument(
+            "--kb-id",
+            type=_kb_id,
+            metavar="ID",
+            help="refuse a signed manifest of another knowledge base than ID (its kb_id, or its first 8 or "
+            "more hex digits, as `kb verify` prints it); without it, the one this key accepted in the "
+            "directory before (recorded in KEYFILE.sequences)",
+        )
+
+
+def _kb_id(text: str) -> str:
+    """``--kb-id``: 8 to 32 hex digits (a knowledge base's identity, or its start)."""
+    if not re.fullmatch(r"[0-9a-fA-F]{8,32}", text):
+        raise argparse.ArgumentTypeError(
+            f"expected 8 to 32 hex digits (a knowledge base's kb_id), got {text!r}"
+        )
+    return text.lower()
 
 
 def _wait_option(p: argparse.ArgumentParser) -> None:

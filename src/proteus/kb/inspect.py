@@ -112,8 +112,9 @@ def check(root: str | Path, key: bytes | None = None) -> Report:
             )
     _leftovers(root, manifest, names, prev_names, report)
     if key is not None and manifest is not None and not out:
-        accept(manifest, key)
-        report.verified = describe(manifest, key)
+        problem = accept(manifest, key, root)
+        out += [problem] if problem else []
+        report.verified = None if problem else describe(manifest, key)
     return report
 
 

@@ -11,13 +11,18 @@ A key is the bytes of a key file, trailing whitespace removed (a hex string and 
 least 16 bytes. ``KnowledgeBase.open(root, key=...)`` checks the signature, and so does every ``open``
 when ``$PROTEUS_KB_KEY_FILE`` names a key file; a commit made with a key signs the new manifest.
 
-Rollback: a manifest of format 3 carries ``sequence`` (one more at every commit, ``undo`` included) and
-``kb_id`` (the knowledge base's random identity), both signed. A reader with a key read from a file
-(:class:`SigningKey`) records, beside the key (``<key file>.sequences``), the highest sequence it accepted
-for each knowledge base, and refuses a lower one: a signed manifest copied back over a newer one (``cp
-manifest.prev.json manifest.json``), or an old signed copy, is refused by name. ``--min-sequence N``
-(:attr:`SigningKey.min_sequence`) sets the floor by hand. A manifest signed without a sequence (format 2)
-is accepted with a warning: sign it again.
+Rollback and substitution: a manifest of format 3 carries ``sequence`` (one more at every commit, ``undo``
+included) and ``kb_id`` (the knowledge base's random identity), both signed. A reader with a key read from a
+file (:class:`SigningKey`) records, beside the key (``<key file>.sequences``), per knowledge-base directory
+(its resolved path) the identity and the highest sequence it accepted there, and refuses a lower sequence
+(a signed manifest copied back over a newer one: ``cp manifest.prev.json manifest.json``, or an old signed
+copy) and another identity (another knowledge base's signed manifest put in its place) by name. Copies of a
+knowledge base in other directories keep separate records, so that one copy's commits never count against
+another's. ``--min-sequence N`` (:attr:`SigningKey.min_sequence`) sets the floor by hand, and ``--kb-id ID``
+(:attr:`SigningKey.kb_id`) pins the identity by hand (a fresh reader, or a directory replaced on purpose).
+``kb verify`` (:attr:`SigningKey.strict`) refuses to vouch when the record cannot be read or written,
+unless ``--min-sequence`` is given. A manifest signed without a sequence (format 2) is accepted with a
+warning: sign it again.
 """
 
 from __future__ import annotations
@@ -44,15 +49,21 @@ UNSIGNED_KEYS = ("signature", "checksum")
 
 class SigningKey(bytes):
     """A key (its bytes) with where it came from: ``path``, the key file (the sequences it accepted are
-    recorded beside it), and ``min_sequence``, the lowest sequence a signed manifest may have (None: only
-    the recorded one)."""
+    recorded beside it), ``min_sequence``, the lowest sequence a signed manifest may have (None: only the
+    recorded one), ``kb_id``, the identity (or its first hex digits, at least 8) the signed manifest must
+    carry (None: the one recorded for its directory), and ``strict``: a record that cannot be read or
+    written is a problem, not a warning, unless ``min_sequence`` is given (``kb verify``)."""
 
     path: Path | None
     min_sequence: int | None
+    kb_id: str | None
+    strict: bool
 
-    def __new__(cls, key: bytes, path: Path | None = None, min_sequence: int | None = None) -> SigningKey:
+    def __new__(
+        cls, key: bytes, path: Path | None = None, min_sequence: int | None = None, kb_id: str | None = None
+    ) -> SigningKey:
         out = super().__new__(cls, key)
-        out.path, out.min_sequence = path, min_sequence
+        out.path, out.min_sequence, out.kb_id, out.strict = path, min_sequence, kb_id, False
         return out
 
 
@@ -151,9 +162,17 @@ def _record_path(key: bytes) -> Path | None:
     return path.with_name(path.name + ".sequences") if isinstance(path, Path) else None
 
 
-def _accepted(key: bytes) -> dict[str, int]:
-    """The highest sequence accepted per knowledge base identity, as recorded beside the key ({} when none
-    is, or the record cannot be read: a warning)."""
+#: the record's key holding, per knowledge-base directory, the identity and sequence accepted there (its
+#: other keys are the records of older releases: the highest sequence per identity, wherever it was read)
+AT = "at"
+
+
+class RecordError(ProteusError):
+    """The record of accepted sequences beside a key cannot be read or written (what and why)."""
+
+
+def _record(key: bytes) -> dict[str, Any]:
+    """The record beside the key ({} when there is none); :class:`RecordError` when it cannot be read."""
     record = _record_path(key)
     if record is None:
         return {}
@@ -162,18 +181,48 @@ def _accepted(key: bytes) -> dict[str, int]:
     except FileNotFoundError:
         return {}
     except (OSError, ProteusError) as e:
-        log.warning("%s: cannot read the accepted sequences (%s); only --min-sequence applies", record, e)
-        return {}
-    if not isinstance(doc, dict):
-        return {}
-    return {k: v for k, v in doc.items() if isinstance(v, int) and not isinstance(v, bool)}
+        why = getattr(e, "strerror", None) or e
+        raise RecordError(f"{record}: cannot read the accepted sequences ({why})") from None
+    return doc if isinstance(doc, dict) else {}
+
+
+def _recorded(key: bytes, root: Path, kb_id: str | None) -> tuple[dict[str, Any] | None, int | None]:
+    """What the key's record holds for directory ``root``: its entry ({"kb_id", "sequence"}) and the highest
+    sequence of ``kb_id``; an older release's entry by identity counts only while no directory holds it."""
+    doc = _record(key)
+    at = _dirs(doc)
+    entry = at.get(_where(root))
+    entry = entry if isinstance(entry, dict) and isinstance(entry.get("kb_id"), str) else None
+    if entry is not None:
+        seq = entry.get("sequence")
+        return entry, seq if entry["kb_id"] == kb_id and isinstance(seq, int) else None
+    held = any(isinstance(e, dict) and e.get("kb_id") == kb_id for e in at.values())
+    legacy = doc.get(kb_id) if isinstance(kb_id, str) and not held else None
+    return None, legacy if isinstance(legacy, int) and not isinstance(legacy, bool) else None
+
+
+def _dirs(doc: dict[str, Any]) -> dict[str, Any]:
+    """The record's entries by directory."""
+    at = doc.get(AT)
+    return at if isinstance(at, dict) else {}
+
+
+def _where(root: Path) -> str:
+    return os.path.realpath(root)
 
 
 def sequence_problem(root: Path, manifest: dict[str, Any], key: bytes) -> str | None:
-    """None when the (validly signed) ``manifest`` is not older than what ``key`` accepted before: its
-    ``sequence`` at least ``key.min_sequence`` and the sequence recorded beside the key for its ``kb_id``."""
+    """None when the (validly signed) ``manifest`` of the knowledge base at ``root`` is neither older than
+    what ``key`` accepted there before nor another knowledge base's: its ``sequence`` at least
+    ``key.min_sequence`` and the one recorded beside the key for its directory, its ``kb_id`` the one given
+    (``key.kb_id``) or else the one recorded for its directory."""
     seq, kb_id = _sequence(manifest), manifest.get("kb_id")
-    floor = getattr(key, "min_sequence", None)
+    floor, pinned = getattr(key, "min_sequence", None), getattr(key, "kb_id", None)
+    if pinned is not None and not (isinstance(kb_id, str) and kb_id.startswith(pinned.lower())):
+        return (
+            f"{root}: {MANIFEST} is of knowledge base {_short(kb_id)}, not {pinned} (--kb-id): another "
+            "knowledge base's signed manifest was put in its place"
+        )
     if seq is None:
         if floor is not None:
             return (
@@ -186,43 +235,80 @@ def sequence_problem(root: Path, manifest: dict[str, Any], key: bytes) -> str | 
             f"{root}: rollback refused: {MANIFEST} is commit {seq}, below --min-sequence {floor}; it is an "
             "older signed state of the knowledge base"
         )
-    last = _accepted(key).get(kb_id) if isinstance(kb_id, str) else None
-    if last is not None and seq < last:
-        assert isinstance(kb_id, str)  # last was looked up by it
+    try:
+        entry, last = _recorded(key, root, kb_id if isinstance(kb_id, str) else None)
+    except RecordError as e:
+        if getattr(key, "strict", False) and floor is None:
+            return (
+                f"{e}: a rollback cannot be detected without it; give --min-sequence N to verify without it"
+            )
+        log.warning("%s; only --min-sequence applies", e)
+        return None
+    if entry is not None and pinned is None and entry["kb_id"] != kb_id:
         return (
-            f"{root}: rollback refused: {MANIFEST} is commit {seq} of knowledge base {kb_id[:8]}, but this "
-            f"key already accepted commit {last} (recorded in {_record_path(key)}): an older signed state "
-            "was put back; restore the newer one, or if the rollback is intended remove its entry from that "
-            "record"
+            f"{root}: {MANIFEST} is of knowledge base {_short(kb_id)}, but this key accepted knowledge "
+            f"base {_short(entry['kb_id'])} in this directory (recorded in {_record_path(key)}): another "
+            "knowledge base's signed manifest was put in its place; if you replaced it on purpose, give "
+            f"--kb-id {_short(kb_id)}"
+        )
+    if last is not None and seq < last:
+        return (
+            f"{root}: rollback refused: {MANIFEST} is commit {seq} of knowledge base {_short(kb_id)}, but "
+            f"this key already accepted commit {last} (recorded in {_record_path(key)}): an older signed "
+            "state was put back; restore the newer one, or if the rollback is intended remove its entry from "
+            "that record"
         )
     return None
 
 
-def accept(manifest: dict[str, Any], key: bytes) -> None:
-    """Record beside the key that ``manifest`` (validly signed, or written with the key) was accepted:
-    later readers with this key refuse a lower sequence for its knowledge base. Best effort: a record that
-    cannot be written is a warning."""
+def _short(kb_id: Any) -> str:
+    return kb_id[:8] if isinstance(kb_id, str) else "(none)"
+
+
+def accept(manifest: dict[str, Any], key: bytes, root: Path) -> str | None:
+    """Record beside the key that ``manifest`` (validly signed, or written with the key) was accepted in
+    directory ``root``: later readers with this key refuse a lower sequence, or another identity, there.
+    A record that cannot be written is a warning, or what is returned (``key.strict``, without
+    ``--min-sequence``)."""
     record, seq, kb_id = _record_path(key), _sequence(manifest), manifest.get("kb_id")
     if record is None or seq is None or not isinstance(kb_id, str):
-        return
-    seen = _accepted(key)
-    if seen.get(kb_id, -1) >= seq:
-        return
-    seen[kb_id] = seq
+        return None
+    try:
+        doc = _record(key)
+        at = _dirs(doc)
+        entry = at.get(_where(root))
+        if isinstance(entry, dict) and entry.get("kb_id") == kb_id and _int(entry.get("sequence")) >= seq:
+            return None
+        doc[AT] = {**at, _where(root): {"kb_id": kb_id, "sequence": seq}}
+        _write_record(record, doc)
+    except (OSError, RecordError) as e:
+        problem = f"{record}: cannot record the accepted sequence ({getattr(e, 'strerror', None) or e})"
+        if getattr(key, "strict", False) and getattr(key, "min_sequence", None) is None:
+            return (
+                f"{problem}: a later rollback could not be detected; give --min-sequence N to go without it"
+            )
+        log.warning("%s; rollbacks are caught with --min-sequence only", problem)
+    return None
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+
+def _write_record(record: Path, doc: dict[str, Any]) -> None:
     tmp = record.with_name(f".{record.name}.tmp-{os.getpid()}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, json.dumps(seen, sort_keys=True).encode())
+            os.write(fd, json.dumps(doc, sort_keys=True).encode())
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, record)
-    except OSError as e:
+    except OSError:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        log.warning("%s: cannot record the accepted sequence (%s); rollbacks are caught with --min-sequence "
-                    "only", record, e.strerror or e)  # fmt: skip
+        raise
 
 
 def describe(manifest: dict[str, Any], key: bytes) -> str:

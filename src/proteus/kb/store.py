@@ -211,7 +211,7 @@ class KnowledgeBase:
                     time.sleep(min(0.002 * 2**attempt, 0.1))
                     continue
                 if key is not None and require_signature:
-                    accept(manifest, key)
+                    accept(manifest, key, root)
                 return kb
         raise AssertionError("unreachable")
 
@@ -268,7 +268,7 @@ class KnowledgeBase:
         # the state this proteus wrote: a reader need not check it again
         self.objects.verified.wrote(expanded, head_kind(expanded) or "proteus", {rel for _, rel, _ in refs})
         if self.key is not None:
-            accept(manifest, self.key)
+            accept(manifest, self.key, self.root)
         crash_point("commit:manifest")
         # manifest.prev.json holds the state replaced (write checked it is this one)
         sweep(self.root, _ref_names(refs), replaced)
@@ -333,7 +333,7 @@ class KnowledgeBase:
         self.manifest, data = commit.sign(self.manifest, key)
         self.key = key
         self._manifest_sha = _sha(data)
-        accept(self.manifest, key)
+        accept(self.manifest, key, self.root)
 
     def sweep(self, previous: set[str] | None = None) -> list[tuple[Path, int]]:
         """Delete the objects referenced neither by the manifest nor by manifest.prev.json (``previous``: its
