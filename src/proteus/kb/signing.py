@@ -153,8 +153,12 @@ def _alg(sig: Any) -> str:
 
 # ------------------------------------------------------------------------------------------ sequences
 def _sequence(manifest: dict[str, Any]) -> int | None:
-    n = manifest.get("sequence")
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
+    return _count(manifest.get("sequence"))
+
+
+def _count(v: Any) -> int | None:
+    """``v`` when it is an integer (not a bool), else None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _record_path(key: bytes) -> Path | None:
@@ -194,11 +198,9 @@ def _recorded(key: bytes, root: Path, kb_id: str | None) -> tuple[dict[str, Any]
     entry = at.get(_where(root))
     entry = entry if isinstance(entry, dict) and isinstance(entry.get("kb_id"), str) else None
     if entry is not None:
-        seq = entry.get("sequence")
-        return entry, seq if entry["kb_id"] == kb_id and isinstance(seq, int) else None
+        return entry, _count(entry.get("sequence")) if entry["kb_id"] == kb_id else None
     held = any(isinstance(e, dict) and e.get("kb_id") == kb_id for e in at.values())
-    legacy = doc.get(kb_id) if isinstance(kb_id, str) and not held else None
-    return None, legacy if isinstance(legacy, int) and not isinstance(legacy, bool) else None
+    return None, _count(doc.get(kb_id)) if isinstance(kb_id, str) and not held else None
 
 
 def _dirs(doc: dict[str, Any]) -> dict[str, Any]:
@@ -277,7 +279,11 @@ def accept(manifest: dict[str, Any], key: bytes, root: Path) -> str | None:
         doc = _record(key)
         at = _dirs(doc)
         entry = at.get(_where(root))
-        if isinstance(entry, dict) and entry.get("kb_id") == kb_id and _int(entry.get("sequence")) >= seq:
+        if (
+            isinstance(entry, dict)
+            and entry.get("kb_id") == kb_id
+            and (_count(entry.get("sequence")) or 0) >= seq > 0
+        ):
             return None
         doc[AT] = {**at, _where(root): {"kb_id": kb_id, "sequence": seq}}
         _write_record(record, doc)
@@ -289,10 +295,6 @@ def accept(manifest: dict[str, Any], key: bytes, root: Path) -> str | None:
             )
         log.warning("%s; rollbacks are caught with --min-sequence only", problem)
     return None
-
-
-def _int(v: Any) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) else -1
 
 
 def _write_record(record: Path, doc: dict[str, Any]) -> None:
