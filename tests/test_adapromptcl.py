@@ -170,7 +170,7 @@ class Recorder:
         return {k: v.detach().clone() for k, v in h.state_dict().items()}
 
     def fit(self, stream, k: int) -> dict:
-        return self.clf.fit_task(stream.tasks[k], stream_tasks=len(stream.tasks))
+        return self.clf.fit_task(stream.tasks[k], stream_tasks=len(stream.tasks)).extra
 
     def record_assign(self, monkeypatch) -> None:
         assign = SemanticGroups.assign

@@ -39,7 +39,7 @@ def learned(stream):
         "adapter": [{k: t.clone() for k, t in a.items()} for a in clf.adapter_],
         "R": clf.R_.clone(),
         "W": clf.W_.clone(),
-        "ridge": stats["ridge"],
+        "ridge": stats.extra["ridge"],
     }
     clf.fit_task(stream.tasks[1], stream_tasks=2)
     return clf, after1

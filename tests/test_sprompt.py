@@ -123,7 +123,7 @@ def test_only_the_tasks_own_prompt_and_head_are_trained(fitted) -> None:
     )
     L, d = clf.options_.prompt_length, clf.embed_dim
     n1 = len(clf.task_classes_[1])
-    assert L == 10 and stats1["trainable_params"] == L * d + (d + 1) * n1  # one prompt, one head
+    assert L == 10 and stats1.extra["trainable_params"] == L * d + (d + 1) * n1  # one prompt, one head
     assert [tuple(p.shape) for p in clf.prompts_] == [(L, d)] * 2
     assert inits[1].abs().max() <= 1 / math.sqrt(d)  # the release's nn.Linear(d, L) weight init
 

@@ -30,6 +30,7 @@ from proteus.collector import collector_paused
 from proteus.config import LEARNERS, ConfigError, RunConfig, learner_of, validate
 from proteus.devices import PRECISIONS
 from proteus.distributed import DEVICE_CHOICES, known_device
+from proteus.engine.records import TaskStats
 from proteus.errors import ProteusError
 from proteus.kb import KBError, KnowledgeBase
 from proteus.streams import Task
@@ -41,8 +42,9 @@ __all__ = [
 
 #: what a learner may support beyond ``fit_task`` and evaluation: ``load`` (rebuilt from a knowledge base:
 #: ``proteus learn`` in a new process, ``evaluate``, ``predict``, ``serve``), ``retrieval`` (task
-#: retrieval: rejection, ``kb forget``, ``kb calibrate``, theory checks)
-CAPABILITIES = ("load", "retrieval")
+#: retrieval: rejection, ``kb forget``, ``kb calibrate``, theory checks), ``analysis`` (the run's analyses
+#: of PROTEUS's adapters, keys and heads: :func:`proteus.report.analysis.analyse_run`)
+CAPABILITIES = ("load", "retrieval", "analysis")
 
 
 @dataclass
@@ -148,8 +150,14 @@ class ContinualLearner(Protocol):
     @property
     def num_tasks(self) -> int: ...
 
-    def fit_task(self, task: Task) -> Any:
-        """Learn one task, transactionally; returns its statistics (``to_dict()`` or a dict)."""
+    @property
+    def train_log_(self) -> list[dict[str, Any]]:
+        """The training curve of the task learned last, one row per optimisation step (``epoch``,
+        ``step``, ``loss``, ...); empty for a method that does not train."""
+        ...
+
+    def fit_task(self, task: Task) -> TaskStats:
+        """Learn one task, transactionally; returns what it measured (the loop adds its timings)."""
         ...
 
     def prefix_dataset(self, ds: Any, desc: str = "prefix") -> tuple[Tensor, Tensor]:
@@ -194,6 +202,7 @@ def check_supports(learner: Any, capability: str, command: str) -> None:
 #: what to do instead, per capability a learner lacks
 _HINTS = {
     "load": "run it on a whole stream with `proteus run` or `proteus compare`",
+    "analysis": "the analyses read PROTEUS's adapters, keys and heads (a PROTEUS method)",
     "retrieval": "this needs a PROTEUS method with task retrieval (retrieval.mode=signature)",
 }
 

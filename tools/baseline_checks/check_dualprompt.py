@@ -128,7 +128,7 @@ for zb in step_z:
     assert zb.shape[0] == 1 and float(d.min()) < 1e-5, (zb.shape, float(d.min()))
     order.append(int(d.argmin()))
 n_steps = len(order)
-assert n_steps == EPOCHS * len(X) == stats["steps"], (n_steps, stats["steps"])
+assert n_steps == EPOCHS * len(X) == stats.extra["steps"], (n_steps, stats.extra["steps"])
 info(
     "shared pool: max |our task-1 e-prompt at its start - our task-0 trained e-prompt|",
     f"{mad(init[1], clf.e_prompts_[0]):.1e}",

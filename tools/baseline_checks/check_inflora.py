@@ -217,7 +217,7 @@ with common.recording_optimizer("Adam") as opt_rec:
         )
         report(
             f"A.task{k}: CE loss on current task's classes",
-            abs(stats["loss_first"] - cap["their_loss"]),
+            abs(stats.extra["loss_first"] - cap["their_loss"]),
             1e-5,
         )
         report(

@@ -506,9 +506,9 @@ for k in range(TASKS):
     else:
         report(
             "1. the ridge chosen (optimise_ridge_parameter)",
-            abs(np.log10(stats["ridge"]) - np.log10(rec["ridge"][-1])),
+            abs(np.log10(stats.extra["ridge"]) - np.log10(rec["ridge"][-1])),
             0,
-            f"ours {stats['ridge']:g}, theirs {rec['ridge'][-1]:g}",
+            f"ours {stats.extra['ridge']:g}, theirs {rec['ridge'][-1]:g}",
         )
         report("1. W = 0.9 R A^T Y (cls_align), relative", rel(clf.W_, net.ac_model.fc[-1].weight.t()), 1e-4)
         report("1. R = (A^T A + ridge I)^-1, relative", rel(clf.R_, L.R), 1e-4)

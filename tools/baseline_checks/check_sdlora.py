@@ -341,11 +341,11 @@ perm2 = [int(((cap["our_z"][1] - z[j]).abs().flatten(1).amax(1) == 0).nonzero()[
 report("2. features at step 2", mad(cap["our_h"][1][perm2], their_feats[1]), 1e-5)
 report(
     "2. CE loss, step 1",
-    abs(stats["loss_first"] - their_losses[0]) if stats["steps"] == 2 else 1.0,
+    abs(stats.extra["loss_first"] - their_losses[0]) if stats.extra["steps"] == 2 else 1.0,
     1e-5,
-    f"ours {stats['loss_first']:.6f} theirs {their_losses[0]:.6f} (loss_first: the first 10% = step 1)",
+    f"ours {stats.extra['loss_first']:.6f} theirs {their_losses[0]:.6f} (loss_first: the first 10% = step 1)",
 )
-report("2. CE loss, step 2", abs(stats["loss_last"] - their_losses[1]), 1e-5)
+report("2. CE loss, step 2", abs(stats.extra["loss_last"] - their_losses[1]), 1e-5)
 _, tB, talpha = their_state(tm)
 tA = {
     r: [getattr(blk.attn.qkv, f"linear_a_{r}").weight.detach().T for blk in tm.lora_vit.blocks] for r in "qv"

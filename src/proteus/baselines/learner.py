@@ -181,12 +181,12 @@ def rolled_back(clf: ContinualClassifier, k: int) -> Iterator[None]:
         raise
 
 
-def task_record(clf: ContinualClassifier, task: Task, k: int, stats: dict[str, Any]) -> TaskRecord:
+def task_record(clf: ContinualClassifier, task: Task, k: int, stats: TaskStats) -> TaskRecord:
     """Task k's record, as PROTEUS's: its classes and names, images, the statistics ``fit_task`` returned
     (without the timings the loop adds later), the per-task settings it was learned with and when."""
     return TaskRecord(
         k, [int(c) for c in task.classes], [str(n) for n in task.class_names], len(task.train),
-        False, TaskStats(k, extra=without_timings(dict(stats))),
+        False, TaskStats(k, extra=without_timings(dict(stats.extra))),
         {**clf.config.task_settings(), "device": str(clf.device_)},
         time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), source_classes=task.source_classes,
     )  # fmt: skip
@@ -518,9 +518,10 @@ class ContinualClassifier:
             for xb, yb in loader:
                 yield self.embedder_.prefix(xb), yb
 
-    def fit_task(self, task: Task, stream_tasks: int | None = None) -> dict[str, Any]:
-        """Learn one task: open its state, train it with its head, freeze it. Returns training stats. On an
-        exception (Ctrl-C included) the task's state is dropped: the learner is as before the call."""
+    def fit_task(self, task: Task, stream_tasks: int | None = None) -> TaskStats:
+        """Learn one task: open its state, train it with its head, freeze it. Returns what it measured (the
+        method's own numbers, :meth:`_fit_task`'s, in ``extra``). On an exception (Ctrl-C included) the
+        task's state is dropped: the learner is as before the call."""
         self._build()
         if self._frozen_reason is not None:
             raise TaskError(f"{self.name}: cannot learn task {task.index + 1}: {self._frozen_reason}")
@@ -529,7 +530,7 @@ class ContinualClassifier:
         self._stream_tasks = stream_tasks or task.stream_tasks
         k = self.num_tasks
         with rolled_back(self, k):
-            stats = self._fit_task(task, k)
+            stats = TaskStats(k, extra=self._fit_task(task, k))
         self.records_.append(task_record(self, task, k, stats))
         return stats
 

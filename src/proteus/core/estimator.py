@@ -170,10 +170,16 @@ class Proteus:
 
     @property
     def supports(self) -> frozenset[str]:
-        """:data:`proteus.learners.CAPABILITIES`: every Proteus loads; with task retrieval it also rejects,
-        forgets and calibrates."""
+        """:data:`proteus.learners.CAPABILITIES`: every Proteus loads and has the run's analyses; with task
+        retrieval it also rejects, forgets and calibrates."""
         retrieves = COMPOSITIONS.get(self.config.retrieval.mode).retrieves
-        return frozenset({"load", "retrieval"} if retrieves else {"load"})
+        return frozenset({"load", "analysis", "retrieval"} if retrieves else {"load", "analysis"})
+
+    @property
+    def train_log_(self) -> list[dict[str, Any]]:
+        """The adapter training's curve of the task learned last (the trainer's), one row per step."""
+        trainer = getattr(self, "trainer_", None)
+        return list(trainer.train_log_) if trainer is not None else []
 
     @property
     def num_tasks(self) -> int:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 from proteus import devices
 from proteus import distributed as dist
 from proteus.config import RunConfig
-from proteus.core.estimator import Proteus
+from proteus.engine.records import TaskStats
 from proteus.experiment.evaluate import Evaluator
 from proteus.experiment.provenance import provenance
 from proteus.experiment.results import build_results
@@ -46,25 +46,10 @@ log = logging.getLogger("proteus")
 __all__ = ["learn_and_commit", "run"]
 
 
-def _record(stats: Any, name: str, seconds: float) -> None:
-    """Note a wall-clock time in a task's statistics (a :class:`TaskStats` or a baseline's dict)."""
-    if isinstance(stats, dict):
-        stats[f"seconds_{name}"] = seconds
-    else:
-        stats.seconds[name] = seconds
-
-
-def train_log(clf: ContinualLearner) -> list[dict[str, Any]]:
-    """The training curve of the task ``clf`` learned last (PROTEUS: its adapter trainer's; a baseline:
-    its own), one row per optimisation step; empty for a method that does not train."""
-    holder = getattr(clf, "trainer_", clf)
-    return list(getattr(holder, "train_log_", None) or [])
-
-
-def _orthogonal_room(k: int, stats: Any) -> str | None:
+def _orthogonal_room(k: int, stats: TaskStats) -> str | None:
     """A line for the user when task k's new directions did not fit some adapted maps (Eq. 15: each map's
     new directions are orthogonal to all old ones, and its input dimension bounds their number)."""
-    train = getattr(stats, "train", None)
+    train = stats.train
     if train is None or train.ranks_min >= train.rank:
         return None
     return (
@@ -76,7 +61,7 @@ def _orthogonal_room(k: int, stats: Any) -> str | None:
 
 def learn_and_commit(
     clf: ContinualLearner, kb: KnowledgeBase, stream: TaskStream, k: int, evaluator: Evaluator | None
-) -> Any:
+) -> TaskStats:
     """Learn task k, evaluate (if asked), commit the KB. The KB is never left half-written."""
     t0 = time.perf_counter()
     stats = clf.fit_task(stream.tasks[k])
@@ -88,11 +73,10 @@ def learn_and_commit(
     if evaluator is not None:
         t1 = devices.clock(fitted.device_)
         evaluation = evaluation[:k] + [evaluator.evaluate(k).to_dict()]
-        _record(stats, "evaluate", devices.clock(fitted.device_) - t1)
-        if not isinstance(stats, dict):
-            stats.peak_gpu_mb = devices.peak_memory_mb(fitted.device_)
+        stats.seconds["evaluate"] = devices.clock(fitted.device_) - t1
+        stats.peak_gpu_mb = devices.peak_memory_mb(fitted.device_)
     crash_point("evaluate")
-    _record(stats, "task", devices.clock(fitted.device_) - t0)
+    stats.seconds["task"] = devices.clock(fitted.device_) - t0
     if dist.is_main():  # under torchrun rank 0 writes; the others read its commit back
         commit(kb, clf, evaluation)
     dist.barrier()
@@ -175,12 +159,12 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True, resume: bool = F
             tracker.resume(kb.manifest["evaluation"][: len(per_task)])
         for k in range(len(per_task), len(stream.tasks)):
             stats = learn_and_commit(clf, kb, stream, k, evaluator)
-            st = stats if isinstance(stats, dict) else stats.to_dict()
+            st = stats.to_dict()
             ev = kb.manifest["evaluation"][-1] if kb.manifest["evaluation"] else None
             log.info("task %d: %s", k + 1, json.dumps({"stats": st, "eval": ev}, default=str))
             per_task.append(st)
             # the task's training curve and accuracies: train_log.csv, acc_matrix.csv (docs/experiments.md)
-            tracker.steps(k + 1, train_log(clf))
+            tracker.steps(k + 1, list(clf.train_log_))
             tracker.task_end(k + 1, len(stream.tasks), ev, st.get("seconds_task"))
             if progress and ev and main:
                 ret = ev["retrieval_acc"]
@@ -193,7 +177,7 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True, resume: bool = F
         extra: dict[str, Any] = {"tasks": per_task, "kb_bytes": kb.nbytes()}
         seconds, t1 = time.perf_counter() - t0, time.perf_counter()
         bulky: dict[str, Any] | None = None
-        if isinstance(clf, Proteus):
+        if "analysis" in clf.supports:
             # theory checks, S / cosine analyses, latency (proteus.report); every rank takes part in any
             # embedding pass the theory needs, rank 0 alone times and writes
             from proteus.report.analysis import analyse_run

@@ -29,13 +29,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 
 from proteus.config import ReportConfig
 from proteus.core.estimator import Proteus
+from proteus.learners import ContinualLearner, check_supports
 from proteus.metrics import confusion_matrix
 from proteus.signatures.theory import theory_report
 from proteus.streams import TaskStream
@@ -415,15 +416,23 @@ def measure_inference(clf: Any, stream: TaskStream, rc: ReportConfig) -> dict[st
 
 # ====================================================================== all of it
 def analyse_run(
-    clf: Proteus, evaluator: Evaluator, stream: TaskStream, rc: ReportConfig, latency: bool = True
+    learner: ContinualLearner,
+    evaluator: Evaluator,
+    stream: TaskStream,
+    rc: ReportConfig,
+    latency: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(results.json keys, analysis.json content)`` for a finished run.
+    """``(results.json keys, analysis.json content)`` for a finished run of a learner that supports
+    ``"analysis"`` (:data:`proteus.learners.CAPABILITIES`: a :class:`Proteus`, whose adapters, keys and
+    heads the analyses read).
 
     results.json gets ``theory``, ``retrieval_confusion``, ``orthogonality`` and ``latency`` (each None
     where it does not apply or was switched off); analysis.json gets the per-map S vectors (``transfer``)
     and cosine matrices (``unit_cosines``). A failing part is logged and reported in ``report_errors``
     instead of losing the run.
     """
+    check_supports(learner, "analysis", "the run's analysis")
+    clf = cast(Proteus, learner)
     keys: dict[str, Any] = dict.fromkeys(("theory", "retrieval_confusion", "orthogonality", "latency"))
     bulky: dict[str, Any] = {"transfer": None, "unit_cosines": None}
     errors: list[str] = []
