@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, overload, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, overload, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -30,14 +30,19 @@ from proteus.collector import collector_paused
 from proteus.config import LEARNERS, ConfigError, RunConfig, learner_of, validate
 from proteus.devices import PRECISIONS
 from proteus.distributed import DEVICE_CHOICES, known_device
-from proteus.engine.records import TaskStats
+from proteus.engine.records import Prediction, TaskRecords, TaskStats
 from proteus.errors import ProteusError
 from proteus.kb import KBError, KnowledgeBase
 from proteus.streams import Task
 
+if TYPE_CHECKING:
+    from proteus.engine.embedder import Embedder
+    from proteus.engine.keys import RetrievalKeys
+
 __all__ = [
-    "CAPABILITIES", "LEARNERS", "ContinualLearner", "LearnerState", "Part", "TaskParts", "TestCache",
-    "TestOutcome", "check_supports", "learner_header", "load_from_kb", "load_problems",
+    "CAPABILITIES", "LEARNERS", "ContinualLearner", "LearnerState", "Part", "RetrievalLearner", "TaskParts",
+    "TestCache", "TestOutcome", "check_supports", "learner_header", "load_from_kb", "load_problems",
+    "retrieval_learner",
 ]  # fmt: skip
 
 #: what a learner may support beyond ``fit_task`` and evaluation: ``load`` (rebuilt from a knowledge base:
@@ -140,15 +145,39 @@ class ContinualLearner(Protocol):
     """What the shared loop, evaluation and persistence call (and, once fitted, ``device_``: the device
     the loop's clocks wait for)."""
 
-    #: the capabilities of :data:`CAPABILITIES` the learner has
-    supports: frozenset[str]
+    @property
+    def supports(self) -> frozenset[str]:
+        """The capabilities of :data:`CAPABILITIES` the learner has."""
+        ...
+
     #: the role of :data:`proteus.tensor_rules.TENSOR_RULES` whose rules its knowledge base follows (its
     #: parts declare what they store under it)
     kb_layout: str
     config: RunConfig
+    #: show progress bars on long passes
+    progress: bool
+    #: one record per learned task: classes and their names, images, statistics, settings
+    records_: TaskRecords
 
     @property
     def num_tasks(self) -> int: ...
+
+    @property
+    def classes_(self) -> list[str]:
+        """The learned classes' names, indexed by global label (``Prediction.label``)."""
+        ...
+
+    def transform_images(self, images: Sequence[Any]) -> Tensor:
+        """A batch (N, 3, H, W) of PIL images under the evaluation transform, on the learner's device."""
+        ...
+
+    def predict(self, x: Tensor) -> Prediction:
+        """The answer for a batch of transformed images over every task learned."""
+        ...
+
+    def set_params(self, **params: Any) -> Any:
+        """Set ``progress`` or config keys (dotted, or with ``__``); after task 1 only per-task keys."""
+        ...
 
     @property
     def train_log_(self) -> list[dict[str, Any]]:
@@ -176,6 +205,34 @@ class ContinualLearner(Protocol):
         ...
 
     def kb_header(self) -> dict[str, Any]: ...
+
+
+class RetrievalLearner(ContinualLearner, Protocol):
+    """A learner that supports ``retrieval`` (:data:`CAPABILITIES`): its keys retrieve a task for each
+    input, so it rejects inputs of no learned task, forgets a task and is calibrated (``proteus kb
+    forget``, ``proteus kb calibrate``); :func:`retrieval_learner` narrows a learner to it."""
+
+    #: the retrieval keys (:mod:`proteus.engine.keys`)
+    keys_: RetrievalKeys
+    #: the frozen prefix and the adapted passes (:class:`~proteus.engine.embedder.Embedder`)
+    embedder_: Embedder
+
+    def forget_task(self, k: int) -> Any:
+        """Remove task k (0-based) from what can be predicted."""
+        ...
+
+    def embed_prefix(
+        self, z: Tensor, tasks: list[int] | None, kind: str = "task", shard: bool = True
+    ) -> Tensor:
+        """(G, N, d) embeddings of prefix outputs ``z`` under the compositions of ``tasks`` (None: the
+        frozen backbone's)."""
+        ...
+
+
+def retrieval_learner(learner: ContinualLearner, command: str) -> RetrievalLearner:
+    """``learner`` as a :class:`RetrievalLearner`; ``command`` refused by name when it lacks retrieval."""
+    check_supports(learner, "retrieval", command)
+    return cast(RetrievalLearner, learner)
 
 
 class FittedLearner(ContinualLearner, Protocol):
@@ -215,7 +272,7 @@ def load_from_kb(
     device: str | None = None,
     precision: str | None = None,
     progress: bool = False,
-) -> Any:
+) -> ContinualLearner:
     """The learner a knowledge base holds, for ``command``: its method's learner on its stored config
     (``device`` and ``precision`` replace the stored ones for this process), the backbone identity checked
     before a tensor is read, then its state, checked by the learner's rules, restored. Refused by name

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from PIL import Image
@@ -335,7 +335,7 @@ class Proteus:
     def load(cls, kb_dir: str | Path, **kw: Any) -> Proteus:
         """The learner held by a knowledge base directory (every checksum verified); keywords ``device``,
         ``precision`` (for this process) and ``progress``."""
-        return load_from_kb(KnowledgeBase.open(kb_dir), "Proteus.load", expect=cls, **kw)
+        return cast(Proteus, load_from_kb(KnowledgeBase.open(kb_dir), "Proteus.load", expect=cls, **kw))
 
     def _m(self, num_tasks: int | None) -> int:
         return self.num_tasks if num_tasks is None else max(1, min(int(num_tasks), self.num_tasks))

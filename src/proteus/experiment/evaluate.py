@@ -21,7 +21,7 @@ from proteus.progress import bar as progress_bar
 from proteus.streams import TaskStream
 
 if TYPE_CHECKING:
-    from proteus.core.estimator import Proteus
+    from proteus.learners import RetrievalLearner
 
 __all__ = ["Evaluation", "Evaluator"]
 
@@ -75,7 +75,7 @@ class Evaluator:
         """Test set tau under adapter j's composition ``kind`` (None: the frozen backbone), cached."""
         key = (tau, kind, -1 if j is None else j)
         if key not in self._emb:
-            clf = cast("Proteus", self.clf)  # only PROTEUS's predict_test reads embeddings
+            clf = cast("RetrievalLearner", self.clf)  # only a retrieval learner's predict_test reads them
             self._emb[key] = clf.embed_prefix(self.prefix(tau), None if j is None else [j], kind)[0]
         return self._emb[key]
 

@@ -19,13 +19,12 @@ from typing import Any
 import torch
 from PIL import Image
 
-from proteus.core import Proteus
 from proteus.engine.confidence import MIN_ROWS, Confidence, fit_temperature
 from proteus.engine.novelty import Calibration, check_tpr
 from proteus.experiment.batches import predict_batches, predict_images
 from proteus.experiment.store import commit, load_learner
 from proteus.kb import KBError, KnowledgeBase, write_lock
-from proteus.learners import check_supports
+from proteus.learners import ContinualLearner, RetrievalLearner, retrieval_learner
 from proteus.streams.datasets import IMG_EXTENSIONS, list_class_dirs, list_images
 
 __all__ = [
@@ -60,7 +59,9 @@ def recalibrate(
         kb.commit(manifest)
         if keyed:
             return [float(t["calibration"]["threshold"]) for t in tasks]
-    clf = load_learner(KnowledgeBase.open(kb_dir, key=key), "proteus kb calibrate")
+    clf = retrieval_learner(
+        load_learner(KnowledgeBase.open(kb_dir, key=key), "proteus kb calibrate"), "proteus kb calibrate"
+    )
     return clf.keys_.novelty_thresholds([t.classes for t in clf.records_])
 
 
@@ -106,7 +107,10 @@ def _folder_rule(class_names: list[str]) -> str:
 
 
 def calibrate_novelty(
-    clf: Proteus, images: Sequence[str | os.PathLike[str]], labels: Sequence[int], tpr: float | None = None
+    clf: RetrievalLearner,
+    images: Sequence[str | os.PathLike[str]],
+    labels: Sequence[int],
+    tpr: float | None = None,
 ) -> list[float]:
     """Fit the class-Gaussian thresholds of inputs from no learned task (``retrieval.novelty``) on held-out
     image files: ``labels`` their global classes (-1: unknown, the nearest class is taken), ``tpr`` a new
@@ -130,7 +134,7 @@ def calibrate_novelty(
 
 
 def calibrate_confidence(
-    clf: Proteus, images: Sequence[str | os.PathLike[str]], labels: Sequence[int]
+    clf: ContinualLearner, images: Sequence[str | os.PathLike[str]], labels: Sequence[int]
 ) -> dict[int, Confidence]:
     """Refit the confidence temperature (:mod:`proteus.engine.confidence`) of every task with at least
     :data:`~proteus.engine.confidence.MIN_ROWS` labelled held-out images (``labels`` >= 0; -1, an image
@@ -167,8 +171,9 @@ def calibrate_images(
     temperatures were fitted by default. Returns each task's threshold and the new temperatures."""
     with write_lock(kb_dir, wait=wait):
         kb = KnowledgeBase.open(kb_dir, key=key)
-        clf = load_learner(kb, "proteus kb calibrate --images")
-        check_supports(clf, "retrieval", "proteus kb calibrate --images")
+        clf = retrieval_learner(
+            load_learner(kb, "proteus kb calibrate --images"), "proteus kb calibrate --images"
+        )
         files, labels = calibration_images(images_dir, list(clf.classes_))
         thresholds = calibrate_novelty(clf, files, labels, tpr)
         temperatures = calibrate_confidence(clf, files, labels)
@@ -180,8 +185,7 @@ def forget(kb_dir: str | Path, task: int, wait: float | None = 0.0, key: bytes |
     """Forget task ``task`` (1-based, as in the CLI); returns its class names."""
     with write_lock(kb_dir, wait=wait):
         kb = KnowledgeBase.open(kb_dir, key=key)
-        clf = load_learner(kb, "proteus kb forget")
-        check_supports(clf, "retrieval", "proteus kb forget")
+        clf = retrieval_learner(load_learner(kb, "proteus kb forget"), "proteus kb forget")
         clf.forget_task(task - 1)
         commit(kb, clf)
         return list(clf.records_[task - 1].class_names)

@@ -54,8 +54,9 @@ from typing import Any
 import torch
 
 from proteus.config import ConfigError
-from proteus.core.estimator import Prediction, Proteus
 from proteus.engine.confidence import calibrated_probabilities
+from proteus.engine.records import Prediction
+from proteus.learners import ContinualLearner
 
 __all__ = [
     "CSV_COLUMNS",
@@ -69,7 +70,9 @@ __all__ = [
 ]
 
 
-def prediction_rows(clf: Proteus, pred: Prediction, files: list[str], top_k: int = 1) -> list[dict[str, Any]]:
+def prediction_rows(
+    clf: ContinualLearner, pred: Prediction, files: list[str], top_k: int = 1
+) -> list[dict[str, Any]]:
     """The readable rows of a batch's prediction (module docstring: the schema)."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k must be an integer >= 1; got {top_k!r}")

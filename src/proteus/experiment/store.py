@@ -41,7 +41,7 @@ def load_learner(
     device: str | None = None,
     precision: str | None = None,
     progress: bool = False,
-) -> Any:
+) -> ContinualLearner:
     """The learner a knowledge base holds, for ``command`` (:func:`proteus.learners.load_from_kb`: refused by
     name when its method's learner does not support ``load``)."""
     return load_from_kb(kb, command, device=device, precision=precision, progress=progress)

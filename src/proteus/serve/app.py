@@ -30,9 +30,9 @@ from starlette.routing import Route
 from proteus import heap
 from proteus.budgets import BUDGETS, BudgetError, limit
 from proteus.config import ConfigError
-from proteus.core.estimator import Proteus
 from proteus.errors import ProteusError
 from proteus.images import ImageError, ImageTooLargeError, image_size, open_image
+from proteus.learners import ContinualLearner
 from proteus.serve.batching import Job, MicroBatcher
 from proteus.serve.multipart import MultipartError, MultipartParser, TooManyParts, boundary_of
 from proteus.serve.openapi import openapi_schema
@@ -334,7 +334,7 @@ def _sizes(parts: list[tuple[str, bytes]], max_pixels: int | None, limits: Limit
 
 
 def _decode(
-    clf: Proteus,
+    clf: ContinualLearner,
     parts: list[tuple[str, bytes]],
     strict: bool,
     limits: Limits,
@@ -443,7 +443,7 @@ async def _predict(request: Request, batch: bool) -> Response:
 
 
 async def _rows(
-    batcher: MicroBatcher, clf: Proteus, x: torch.Tensor, names: list[str], top_k: int
+    batcher: MicroBatcher, clf: ContinualLearner, x: torch.Tensor, names: list[str], top_k: int
 ) -> list[dict[str, Any]]:
     """The rows of ``x`` from the micro-batcher; a request that gives up leaves its job skipped."""
     loop = asyncio.get_running_loop()

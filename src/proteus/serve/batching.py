@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from proteus.core.estimator import Prediction, Proteus
+from proteus.engine.records import Prediction
 from proteus.experiment.predictions import prediction_rows
+from proteus.learners import ContinualLearner
 
 log = logging.getLogger("proteus")
 
@@ -39,7 +40,7 @@ class Job:
     """One request's images: ``x`` (N, C, H, W) from ``clf.transform_images``, their ``names`` (the rows'
     ``file``) and ``top_k``; :attr:`future` gets the rows (or the exception), on the request's loop."""
 
-    clf: Proteus
+    clf: ContinualLearner
     x: torch.Tensor
     names: list[str]
     top_k: int

@@ -19,8 +19,8 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from proteus import heap
-from proteus.core.estimator import Proteus
 from proteus.errors import ProteusError
+from proteus.learners import ContinualLearner
 from proteus.serve.app import CLIENT_EOF, Limits, create_app
 from proteus.serve.state import ServedKB
 
@@ -178,7 +178,7 @@ class KBServer:
         self._stopped = threading.Event()
 
     @property
-    def clf(self) -> Proteus:
+    def clf(self) -> ContinualLearner:
         return self.kb.clf
 
     @property

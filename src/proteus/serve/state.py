@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from proteus.core.estimator import Proteus
 from proteus.experiment.store import load_learner
 from proteus.kb import KnowledgeBase, info
 from proteus.kb.files import MANIFEST, read_kb_file
+from proteus.learners import ContinualLearner
 
 log = logging.getLogger("proteus")
 
@@ -57,7 +57,7 @@ class ServedKB:
         self.poll_seconds = poll_seconds
         self.stamp, _ = _manifest_stamp(self.kb_dir)
         kb = KnowledgeBase.open(self.kb_dir)
-        self.clf: Proteus = load_learner(kb, "proteus serve", device=device, precision=precision)
+        self.clf: ContinualLearner = load_learner(kb, "proteus serve", device=device, precision=precision)
         self._info = self._describe(kb)
         self.reloads = 0
         self.stale: dict[str, Any] | None = None
