@@ -122,6 +122,18 @@ def test_classes_stay_within_their_size_budget() -> None:
     assert not stale, f"these classes fit the budget now (or are gone): remove their exceptions {stale}"
 
 
+def test_core_and_baselines_never_import_each_other() -> None:
+    """The two learner families share one floor (:data:`LAYERS`), so the layering test cannot see an arrow
+    between them: what both need (task-identity inference, the protocol) lives below them, in ``engine`` or
+    ``learners``. Imports inside functions count."""
+    bad = []
+    for family, other in (("core", "baselines"), ("baselines", "core")):
+        for path in (SRC / family).rglob("*.py"):
+            if other in _imports(path):
+                bad.append(f"{path.relative_to(SRC)} imports proteus.{other}")
+    assert not bad, bad
+
+
 @pytest.mark.parametrize(
     "module, absent",
     [

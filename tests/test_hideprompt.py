@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from proteus.baselines import hideprompt
 from proteus.baselines.hideprompt import (
     HiDePrompt,
     align_on_pseudo_features,
@@ -29,6 +28,7 @@ from proteus.baselines.hideprompt import (
 from proteus.baselines.learner import epoch_lr
 from proteus.cli import main
 from proteus.config import RunConfig, learner_of
+from proteus.engine import task_identity
 from proteus.experiment import resolve_config
 from proteus.experiment.store import build_learner
 from proteus.kb import KnowledgeBase
@@ -85,7 +85,7 @@ def fitted(stream):
         rec["groups"].append([(g["lr"], [id(p) for p in g["params"]]) for g in opt.param_groups])
         return adam_step(opt, *a, **kw)
 
-    draw = hideprompt.pseudo_features
+    draw = task_identity.pseudo_features
 
     def spy_draw(stats, classes, n, generator, limit=None):  # noqa: ANN001, ANN202
         rec["drawn"].append((list(classes), n, limit))
@@ -94,7 +94,7 @@ def fitted(stream):
     clf._begin_task, clf._end_task, clf.tii_.align = on_begin, on_end, on_align_tii  # type: ignore[method-assign]
     mp = pytest.MonkeyPatch()
     mp.setattr(torch.optim.Adam, "step", spy_step)
-    mp.setattr(hideprompt, "pseudo_features", spy_draw)
+    mp.setattr(task_identity, "pseudo_features", spy_draw)
     try:
         clf.fit_task(stream.tasks[1], stream_tasks=2)
     finally:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from proteus.engine.errors import TaskError
+from proteus.engine.errors import TaskError, need
 from proteus.engine.records import TaskRecord, without_timings
 from proteus.learners import LearnerState
 
@@ -94,13 +94,6 @@ def restore(clf: ContinualClassifier, state: LearnerState) -> None:
             "its knowledge base was written by an earlier release, without the state a further task reads "
             "(generators, ranks); it still predicts, evaluates and serves: learn on from a new `proteus run`"
         )
-
-
-def need(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The tensor ``name`` of an object, or a :class:`TaskError` naming it."""
-    if name not in tensors:
-        raise TaskError(f"tensor {name!r} is missing (`proteus kb verify` checks the knowledge base)")
-    return tensors[name]
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor, device: torch.device) -> nn.Linear:

@@ -2,17 +2,19 @@
 "RanPAC (w/ Retrieval)" row of the paper's Appendix table ``retrieve_significant`` (RanPAC with HiDe's
 parametric retrieval of the LoRA unit of each input).
 
-The keys are HiDe-Prompt's stage 1 (:class:`proteus.baselines.hideprompt.TaskIdentityInference`, the
-released code's task-identity inference) on the frozen backbone's features: an MLP with one linear head
-block per task, trained on each task's features with the cross-entropy over its own classes, then
-re-aligned on pseudo-features drawn from the multi-centroid statistics of every class seen so far. The task
-of an input is the task owning the class the TII predicts; its adapter then embeds the input for the head
-(Alg. 2's second half). Unlike PROTEUS's signatures these keys are trained parameters: a later task's
-training and alignment move what earlier tasks retrieve by (the forgetting the paper's table shows).
+The keys are HiDe-Prompt's stage 1 (:class:`proteus.engine.task_identity.TaskIdentityInference`, the
+released code's task-identity inference, which the ``hide-prompt`` learner runs too) on the frozen
+backbone's features: an MLP with one linear head block per task, trained on each task's features with the
+cross-entropy over its own classes, then re-aligned on pseudo-features drawn from the multi-centroid
+statistics of every class seen so far. The task of an input is the task owning the class the TII predicts;
+its adapter then embeds the input for the head (Alg. 2's second half). Unlike PROTEUS's signatures these
+keys are trained parameters: a later task's training and alignment move what earlier tasks retrieve by
+(the forgetting the paper's table shows).
 
 Settings: ``baseline.tii_epochs``, ``tii_lr``, ``n_centroids``, ``ca_epochs``, ``tii_ca_lr``, ``clip_grad``
-(HiDe-Prompt's), ``train.batch_size``, ``seed``. Stored in the knowledge base with the head's object
-(``task_head/tii.*``, ``task_head/tii_stats.*``); only the task learned last can be rolled back.
+(:class:`~proteus.engine.task_identity.TIIOptions`), ``train.batch_size``, ``seed``. Stored in the knowledge
+base with the head's object (``task_head/tii.*``, ``task_head/tii_stats.*``); only the task learned last can
+be rolled back.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from proteus.engine.keys import FROZEN, KEYS, KeyFit, KeyKind, KeySpace, Retriev
 from proteus.signatures import RetrievalResult
 
 if TYPE_CHECKING:
-    from proteus.baselines.hideprompt import TaskIdentityInference
+    from proteus.engine.task_identity import TaskIdentityInference
 
 __all__ = ["TIIKeys"]
 
@@ -55,11 +57,11 @@ class TIIKeys(RetrievalKeys):
         return super().from_config(cfg, device, new_head, run_config=cfg, **options)
 
     def _new_tii(self, d: int) -> TaskIdentityInference:
-        # imported here: `import proteus.core` loads no baseline (only this key kind uses one)
-        from proteus.baselines.hideprompt import HiDeOptions, TaskIdentityInference
+        # imported here: only this key kind needs it (and scikit-learn's K-Means)
         from proteus.config.coercion import typed_options
+        from proteus.engine.task_identity import TaskIdentityInference, TIIOptions
 
-        options = typed_options(HiDeOptions, self.run_config.baseline, "baseline")
+        options = typed_options(TIIOptions, self.run_config.baseline, "baseline")
         return TaskIdentityInference(self.run_config, options, d, self.device)
 
     def _batches(self, X: Tensor, y: Tensor) -> Any:
