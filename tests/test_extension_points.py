@@ -2,7 +2,8 @@
 would add it, and runs through the public command line. No module of the package changes:
 
 * a baseline with its own options: one class with an ``Options`` dataclass, a registry line and a method
-  declaration (its option is typed, range-checked and refused when unknown, like every config key);
+  declaration (its option is typed, range-checked and refused when unknown, like every config key); its
+  knowledge base loads, predicts and serves like every learner's;
 * a benchmark: one factory and a registry line (``--benchmark NAME``).
 
 (A retrieval key in a new space is the same kind of test: ``test_learner_protocol.py``.)
@@ -12,17 +13,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from proteus.baselines.learner import TrainingOptions
 from proteus.baselines.ncm import NCM
 from proteus.cli import main
 from proteus.config import LEARNERS, METHODS, ConfigError, declare, resolve_config
+from proteus.kb import KnowledgeBase
+from proteus.learners import load_from_kb
 from proteus.options import POSITIVE, option
+from proteus.serve import KBServer
 from proteus.streams import BENCHMARKS, build_benchmark
 from proteus.streams.options import BenchmarkConfig
 from tiny import sets
@@ -59,7 +67,9 @@ def sharp_ncm() -> Iterator[None]:
         LEARNERS.unregister("sharp-ncm")
 
 
-def test_a_baseline_with_options_is_one_class(sharp_ncm: None, tmp_path: Path) -> None:
+def test_a_baseline_with_options_is_one_class(
+    sharp_ncm: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = resolve_config("quickstart", method="sharp-ncm", sets=["baseline.sharpness=2"])
     assert cfg.baseline == {"sharpness": 2.0}  # typed by the baseline's own declaration
     with pytest.raises(ConfigError, match=r"baseline.sharpness must be a number in \(0, inf\)"):
@@ -71,6 +81,37 @@ def test_a_baseline_with_options_is_one_class(sharp_ncm: None, tmp_path: Path) -
     assert main([*argv, "--set", "baseline.sharpness=3", "--set", "benchmark.num_tasks=2"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["method"] == "sharp-ncm" and [t["sharpness"] for t in res["tasks"]] == [3.0, 3.0]
+    _predicts_and_serves(out / "kb", tmp_path, capsys)
+
+
+def _predicts_and_serves(kb: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The knowledge base of a learner defined outside the package loads (with its own class, through the
+    one loader, typed to the protocol), answers ``proteus predict`` and, the same, ``proteus serve``."""
+    clf = load_from_kb(KnowledgeBase.open(kb), "test")
+    assert type(clf) is SharpNCM and clf.num_tasks == 2 and clf.options_.sharpness == 3.0
+    images = []
+    for i in range(3):
+        images.append(tmp_path / f"{i}.png")
+        pixels = np.random.default_rng(i).integers(0, 256, (28, 28, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(images[-1])
+    capsys.readouterr()
+    assert main(["predict", "--kb", str(kb), *map(str, images), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["class"] for r in rows] == [
+        clf.classes_[int(y)]
+        for y in clf.predict(clf.transform_images([Image.open(f).convert("RGB") for f in images])).label
+    ]
+    srv = KBServer(("127.0.0.1", 0), kb, device="cpu")
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        answer = httpx.post(url + "/predict", content=images[0].read_bytes(), timeout=60)
+        assert answer.status_code == 200 and answer.json()["predictions"][0]["class"] == rows[0]["class"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(timeout=30)
 
 
 def _two_tasks(cfg: BenchmarkConfig):  # noqa: ANN202 - a benchmark factory: the quickstart cut to 2 tasks
