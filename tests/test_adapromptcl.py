@@ -145,7 +145,7 @@ class Recorder:
         d = clf.embed_dim if hasattr(clf, "backbone_") else 192
         vectors = iter([ang(a, d) for a in angles])
         monkeypatch.setattr(ada, "warmup_vector", lambda prompt: next(vectors))
-        make_head = clf._new_head
+        make_head = clf.new_head
 
         def new_head(n):  # noqa: ANN001, ANN202
             h = make_head(n)
@@ -162,7 +162,7 @@ class Recorder:
             self.head = h
             return h
 
-        clf._new_head = new_head  # type: ignore[method-assign]
+        clf.new_head = new_head  # type: ignore[method-assign]
         self.record_assign(monkeypatch)
 
     @staticmethod

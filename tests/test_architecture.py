@@ -87,51 +87,82 @@ def test_no_module_imports_a_layer_above_it() -> None:
     assert not bad, bad
 
 
-#: the size budget of one class: lines of its ``class`` statement (the AST span) and methods defined in it
-CLASS_MAX_LINES = 250
+#: the size budget of one class, in what a reader reads: its statements (docstrings, bare annotations,
+#: comments and blank lines are not counted) and the methods defined in it (a property or a
+#: cached property reads as an attribute and is not counted)
+CLASS_MAX_STATEMENTS = 180
 CLASS_MAX_METHODS = 30
 #: classes allowed over the budget, each with the reason (remove an entry once its class fits again)
 CLASS_BUDGET_EXCEPTIONS = {
     "heads/ranpac.py::RanPACHead": "one scikit-learn-style estimator: statistics, gamma selection, "
     "decision function and downdate over the same Gram matrices",
-    "core/estimator.py::Proteus": "the scikit-learn-style estimator; its fitted attributes (set from its "
-    "parts by name) are declared in the class for the type checker",
+    "baselines/learner.py::ContinualClassifier": "the base of every trained baseline: the shared training "
+    "loop in its phases and every hook a method may replace, most of them a statement or two",
 }
 
 
+def _is_text(node: ast.AST) -> bool:
+    """A docstring, or a bare annotation (``x: int`` with no value)."""
+    if isinstance(node, ast.AnnAssign):
+        return node.value is None
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    )
+
+
+def _is_property(node: ast.stmt) -> bool:
+    return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+        (isinstance(d, ast.Name) and d.id in ("property", "cached_property"))
+        or (isinstance(d, ast.Attribute) and d.attr in ("cached_property", "setter"))
+        for d in node.decorator_list
+    )
+
+
+def class_size(node: ast.ClassDef) -> tuple[int, int]:
+    """(statements, methods) of a class: every statement inside it but its docstrings and bare
+    annotations (the ``class`` statement itself not counted), and the functions defined in its body that
+    are not properties."""
+    statements = sum(isinstance(n, ast.stmt) and not _is_text(n) for n in ast.walk(node)) - 1
+    methods = sum(
+        isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_property(b) for b in node.body
+    )
+    return statements, methods
+
+
 def _class_sizes() -> dict[str, tuple[int, int]]:
-    """``{"path::Class": (lines, methods)}`` for every class in src/ (nested ones included)."""
+    """``{"path::Class": (statements, methods)}`` for every class in src/ (nested ones included)."""
     out = {}
     for path in SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                methods = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body)
-                name = f"{path.relative_to(SRC).as_posix()}::{node.name}"
-                out[name] = (node.end_lineno - node.lineno + 1, methods)
+                out[f"{path.relative_to(SRC).as_posix()}::{node.name}"] = class_size(node)
     return out
 
 
+def test_the_size_budget_counts_statements_not_text() -> None:
+    """A docstring, a comment, a bare annotation or a blank line does not move the budget; a statement
+    does, and a property's statements count though the property is no method."""
+    plain = "class A:\n    def f(self):\n        y = 1\n        return y\n"
+    texty = (
+        'class A:\n    """Doc."""\n    x: int  # note\n\n    def f(self) -> int:\n'
+        '        """Doc."""\n        y = 1\n        return y\n'
+    )
+    prop = plain + "\n    @property\n    def p(self):\n        return 1\n"
+    size = [class_size(ast.parse(code).body[0]) for code in (plain, texty, prop)]  # type: ignore[arg-type]
+    assert size == [(3, 1), (3, 1), (5, 1)]
+
+
 def test_classes_stay_within_their_size_budget() -> None:
-    """No class over ~250 lines or ~30 methods unless named in :data:`CLASS_BUDGET_EXCEPTIONS` with its
-    reason: the budget counts classes, not files, so nobody splits a class into mixins to pass it."""
+    """No class over its statement or method budget unless named in :data:`CLASS_BUDGET_EXCEPTIONS` with
+    its reason: the budget counts classes, not files, so nobody splits a class into mixins to pass it."""
     sizes = _class_sizes()
-    over = {name for name, (n, m) in sizes.items() if n > CLASS_MAX_LINES or m > CLASS_MAX_METHODS}
+    over = {n for n, (st, m) in sizes.items() if st > CLASS_MAX_STATEMENTS or m > CLASS_MAX_METHODS}
     new = {name: sizes[name] for name in over - set(CLASS_BUDGET_EXCEPTIONS)}
-    assert not new, f"over {CLASS_MAX_LINES} lines or {CLASS_MAX_METHODS} methods (lines, methods): {new}"
+    assert not new, f"over {CLASS_MAX_STATEMENTS} statements or {CLASS_MAX_METHODS} methods: {new}"
     stale = sorted(set(CLASS_BUDGET_EXCEPTIONS) - over)
     assert not stale, f"these classes fit the budget now (or are gone): remove their exceptions {stale}"
-
-
-def test_core_and_baselines_never_import_each_other() -> None:
-    """The two learner families share one floor (:data:`LAYERS`), so the layering test cannot see an arrow
-    between them: what both need (task-identity inference, the protocol) lives below them, in ``engine`` or
-    ``learners``. Imports inside functions count."""
-    bad = []
-    for family, other in (("core", "baselines"), ("baselines", "core")):
-        for path in (SRC / family).rglob("*.py"):
-            if other in _imports(path):
-                bad.append(f"{path.relative_to(SRC)} imports proteus.{other}")
-    assert not bad, bad
 
 
 @pytest.mark.parametrize(

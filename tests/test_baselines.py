@@ -124,7 +124,7 @@ def test_inflora_design_and_interference(stream) -> None:
     z = _batch(clf, stream)
     out_end_0 = clf.model_.suffix(z, [0])[0]
     # open task 1 by hand: B = 0 keeps the model of task 0 exactly; A is designed off the DualGPM space
-    clf._begin_task(1, z, None)
+    clf.begin_task(1, z, None)
     torch.testing.assert_close(clf.model_.suffix(z), out_end_0, rtol=0, atol=1e-5)
     for name, w in clf.model_.wrappers.items():
         gpm = clf.gpm_[name]
@@ -175,7 +175,7 @@ def test_sdlora_old_directions_fixed_magnitudes_learned(stream) -> None:
     assert all(n.endswith((":q", ":v")) for n in units)
     saved = {n: (u.A.clone(), u.B.clone()) for n, u in units.items()}
     z = _batch(clf, stream)
-    clf._begin_task(1, None, None)
+    clf.begin_task(1, None, None)
     assert float(clf.alpha_.detach()[0]) == pytest.approx(0.8)  # re-initialised as the released code does
     h = clf.features(z, train=True)
     h.sum().backward()
@@ -238,7 +238,7 @@ def test_dualprompt_train_uses_the_task_prompt_and_copies_it(stream) -> None:
     clf = build_learner(_cfg("dualprompt"), progress=False)
     clf.fit_task(stream.tasks[0], stream_tasks=2)
     z = _batch(clf, stream)
-    clf._begin_task(1, None, None)
+    clf.begin_task(1, None, None)
     assert torch.equal(clf.e_prompts_[1].detach(), clf.e_prompts_[0].detach())  # the port's shared pool
     clf.features(z, train=True)
     clf.aux_loss.backward()

@@ -478,9 +478,8 @@ def test_coda_split_of_a_raw_tree(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(BenchmarkError, match="n05/art_9.jpg"):
         splits.coda_imagenet_r(tmp_path, [*listed, "n05/art_9.jpg"])
     # through the benchmark: benchmark.split=coda reads the raw tree; imagenet-a refuses it by name
-    monkeypatch.setattr(
-        "proteus.streams.builtin.coda_imagenet_r", lambda given: splits.coda_imagenet_r(given, listed)
-    )
+    raw = splits.coda_imagenet_r
+    monkeypatch.setattr("proteus.streams.splits.coda_imagenet_r", lambda given: raw(given, listed))
     stream = build_benchmark(
         BenchmarkConfig(name="imagenet-r", data=str(tmp_path), split="coda", num_tasks=2)
     )

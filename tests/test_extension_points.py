@@ -49,8 +49,8 @@ class SharpNCM(NCM):
     name = "sharp-ncm"
     Options = SharpOptions
 
-    def _fit_task(self, task, k):  # noqa: ANN001, ANN202
-        stats = super()._fit_task(task, k)
+    def learn_task(self, task, k):  # noqa: ANN001, ANN202
+        stats = super().learn_task(task, k)
         with torch.no_grad():
             self.heads_[-1].weight.mul_(self.options_.sharpness)
         return {**stats, "sharpness": self.options_.sharpness}

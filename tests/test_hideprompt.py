@@ -64,7 +64,7 @@ def fitted(stream):
         "groups": [],
         "drawn": [],
     }
-    begin, end, align_tii = clf._begin_task, clf._end_task, clf.tii_.align
+    begin, end, align_tii = clf.begin_task, clf.end_task, clf.tii_.align
 
     def on_begin(k, z, loader):  # noqa: ANN001, ANN202
         begin(k, z, loader)
@@ -91,7 +91,7 @@ def fitted(stream):
         rec["drawn"].append((list(classes), n, limit))
         return draw(stats, classes, n, generator, limit)
 
-    clf._begin_task, clf._end_task, clf.tii_.align = on_begin, on_end, on_align_tii  # type: ignore[method-assign]
+    clf.begin_task, clf.end_task, clf.tii_.align = on_begin, on_end, on_align_tii  # type: ignore[method-assign]
     mp = pytest.MonkeyPatch()
     mp.setattr(torch.optim.Adam, "step", spy_step)
     mp.setattr(task_identity, "pseudo_features", spy_draw)
@@ -99,7 +99,7 @@ def fitted(stream):
         clf.fit_task(stream.tasks[1], stream_tasks=2)
     finally:
         mp.undo()
-        del clf._begin_task, clf._end_task, clf.tii_.align
+        del clf.begin_task, clf.end_task, clf.tii_.align
     return clf, rec
 
 

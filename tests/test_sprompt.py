@@ -47,15 +47,15 @@ def fitted(stream):
     after0 = {k: v.clone() for k, v in clf.state_tensors().items()}
     backbone0 = {k: v.clone() for k, v in clf.backbone_.state_dict().items()}
     inits = {}
-    begin = clf._begin_task
+    begin = clf.begin_task
 
     def recording_begin(k, z, loader):  # noqa: ANN001, ANN202
         begin(k, z, loader)
         inits[k] = clf.prompts_[k].detach().clone()
 
-    clf._begin_task = recording_begin  # type: ignore[method-assign]
+    clf.begin_task = recording_begin  # type: ignore[method-assign]
     stats1 = clf.fit_task(stream.tasks[1], stream_tasks=2)
-    del clf._begin_task
+    del clf.begin_task
     return clf, after0, backbone0, inits, stats1
 
 

@@ -67,7 +67,7 @@ def our_run(c, tasks, zero_fill):
     zero_fill: a parameter of the optimiser without a gradient gets a zero one before each Adam step (the
     release's pool is one tensor: its prompts not drawn in a step have zero gradients, see README)"""
     runs, cur = [], {}
-    warm, batches, prompted = ada.warmup_vector, c._batches, c.prompted
+    warm, batches, prompted = ada.warmup_vector, c.batches, c.prompted
 
     def rec_warm(p):
         cur["warm"] = (
@@ -104,7 +104,7 @@ def our_run(c, tasks, zero_fill):
                             p.grad = torch.zeros_like(p)
             return super().step(*a, **k)
 
-    ada.warmup_vector, c._batches, c.prompted = rec_warm, rec_batches, rec_prompted
+    ada.warmup_vector, c.batches, c.prompted = rec_warm, rec_batches, rec_prompted
     adam, torch.optim.Adam = torch.optim.Adam, RecAdam
     try:
         for task in tasks:
@@ -127,7 +127,7 @@ def our_run(c, tasks, zero_fill):
             runs.append(dict(cur))
     finally:
         ada.warmup_vector, torch.optim.Adam = warm, adam
-        del c._batches, c.prompted
+        del c.batches, c.prompted
     return runs
 
 
@@ -339,7 +339,7 @@ def their_grouping(prompts, args):
 
 
 def our_grouping(prompts, g):
-    """our SemanticGroups fed as AdaPromptCL._fit_task feeds it: warmup_vector of the candidate, the
+    """our SemanticGroups fed as AdaPromptCL.learn_task feeds it: warmup_vector of the candidate, the
     candidate's prompt id and the pool's size (merged prompts numbered from there)"""
     n, out = 0, []
     for t, P in enumerate(prompts):

@@ -283,7 +283,7 @@ class CEProxy:
 
 
 hp.F = CEProxy()
-batches = clf._batches
+batches = clf.batches
 
 
 def recording_batches(z, y, loader, g):
@@ -293,7 +293,7 @@ def recording_batches(z, y, loader, g):
         yield zb, yb
 
 
-clf._batches = recording_batches
+clf.batches = recording_batches
 tii_fit, tii_store, tii_align = clf.tii_.fit, clf.tii_.store, clf.tii_.align
 
 
@@ -341,7 +341,7 @@ def injected_pseudo_features(stats, classes, n, generator, limit=None):
 
 
 hp.pseudo_features = injected_pseudo_features
-begin, end, align_heads = clf._begin_task, clf._end_task, clf._align_heads
+begin, end, align_heads = clf.begin_task, clf.end_task, clf._align_heads
 ours_fresh_prompt = {}
 
 
@@ -374,7 +374,7 @@ def on_align_heads(k):
     return R["heads"][k, "align_losses"]
 
 
-clf._begin_task, clf._end_task, clf._align_heads = on_begin, on_end, on_align_heads
+clf.begin_task, clf.end_task, clf._align_heads = on_begin, on_end, on_align_heads
 ADAM = torch.optim.Adam
 ours_adam = []
 
@@ -406,12 +406,12 @@ try:
 finally:
     torch.optim.Adam = ADAM
     hp.pseudo_features, hp.F = real_pseudo_features, F
-clf._begin_task, clf._end_task, clf._align_heads = (
+clf.begin_task, clf.end_task, clf._align_heads = (
     begin,
     end,
     align_heads,
 )  # instance attributes: back to the class's
-del clf._begin_task, clf._end_task, clf._align_heads, clf._batches
+del clf.begin_task, clf.end_task, clf._align_heads, clf.batches
 
 # ---------------------------------------------------------------- theirs: harness for the two engines
 torch.cuda.synchronize = lambda *a, **k: None  # CPU

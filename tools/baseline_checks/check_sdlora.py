@@ -141,8 +141,8 @@ Y = torch.as_tensor([y for _, y in tasks[2].train]) - 4
 z = clf.prefix(X)
 
 # ============================================================== 0. initial state, each side's own init
-print("== 0. initial state of task 2: ours from our _begin_task, theirs from LoRA_ViT_timm's own init")
-clf._begin_task(2, None, None)
+print("== 0. initial state of task 2: ours from our begin_task, theirs from LoRA_ViT_timm's own init")
+clf.begin_task(2, None, None)
 torch.manual_seed(7)
 tm0 = their_lora.LoRA_ViT_timm(
     vit_model=copy.deepcopy(plain), r=b.rank, filepath=tmp, index=False, cur_task_index=2
@@ -296,7 +296,7 @@ hook.remove()
 tm = net.backbone.eval()
 
 # ours: their initial A and head copied in (drawn from different generators); alpha and B from our own init
-_begin = clf._begin_task
+_begin = clf.begin_task
 
 
 def begin_with_their_A(k, z_, loader):
@@ -315,7 +315,7 @@ class TheirHeadInit(nn.Linear):
             self.bias.copy_(head_init[1])
 
 
-clf._begin_task = begin_with_their_A
+clf.begin_task = begin_with_their_A
 cap.pop("our_z", None)
 cap.pop("our_h", None)
 _Linear, nn.Linear = nn.Linear, TheirHeadInit
@@ -324,7 +324,7 @@ try:
         stats = clf.fit_task(tasks[2], stream_tasks=3)
 finally:
     nn.Linear = _Linear
-    clf._begin_task = _begin
+    clf.begin_task = _begin
 info(
     "head initialisation differs (our shared learner): theirs SimpleLinear kaiming_uniform(linear), bias 0; "
     "ours nn.Linear default",

@@ -251,7 +251,7 @@ def rec_features(z, train):
 
 
 clf.features = rec_features
-_begin = clf._begin_task
+_begin = clf.begin_task
 
 
 def begin_with_their_prompt(k, z, loader):
@@ -261,7 +261,7 @@ def begin_with_their_prompt(k, z, loader):
         clf.prompts_[-1].copy_(their_init["prompt"][k])
 
 
-clf._begin_task = begin_with_their_prompt
+clf.begin_task = begin_with_their_prompt
 _Linear = nn.Linear
 
 
@@ -402,7 +402,7 @@ try:
         their.after_task()  # _known_classes moves on (their clustering above reads the open task's labels)
 finally:
     torch.optim.SGD = _SGD
-    clf._begin_task = _begin
+    clf.begin_task = _begin
     clf.features = _feat
 
 our_p0, their_p0 = torch.stack(cap["our_prompt_init"]), torch.stack(their_init["prompt"])

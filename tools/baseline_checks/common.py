@@ -217,7 +217,7 @@ def summary():
 # ---------------------------------------------------------------- parallel-adapter releases (TUNA, MOS)
 class OurOrder(torch.utils.data.Sampler):
     """the order ours trains in: one torch.randperm per epoch from the generator seeded with the task's seed
-    (ContinualClassifier._batches); the dropout masks fall on the same images only in the same order"""
+    (ContinualClassifier.batches); the dropout masks fall on the same images only in the same order"""
 
     def __init__(self, n, seed):
         self.n, self.g = n, torch.Generator().manual_seed(seed)

@@ -30,6 +30,7 @@ PROMPTS = "proteus/baselines/prompts.py"
 LEARNER = "proteus/baselines/learner.py"
 SPROMPT = "proteus/baselines/sprompt.py"
 HIDE = "proteus/baselines/hideprompt.py"
+TII = "proteus/engine/task_identity.py"
 ADA = "proteus/baselines/adapromptcl.py"
 TUNA = "proteus/baselines/tuna.py"
 MOS = "proteus/baselines/mos.py"
@@ -371,8 +372,8 @@ PERTURBATIONS = [
         LEARNER,
         [
             (
-                'epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)',
-                'epoch_lr(1.5 * b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)',
+                'epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, epochs)',
+                'epoch_lr(1.5 * b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, epochs)',
             )
         ],
     ),
@@ -447,8 +448,8 @@ PERTURBATIONS = [
         LEARNER,
         [
             (
-                'epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)',
-                'epoch_lr(b.lr * group.get("lr_scale", 1.0), "constant", epoch, cfg.train.epochs)',
+                'epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, epochs)',
+                'epoch_lr(b.lr * group.get("lr_scale", 1.0), "constant", epoch, epochs)',
             )
         ],
     ),
@@ -561,7 +562,7 @@ PERTURBATIONS = [
     (
         "HiDe-Prompt: stage 1 CE over every seen class (other tasks' classes not masked)",
         "hideprompt",
-        HIDE,
+        TII,
         [
             (
                 "local = {c: i for i, c in enumerate(classes)}",
@@ -580,13 +581,13 @@ PERTURBATIONS = [
     (
         "HiDe-Prompt: pseudo-features from the centroid means only (variances not used)",
         "hideprompt",
-        HIDE,
+        TII,
         [("stds.append((var + 1e-4).sqrt().float())", "stds.append((0 * var + 1e-4).sqrt().float())")],
     ),
     (
         "HiDe-Prompt: TII task from the latest task's head only (not the argmax over every seen class)",
         "hideprompt",
-        HIDE,
+        TII,
         [
             (
                 "return owner[self.net(q.float()).argmax(1)]",
@@ -597,13 +598,13 @@ PERTURBATIONS = [
     (
         "HiDe-Prompt: one centroid more per class (n_centroids + 1)",
         "hideprompt",
-        HIDE,
+        TII,
         [("k = min(n_centroids, len(x))", "k = min(n_centroids + 1, len(x))")],
     ),
     (
         "HiDe-Prompt: alignment SGD without momentum",
         "hideprompt",
-        HIDE,
+        TII,
         [
             (
                 "opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.0)",
@@ -653,7 +654,8 @@ PERTURBATIONS = [
         ADA,
         [
             (
-                "the head after the warm-up from the second task on\n            head.load_state_dict(head0)",
+                "the head after the warm-up from the second task on\n"
+                "            run.head.load_state_dict(head0)",
                 "the head after the warm-up from the second task on\n            pass",
             )
         ],

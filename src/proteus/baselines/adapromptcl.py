@@ -42,7 +42,6 @@ This module is the whole method -- the grouping, its learner and its declaration
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,17 +52,14 @@ from sklearn.cluster import Birch, KMeans
 from sklearn.metrics import silhouette_score
 from torch import nn
 
-from proteus.baselines.learner import OPTIMIZERS, epoch_lr, task_inputs, weight_decay
+from proteus.baselines.learner import OpenTask
 from proteus.baselines.persist import need
 from proteus.baselines.prompts import PromptClassifier, PromptOptions
 from proteus.config import ConfigError, declare
-from proteus.engine.records import loss_summary
 from proteus.engine.runtime import task_seed
 from proteus.errors import NotFittedError
 from proteus.learners import LEARNERS, LearnerState
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, option
-from proteus.progress import bar as progress_bar
-from proteus.streams import Task
 
 __all__ = [
     "AdaPromptCL",
@@ -457,7 +453,7 @@ class AdaPromptCL(PromptClassifier):
             out[f"e.{i}"], out[f"key.{i}"] = p, k
         return out
 
-    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         # what a failed task must give back: a shared group's prompt is trained in place
         prompts = [p.detach().clone() for p in self.pool_]
         keys = [q.detach().clone() for q in self.keys_]
@@ -465,7 +461,7 @@ class AdaPromptCL(PromptClassifier):
         key = torch.rand(self.embed_dim, generator=self._gen) * 2 - 1
         self._cand = self._new_prompt(self.init_prompt_, key)
 
-    def _abort_task(self, k: int) -> None:
+    def abort_task(self, k: int) -> None:
         snap = getattr(self, "_snapshot", None)
         if snap is None or not hasattr(self, "groups_"):
             return
@@ -521,102 +517,54 @@ class AdaPromptCL(PromptClassifier):
         return self.prompted(z, pid)
 
     # ------------------------------------------------------------------ training
-    def _new_head(self, n: int) -> nn.Linear:
-        """The task's head over its ``n`` classes (the release's global head, as far as these columns go)."""
-        return nn.Linear(self.embed_dim, n).to(self.device_)
+    def planned_epochs(self) -> int:
+        """The warm-up's epochs, then ``train.epochs``."""
+        return self.evolve_epoch + 1 + int(self.config.train.epochs)
 
-    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
-        cfg, b = self.config, self.options_
-        classes = [int(c) for c in task.classes]
-        local = {c: i for i, c in enumerate(classes)}
-        seed, z, y_all, loader = task_inputs(self, task, k)
-        self._begin_task(k, z, loader)
-        head = self._new_head(len(classes))
-        head0 = {n: t.detach().clone() for n, t in head.state_dict().items()}
-        W, E = self.evolve_epoch + 1, cfg.train.epochs
-        g = torch.Generator().manual_seed(seed)
-        self.train_log_, losses = [], []
-        steps = math.ceil(len(task.train) / cfg.train.batch_size)
-        bar = progress_bar(
-            total=(W + E) * steps, desc=f"task {k + 1}: train {self.name}", enabled=self.progress
-        )
+    def train_epochs(self, run: OpenTask) -> None:
+        """The release's phases of a task within the shared loop: a warm-up of the candidate prompt, its key
+        and the head; the semantic-group decision (:meth:`SemanticGroups.assign`); then the decision's
+        prompts for the epochs it leaves, the head reset to its pre-warm-up state (from the second task on,
+        and before the last ``head_last_epochs``) with a new optimiser."""
+        W, E = self.evolve_epoch + 1, int(self.config.train.epochs)
+        head0 = {n: t.detach().clone() for n, t in run.head.state_dict().items()}
 
-        def phase(pids: list[int]) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+        def phase(pids: list[int]) -> tuple[list[nn.Parameter], Any]:
             for p in [*self.pool_, *self.keys_]:
                 p.requires_grad_(False)
             self._train_pids = torch.as_tensor(pids, dtype=torch.long)
             own = self.trainable()
             for p in own:
                 p.requires_grad_(True)
-            params = own + list(head.parameters())
-            return params, OPTIMIZERS.get(b.optimizer)(params, b, weight_decay(self, k))
+            return self.optimiser(run, own)
 
-        def epoch(e: int, params: list[nn.Parameter], opt: torch.optim.Optimizer) -> None:
-            for group in opt.param_groups:
-                group["lr"] = epoch_lr(b.lr, b.schedule, e, W + E)
-            for zb, yb in self._batches(z, y_all, loader, g):
-                target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=self.device_)
-                self.aux_loss = 0.0
-                with self.embedder_.autocast():
-                    h = self.features(zb.to(self.device_), train=True)
-                    loss = F.cross_entropy(head(h.float()), target)
-                opt.zero_grad(set_to_none=True)
-                (loss + self.aux_loss).backward()
-                if b.clip_grad is not None:
-                    torch.nn.utils.clip_grad_norm_(params, b.clip_grad)
-                opt.step()
-                losses.append(float(loss.detach()))
-                penalty = float(torch.as_tensor(self.aux_loss).detach())
-                row = {
-                    "epoch": e + 1,
-                    "step": len(losses),
-                    "loss": losses[-1],
-                    "lr": opt.param_groups[0]["lr"],
-                }
-                self.train_log_.append({**row, "penalty": penalty})
-                bar.update(1)
-
-        # warm-up: the candidate prompt, its key and the head
-        params, opt = phase([self._cand])
+        params, opt = phase([self._cand])  # warm-up: the candidate prompt, its key and the head
         for e in range(W):
-            epoch(e, params, opt)
-        decision = self.groups_.assign(k, warmup_vector(self.pool_[self._cand]), self._cand, len(self.pool_))
+            self.run_epoch(run, e, W + E, params, opt)
+        warm = warmup_vector(self.pool_[self._cand])
+        decision = self.groups_.assign(run.k, warm, self._cand, len(self.pool_))
         for pid, base in decision.new_prompts:
             assert pid == len(self.pool_)
             self._new_prompt(self.pool_[base], self.keys_[base])
-        if k > 0:  # the release restores the head after the warm-up from the second task on
-            head.load_state_dict(head0)
+        if run.k > 0:  # the release restores the head after the warm-up from the second task on
+            run.head.load_state_dict(head0)
         left = self.left_epochs(decision)
         params, opt = phase(decision.train_pids)
         resets = {left + W - 1 - self.options_.head_last_epochs, E + W - 1 - self.options_.head_last_epochs}
         trained = 0
         for e in range(W - 1, W + min(left, E)):
             if e >= W:
-                epoch(e, params, opt)
+                self.run_epoch(run, e, W + E, params, opt)
                 trained += 1
             if e in resets:  # reinit_clf: the head from its pre-warm-up state, a new optimiser
-                head.load_state_dict(head0)
+                run.head.load_state_dict(head0)
                 params, opt = phase(decision.train_pids)
-        bar.close()
         opt.zero_grad(set_to_none=True)
-        for p in [*self.pool_, *self.keys_, *head.parameters()]:
+        for p in [*self.pool_, *self.keys_, *run.head.parameters()]:
             p.requires_grad_(False)
         self._train_pids = torch.zeros(0, dtype=torch.long)
         self.decisions_.append(decision)
-        self.heads_.append(head)
-        self.task_classes_.append(classes)
-        self.labels_ += classes
-        n_trained = sum(p.numel() for p in params)
-        first, last = loss_summary(losses)
-        return {
-            "steps": len(losses),
-            "loss_first": first,
-            "loss_last": last,
-            "trainable_params": int(n_trained),
-            "group": decision.kind,
-            "prompts": list(decision.train_pids),
-            "epochs_after_warmup": trained,
-        }
+        run.extra.update(group=decision.kind, prompts=list(decision.train_pids), epochs_after_warmup=trained)
 
     # ------------------------------------------------------------------ persistence
     def state_tensors(self) -> dict[str, torch.Tensor]:

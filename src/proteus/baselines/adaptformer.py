@@ -368,8 +368,8 @@ def fit_epochs(
     after_step: Callable[[], None] | None = None,
     after_epoch: Callable[[int], None] | None = None,
 ) -> tuple[list[float], tuple[torch.Tensor | None, torch.Tensor | None, Any]]:
-    """Open task k (``clf._begin_task``), then train ``groups()`` (``params`` with an ``lr_scale``) for
-    ``train.epochs`` epochs of the task's batches (:meth:`ContinualClassifier._batches`: the cached prefix
+    """Open task k (``clf.begin_task``), then train ``groups()`` (``params`` with an ``lr_scale``) for
+    ``train.epochs`` epochs of the task's batches (:meth:`ContinualClassifier.batches`: the cached prefix
     outputs shuffled by the task's generator, or augmented images) under ``baseline.optimizer`` (SGD with
     momentum in both releases) and ``baseline.schedule``; ``step_loss(z, y)`` returns (the classification
     loss, the auxiliary loss) of a batch with global labels ``y``; ``after_step`` runs after each step
@@ -377,7 +377,7 @@ def fit_epochs(
     classification losses and the task's inputs ``(z, y, loader)``."""
     cfg, b = clf.config, clf.options_
     seed, z, y_all, loader = task_inputs(clf, task, k)
-    clf._begin_task(k, z, loader)
+    clf.begin_task(k, z, loader)
     opt = OPTIMIZERS.get(b.optimizer)(groups(), b, weight_decay(clf, k))  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(seed)
     steps = cfg.train.epochs * math.ceil(len(task.train) / cfg.train.batch_size)
@@ -387,7 +387,7 @@ def fit_epochs(
     for epoch in range(cfg.train.epochs):
         for group in opt.param_groups:
             group["lr"] = epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)
-        for zb, yb in clf._batches(z, y_all, loader, g):
+        for zb, yb in clf.batches(z, y_all, loader, g):
             with clf.embedder_.autocast():
                 loss, aux = step_loss(zb.to(clf.device_), yb.to(clf.device_))
             opt.zero_grad(set_to_none=True)
@@ -419,7 +419,7 @@ class AdapterClassifier(ContinualClassifier):
     """A learner with one parallel adapter per task (TUNA, MOS): the open adapter ``open_`` (trained; a task
     starts from where the previous one ended, as both releases carry ``cur_adapter`` on), each task's copy
     of it when its training ends (``adapters_``), every seen class's :class:`ClassGaussian` (``stats_``)
-    and one head per task (``heads_``). A subclass trains a task (:meth:`_fit_task`) and predicts
+    and one head per task (``heads_``). A subclass trains a task (:meth:`learn_task`) and predicts
     (:meth:`infer`)."""
 
     Options: type = AdapterOptions
@@ -447,7 +447,7 @@ class AdapterClassifier(ContinualClassifier):
     def trainable(self) -> list[nn.Parameter]:
         return [p for a in self.open_ or [] for p in a.values()]
 
-    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         """Keep what task k may change (the open adapter, the old heads) and open the adapter at task 1."""
         self._backup = {
             "open": None if self.open_ is None else clone_set(self.open_),
@@ -456,7 +456,7 @@ class AdapterClassifier(ContinualClassifier):
         if self.open_ is None:
             self.open_ = init_set(self.sites_, self.options_.adapter_rank, self.device_)
 
-    def _abort_task(self, k: int) -> None:
+    def abort_task(self, k: int) -> None:
         del self.adapters_[k:]
         seen = set(self.labels_)
         for c in [c for c in self.stats_ if c not in seen]:

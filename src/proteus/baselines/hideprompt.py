@@ -206,10 +206,10 @@ class HiDePrompt(PromptClassifier):
         self.stats_ = load_class_stats(tensors, "stats", self.task_classes_)
 
     # ------------------------------------------------------------------ one task: stage 1, then stage 2
-    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
+    def learn_task(self, task: Task, k: int) -> dict[str, Any]:
         self._open, self._plain, self._backup = task, None, None
         try:
-            return super()._fit_task(task, k)
+            return super().learn_task(task, k)
         finally:
             self._open, self._plain = None, None
 
@@ -258,7 +258,7 @@ class HiDePrompt(PromptClassifier):
             ys.append(yb)
         return torch.cat(hs), torch.cat(ys)
 
-    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         assert self._open is not None
         self._backup = {
             "tii": self.tii_.snapshot(),
@@ -268,7 +268,7 @@ class HiDePrompt(PromptClassifier):
         # stage 1: the TII on the prompt-free class tokens, their statistics, the alignment from task 2 on
         y = self._plain[1] if z is not None and self._plain is not None else None
         self.tii_.fit(
-            k, classes, lambda g: ((self.query(zb), yb) for zb, yb in self._batches(z, y, loader, g))
+            k, classes, lambda g: ((self.query(zb), yb) for zb, yb in self.batches(z, y, loader, g))
         )
         self.tii_.store(k, *self._plain_features(self.query))
         if k > 0:
@@ -286,7 +286,7 @@ class HiDePrompt(PromptClassifier):
         return torch.cat([mu for mu, _ in self.stats_.values()]).to(self.device_)
 
     @torch.no_grad()
-    def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         m = self.options_.prompt_momentum
         P = self.prompts_[k]
         P.data.copy_(momentum_prompt(P.detach(), list(self.prompts_[:k]), m))
@@ -316,7 +316,7 @@ class HiDePrompt(PromptClassifier):
             for p in params:
                 p.requires_grad_(False)
 
-    def _abort_task(self, k: int) -> None:
+    def abort_task(self, k: int) -> None:
         del self.prompts_[k:]
         backup = getattr(self, "_backup", None)
         seen = {c for cs in self.task_classes_[:k] for c in cs}

@@ -124,7 +124,7 @@ class KLDA(ContinualClassifier):
         self.scatter_ = torch.zeros(o.rff_dim, o.rff_dim, dtype=torch.float64, device=self.device_)
 
     @torch.no_grad()
-    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
+    def learn_task(self, task: Task, k: int) -> dict[str, Any]:
         z, y = self.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
         h = torch.cat([self.backbone_.forward_suffix(c.to(self.device_)).float() for c in z.split(256)])
         y = y.to(self.device_)
@@ -161,7 +161,7 @@ class KLDA(ContinualClassifier):
             start += len(cs)
         return heads
 
-    def _abort_task(self, k: int) -> None:
+    def abort_task(self, k: int) -> None:
         if k == 0:  # the random map was drawn for this task
             self._setup()
 

@@ -10,8 +10,8 @@ same on the seen slice), all of which reduce to the same loss and the same test-
 classes (docs/experiments.md, "Baselines").
 
 A method implements four hooks: :meth:`_setup` (build its state on the backbone), :meth:`features`
-(the embedding of a batch of prefix outputs, under training or inference), :meth:`_begin_task` /
-:meth:`_end_task` (open and freeze a task's state) and :meth:`trainable` (what the optimiser sees); and two
+(the embedding of a batch of prefix outputs, under training or inference), :meth:`begin_task` /
+:meth:`end_task` (open and freeze a task's state) and :meth:`trainable` (what the optimiser sees); and two
 for its knowledge base: :meth:`state_tensors` (everything it learned that a prediction or a later task
 reads, generator states included) and :meth:`load_state` (the same back; :mod:`proteus.baselines.persist`
 composes them with the heads and records, so that ``proteus learn`` task by task equals ``proteus run``). The
@@ -64,7 +64,7 @@ log = logging.getLogger("proteus")
 __all__ = [
     "OPTIMIZERS", "SCHEDULES", "BaselineOptions", "ContinualClassifier", "NoOptions", "TrainingOptions",
     "check_baseline_config", "column_prediction", "entropy", "epoch_lr", "input_pass", "rolled_back",
-    "task_inputs", "task_record", "train_task", "weight_decay",
+    "OpenTask", "task_inputs", "task_record", "task_stats", "weight_decay",
 ]  # fmt: skip
 
 #: ``baseline.optimizer``: (parameters, the method's options, weight decay) -> the task's optimiser
@@ -165,7 +165,7 @@ def check_baseline_config(cls: type[ContinualClassifier], cfg: RunConfig) -> Non
 @contextlib.contextmanager
 def rolled_back(clf: ContinualClassifier, k: int) -> Iterator[None]:
     """Task k's training, transactional: on an exception (Ctrl-C included) its head, classes and the method's
-    state of the task are dropped (:meth:`ContinualClassifier._abort_task`) and the method's generator
+    state of the task are dropped (:meth:`ContinualClassifier.abort_task`) and the method's generator
     (``_gen``) is set back, so the learner is as before, and learning the task again is as the first try."""
     gen = getattr(clf, "_gen", None)
     saved = None if gen is None else gen.get_state()
@@ -175,7 +175,7 @@ def rolled_back(clf: ContinualClassifier, k: int) -> Iterator[None]:
         del clf.heads_[k:]
         del clf.task_classes_[k:]
         clf.labels_ = [c for cs in clf.task_classes_ for c in cs]
-        clf._abort_task(k)
+        clf.abort_task(k)
         if gen is not None and saved is not None:
             gen.set_state(saved)
         raise
@@ -244,65 +244,30 @@ def task_inputs(
     return seed, None, None, loader
 
 
-def train_task(clf: ContinualClassifier, task: Task, k: int) -> dict[str, Any]:
-    """The shared training of task k: open the method's state, train it with a new head over the task's
-    classes (the cross-entropy over them, targets local to the task, plus the method's auxiliary loss),
-    freeze both. Returns the task's statistics."""
-    cfg, b = clf.config, clf.options_
-    classes = [int(c) for c in task.classes]
-    local = {c: i for i, c in enumerate(classes)}
-    seed, z, y_all, loader = task_inputs(clf, task, k)
-    clf._begin_task(k, z, loader)
-    head = nn.Linear(clf.embed_dim, len(classes)).to(clf.device_)
-    own = [p for p in clf.trainable() if p.requires_grad]
-    params = own + list(head.parameters())
-    groups: list[Any] = params
-    if clf.head_lr_scale != 1.0:
-        groups = [{"params": own}, {"params": list(head.parameters()), "lr_scale": clf.head_lr_scale}]
-    opt = OPTIMIZERS.get(b.optimizer)(groups, b, weight_decay(clf, k))
-    g = torch.Generator().manual_seed(seed)
-    n = len(task.train)
-    steps_per_epoch = math.ceil(n / cfg.train.batch_size)
-    losses: list[float] = []
-    total = cfg.train.epochs * steps_per_epoch
-    bar = progress_bar(total=total, desc=f"task {k + 1}: train {clf.name}", enabled=clf.progress)
-    clf.train_log_ = []
-    for epoch in range(cfg.train.epochs):
-        for group in opt.param_groups:
-            group["lr"] = epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, cfg.train.epochs)
-        for zb, yb in clf._batches(z, y_all, loader, g):
-            target = torch.as_tensor([local[int(c)] for c in yb.tolist()], device=clf.device_)
-            clf.aux_loss = 0.0
-            with clf.embedder_.autocast():
-                h = clf.features(zb.to(clf.device_), train=True)
-                loss = F.cross_entropy(head(h.float()), target)
-            total_loss = loss + clf.aux_loss
-            opt.zero_grad(set_to_none=True)
-            total_loss.backward()
-            if b.clip_grad is not None:
-                torch.nn.utils.clip_grad_norm_(params, b.clip_grad)
-            opt.step()
-            losses.append(float(loss.detach()))
-            clf.train_log_.append(
-                {
-                    "epoch": epoch + 1,
-                    "step": len(losses),
-                    "loss": losses[-1],
-                    "lr": opt.param_groups[0]["lr"],
-                    "penalty": float(torch.as_tensor(clf.aux_loss).detach()),
-                }
-            )
-            bar.update(1)
-            if len(losses) % 10 == 0:
-                bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
-    bar.close()
-    opt.zero_grad(set_to_none=True)
-    head.requires_grad_(False)
-    clf.heads_.append(head)
-    clf.task_classes_.append(classes)
-    clf.labels_ += classes
-    clf._end_task(k, z, loader)
-    return task_stats(losses, params)
+@dataclasses.dataclass
+class OpenTask:
+    """Task k while it trains (:meth:`ContinualClassifier.learn_task`): its classes, its inputs (cached
+    prefix outputs ``z`` and labels ``y``, or an augmenting ``loader``), its new head, the generator that
+    shuffles its batches, and what its training measured (the losses, the parameters of its last phase, a
+    method's own numbers in ``extra``)."""
+
+    k: int
+    classes: list[int]
+    z: torch.Tensor | None
+    y: torch.Tensor | None
+    loader: Any
+    head: nn.Linear
+    generator: torch.Generator
+    steps_per_epoch: int
+    bar: Any
+    losses: list[float] = dataclasses.field(default_factory=list)
+    params: list[nn.Parameter] = dataclasses.field(default_factory=list)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def targets(self, yb: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Global labels ``yb`` as the head's columns (local to the task)."""
+        local = {c: i for i, c in enumerate(self.classes)}
+        return torch.as_tensor([local[int(c)] for c in yb.tolist()], device=device)
 
 
 def entropy(logits: torch.Tensor, eps: float) -> torch.Tensor:
@@ -483,14 +448,14 @@ class ContinualClassifier:
         """The method's parameters trained in the open task (besides its head)."""
         return []
 
-    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         """Open task k's state; ``z`` (cached prefix outputs) or ``loader`` (augmented batches) give its
         training inputs for methods that look at them first (InfLoRA)."""
 
-    def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         """Freeze task k's state."""
 
-    def _abort_task(self, k: int) -> None:
+    def abort_task(self, k: int) -> None:
         """Drop whatever task k (not finished) added to the method's state."""
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -507,7 +472,7 @@ class ContinualClassifier:
         (:func:`proteus.baselines.persist.restore`). Each method loads what it stores."""
 
     # ------------------------------------------------------------------ training
-    def _batches(
+    def batches(
         self, z: torch.Tensor | None, y: torch.Tensor | None, loader: Any, g: torch.Generator
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One epoch of (prefix outputs, global labels): shuffled cached outputs, or augmented images."""
@@ -520,7 +485,7 @@ class ContinualClassifier:
 
     def fit_task(self, task: Task, stream_tasks: int | None = None) -> TaskStats:
         """Learn one task: open its state, train it with its head, freeze it. Returns what it measured (the
-        method's own numbers, :meth:`_fit_task`'s, in ``extra``). On an exception (Ctrl-C included) the
+        method's own numbers, :meth:`learn_task`'s, in ``extra``). On an exception (Ctrl-C included) the
         task's state is dropped: the learner is as before the call."""
         self._build()
         if self._frozen_reason is not None:
@@ -530,13 +495,110 @@ class ContinualClassifier:
         self._stream_tasks = stream_tasks or task.stream_tasks
         k = self.num_tasks
         with rolled_back(self, k):
-            stats = TaskStats(k, extra=self._fit_task(task, k))
+            stats = TaskStats(k, extra=self.learn_task(task, k))
         self.records_.append(task_record(self, task, k, stats))
         return stats
 
-    #: train task k and return its statistics (the shared loop, :func:`train_task`; NCM and AdaPromptCL
-    #: have their own)
-    _fit_task = train_task
+    # ------------------------------------------------------------------ the shared loop
+    def learn_task(self, task: Task, k: int) -> dict[str, Any]:
+        """Train task k and return the method's numbers: open it (:meth:`open_task`: its inputs,
+        :meth:`begin_task`, a new head), train it (:meth:`train_epochs`, the phase a method may replace),
+        freeze it (:meth:`close_task`: the head kept, :meth:`end_task`). Methods that train no head or have
+        their own schedule of everything (NCM, KLDA, TUNA, MOS, TOSCA, MoAL) replace the whole."""
+        run = self.open_task(task, k)
+        try:
+            self.train_epochs(run)
+        finally:
+            run.bar.close()
+        return self.close_task(run)
+
+    def open_task(self, task: Task, k: int) -> OpenTask:
+        """Task k's inputs (:func:`task_inputs`), the method's state opened (:meth:`begin_task`), a new
+        head over the task's classes, its progress bar over :meth:`planned_epochs`."""
+        seed, z, y, loader = task_inputs(self, task, k)
+        self.begin_task(k, z, loader)
+        classes = [int(c) for c in task.classes]
+        steps = math.ceil(len(task.train) / self.config.train.batch_size)
+        bar = progress_bar(
+            total=self.planned_epochs() * steps,
+            desc=f"task {k + 1}: train {self.name}",
+            enabled=self.progress,
+        )
+        self.train_log_ = []
+        head = self.new_head(len(classes))
+        return OpenTask(k, classes, z, y, loader, head, torch.Generator().manual_seed(seed), steps, bar)
+
+    def new_head(self, n: int) -> nn.Linear:
+        """The open task's head over its ``n`` classes."""
+        return nn.Linear(self.embed_dim, n).to(self.device_)
+
+    def planned_epochs(self) -> int:
+        """The epochs a task trains (its progress bar's length): ``train.epochs``."""
+        return int(self.config.train.epochs)
+
+    def train_epochs(self, run: OpenTask) -> None:
+        """The training phase: ``train.epochs`` epochs (:meth:`run_epoch`) of the method's
+        :meth:`trainable` tensors that require a gradient and the head under one optimiser
+        (:meth:`optimiser`)."""
+        params, opt = self.optimiser(run, [p for p in self.trainable() if p.requires_grad])
+        epochs = int(self.config.train.epochs)
+        for epoch in range(epochs):
+            self.run_epoch(run, epoch, epochs, params, opt)
+        opt.zero_grad(set_to_none=True)
+
+    def optimiser(self, run: OpenTask, own: list[nn.Parameter]) -> tuple[list[nn.Parameter], Any]:
+        """The parameters ``own`` and the head's, and their optimiser (``baseline.optimizer``; the head's
+        learning rate scaled by :attr:`head_lr_scale`)."""
+        b = self.options_
+        params = own + list(run.head.parameters())
+        groups: list[Any] = params
+        if self.head_lr_scale != 1.0:
+            groups = [
+                {"params": own},
+                {"params": list(run.head.parameters()), "lr_scale": self.head_lr_scale},
+            ]
+        run.params = params
+        return params, OPTIMIZERS.get(b.optimizer)(groups, b, weight_decay(self, run.k))
+
+    def run_epoch(self, run: OpenTask, epoch: int, epochs: int, params: list[nn.Parameter], opt: Any) -> None:
+        """One epoch (of ``epochs`` for the schedule) of steps over :meth:`batches`: the cross-entropy of the
+        head over the task's classes plus the method's :attr:`aux_loss`, clipped at ``baseline.clip_grad``;
+        each step a row of :attr:`train_log_`."""
+        b = self.options_
+        for group in opt.param_groups:
+            group["lr"] = epoch_lr(b.lr * group.get("lr_scale", 1.0), b.schedule, epoch, epochs)
+        for zb, yb in self.batches(run.z, run.y, run.loader, run.generator):
+            target = run.targets(yb, self.device_)
+            self.aux_loss = 0.0
+            with self.embedder_.autocast():
+                h = self.features(zb.to(self.device_), train=True)
+                loss = F.cross_entropy(run.head(h.float()), target)
+            opt.zero_grad(set_to_none=True)
+            (loss + self.aux_loss).backward()
+            if b.clip_grad is not None:
+                torch.nn.utils.clip_grad_norm_(params, b.clip_grad)
+            opt.step()
+            run.losses.append(float(loss.detach()))
+            penalty = float(torch.as_tensor(self.aux_loss).detach())
+            row = {
+                "epoch": epoch + 1,
+                "step": len(run.losses),
+                "loss": run.losses[-1],
+                "lr": opt.param_groups[0]["lr"],
+            }
+            self.train_log_.append({**row, "penalty": penalty})
+            run.bar.update(1)
+            if len(run.losses) % 10 == 0:
+                run.bar.set_postfix(loss=f"{np.mean(run.losses[-10:]):.3f}")
+
+    def close_task(self, run: OpenTask) -> dict[str, Any]:
+        """Freeze the head and keep it, then the method's state (:meth:`end_task`); the task's numbers."""
+        run.head.requires_grad_(False)
+        self.heads_.append(run.head)
+        self.task_classes_.append(run.classes)
+        self.labels_ += run.classes
+        self.end_task(run.k, run.z, run.loader)
+        return {**task_stats(run.losses, run.params), **run.extra}
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()

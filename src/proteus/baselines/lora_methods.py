@@ -81,7 +81,7 @@ class LoRAClassifier(ContinualClassifier):
     def prefix(self, x: torch.Tensor) -> torch.Tensor:
         return self.model_.prefix(x)
 
-    def _abort_task(self, k: int) -> None:
+    def abort_task(self, k: int) -> None:
         self.model_.truncate(k)
 
     def features(self, z: torch.Tensor, train: bool) -> torch.Tensor:
@@ -262,7 +262,7 @@ class InfLoRA(LoRAClassifier):
         start = self.options_.gpm_start
         return start + (1.0 - start) * k / self.task_budget
 
-    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         rank = self.options_.rank
         self.model_.begin_task(rank, "identity", False, task_seed(self.config.seed, k))
         moments = self.input_moments(z, loader)  # new B = 0: the model of task k - 1
@@ -273,7 +273,7 @@ class InfLoRA(LoRAClassifier):
                 u.A_new = nn.Parameter(A.clone().to(dev), requires_grad=False)
                 u.B_new = nn.Parameter(torch.zeros(u.out_features, A.shape[1], device=dev, dtype=A.dtype))
 
-    def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         self.model_.end_task()
         moments = self.input_moments(z, loader, [k])  # task k's model: every branch, weight 1
         eps = self.threshold(k)
@@ -320,7 +320,7 @@ class SDLoRA(LoRAClassifier):
         #: the magnitudes each task ended with (alpha_0..alpha_k)
         self.magnitudes_: list[list[float]] = []
 
-    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         b = self.options_
         self.model_.begin_task(b.rank, "zero", False, task_seed(self.config.seed, k))
         dev = next(iter(self.model_.units.values())).A.device
@@ -356,7 +356,7 @@ class SDLoRA(LoRAClassifier):
         return super().trainable() + [self.alpha_]
 
     @torch.no_grad()
-    def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         a = self.alpha_.detach()
         self._compose(a)
         for u in self.model_.units.values():

@@ -263,10 +263,10 @@ class MoAL(ContinualClassifier):
             for _ in range(self.config.train.epochs):
                 torch.randperm(len(z), generator=g)
         while True:
-            yield self._batches(z, y, loader, g)
+            yield self.batches(z, y, loader, g)
 
     # ------------------------------------------------------------------ one task
-    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
+    def learn_task(self, task: Task, k: int) -> dict[str, Any]:
         b, d = self.options_, self.embed_dim
         classes = [int(c) for c in task.classes]
         cols = {c: i for i, c in enumerate([*self.labels_, *classes])}

@@ -162,7 +162,7 @@ class MOS(AdapterClassifier):
         return self._tests[t]
 
     # ------------------------------------------------------------------ one task
-    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
+    def learn_task(self, task: Task, k: int) -> dict[str, Any]:
         b = self.options_
         classes = [int(c) for c in task.classes]
         local = {c: i for i, c in enumerate(classes)}
@@ -233,8 +233,8 @@ class MOS(AdapterClassifier):
             for p in params:
                 p.requires_grad_(False)
 
-    def _abort_task(self, k: int) -> None:
-        super()._abort_task(k)
+    def abort_task(self, k: int) -> None:
+        super().abort_task(k)
         self.prototypes_ = self.prototypes_[: len(self.labels_)]
         self._sums, self._tests = prefix_sums(self.adapters_), self._tests[:k]
 

@@ -36,7 +36,7 @@ class NCM(ContinualClassifier):
         return self.backbone_.forward_suffix(z)
 
     @torch.no_grad()
-    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
+    def learn_task(self, task: Task, k: int) -> dict[str, Any]:
         z, y = self.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
         h = torch.cat([self.features(c.to(self.device_), False).float().cpu() for c in z.split(256)])
         classes = [int(c) for c in task.classes]

@@ -281,7 +281,7 @@ class DualPrompt(PromptClassifier):
             out[f"e.{t}"], out[f"key.{t}"] = p, k
         return out
 
-    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         d = self.embed_dim
         fresh = torch.rand(*self._shape, generator=self._gen) * 2 - 1
         key = torch.rand(d, generator=self._gen) * 2 - 1
@@ -290,11 +290,11 @@ class DualPrompt(PromptClassifier):
         self.e_prompts_.append(self._to(e.cpu()))
         self.e_keys_.append(self._to(key))
 
-    def _abort_task(self, k: int) -> None:
+    def abort_task(self, k: int) -> None:
         del self.e_prompts_[k:]
         del self.e_keys_[k:]
 
-    def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         self.e_prompts_[-1].requires_grad_(False)
         self.e_keys_[-1].requires_grad_(False)
 
@@ -388,7 +388,7 @@ class CodaPrompt(PromptClassifier):
         return k * per, (k + 1) * per
 
     @torch.no_grad()
-    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         s, f = self.span(k)
         for tensors in (self.P_, self.K_, self.A_):
             for t in tensors.values():

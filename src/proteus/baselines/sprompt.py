@@ -91,7 +91,7 @@ class SPrompt(PromptClassifier):
         self.keys_: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ per-task state
-    def _begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def begin_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         # the release's prompt is the weight of an nn.Linear(d, L): U(-1/sqrt(d), 1/sqrt(d))
         d, bound = self.embed_dim, 1 / math.sqrt(self.embed_dim)
         fresh = (torch.rand(self.options_.prompt_length, d, generator=self._gen) * 2 - 1) * bound
@@ -101,12 +101,12 @@ class SPrompt(PromptClassifier):
         return [self.prompts_[-1]]
 
     @torch.no_grad()
-    def _end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
+    def end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         self.prompts_[-1].requires_grad_(False)
         q = torch.cat([F.normalize(self.query(c).float(), dim=-1).cpu() for c in input_pass(self, z, loader)])
         self.keys_.append(task_keys(q).to(self.device_))
 
-    def _abort_task(self, k: int) -> None:
+    def abort_task(self, k: int) -> None:
         del self.prompts_[k:]
         del self.keys_[k:]
 

@@ -183,7 +183,7 @@ class TOSCA(ContinualClassifier):
         return torch.empty(n, self.embed_dim, device=self.device_).uniform_(-bound, bound)
 
     # ------------------------------------------------------------------ one task
-    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
+    def learn_task(self, task: Task, k: int) -> dict[str, Any]:
         b = self.options_
         classes = [int(c) for c in task.classes]
         known = len(self.labels_)
@@ -226,7 +226,7 @@ class TOSCA(ContinualClassifier):
         self.labels_ += classes
         return stats
 
-    def _abort_task(self, k: int) -> None:
+    def abort_task(self, k: int) -> None:
         del self.modules_[k:]
 
     # ------------------------------------------------------------------ inference

@@ -135,7 +135,7 @@ class TUNA(AdapterClassifier):
         return F.normalize(h.float(), dim=1) @ self._weights(extra).T
 
     # ------------------------------------------------------------------ one task
-    def _fit_task(self, task: Task, k: int) -> dict[str, Any]:
+    def learn_task(self, task: Task, k: int) -> dict[str, Any]:
         b = self.options_
         classes = [int(c) for c in task.classes]
         local = {c: i for i, c in enumerate(classes)}
@@ -202,8 +202,8 @@ class TUNA(AdapterClassifier):
             for p in params:
                 p.requires_grad_(False)
 
-    def _abort_task(self, k: int) -> None:
-        super()._abort_task(k)
+    def abort_task(self, k: int) -> None:
+        super().abort_task(k)
         self.merged_ = emr_merge(self.adapters_) if len(self.adapters_) > 1 else None
 
     # ------------------------------------------------------------------ inference

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from proteus.config import ConfigError, RunConfig
+from proteus.config import RunConfig
 from proteus.engine.errors import TaskError
 from proteus.engine.keys import FROZEN, KEYS, KeyFit, KeyKind, KeySpace, RetrievalKeys
 from proteus.signatures import RetrievalResult
@@ -52,8 +52,6 @@ class TIIKeys(RetrievalKeys):
 
     @classmethod
     def from_config(cls, cfg: RunConfig, device: torch.device, new_head: Any, **options: Any) -> TIIKeys:
-        if cfg.retrieval.novelty == "class-gaussian":
-            raise ConfigError("signature.keys=hide-tii keeps no class Gaussians: use retrieval.novelty=auto")
         return super().from_config(cfg, device, new_head, run_config=cfg, **options)
 
     def _new_tii(self, d: int) -> TaskIdentityInference:

@@ -60,6 +60,7 @@ __all__ = [
     "MAX_STORED",
     "MIN_PER_TASK",
     "NOVELTY",
+    "Detector",
     "PPCA",
     "RANK",
     "TaskGaussians",
@@ -81,20 +82,37 @@ MAX_POOLED = 8192
 #: a task with fewer calibration rows is thresholded on the pooled rows of every task
 MIN_PER_TASK = 20
 
+
+@dataclass(frozen=True)
+class Detector:
+    """A ``retrieval.novelty`` choice: what it builds for keys that keep class statistics (the LDA keys),
+    from the ``retrieval`` section (None: no detector), and whether it needs such keys."""
+
+    build: Callable[[Any], ClassNovelty] | None
+    needs_class_statistics: bool = False
+
+
+def _gaussians(tasks: bool) -> Callable[[Any], ClassNovelty]:
+    """The class-Gaussian detector (``tasks``: with each task's Gaussians) from a ``retrieval`` section."""
+    return lambda rc: ClassNovelty(rc.calibration_holdout, rc.reject_tpr, tasks=tasks, shortlist=rc.shortlist)
+
+
 #: ``retrieval.novelty``: which detector flags inputs from no learned task (``retrieval.reject = true``
 #: adds the key-score thresholds on top, for any keys)
-NOVELTY: Registry[str] = Registry("retrieval.novelty")
+NOVELTY: Registry[Detector] = Registry("retrieval.novelty")
 NOVELTY.register("auto", help="task-gaussian with LDA keys (the default methods), none with other keys")(
-    "auto"
+    Detector(_gaussians(tasks=True))
 )
 NOVELTY.register(
     "task-gaussian",
     help="each task's Gaussians on the frozen prefix's channel statistics and the keys' features",
-)("task-gaussian")
+)(Detector(_gaussians(tasks=True)))
 NOVELTY.register("class-gaussian", help="Mahalanobis distance to the nearest class in the LDA keys' space")(
-    "class-gaussian"
+    Detector(_gaussians(tasks=False), needs_class_statistics=True)
 )
-NOVELTY.register("none", help="no detector: every input is answered with a class, known is null")("none")
+NOVELTY.register("none", help="no detector: every input is answered with a class, known is null")(
+    Detector(None)
+)
 
 
 @dataclass

@@ -30,14 +30,14 @@ from proteus.streams.base import (
 )
 from proteus.streams.datasets import (
     ArrayImageDataset,
-    ImageFileDataset,
+    imagefolder_pair,
+    is_imagefolder,
     list_class_dirs,
     list_images,
-    scan_image_folder,
 )
 from proteus.streams.errors import BenchmarkError, DataNotFoundError, TaskSpecError
 from proteus.streams.options import BenchmarkConfig
-from proteus.streams.splits import CODA_TEST_SHA256, coda_imagenet_r
+from proteus.streams.splits import SPLITS
 from proteus.untrusted import load_yaml, read_regular_text
 
 #: default number of tasks per benchmark (the paper's setting)
@@ -91,39 +91,6 @@ def _permuted_stream(
 
 
 # ---------------------------------------------------------------------------------------------- ImageFolder
-def imagefolder_pair(root: Path, name: str) -> tuple[ImageFileDataset, ImageFileDataset, list[str]]:
-    """Train and test sets of ``root/{train,test}/<class>/*`` with source label = sorted class-folder index.
-
-    Train and test must hold the same class folders; a difference raises naming the classes.
-    """
-    classes = list_class_dirs(root / "train")
-    test_classes = list_class_dirs(root / "test")
-    if not classes:
-        raise DataNotFoundError(f"{name}: {root / 'train'} holds no class folder (expected train/<class>/*)")
-    missing = sorted(set(classes) - set(test_classes))
-    extra = sorted(set(test_classes) - set(classes))
-    if missing:
-        raise BenchmarkError(
-            f"{name}: class(es) without a test folder under {root / 'test'}: {', '.join(missing)}"
-        )
-    if extra:
-        raise BenchmarkError(
-            f"{name}: test class folder(s) with no train folder under {root / 'train'}: {', '.join(extra)}"
-        )
-    return scan_image_folder(root, "train", classes), scan_image_folder(root, "test", classes), classes
-
-
-def _is_imagefolder(root: Path) -> bool:
-    return (root / "train").is_dir() and (root / "test").is_dir()
-
-
-def resolve_imagefolder(root: Path, subdirs: list[str]) -> Path | None:
-    for cand in [root, *(root / s for s in subdirs)]:
-        if _is_imagefolder(cand):
-            return cand
-    return None
-
-
 def _check_class_count(name: str, found: int, expected: int, root: Path, strict: bool) -> None:
     if found == expected:
         return
@@ -225,7 +192,7 @@ def load_cifar(name: str, root: Path, download: bool = False) -> tuple[Any, Any,
         download
         and not (root / tv).is_dir()
         and not (root.name == tv and root.is_dir())
-        and not _is_imagefolder(root)
+        and not is_imagefolder(root)
     ):
         _download_cifar(name, root)
     tv_root: Path | None = None
@@ -245,7 +212,7 @@ def load_cifar(name: str, root: Path, download: bool = False) -> tuple[Any, Any,
         train = ArrayImageDataset(np.asarray(tr.data, dtype=np.uint8), tr.targets)
         test = ArrayImageDataset(np.asarray(te.data, dtype=np.uint8), te.targets)
         return train, test, list(tr.classes), "torchvision", tv_root
-    if _is_imagefolder(root):
+    if is_imagefolder(root):
         train_f, test_f, classes = imagefolder_pair(root, name)
         _check_class_count(name, len(classes), _NUM_CLASSES[name], root, strict=True)
         expected = _CLASS_NAMES.get(name)
@@ -282,25 +249,9 @@ def cifar100(cfg: BenchmarkConfig) -> TaskStream:
 
 # ---------------------------------------------------------------------------------------------- ImageNet-R/A
 def _imagenet(name: str, cfg: BenchmarkConfig) -> TaskStream:
-    given = data_root(cfg, name)
-    if cfg.split == "coda":  # raw ImageNet-R and a shipped test list (proteus.streams.splits)
-        if name != "imagenet-r":
-            raise BenchmarkError(f"{name}: benchmark.split=coda exists for imagenet-r only; use 'folders'")
-        train, test, classes = coda_imagenet_r(given)
-        _check_class_count(name, len(classes), _NUM_CLASSES[name], given, strict=False)
-        extra = {"format": "raw", "split": "coda", "split_sha256": CODA_TEST_SHA256}
-        return _permuted_stream(name, cfg, given, train, test, classes, extra)
-    root = resolve_imagefolder(given, [name])
-    if root is None:
-        raise DataNotFoundError(
-            f"{name}: no ImageFolder tree found at {given}. Expected {given}/train/<class>/* and "
-            f"{given}/test/<class>/* with 200 class folders (or the same under {given / name}), as in the "
-            f"RevisitingCIL archives (https://github.com/zhoudw-zdw/RevisitingCIL, README 'Datasets'). "
-            f"Extract the archive there, or point benchmark.data (or $PROTEUS_DATA) at its folder."
-        )
-    train, test, classes = imagefolder_pair(root, name)
+    root, train, test, classes, extra = SPLITS.get(cfg.split)(name, data_root(cfg, name))
     _check_class_count(name, len(classes), _NUM_CLASSES[name], root, strict=False)
-    return _permuted_stream(name, cfg, root, train, test, classes, {"format": "imagefolder"})
+    return _permuted_stream(name, cfg, root, train, test, classes, extra)
 
 
 @BENCHMARKS.register(

@@ -342,3 +342,38 @@ def scan_image_folder(
         paths.extend(f"{split}/{name}/{f}" for f in files)
         targets.extend([label] * len(files))
     return ImageFileDataset(root, paths, targets, max_pixels)
+
+
+def imagefolder_pair(root: Path, name: str) -> tuple[ImageFileDataset, ImageFileDataset, list[str]]:
+    """Train and test sets of ``root/{train,test}/<class>/*`` with source label = sorted class-folder index.
+
+    Train and test must hold the same class folders; a difference raises naming the classes.
+    """
+    classes = list_class_dirs(root / "train")
+    test_classes = list_class_dirs(root / "test")
+    if not classes:
+        raise DataNotFoundError(f"{name}: {root / 'train'} holds no class folder (expected train/<class>/*)")
+    missing = sorted(set(classes) - set(test_classes))
+    extra = sorted(set(test_classes) - set(classes))
+    if missing:
+        raise BenchmarkError(
+            f"{name}: class(es) without a test folder under {root / 'test'}: {', '.join(missing)}"
+        )
+    if extra:
+        raise BenchmarkError(
+            f"{name}: test class folder(s) with no train folder under {root / 'train'}: {', '.join(extra)}"
+        )
+    return scan_image_folder(root, "train", classes), scan_image_folder(root, "test", classes), classes
+
+
+def is_imagefolder(root: Path) -> bool:
+    """Whether ``root`` holds ``train/`` and ``test/`` folders."""
+    return (root / "train").is_dir() and (root / "test").is_dir()
+
+
+def resolve_imagefolder(root: Path, subdirs: list[str]) -> Path | None:
+    """``root`` or the first of ``root/<subdir>`` that holds ``train/`` and ``test/`` folders; None."""
+    for cand in [root, *(root / s for s in subdirs)]:
+        if is_imagefolder(cand):
+            return cand
+    return None

@@ -45,8 +45,8 @@ import yaml
 from PIL import Image
 
 from proteus.streams.base import BENCHMARKS, TaskStream, assemble_stream, data_root
-from proteus.streams.builtin import digits_split, imagefolder_pair
-from proteus.streams.datasets import LabeledImageDataset
+from proteus.streams.builtin import digits_split
+from proteus.streams.datasets import LabeledImageDataset, imagefolder_pair
 from proteus.streams.errors import DataNotFoundError, TaskSpecError
 from proteus.streams.options import BenchmarkConfig
 from proteus.streams.vtab import sim50_partition

@@ -20,19 +20,54 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from proteus.registry import Registry
-from proteus.streams.datasets import ImageFileDataset, list_class_dirs, list_images
+from proteus.streams.datasets import (
+    ImageFileDataset,
+    imagefolder_pair,
+    list_class_dirs,
+    list_images,
+    resolve_imagefolder,
+)
 from proteus.streams.errors import BenchmarkError, DataNotFoundError
 
-__all__ = ["SPLITS", "coda_imagenet_r", "coda_test_files"]
+__all__ = ["SPLITS", "Split", "coda_imagenet_r", "coda_split", "coda_test_files", "folders_split"]
 
-#: ``benchmark.split``: the ImageNet-R/A train/test conventions
-SPLITS: Registry[str] = Registry("benchmark.split")
-SPLITS.register("folders", help="the archive's train/ and test/ folders (RevisitingCIL; default)")("folders")
-SPLITS.register("coda", help="raw ImageNet-R with CODA-Prompt's fixed 24,000 / 6,000 file split")("coda")
+#: what a split of benchmark ``name`` under the folder given gives: the folder it read, the train and test
+#: sets, the class names (sorted folder names: the source labels) and what the stream records of its format
+Split = tuple[Path, ImageFileDataset, ImageFileDataset, list[str], dict[str, Any]]
+
+#: ``benchmark.split``: the ImageNet-R/A train/test conventions, each a function (name, folder) -> Split
+SPLITS: Registry[Callable[[str, Path], Split]] = Registry("benchmark.split")
+
+
+@SPLITS.register("folders", help="the archive's train/ and test/ folders (RevisitingCIL; default)")
+def folders_split(name: str, given: Path) -> Split:
+    """``given/{train,test}/<class>/*`` (or the same under ``given/<name>``): the RevisitingCIL archives."""
+    root = resolve_imagefolder(given, [name])
+    if root is None:
+        raise DataNotFoundError(
+            f"{name}: no ImageFolder tree found at {given}. Expected {given}/train/<class>/* and "
+            f"{given}/test/<class>/* with 200 class folders (or the same under {given / name}), as in the "
+            f"RevisitingCIL archives (https://github.com/zhoudw-zdw/RevisitingCIL, README 'Datasets'). "
+            f"Extract the archive there, or point benchmark.data (or $PROTEUS_DATA) at its folder."
+        )
+    train, test, classes = imagefolder_pair(root, name)
+    return root, train, test, classes, {"format": "imagefolder"}
+
+
+@SPLITS.register("coda", help="raw ImageNet-R with CODA-Prompt's fixed 24,000 / 6,000 file split")
+def coda_split(name: str, given: Path) -> Split:
+    """Raw ImageNet-R under ``given`` and the shipped test list (:func:`coda_imagenet_r`)."""
+    if name != "imagenet-r":
+        raise BenchmarkError(f"{name}: benchmark.split=coda exists for imagenet-r only; use 'folders'")
+    train, test, classes = coda_imagenet_r(given)
+    return given, train, test, classes, {"format": "raw", "split": "coda", "split_sha256": CODA_TEST_SHA256}
+
 
 _CODA_TEST = "imagenet-r-coda-test.txt.gz"
 #: sha256 of the uncompressed list (checked when read)

@@ -54,8 +54,8 @@ import numpy as np
 import yaml
 
 from proteus.streams.base import BENCHMARKS, TaskStream, assemble_named_tasks, data_root, equal_chunks
-from proteus.streams.builtin import DEFAULT_NUM_TASKS, resolve_imagefolder
-from proteus.streams.datasets import list_class_dirs, list_images
+from proteus.streams.builtin import DEFAULT_NUM_TASKS
+from proteus.streams.datasets import list_class_dirs, list_images, resolve_imagefolder
 from proteus.streams.errors import BenchmarkError, DataNotFoundError, TaskSpecError
 from proteus.streams.options import BenchmarkConfig
 from proteus.untrusted import load_yaml, read_regular_text

@@ -31,6 +31,7 @@ from torch import Tensor
 from proteus.config import ConfigError, RunConfig, SignatureConfig
 from proteus.engine.embedder import Embedder
 from proteus.engine.keys.space import FIRST_ADAPTER, SPACES, KeySpace
+from proteus.engine.novelty import NOVELTY
 from proteus.heads import RanPACHead
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult, Signature
@@ -140,9 +141,9 @@ class RetrievalKeys:
     ) -> K:
         """The keys a configuration asks for (``signature.*``, ``retrieval.*``, ``head.forgettable``)."""
         rc = cfg.retrieval
-        if rc.novelty == "class-gaussian" and not cls.class_statistics:
+        if NOVELTY.get(rc.novelty).needs_class_statistics and not cls.class_statistics:
             raise ConfigError(
-                f"retrieval.novelty=class-gaussian needs LDA keys (signature.keys={cfg.signature.keys} keeps "
+                f"retrieval.novelty={rc.novelty} needs LDA keys (signature.keys={cfg.signature.keys} keeps "
                 "no class statistics); use retrieval.novelty=auto, or retrieval.reject=true to threshold "
                 "these keys' own scores"
             )

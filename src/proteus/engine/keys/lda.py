@@ -23,7 +23,7 @@ from proteus.engine.errors import TaskError
 from proteus.engine.experts import candidates
 from proteus.engine.keys.base import GLOBAL_PREFIX, GLOBAL_RECORD, KEYS, KeyFit, KeyKind, RetrievalKeys
 from proteus.engine.keys.space import FIRST_ADAPTER, FROZEN, KeySpace
-from proteus.engine.novelty import ClassNovelty
+from proteus.engine.novelty import NOVELTY, ClassNovelty
 from proteus.engine.stored import TaskShares
 from proteus.heads import PROTOTYPES, RanPACHead
 from proteus.heads.persist import assemble_columns, classes_outside, column_pieces, is_head_meta
@@ -163,12 +163,9 @@ class LDAKeys(RetrievalKeys):
 
     @classmethod
     def from_config(cls, cfg: RunConfig, device: torch.device, new_head: Any, **options: Any) -> LDAKeys:
-        rc = cfg.retrieval
-        if rc.novelty in ("auto", "task-gaussian", "class-gaussian"):
-            tasks = rc.novelty != "class-gaussian"
-            options["novelty"] = ClassNovelty(
-                rc.calibration_holdout, rc.reject_tpr, tasks=tasks, shortlist=rc.shortlist
-            )
+        build = NOVELTY.get(cfg.retrieval.novelty).build
+        if build is not None:
+            options["novelty"] = build(cfg.retrieval)
         return super().from_config(cfg, device, new_head, **options)
 
     @property
