@@ -1,5 +1,6 @@
-"""Generated bad input (issue 25): manifests (their values, their text, the kind of each file), ``--set``
-options, tasks files and HTTP requests.
+"""Generated bad input: manifests (their values, their text, the kind of each file), ``--set`` options,
+tasks files, HTTP requests and images (formats, modes, bit depths and shapes at the pixel budget, each
+decoded in a child process whose memory is held to the budget's bytes).
 
 Every generated input must end in success or in one of proteus's own errors (exit code 2 with one
 ``error:`` line from the CLI, a 4xx JSON answer from the server) -- never a traceback, an "internal
@@ -10,7 +11,7 @@ The suite (``make test``) runs each target on the inputs the adversarial review 
 a lone surrogate, class names with terminal controls, a manifest that is a FIFO, a link to ``/dev/zero``,
 a sparse 3 GB object ...) and :data:`CI_EXAMPLES` more drawn at random (the ``ci`` profile, the default).
 The fuzz run is the same tests under the ``fuzz`` profile, ``FUZZ_EXAMPLES`` inputs per target (2,000 by
-default: 10,000 inputs over the five targets with more inputs than that, and the 48 of the special files)::
+default: 12,000 inputs over the six targets with more inputs than that, and the 48 of the special files)::
 
     HYPOTHESIS_PROFILE=fuzz python -m pytest tests/test_fuzz.py --hypothesis-show-statistics
 """
@@ -29,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -37,6 +39,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import proteus.core  # noqa: E402, F401 - before presets (an import cycle when presets comes first)
 from kbfiles import read_manifest, write_manifest  # noqa: E402
+from proteus.budgets import IMAGE_BYTES_PER_PIXEL  # noqa: E402
 from proteus.cli import main  # noqa: E402
 from proteus.config import (  # noqa: E402
     RunConfig,
@@ -420,3 +423,116 @@ def test_generated_http_requests_get_an_answer_not_a_crash(fuzz_server, method, 
     if method != "HEAD" and r.status != 200:
         json.loads(data)  # every refusal is a JSON answer
     assert _files(kb) == before
+
+
+# ------------------------------------------------------------------ images at the pixel budget
+#: the pixel budget of the image target (small, so that each input decodes in well under a second: the rule
+#: it checks is per pixel of the budget)
+IMAGE_BUDGET = 6_000_000
+#: what decoding one image within the pixel budget may cost, per pixel of the budget
+#: (:data:`proteus.budgets.IMAGE_BYTES_PER_PIXEL`): its samples as decoded (at most 4 bytes per pixel: 32-bit
+#: float or integer, RGBA, CMYK), the decoder's buffer of a strip of the file (as much again for a file of
+#: one strip), a high-bit-depth image's 8-bit plane and its image (1 + 1) and the 8-bit RGB image (3)
+BYTES_PER_BUDGET_PIXEL = IMAGE_BYTES_PER_PIXEL
+#: besides, a fixed allowance: a high-bit-depth conversion's strips (proteus.images.STRIP_SAMPLES samples in
+#: float64, a few of them at once) and the allocator's own rounding
+FIXED_ALLOWANCE = 32 << 20
+#: (format, mode) pairs PIL writes, with the suffix of the file
+IMAGE_KINDS = [
+    ("PNG", "1"), ("PNG", "L"), ("PNG", "P"), ("PNG", "RGB"), ("PNG", "RGBA"), ("PNG", "LA"),
+    ("PNG", "I;16"), ("TIFF", "F"), ("TIFF", "I"), ("TIFF", "I;16"), ("TIFF", "CMYK"),
+    ("TIFF", "RGB"), ("GIF", "P"), ("BMP", "RGB"), ("JPEG", "L"), ("JPEG", "RGB"), ("JPEG", "CMYK"),
+    ("WEBP", "RGB"), ("WEBP", "RGBA"),
+]  # fmt: skip
+_SUFFIX = {"PNG": ".png", "TIFF": ".tif", "GIF": ".gif", "BMP": ".bmp", "JPEG": ".jpg", "WEBP": ".webp"}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _decode_cost(path: Path, warm: Path, budget: int) -> tuple[str, int]:
+    """Decode ``path`` as ``proteus predict`` does (:func:`proteus.images.open_image` within ``budget``
+    pixels, then the evaluation transform's resize and crop to 224 px, PIL's work: torch's thread pool is
+    not safe to use after a fork, and its part, a 224 px tensor, is the same for every image) in a forked
+    child; returns how it ended
+    (``ok``, or the error's class) and the child's peak resident memory beyond what it had at the fork.
+    ``warm``, a small file of the same kind, is decoded first in this process, so that what the first use
+    of a format or a transform loads (PIL's plugin, torch's kernels) is not counted as the image's cost."""
+    from proteus.backbones.base import DataConfig
+    from proteus.backbones.transforms import build_transform
+    from proteus.images import ImageError, open_image
+
+    resize = build_transform(DataConfig(input_size=224)).transforms[0]  # PIL's part: no torch in the child
+    resize(open_image(warm, budget))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, decode, report, leave without running the parent's clean-up
+        os.close(read)
+        code = 0
+        try:
+            base = _rss_bytes()
+            try:
+                resize(open_image(path, budget))
+                how = "ok"
+            except ImageError as e:
+                how = type(e).__name__
+            os.write(write, f"{how} {base}".encode())
+        except BaseException:  # noqa: BLE001 - anything else is the failure the parent reports
+            code = 3
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        answer = f.read()
+    _, status, usage = os.wait4(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and answer, f"{path.name}: decoding ended in a crash"
+    how, base = answer.split()
+    return how, usage.ru_maxrss * 1024 - int(base)
+
+
+@given(
+    st.sampled_from(IMAGE_KINDS),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["square", "wide", "tall", "thin", "line"]),
+    st.floats(0.05, 1.0),
+)
+@example(("PNG", "L"), 0, "line", 1.0)  # the review's 8,000,000 x 8 PNG, at this budget
+@example(("TIFF", "F"), 0, "square", 1.0)  # the review's 7999^2 float TIFF, at this budget
+@example(("TIFF", "I"), 0, "square", 1.0)
+@example(("TIFF", "F"), 0, "line", 1.0)  # one row longer than a conversion's tile
+@example(("PNG", "I;16"), 0, "tall", 1.0)
+def test_generated_images_decode_within_their_bytes(
+    tmp_path_factory: pytest.TempPathFactory, kind: tuple[str, str], seed: int, shape: str, fill: float
+) -> None:
+    """Any format, mode, bit depth and aspect ratio within the pixel budget decodes (or is refused by name)
+    within :data:`BYTES_PER_BUDGET_PIXEL` bytes per pixel of the budget, plus :data:`FIXED_ALLOWANCE`:
+    no image within the budget costs gigabytes."""
+    from PIL import Image
+
+    fmt, mode = kind
+    n = max(1, int(IMAGE_BUDGET * fill))
+    short = {"square": int(n**0.5), "wide": int((n / 3) ** 0.5), "tall": int((n / 3) ** 0.5), "thin": 16,
+             "line": 1}[shape]  # fmt: skip
+    long = max(1, n // max(1, short))
+    if fmt in ("WEBP", "JPEG", "GIF") and long > 16383:  # these formats cannot hold a longer side
+        long = 16383
+    w, h = (short, long) if shape == "tall" else (long, short)
+    rng = np.random.default_rng(seed)
+    base = Image.fromarray(rng.integers(0, 256, (min(h, 64), min(w, 64), 3), dtype=np.uint8))
+    img = base.resize((w, h), Image.NEAREST).convert(mode if mode not in ("I;16",) else "I")
+    if mode == "I;16":
+        img = img.point(lambda v: v * 257).convert("I;16")
+    folder = tmp_path_factory.mktemp("img")
+    path, warm = folder / f"x{_SUFFIX[fmt]}", folder / f"warm{_SUFFIX[fmt]}"
+    img.save(path, format=fmt)
+    img.crop((0, 0, min(w, 300), min(h, 300))).save(warm, format=fmt)
+    del img, base
+    how, cost = _decode_cost(path, warm, IMAGE_BUDGET)
+    ceiling = BYTES_PER_BUDGET_PIXEL * IMAGE_BUDGET + FIXED_ALLOWANCE
+    assert how in ("ok", "ImageError", "ImageTooLargeError"), how
+    assert cost <= ceiling, (
+        f"{fmt} {mode} {w} x {h}: decoding cost {cost / 2**20:.0f} MiB > {ceiling / 2**20:.0f}"
+    )
+    shutil.rmtree(folder)

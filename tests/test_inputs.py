@@ -128,8 +128,9 @@ def test_float_images_scaled_by_range() -> None:
 
 @pytest.mark.parametrize("mode", ["F", "I", "I;16"])
 def test_high_bit_depth_by_strips_as_in_one_piece(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    """A high-bit-depth image converts a strip of rows at a time (temporaries bounded, not the image's size):
-    the same bytes as in one piece, NaN and infinities included."""
+    """A high-bit-depth image converts a strip of rows at a time, a row longer than a strip in pieces
+    (temporaries bounded, not the image's size): the same bytes as in one piece, NaN and infinities
+    included."""
     import proteus.images as images
 
     rng = np.random.default_rng(0)
@@ -145,6 +146,9 @@ def test_high_bit_depth_by_strips_as_in_one_piece(monkeypatch: pytest.MonkeyPatc
     whole = np.asarray(to_rgb(img))
     monkeypatch.setattr(images, "STRIP_SAMPLES", 50)  # strips of 2 rows
     assert np.array_equal(np.asarray(to_rgb(img)), whole)
+    monkeypatch.setattr(images, "STRIP_SAMPLES", 10)  # a row longer than that: pieces of 10, 10 and 3
+    assert np.array_equal(np.asarray(to_rgb(img)), whole)
+    assert max(a.size for _, _, a in images._tiles(img)) == 10
 
 
 def test_a_float_image_is_never_copied_whole_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:

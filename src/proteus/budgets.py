@@ -45,13 +45,24 @@ class Budget:
 
 
 _MIB = 1 << 20
+#: what decoding one image costs at most, in bytes per pixel of ``image_pixels`` (the samples as decoded,
+#: at most 4 bytes a pixel; the decoder's buffer of one strip of the file, as large as the samples for a
+#: file of one strip, such as an image of one row, 4; a high-bit-depth image's 8-bit plane and its image,
+#: 1 + 1; the 8-bit RGB image, 3), beside a fixed few tens of MiB (the conversion's tiles of
+#: :data:`proteus.images.STRIP_SAMPLES`): ``tests/test_fuzz.py`` holds every format, mode, bit depth and
+#: aspect ratio to it
+IMAGE_BYTES_PER_PIXEL = 13
 
 #: every budget, by name (the table of docs/reliability.md)
 BUDGETS: dict[str, Budget] = {
     b.name: b
     for b in (
         Budget("image_pixels", 64_000_000, "pixels",
-               "memory of one decoded image: width x height read from the header, before decoding",
+               "memory of one decoded image: width x height read from the header, before decoding; "
+               f"decoding one costs at most {IMAGE_BYTES_PER_PIXEL} bytes per pixel of the budget (its "
+               "samples and the decoder's buffer, up to 4 bytes a pixel each; a high-bit-depth image's 8-bit "
+               "plane; the RGB image), "
+               "whatever its format, mode, bit depth or shape",
                "--max-pixels / eval.max_image_pixels", from_env=False),
         Budget("request_pixels", 256_000_000, "pixels",
                "memory and time of one `serve` request: the sum of its images' width x height, from their "

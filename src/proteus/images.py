@@ -171,27 +171,30 @@ def _declared_bits(img: Image.Image) -> int | None:
     return int(bits) if isinstance(bits, int) and 1 <= bits <= 32 else None
 
 
-#: the most samples a high-bit-depth conversion reads and turns into float64 at once (:func:`_strips`): a
-#: few MiB of temporaries per strip, where a whole 64-megapixel image would take gigabytes
-STRIP_SAMPLES = 1 << 20
+#: the most samples a high-bit-depth conversion reads and turns into float64 at once (:func:`_tiles`): a
+#: few MiB of temporaries per tile, where a whole 64-megapixel image would take gigabytes
+STRIP_SAMPLES = 1 << 18
 
 
-def _strips(img: Image.Image) -> Iterator[tuple[int, np.ndarray]]:
-    """``img``'s samples a strip of rows at a time (each strip's first row, and the strip as an array): no
-    array of the whole image is made."""
+def _tiles(img: Image.Image) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``img``'s samples a tile at a time (its first row and column, and the tile as an array), each of at
+    most :data:`STRIP_SAMPLES` samples: strips of whole rows, and a row longer than that cut into pieces
+    (a 64,000,000 x 1 image is one row). No array of the whole image is made."""
     w, h = img.size
-    rows = max(1, STRIP_SAMPLES // max(1, w))
+    cols = min(w, STRIP_SAMPLES)
+    rows = max(1, STRIP_SAMPLES // cols)
     for i in range(0, h, rows):
-        yield i, np.asarray(img.crop((0, i, w, min(h, i + rows))))
+        for j in range(0, w, cols):
+            yield i, j, np.asarray(img.crop((j, i, min(w, j + cols), min(h, i + rows))))
 
 
 def _by_strips(img: Image.Image, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """``fn`` (elementwise, to uint8) applied to ``img``'s samples a strip of rows at a time: the same bytes
-    as one call on the whole array, with temporaries of :data:`STRIP_SAMPLES` samples."""
+    """``fn`` (elementwise, to uint8) applied to ``img``'s samples a tile at a time (:func:`_tiles`): the
+    same bytes as one call on the whole array, with temporaries of :data:`STRIP_SAMPLES` samples."""
     w, h = img.size
     out = np.empty((h, w), dtype=np.uint8)
-    for i, a in _strips(img):
-        out[i : i + a.shape[0]] = fn(a)
+    for i, j, a in _tiles(img):
+        out[i : i + a.shape[0], j : j + a.shape[1]] = fn(a)
     return out
 
 
@@ -209,7 +212,7 @@ def _scale_unsigned(img: Image.Image, max_value: int) -> np.ndarray:
 def _finite_range(img: Image.Image) -> tuple[float, float] | None:
     """The finite minimum and maximum of ``img``'s samples (None: no finite value), by strips."""
     lo, hi = math.inf, -math.inf
-    for _, a in _strips(img):
+    for _, _, a in _tiles(img):
         v = a[np.isfinite(a)]
         if v.size:
             lo, hi = min(lo, float(v.min())), max(hi, float(v.max()))
