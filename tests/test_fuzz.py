@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -484,9 +485,16 @@ def _decode_cost(path: Path, warm: Path, budget: int) -> tuple[str, int]:
         finally:
             os._exit(code)
     os.close(write)
+    deadline = time.monotonic() + 120
+    while (done := os.wait4(pid, os.WNOHANG))[0] == 0:  # a hung decode fails the test, not the suite
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.wait4(pid, 0)
+            pytest.fail(f"{path.name}: decoding did not end in 120 s")
+        time.sleep(0.02)
+    _, status, usage = done
     with os.fdopen(read) as f:
         answer = f.read()
-    _, status, usage = os.wait4(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0 and answer, f"{path.name}: decoding ended in a crash"
     how, base = answer.split()
     return how, usage.ru_maxrss * 1024 - int(base)
