@@ -255,6 +255,23 @@ def test_the_predict_page_shows_the_shortlist_study(path: Path) -> None:
     assert f"at least {worst:.2f}% of the inputs" in text and f"within {spread:.2f} points" in text
 
 
+RIVALS_PREDICT = sorted((ROOT / "docs" / "measured" / "rivals_predict").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", RIVALS_PREDICT, ids=[p.stem for p in RIVALS_PREDICT])
+def test_the_performance_page_shows_the_rivals_prediction_cost(path: Path) -> None:
+    """Every method's line of a prediction-cost record (tools/docs/record_rivals_predict.py) is a table line
+    of the section of docs/performance.md naming the record: milliseconds per batch at each m, and the
+    growth from the first m to the last."""
+    rec = json.loads(path.read_text())
+    section = _section("docs/performance.md", f"`{rec['name']}`")
+    assert rec["command"] in "\n".join(section), f"{path.name}: the command is not shown"
+    for n in rec["methods"]:
+        cells = [f"{r['seconds'][n] * 1e3:.1f}" for r in rec["rows"]]
+        want = f"| `{n}` | " + " | ".join(cells) + f" | {rec['ratio_last_vs_first'][n]:.2f} |"
+        assert want in section, f"{path.name}: no line {want!r}"
+
+
 def test_the_rivals_claims_hold_on_every_record() -> None:
     """What docs/retrieval.md says of the rivals holds on every stream's record: the default `proteus` ends
     above every rival measured, and `klda` below `ranpac`."""

@@ -34,6 +34,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "compare": _LEARNING,
     "long": (*_PROTEUS, "src/proteus/kb", "tools/perf/perf_long.py"),
     "shortlist": (*_PROTEUS, "tools/studies/shortlist.py"),
+    "rivals_predict": (*_LEARNING, "tools/perf/perf_rivals_predict.py"),
 }
 #: what every record's provenance holds
 PROVENANCE_KEYS = ("commit", "dirty", "versions", "device", "threads", "command")
@@ -120,6 +121,9 @@ def staleness(record: dict[str, Any]) -> str | None:
 
 
 #: the page that shows each kind of record (its section is headed by the record's name)
-PAGES = {"reproduce": "docs/experiments.md", "compare": "docs/retrieval.md", "long": "docs/performance.md"}
+PAGES = {
+    "reproduce": "docs/experiments.md", "compare": "docs/retrieval.md", "long": "docs/performance.md",
+    "rivals_predict": "docs/performance.md",
+}  # fmt: skip
 #: how a page says that the record of its section is stale
 STALE_MARK = "**Stale record.**"
