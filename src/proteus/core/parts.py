@@ -50,12 +50,13 @@ def check_options(cfg: RunConfig) -> None:
     check_sections(cfg, OPTION_SECTIONS)
     block_indices(cfg.adapter.blocks, None)  # the spelling (the count needs the backbone)
     h, r = cfg.head, cfg.retrieval
-    if r.mode != "signature" and (h.scope, r.combine) != ("global", "hard"):
+    picks = experts.HEAD_SCOPES.get(h.scope).per_task or experts.COMBINATIONS.get(r.combine).weighs_tasks
+    if not COMPOSITIONS.get(r.mode).retrieves and picks:
         raise ConfigError(
             f"head.scope={h.scope} and retrieval.combine={r.combine} need task retrieval, but "
             f"retrieval.mode={r.mode}; add --set head.scope=global --set retrieval.combine=hard"
         )
-    if r.combine == "soft" and not KEYS.get(cfg.signature.keys).one_space:
+    if experts.COMBINATIONS.get(r.combine).weighs_tasks and not KEYS.get(cfg.signature.keys).one_space:
         one_space = [n for n in KEYS if KEYS.get(n).one_space]
         raise ConfigError(
             f"retrieval.combine=soft needs task keys in one space ({', '.join(one_space)}); got "

@@ -65,7 +65,7 @@ class ClassHeads:
         #: the RanPAC head over every class (None before the first task)
         self.head: RanPACHead | None = None
         #: ``head.scope=task``: each task's own head; None for Eq. 23's head alone
-        self.experts: TaskExperts | None = HEAD_SCOPES.get(scope)(new_head)
+        self.experts: TaskExperts | None = HEAD_SCOPES.get(scope).experts(new_head)
         #: ``head.forgettable``: task -> (its head inputs, labels), what :meth:`forget` subtracts (read from
         #: its stored tensors once it is stored)
         self.inputs: TaskShares[tuple[Tensor, Tensor]] = TaskShares(_stored_inputs("forget/h", "forget/y"), 0)

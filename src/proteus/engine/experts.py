@@ -24,6 +24,7 @@ parameter-free across tasks: nothing is trained on, or stored from, more than on
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +37,10 @@ from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
 from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord, Required, ShapeRule
 
-__all__ = ["COMBINATIONS", "HEAD_SCOPES", "TaskExpert", "TaskExperts", "candidates", "combine_soft", "decide"]
+__all__ = [
+    "COMBINATIONS", "HEAD_SCOPES", "Combination", "HeadScope", "TaskExpert", "TaskExperts", "candidates",
+    "combine_soft", "decide",
+]  # fmt: skip
 
 
 class TaskExpert:
@@ -191,7 +195,7 @@ def decide(
     ``task_of`` (C,) the task of each class. Returns the final retrieval (task, component, score: those
     of the task of the predicted class) and, as ``task_scores``, the class scores (N, C) whose argmax is
     the prediction: the head's scores for ``hard``, ``log p(t|x) + log p(c|x, t)`` for ``soft``."""
-    return COMBINATIONS.get(rc.combine)(res, under, classify, rc, task_of)
+    return COMBINATIONS.get(rc.combine).decide(res, under, classify, rc, task_of)
 
 
 def _hard(
@@ -216,13 +220,37 @@ def _soft(
     return RetrievalResult(task, component, res.task_scores[rows, task], logits)
 
 
+@dataclass(frozen=True)
+class Combination:
+    """A way the keys' task posterior and the head combine (``retrieval.combine``): ``decide`` is its
+    :func:`decide`; ``weighs_tasks``: several tasks' heads are weighed by the keys' posterior, so the keys
+    must score every task in one space and the learner must retrieve tasks."""
+
+    decide: Callable[..., RetrievalResult]
+    weighs_tasks: bool
+
+
 #: ``retrieval.combine``: the best task, then its head (Alg. 2), or the task posterior times the head's
-COMBINATIONS: Registry[Callable[..., RetrievalResult]] = Registry("retrieval.combine")
-COMBINATIONS.register("hard", help="the best task, then its head (Alg. 2)")(_hard)
-COMBINATIONS.register("soft", help="log p(t|x) + log p(c|x, t) over the likeliest tasks")(_soft)
+COMBINATIONS: Registry[Combination] = Registry("retrieval.combine")
+COMBINATIONS.register("hard", help="the best task, then its head (Alg. 2)")(Combination(_hard, False))
+COMBINATIONS.register("soft", help="log p(t|x) + log p(c|x, t) over the likeliest tasks")(
+    Combination(_soft, True)
+)
+
+
+@dataclass(frozen=True)
+class HeadScope:
+    """What ``head.scope`` builds besides Eq. 23's head: ``experts(new_head)`` gives the per-task heads (or
+    None); ``per_task``: it does, so the learner must retrieve each input's task."""
+
+    experts: Callable[[Callable[..., RanPACHead]], TaskExperts | None]
+    per_task: bool
+
 
 #: ``head.scope``: Eq. 23's head over every class (no per-task heads), or one head per task over its own
-#: classes (:class:`TaskExperts`); an entry builds the per-task heads from the head factory, or None
-HEAD_SCOPES: Registry[Callable[[Callable[..., RanPACHead]], TaskExperts | None]] = Registry("head.scope")
-HEAD_SCOPES.register("global", help="Eq. 23's head over every class")(lambda new_head: None)
-HEAD_SCOPES.register("task", help="each task's own ridge head over its own classes")(TaskExperts)
+#: classes (:class:`TaskExperts`)
+HEAD_SCOPES: Registry[HeadScope] = Registry("head.scope")
+HEAD_SCOPES.register("global", help="Eq. 23's head over every class")(HeadScope(lambda new_head: None, False))
+HEAD_SCOPES.register("task", help="each task's own ridge head over its own classes")(
+    HeadScope(TaskExperts, True)
+)
