@@ -123,22 +123,26 @@ def type_problem(value: Any, type_: str) -> str | None:
     options = _split(type_)
     for option in options:
         if option.startswith("list[") and option.endswith("]"):
-            if isinstance(value, list) and all(type_problem(v, option[5:-1]) is None for v in value):
-                return None
+            if isinstance(value, list):
+                item = option[5:-1]
+                test = ATOMS[item][0] if item in ATOMS else None  # (a long list of one atom: no recursion)
+                if all(test(v) for v in value) if test else all(type_problem(v, item) is None for v in value):
+                    return None
         elif ATOMS[option][0](value):
             return None
     return " or ".join(_describe(o) for o in options)
 
 
-def _split(type_: str) -> list[str]:
-    """``"list[a|b]|null"`` -> ``["list[a|b]", "null"]`` (a ``|`` inside brackets does not split)."""
+@functools.lru_cache(maxsize=256)
+def _split(type_: str) -> tuple[str, ...]:
+    """``"list[a|b]|null"`` -> ``("list[a|b]", "null")`` (a ``|`` inside brackets does not split)."""
     out, depth, start = [], 0, 0
     for i, ch in enumerate(type_):
         depth += (ch == "[") - (ch == "]")
         if ch == "|" and depth == 0:
             out.append(type_[start:i])
             start = i + 1
-    return [*out, type_[start:]]
+    return (*out, type_[start:])
 
 
 def _describe(option: str) -> str:

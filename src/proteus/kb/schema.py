@@ -223,13 +223,13 @@ def manifest_problems(
     for i, t in enumerate(tasks):
         if not isinstance(t, dict):
             continue  # reported above (list[map])
-        where = _where(i)
         if i in kept and isinstance(t.get("classes"), list):  # checked: its classes against the others'
             if not owner.keys().isdisjoint(t["classes"]):
                 c = next(c for c in t["classes"] if c in owner)
-                out.append(f"{where}.classes: class {c} is also in {task_label(owner[c])}")
+                out.append(f"{_where(i)}.classes: class {c} is also in {task_label(owner[c])}")
             owner.update(dict.fromkeys(t["classes"], i))
             continue
+        where = _where(i)
         if not unchanged(i):
             out += fields_problems(t, TASK, where)
         if _is_int(t.get("index")) and t["index"] != i:
