@@ -174,8 +174,8 @@ class Pack:
                 n for n, e, s in zip(self.axes, extents, clamped.sum(1).tolist(), strict=True) if e != s
             )
             raise ValueError(f"{where}: tensor {bad!r}: its tasks' extents do not add up to its size")
-        #: per name: each task's extent along the axis (-1: none) and where it starts; flattened, each task's
-        #: shape (read when first needed)
+        #: per name: each task's extent along the axis (-1: none) and where it starts; each task's shape
+        #: (made, or read for a flattened name, when first needed)
         self._lengths: dict[str, list[int]] = dict(zip(self.axes, lengths.tolist(), strict=True))
         self._starts: dict[str, list[int]] = dict(
             zip(self.axes, (torch.cumsum(clamped, 1) - clamped).tolist(), strict=True)
@@ -255,13 +255,17 @@ class Pack:
         return self._present[slot]
 
     def shape(self, slot: int, name: str) -> tuple[int, ...]:
-        """Task ``slot``'s shape of ``name`` (from the header: no view is made)."""
-        axis, n = self.axes[name], self._index(name)[slot]
-        if axis < 0:
-            return self._shapes[name][slot]
-        shape = list(self.entries[name][1])
-        shape[axis] = n
-        return tuple(shape)
+        """Task ``slot``'s shape of ``name`` (from the header: no view is made; every slot's made at the first
+        call for ``name``: a reader asks for a task's shapes several times per task)."""
+        shapes = self._shapes.get(name)
+        if shapes is None:
+            lengths, axis = self._index(name), self.axes[name]
+            if axis < 0:
+                return self._shapes[name][slot]
+            block = self.entries[name][1]
+            shapes = [(*block[:axis], n, *block[axis + 1 :]) for n in lengths]
+            self._shapes[name] = shapes
+        return shapes[slot]
 
     def dtype(self, name: str) -> str:
         return self.entries[name][0]
