@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proteus.registry import Registry
+
 __all__ = [
     "BOOKKEEPING",
     "CHOICES",
@@ -181,8 +183,19 @@ def _adapter(f: Mapping[str, Any]) -> bool:
     return bool(f.get("adapter.enabled")) and f.get("train.tasks") != "none"
 
 
+def _entry(kind: str, f: Mapping[str, Any], attr: str) -> bool:
+    """``attr`` of the entry the setting ``kind`` names in its registry (False for a name it lacks)."""
+    reg = Registry.named(kind)
+    name = f.get(kind)
+    return isinstance(name, str) and name in reg and bool(getattr(reg.get(name), attr))
+
+
 def _retrieves(f: Mapping[str, Any]) -> bool:
-    return f.get("retrieval.mode") == "signature"
+    return _entry("retrieval.mode", f, "retrieves")
+
+
+def _weighs_tasks(f: Mapping[str, Any]) -> bool:
+    return _retrieves(f) and _entry("retrieval.combine", f, "weighs_tasks")
 
 
 def _gaussian(f: Mapping[str, Any]) -> bool:
@@ -222,9 +235,9 @@ _IN_FORCE: dict[str, Callable[[Mapping[str, Any]], bool]] = {
     "retrieval.candidates": _gaussian,
     "retrieval.candidate_space": lambda f: _gaussian(f) and f.get("retrieval.candidates") is not None,
     "retrieval.combine": _retrieves,
-    "retrieval.soft_top": lambda f: _retrieves(f) and f.get("retrieval.combine") == "soft",
-    "retrieval.key_temperature": lambda f: _retrieves(f) and f.get("retrieval.combine") == "soft",
-    "retrieval.head_temperature": lambda f: _retrieves(f) and f.get("retrieval.combine") == "soft",
+    "retrieval.soft_top": _weighs_tasks,
+    "retrieval.key_temperature": _weighs_tasks,
+    "retrieval.head_temperature": _weighs_tasks,
 }
 
 
