@@ -5,7 +5,8 @@ PROTEUS's default route scores the LDA keys once (one forward under the first ad
 input under the adapters of its two likeliest tasks and runs its task detector on the keys' shortlist;
 TOSCA runs the backbone once and every task's module on its last embedding, then picks the task of least
 entropy; MOS refines its choice with forwards under the chosen adapters; TUNA weighs every task's adapter by
-the entropy of its head; RanPAC has one adapter and no retrieval (the floor). The cost each method adds per
+the entropy of its head; MoAL runs one adapter (momentum-merged) and its analytic head; KLDA runs the frozen
+backbone and one LDA over random Fourier features; RanPAC has one adapter and no retrieval (the floor). The cost each method adds per
 task is the growth from m = 5 to m = 50 (the ``ratio`` column).
 
 Each method learns the same synthetic tasks (:func:`perf_long.synthetic_task`: 2 classes of random patterns,
@@ -13,8 +14,8 @@ Each method learns the same synthetic tasks (:func:`perf_long.synthetic_task`: 2
 last 6 blocks adapted, one epoch), then predicts the same batch (images of the first m tasks' test sets):
 the methods are timed in turns (:func:`perf_timing.interleaved`, ``--reps`` each, medians).
 
-    cd tools/perf && python perf_rivals_predict.py --methods proteus,tosca,mos,tuna,ranpac --m 5,50 \
-        --out ../../runs/rivals_predict.json
+    cd tools/perf && python perf_rivals_predict.py --methods proteus,tosca,moal,klda,mos,tuna,ranpac \
+        --m 5,50 --out ../../runs/rivals_predict.json
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ COMMON = [
     "backbone.name=mobilenet_v2", "backbone.pretrained=false", "backbone.adapt_last=6", "train.epochs=1",
     "train.batch_size=16", "device=cpu", "report.figures=false", "report.latency=false",
 ]  # fmt: skip
-#: what only some methods read
-OWN = {"proteus": ["adapter.rank=2", "head.rp_dim=256"], "ranpac": ["adapter.rank=2", "head.rp_dim=256"]}
+#: what only some methods read (``moal`` as its rows in docs/retrieval.md run it: without the drift map)
+OWN = {
+    "proteus": ["adapter.rank=2", "head.rp_dim=256"], "ranpac": ["adapter.rank=2", "head.rp_dim=256"],
+    "moal": ["baseline.drift_epochs=0"],
+}  # fmt: skip
 
 
 def learner(method: str, img: int, seed: int) -> Any:
@@ -92,7 +96,7 @@ def table(report: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="proteus,tosca,mos,tuna,ranpac")
+    ap.add_argument("--methods", default="proteus,tosca,moal,klda,mos,tuna,ranpac")
     ap.add_argument("--m", default="5,50", help="numbers of learned tasks to time prediction at")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--per-class", type=int, default=16)
