@@ -179,3 +179,62 @@ def test_a_learner_never_loads_the_other_family(module: str, absent: str) -> Non
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith({absent!r})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+#: options whose ``choices=`` name a registry that lives above the option's own floor (the layering test
+#: cannot follow a name): each with the reason it is declared below its readers. Remove an entry once its
+#: option moves to (or below) its registry's floor.
+CHOICES_ABOVE_FLOOR = {
+    (option, kind): "the engine's options are gathered by `config` (floor 3), which `engine` (floor 4) "
+    "imports as a whole (RunConfig); declared in the engine they would need `config` to find its sections "
+    "at run time instead of importing them"
+    for option, kind in [
+        ("config/schema.py", "train.tasks"),
+        ("heads/options.py", "head.scope"),
+        ("signatures/options.py", "signature.keys"),
+        ("signatures/options.py", "signature.task_score"),
+        ("signatures/options.py", "retrieval.mode"),
+        ("signatures/options.py", "retrieval.novelty"),
+        ("signatures/options.py", "retrieval.candidate_space"),
+        ("signatures/options.py", "retrieval.combine"),
+        ("adapters/options.py", "adapter.s_update"),
+    ]
+}
+
+
+def _string_calls(path: Path) -> tuple[set[str], list[str]]:
+    """(the registries ``path`` creates, ``Registry("kind")``; the registries its options name,
+    ``option(..., choices="kind")``)."""
+    made, named = set(), []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func.value if isinstance(node.func, ast.Subscript) else node.func
+        if isinstance(func, ast.Name) and func.id == "Registry" and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                made.add(first.value)
+        for kw in node.keywords:
+            if kw.arg == "choices" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
+                named.append(kw.value.value)
+    return made, named
+
+
+def test_every_option_names_a_registry_at_or_below_its_floor() -> None:
+    """An option's ``choices="kind"`` names a registry the package creates, on the option's floor or below
+    (so the option's module could import it), unless :data:`CHOICES_ABOVE_FLOOR` says why not."""
+    floor_of: dict[str, str] = {}
+    options: list[tuple[str, str]] = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC)
+        made, named = _string_calls(path)
+        floor_of.update(dict.fromkeys(made, rel.parts[0].removesuffix(".py")))
+        options += [(rel.as_posix(), kind) for kind in named]
+    assert options, "no option declares its choices by a registry's name: the test reads the wrong thing"
+    unknown = [(o, k) for o, k in options if k not in floor_of]
+    assert not unknown, f"choices naming no registry the package creates: {unknown}"
+    above = {(o, k) for o, k in options if LAYERS[floor_of[k]] > LAYERS[o.split("/")[0].removesuffix(".py")]}
+    new = sorted(above - set(CHOICES_ABOVE_FLOOR))
+    assert not new, f"options naming a registry above their floor (declare them beside it): {new}"
+    gone = sorted(set(CHOICES_ABOVE_FLOOR) - above)
+    assert not gone, f"these options name a registry at or below their floor now: remove {gone}"
