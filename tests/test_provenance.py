@@ -40,3 +40,6 @@ def test_merged() -> None:
     assert record["versions"]["torch"] == ["2.1", UNKNOWN] and record["commit"] == ["a" * 40, UNKNOWN]
     twice = merged([m, {**a, "time": "2026-01-03T00:00:00Z"}])  # a merged provenance's span, and one more run
     assert twice["time"] == ["2026-01-01T00:00:00Z", "2026-01-03T00:00:00Z"]
+    again = merged([old, {**a, "commit": "b" * 40, "threads": [1, 2]}])  # merged ones: their values, flat
+    assert again["commit"] == ["a" * 40, "b" * 40, UNKNOWN] and again["threads"] == [UNKNOWN, 1, 2]
+    assert again["versions"]["torch"] == ["2.1", UNKNOWN]

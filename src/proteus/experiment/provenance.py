@@ -84,7 +84,7 @@ def provenance(device: str | None = None) -> dict[str, Any]:
 
 def merged(items: Iterable[dict[str, Any] | None]) -> dict[str, Any]:
     """The provenance of several runs in one: each field's value where they agree, else the sorted list
-    of their values (``commit`` etc.); a run without one (written by an earlier release), or a field it
+    of their values (``commit`` etc.; a provenance merged before counts with each of its values); a run without one (written by an earlier release), or a field it
     holds as :data:`UNKNOWN` (a record's ``versions``), counts as :data:`UNKNOWN` in every field. ``time``
     is the span ``[first, last]``."""
     runs: list[dict[str, Any]] = [it or {} for it in items]
@@ -92,14 +92,16 @@ def merged(items: Iterable[dict[str, Any] | None]) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     keys = ("commit", "dirty", "device", "threads", "platform")
-    for k in keys:
-        values = sorted({json.dumps(it.get(k, UNKNOWN)) for it in runs})
+    for k in keys:  # (a merged provenance's list of values counts as each of them: no lists of lists)
+        found = [it.get(k, UNKNOWN) for it in runs]
+        values = sorted({json.dumps(v) for f in found for v in (f if isinstance(f, list) else [f])})
         out[k] = json.loads(values[0]) if len(values) == 1 else [json.loads(v) for v in values]
     versions = [v if isinstance(v := it.get("versions"), dict) else {} for it in runs]  # or UNKNOWN
     names = sorted({n for v in versions for n in v}) or list(PACKAGES)
     out["versions"] = {}
     for n in names:
-        values = sorted({str(v.get(n, UNKNOWN)) for v in versions})
+        found = [v.get(n, UNKNOWN) for v in versions]
+        values = sorted({str(x) for f in found for x in (f if isinstance(f, list) else [f])})
         out["versions"][n] = values[0] if len(values) == 1 else values
     spans = [t if isinstance(t := it.get("time"), list) else [t] for it in runs]  # a merged one: a span
     times = sorted(str(t) for span in spans for t in span if t and t != UNKNOWN)
