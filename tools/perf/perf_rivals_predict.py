@@ -6,8 +6,8 @@ input under the adapters of its two likeliest tasks and runs its task detector o
 TOSCA runs the backbone once and every task's module on its last embedding, then picks the task of least
 entropy; MOS refines its choice with forwards under the chosen adapters; TUNA weighs every task's adapter by
 the entropy of its head; MoAL runs one adapter (momentum-merged) and its analytic head; KLDA runs the frozen
-backbone and one LDA over random Fourier features; RanPAC has one adapter and no retrieval (the floor). The cost each method adds per
-task is the growth from m = 5 to m = 50 (the ``ratio`` column).
+backbone and one LDA over random Fourier features; RanPAC has one adapter and no retrieval (the floor). The
+cost each method adds per task is the growth from m = 5 to m = 50 (the ``ratio`` column).
 
 Each method learns the same synthetic tasks (:func:`perf_long.synthetic_task`: 2 classes of random patterns,
 ``--per-class`` training images each) on the same randomly initialised MobileNetV2 (``--img`` px, the

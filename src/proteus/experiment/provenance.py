@@ -84,8 +84,9 @@ def provenance(device: str | None = None) -> dict[str, Any]:
 
 def merged(items: Iterable[dict[str, Any] | None]) -> dict[str, Any]:
     """The provenance of several runs in one: each field's value where they agree, else the sorted list
-    of their values (``commit`` etc.; a provenance merged before counts with each of its values); a run without one (written by an earlier release), or a field it
-    holds as :data:`UNKNOWN` (a record's ``versions``), counts as :data:`UNKNOWN` in every field. ``time``
+    of their values (``commit`` etc.; a provenance merged before counts with each of its values); a run
+    without one (written by an earlier release), or a field it holds as :data:`UNKNOWN` (a record's
+    ``versions``), counts as :data:`UNKNOWN` in every field. ``time``
     is the span ``[first, last]``."""
     runs: list[dict[str, Any]] = [it or {} for it in items]
     if not runs:
