@@ -484,7 +484,7 @@ CHOICES: tuple[Choice, ...] = (
         "a task's head is fitted on its own few classes, where a 10,000-wide projection adds cost and no capacity that the measured rows needed",
         "not measured as a separate choice",
         code="the per-task ridge heads on h, no random projection",
-        when=lambda f: f.get("head.scope") == "task",
+        when=lambda f: _entry("head.scope", f, "per_task"),
         beyond=True,
     ),
     Choice(
