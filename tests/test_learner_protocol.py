@@ -38,10 +38,31 @@ def test_every_method_resolves_to_a_registered_learner() -> None:
         assert isinstance(learner, type), name
     assert LEARNERS.get("proteus") is Proteus
     assert set(BASELINES) <= set(LEARNERS.names())
+    members = _protocol_members(ContinualLearner)
+    assert {"predict", "records_", "classes_", "supports"} <= members
     for method in ("proteus", "ranpac", "inflora", "ncm"):
         clf = build_learner(_tiny_cfg(method), progress=False)
-        assert isinstance(clf, ContinualLearner), method
+        # before fitting, all but the fitted attributes (scikit-learn's convention: ``records_`` and what
+        # reads it exist once a task is learned)
+        absent = sorted(m for m in members if not m.endswith("_") and not hasattr(clf, m))
+        assert not absent, (method, absent)
         assert "load" in clf.supports or method in BASELINES
+    for method in ("proteus", "ncm"):  # the whole protocol once a task is learned
+        cfg = _tiny_cfg(method)
+        clf = build_learner(cfg, progress=False)
+        clf.fit_task(build_benchmark(cfg.benchmark).tasks[0])
+        assert isinstance(clf, ContinualLearner), method
+
+
+def _protocol_members(protocol: type) -> set[str]:
+    """The names a runtime check of ``protocol`` asks an object for (its attributes, methods and
+    annotations, those of the protocols it extends included)."""
+    names: set[str] = set()
+    for base in protocol.__mro__:
+        if base is object or base.__name__ in ("Protocol", "Generic"):
+            continue
+        names |= {n for n in (*vars(base), *getattr(base, "__annotations__", {})) if not n.startswith("_")}
+    return names
 
 
 # ------------------------------------------------------------------ the scikit-learn estimator
