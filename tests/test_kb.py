@@ -87,8 +87,8 @@ def test_commit_serialises_only_the_objects_whose_content_changed(tmp_path, monk
     import proteus.kb.objects as objects
 
     saved: list[set[str]] = []
-    real_save = objects.serialize
-    monkeypatch.setattr(objects, "serialize", lambda t: saved.append(set(t)) or real_save(t))
+    real_save = objects.serialize_chunks
+    monkeypatch.setattr(objects, "serialize_chunks", lambda t: saved.append(set(t)) or real_save(t))
     kb = _kb(tmp_path)
     tensors = [{"a": torch.randn(4, 3), "n": torch.tensor([k])} for k in range(3)]
     head = ({"m": 1}, {"G": torch.randn(3, 3, dtype=torch.float64)})

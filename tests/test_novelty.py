@@ -174,3 +174,31 @@ def test_class_gaussian_needs_lda_keys(tmp_path: Path) -> None:
     cfg = folder_cfg(tree, spec, "retrieval.novelty=class-gaussian", method="proteus-dpgmm")
     with pytest.raises(ConfigError, match="needs LDA keys"):
         Proteus(cfg)._build()
+
+
+def test_a_reader_pools_a_pack_s_calibration_scores_in_one_run_per_pack() -> None:
+    """A reader's first fit after opening a knowledge base pools every task's calibration scores: the
+    tasks of one pack come as one view of it (a run), held tasks and tasks outside a pack one by one, and
+    the pooled rows are those of the tasks in order, whichever way they were read."""
+    from proteus.engine.novelty import ShortlistScores
+    from proteus.kb.packs import Pack, pack_tasks
+
+    gen = torch.Generator().manual_seed(0)
+    stored = [
+        {"novelty/cal_tasks": torch.randint(-1, 9, (n, 4), generator=gen),
+         "novelty/cal_nll": torch.rand(n, 4, 3, generator=gen)}
+        for n in (3, 1, 5, 2)
+    ]  # fmt: skip
+    pack = Pack(pack_tasks(1, stored[:3]))
+    scores = ShortlistScores()
+    for k in range(3):  # tasks 0..2 read from the pack, task 3 from a loose object, task 4 held
+        scores.load(k, pack.task(k), len(stored[k]["novelty/cal_tasks"]))
+    scores.load(3, stored[3], 2)
+    scores.score(4, torch.tensor([[0, 2], [1, 3]]), lambda c: [torch.rand(2, 4) for _ in range(3)], 4)
+    tasks = [0, 1, 2, 3, 4]
+    parts = scores._parts(tasks)
+    assert len(parts) == 3  # the pack's three tasks in one run, then the other two
+    cand, nll = scores._concat(tasks)
+    want = [scores._of(k) for k in tasks]
+    assert torch.equal(cand, torch.cat([c for c, _ in want]))
+    assert torch.equal(nll, torch.cat([x for _, x in want]).float())

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from proteus.config import ConfigError
 from proteus.engine.stored import TaskShares
+from proteus.kb.packs import spans
 from proteus.registry import Registry
 from proteus.signatures.fitting import oas_rho, oas_rho_of
 from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord, Schema, ShapeRule, Together
@@ -79,6 +80,8 @@ MAX_STORED = 256
 #: the most calibration rows the ``task-gaussian`` detector pools for its scale and threshold: beyond, a
 #: seeded uniform sample of every task's rows (so that refitting it costs the same at task 1,000)
 MAX_POOLED = 8192
+#: the stored names of a task's calibration rows' candidate tasks and scores (:class:`ShortlistScores`)
+_CAL_TASKS, _CAL_NLL = "novelty/cal_tasks", "novelty/cal_nll"
 #: a task with fewer calibration rows is thresholded on the pooled rows of every task
 MIN_PER_TASK = 20
 
@@ -577,7 +580,7 @@ class ShortlistScores:
         if k in self.nll:
             return self.cand[k], self.nll[k]
         t = self._bound[k]
-        return t["novelty/cal_tasks"].long(), t["novelty/cal_nll"].float()
+        return t[_CAL_TASKS].long(), t[_CAL_NLL].float()
 
     def scored(self, k: int, width: int) -> bool:
         """Whether task k's rows are scored under shortlists of ``width`` tasks."""
@@ -613,7 +616,7 @@ class ShortlistScores:
         done, n, cand, nll = pool
         new = tasks[len(done) :]
         if new:
-            parts = [self._of(k) for k in new]
+            parts = self._parts(new)
             rows = n + sum(len(c) for c, _ in parts)
             K, C = (parts[0][1].shape[1], parts[0][1].shape[2]) if n == 0 else nll.shape[1:]
             if rows > cand.shape[0] or cand.shape[1:] != (K,):
@@ -631,6 +634,19 @@ class ShortlistScores:
             self._pool = pool
         return pool[2][: pool[1]], pool[3][: pool[1]]
 
+    def _parts(self, tasks: list[int]) -> list[tuple[Tensor, Tensor]]:
+        """The (candidates, scores) of ``tasks`` in order: the tasks read from one pack at consecutive slots
+        as one view of it per run (:func:`proteus.kb.packs.spans`; a reader's first fit reads a pack's
+        tasks in one step, not one per task), any other task as its own."""
+        items = [self._bound[k] if k in self._bound and k not in self.nll else {} for k in tasks]
+        parts = []
+        for first, _, blocks in spans(items, [_CAL_TASKS, _CAL_NLL]):
+            if blocks is None:
+                parts.append(self._of(tasks[first]))
+            else:
+                parts.append((blocks[_CAL_TASKS][0].long(), blocks[_CAL_NLL][0].float()))
+        return parts
+
     def pooled(self, tasks: list[int], alive: Iterable[int]) -> list[Tensor]:
         """Per component, (rows, K) float64: the sampled rows' scores (the rows of ``tasks`` in order, or a
         seeded uniform sample of :data:`MAX_POOLED` of them, as :func:`_sampled` draws), +inf under a
@@ -647,13 +663,13 @@ class ShortlistScores:
         if k not in self:
             return {}
         cand, nll = self._of(k)
-        return {"novelty/cal_tasks": cand, "novelty/cal_nll": nll}
+        return {_CAL_TASKS: cand, _CAL_NLL: nll}
 
     def load(self, k: int, tensors: Mapping[str, Tensor], rows: int) -> None:
         """Task k's scores from its stored tensors (read when needed; none there: scored at the next fit)."""
-        if "novelty/cal_tasks" not in tensors or "novelty/cal_nll" not in tensors:
+        if _CAL_TASKS not in tensors or _CAL_NLL not in tensors:
             return self.drop(k)
-        cand, nll = _shape(tensors, "novelty/cal_tasks"), _shape(tensors, "novelty/cal_nll")
+        cand, nll = _shape(tensors, _CAL_TASKS), _shape(tensors, _CAL_NLL)
         if len(cand) != 2 or len(nll) != 3 or nll[:2] != cand or cand[0] != rows:
             raise ValueError(f"novelty: calibration scores {nll} do not fit {rows} rows")
         self.cand.pop(k, None)

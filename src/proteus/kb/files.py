@@ -21,6 +21,7 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,26 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+#: a file's bytes: one buffer, or several written in turn (:func:`proteus.kb.tensors.serialize_chunks`)
+Data = bytes | Sequence[memoryview]
+
+
+def _parts(data: Data) -> Sequence[bytes | memoryview]:
+    return (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
+
+
+def data_sha(data: Data) -> str:
+    """sha256 of ``data``'s bytes (several buffers hashed in turn: never joined)."""
+    h = hashlib.sha256()
+    for part in _parts(data):
+        h.update(part)
+    return h.hexdigest()
+
+
+def data_size(data: Data) -> int:
+    return sum(memoryview(part).nbytes for part in _parts(data))
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -127,10 +148,11 @@ def _write_error(path: Path, nbytes: int, e: OSError) -> KBError:
     )
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def _write_all(fd: int, data: Data) -> None:
+    for part in _parts(data):
+        view = memoryview(part).cast("B")
+        while view:
+            view = view[os.write(fd, view) :]
 
 
 def open_kb_file(path: Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode: int = 0o666) -> int:
@@ -152,7 +174,7 @@ def open_kb_file(path: Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_EXCL, 
     return fd
 
 
-def _atomic_write(path: Path, data: bytes, point: str | None = None) -> None:
+def _atomic_write(path: Path, data: Data, point: str | None = None) -> None:
     """Write ``data`` to ``path`` atomically (a temporary name created with ``O_EXCL | O_NOFOLLOW``, fsync,
     rename, fsync of the directory). On any failure the temporary file is removed; an ``OSError`` becomes a
     :class:`KBError` naming ``path`` (:func:`_write_error`)."""
@@ -171,7 +193,7 @@ def _atomic_write(path: Path, data: bytes, point: str | None = None) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(e, OSError):
-            raise _write_error(path, len(data), e) from None
+            raise _write_error(path, data_size(data), e) from None
         raise
     _fsync_dir(path.parent)
 

@@ -24,19 +24,22 @@ from proteus.kb.content import ContentKeys
 from proteus.kb.files import (
     MANIFEST,
     OBJECTS,
+    Data,
     KBError,
     _atomic_write,
     _refs,
     _segment_refs,
     _sha,
     _write_error,
+    data_sha,
+    data_size,
     map_object,
     read_object,
     recorded_size,
 )
 from proteus.kb.packs import PACK_KIND, Pack, StoredTensors, is_pack
 from proteus.kb.schema import object_dirs, object_path, task_label
-from proteus.kb.tensors import Obj, check_objects, serialize, shapes_of, tensors_of
+from proteus.kb.tensors import Obj, check_objects, serialize_chunks, shapes_of, tensors_of
 from proteus.kb.verified import Verified, state_key
 
 #: one part of a learner's state: its JSON record (in the manifest) and its tensors (one object)
@@ -229,16 +232,16 @@ class ObjectStore:
             known[0] in self.pending or (self.on_disk and (self.root / known[0]).is_file())
         ):
             return known
-        data = serialize(tensors)
-        sha = _sha(data)
+        chunks = serialize_chunks(tensors)  # hashed and written in turn: never joined on disk
+        sha = data_sha(chunks)
         rel = f"{OBJECTS}/{kind}-{sha[:16]}.safetensors"
-        self.sizes[rel] = len(data)
+        self.sizes[rel] = data_size(chunks)
         if key is not None:
             self.known[key] = (rel, sha)
         if not self.on_disk:
-            self.pending[rel] = data
+            self.pending[rel] = b"".join(chunks)
         elif not (self.root / rel).exists():
-            self.write_new(rel, data, sha)
+            self.write_new(rel, chunks, sha)
         return rel, sha
 
     def write_pack(self, data: bytes) -> tuple[str, str]:
@@ -265,14 +268,14 @@ class ObjectStore:
             self.write_new(rel, data, sha)
         return rel, sha
 
-    def write_new(self, rel: str, data: bytes, sha: str | None = None) -> None:
+    def write_new(self, rel: str, data: Data, sha: str | None = None) -> None:
         """Write object ``rel`` to disk (atomically) and remember it as written since the last commit (and
         its file as verified, given its ``sha``: :mod:`.verified`)."""
         path = self.root / rel
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise _write_error(path, len(data), e) from None
+            raise _write_error(path, data_size(data), e) from None
         _atomic_write(path, data, "commit:tmp")
         self.written.append(rel)
         if sha is not None:

@@ -33,7 +33,7 @@ from proteus.tensor_rules import check_objects as _check
 
 __all__ = [
     "DTYPES", "META_DTYPES", "TORCH_DTYPES", "Obj", "ShapeRule", "check_objects", "int_totals", "nonfinite",
-    "parse_header", "serialize", "shapes_of", "tensors_of",
+    "parse_header", "serialize", "serialize_chunks", "shapes_of", "tensors_of",
 ]  # fmt: skip
 
 #: safetensors' dtype names -> torch's
@@ -48,9 +48,16 @@ _LAYOUT = {
 def serialize(tensors: dict[str, torch.Tensor]) -> bytes:
     """The safetensors file of ``tensors`` (any device, layout or dtype of :data:`TORCH_DTYPES`), as the
     safetensors library writes it -- the same layout (tensors by dtype, then name), header and padding, so
-    the same bytes -- but copying each tensor's bytes once into the result through a byte view of the tensor
-    (the library's own ``save`` makes a ctypes array type per distinct byte length, which the ctypes module
-    keeps for the life of the process: a learner that commits after every task grew by them)."""
+    the same bytes -- each tensor's bytes copied once into the result (:func:`serialize_chunks` joined; the
+    library's own ``save`` makes a ctypes array type per distinct byte length, which the ctypes module keeps
+    for the life of the process: a learner that commits after every task grew by them)."""
+    return b"".join(serialize_chunks(tensors))
+
+
+def serialize_chunks(tensors: dict[str, torch.Tensor]) -> list[memoryview]:
+    """:func:`serialize`'s bytes as the header followed by a byte view of each tensor (no copy of a CPU
+    tensor): a writer hashes and writes them in turn, so that an object of many megabytes (a head) is never
+    assembled in memory. The views keep their tensors alive."""
     items = sorted(
         ((name, t.detach().cpu().contiguous()) for name, t in tensors.items()),
         key=lambda item: (_LAYOUT[TORCH_DTYPES[item[1].dtype]], item[0]),
@@ -67,16 +74,9 @@ def serialize(tensors: dict[str, torch.Tensor]) -> bytes:
         end += n
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     head += b" " * (-len(head) % 8)
-    out = bytearray(8 + len(head) + end)
-    out[:8] = len(head).to_bytes(8, "little")
-    out[8 : 8 + len(head)] = head
-    at = 8 + len(head)
-    for _, t in items:
-        n = t.numel() * t.element_size()
-        if n:
-            out[at : at + n] = t.reshape(-1).view(torch.uint8).numpy().data
-        at += n
-    return bytes(out)
+    out = [memoryview(len(head).to_bytes(8, "little") + head)]
+    out += [t.reshape(-1).view(torch.uint8).numpy().data for _, t in items if t.numel()]
+    return out
 
 
 def check_objects(tasks: list[dict[str, Any]], objects: list[Obj], learner: str | None = None) -> list[str]:
