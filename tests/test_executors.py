@@ -301,3 +301,56 @@ def test_an_interrupted_run_of_the_same_config_is_continued_else_set_aside(tmp_p
     assert (same.run_dir(tmp_path) / "kb" / "manifest.json").is_file()  # left for its job to continue
     assert not other.run_dir(tmp_path).exists()
     assert len(list(other.run_dir(tmp_path).parent.glob("seed0.interrupted-*"))) == 1
+
+
+@pytest.mark.slow
+def test_a_preempted_slurm_job_is_requeued_and_continues_from_its_last_task(tmp_path: Path) -> None:
+    """The scheduler's preemption notice (submitit's SIGUSR2, sent to the job as a scheduler sends it) to a
+    cell's job after its first task: the cell stops at the task it is learning, submitit re-queues the
+    job, and the job started again continues the cell from its last committed task, to the results of an
+    uninterrupted local run."""
+    pytest.importorskip("submitit", reason="submitit (the extra 'cluster') is not installed")
+    import threading
+    import time
+    from contextlib import ExitStack
+
+    from proteus.experiment.cell import run_cell
+    from proteus.experiment.executors import SlurmExecutor
+    from proteus.kb import KnowledgeBase
+    from slurmcluster import Unavailable, single_node
+
+    sets = [s if not s.startswith("benchmark.num_tasks") else "benchmark.num_tasks=5" for s in TINY]
+    cell = rep.make_plan("ablationS", benchmark="quickstart", seeds=[0], sets=sets).runnable()[0]
+    local = run_cell(cell.run_dir(tmp_path / "local"), "local", cell.config, progress=False)
+    with ExitStack() as stack:
+        try:
+            env = stack.enter_context(single_node())
+        except Unavailable as e:
+            pytest.skip(f"no single-node SLURM cluster here: {e}")
+        os.environ["SLURM_CONF"] = env["SLURM_CONF"]
+        stack.callback(os.environ.pop, "SLURM_CONF", None)
+        job = Job("the cell", cell.run_dir(tmp_path / "slurm"), cell.config)  # type: ignore[arg-type]
+        ex = SlurmExecutor(ExecutorOptions(partition="debug", time=30))
+        failures: list[object] = []
+        runner = threading.Thread(
+            target=lambda: failures.extend(ex.run([job], tmp_path / "slurm", False)), daemon=True
+        )
+        runner.start()
+        kb, end = job.run_dir / "kb", time.monotonic() + 600
+        while time.monotonic() < end:  # its first task committed, the others not yet
+            if KnowledgeBase.exists(kb) and len(KnowledgeBase.open(kb).manifest.get("tasks") or []) >= 1:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the job committed no task within 600 s")
+        queued = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True)
+        job_id = queued.stdout.split()[0]
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True)
+        runner.join(timeout=900)
+        assert not runner.is_alive() and failures == []
+    state = json.loads((job.run_dir / "state.json").read_text())
+    assert state["state"] == "done" and state["resumed"] is True
+    log = (job.run_dir / "job.log").read_text()
+    assert "stopped (signal SIGUSR" in log and "Traceback" not in log  # it stopped, then continued
+    got = json.loads((job.run_dir / "results.json").read_text())
+    assert got["avg_acc"] == local["avg_acc"] and got["acc_matrix"] == local["acc_matrix"]

@@ -7,8 +7,10 @@ is ``python -m proteus.experiment.cell RUN_DIR [--log FILE]`` on whatever machin
 records its state in ``RUN_DIR/state.json`` (running, done or failed with the error; the executor, host and
 job id). A job started again in a folder whose run stopped part-way (a re-queued SLURM job) continues it
 from the knowledge base's last committed task (``run(..., resume=True)``: the results of an uninterrupted
-run). SIGTERM and SIGUSR1 (a scheduler's preemption notice) stop the job as Ctrl-C does: the task being
-learned is left out, every committed task kept.
+run). SIGTERM, SIGUSR1 and SIGUSR2 (a scheduler's preemption or time-out notice: submitit's is SIGUSR2,
+which every process of the job receives) stop the job as Ctrl-C does: the task being learned is left out,
+every committed task kept; the first of them stops it, the others are ignored from then on (SIGKILL still
+ends it at once).
 
 :func:`cell_state` reads a folder back: ``done`` (a readable results.json), ``running``, ``failed`` (with
 the last line of its log), ``interrupted`` (a knowledge base but no results) or ``missing``.
@@ -31,8 +33,8 @@ from typing import Any
 from proteus.config import RunConfig
 
 __all__ = [
-    "JOB_FILE", "LOG_FILE", "STATE_FILE", "STATES", "CellState", "cell_state", "last_line", "main",
-    "read_state", "run_cell", "write_job",
+    "JOB_FILE", "LOG_FILE", "STATE_FILE", "STATES", "STOP_SIGNALS", "CellState", "cell_state", "last_line",
+    "main", "read_state", "run_cell", "write_job",
 ]  # fmt: skip
 
 #: the cell's configuration, written by the submitter
@@ -184,9 +186,19 @@ def cell_state(run_dir: Path) -> CellState:
     return CellState("missing", **where)
 
 
+#: the signals that stop a job at the task being learned (module doc)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def _stop(signum: int, frame: FrameType | None) -> None:
-    signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+    for sig in STOP_SIGNALS:  # a notice often reaches the job twice (to it and through its parent): once
+        signal.signal(sig, _stopping)
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def _stopping(signum: int, frame: FrameType | None) -> None:
+    """A stop signal while the job is stopping already: nothing more to do (a handler, not SIG_IGN, so that
+    a signal already on its way when the handler changed is not reported as a race)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(fd, stream.fileno())
         os.close(fd)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # (proteus.cli.threads: before torch loads)
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _stop)
     try:
         run_cell(args.run_dir, args.executor, progress=not args.quiet)

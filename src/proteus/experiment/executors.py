@@ -7,7 +7,10 @@ executors (timm style), each cell one job with its own folder (:mod:`proteus.exp
   executor's numbers) and, where there are several GPUs, its own one (``CUDA_VISIBLE_DEVICES``);
 - ``slurm``: one SLURM job array through submitit (the optional extra ``cluster``), a task per cell, with
   the options users set (partition, GPUs per task, time, array parallelism, any other sbatch option);
-  ``dry_run`` prints the job script and each task's command instead of submitting.
+  ``dry_run`` prints the job script and each task's command instead of submitting. Each task is a
+  :class:`CellJob`, which submitit re-queues after a preemption notice or when its time runs out (it is
+  checkpointable: the cell's own files are its checkpoint), and the re-queued job continues the cell from
+  its last committed task.
 
 Every executor leaves the same files in each cell's folder (results.json, state.json), and the tables are
 gathered from those files alone, so a grid gives the same table whichever executor ran it. A cell that
@@ -17,6 +20,7 @@ the rest finished.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
@@ -33,7 +37,7 @@ from proteus.experiment.cell import LOG_FILE, cell_state, last_line, run_cell, w
 from proteus.registry import Registry
 
 __all__ = [
-    "EXECUTORS", "CellsFailed", "Executor", "ExecutorOptions", "Failure", "Job", "LocalExecutor",
+    "EXECUTORS", "CellJob", "CellsFailed", "Executor", "ExecutorOptions", "Failure", "Job", "LocalExecutor",
     "PoolExecutor", "SlurmExecutor", "make_executor", "run_jobs", "time_minutes",
 ]  # fmt: skip
 
@@ -128,6 +132,59 @@ class LocalExecutor(Executor):
             write_job(job.run_dir, job.config, self.name)
             run_cell(job.run_dir, self.name, job.config, progress=progress)
         return []
+
+
+class CellJob:
+    """A cell's job under submitit: its command (``python -m proteus.experiment.cell ...``) in a child
+    process. Checkpointable in submitit's sense (:meth:`checkpoint`): on the scheduler's preemption or
+    time-out notice (submitit's signal, SIGUSR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` says otherwise) the child
+    stops at the task it is learning (it receives the notice too, or is sent SIGUSR1: every committed task
+    is kept), then submitit re-queues the job, which continues the cell from its knowledge base. Picklable:
+    submitit stores it for the job to load (a list of strings, no user object)."""
+
+    #: seconds the child is given to stop after a notice before it is killed (its knowledge base is always
+    #: the old or the new state: a kill loses only the task being learned)
+    grace: ClassVar[float] = 60.0
+
+    def __init__(self, command: list[str]) -> None:
+        self.command = list(command)
+
+    def __call__(self) -> int:
+        import signal
+
+        child = subprocess.Popen(self.command)
+        name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper().removeprefix("SIG")
+        notice = getattr(signal, f"SIG{name}")
+        requeue = signal.getsignal(notice)  # submitit's: checkpoint, re-queue, exit
+        noticed: list[tuple[int, Any]] = []
+
+        def note(signum: int, frame: Any) -> None:  # (no wait here: the main flow holds the child's lock)
+            noticed.append((signum, frame))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGUSR1)  # (it may have had the notice itself: it stops once)
+
+        signal.signal(notice, note)
+        deadline = None
+        while True:
+            try:
+                code = child.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if noticed and deadline is None:
+                    deadline = time.monotonic() + self.grace
+                if deadline is not None and time.monotonic() > deadline:
+                    child.kill()
+        if noticed and callable(requeue):
+            requeue(*noticed[0])  # exits: the job is re-queued and starts the cell again
+        if code:
+            raise RuntimeError(f"{shlex.join(self.command)} exited with code {code} (its log: --log)")
+        return code
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """The same job again (submitit's re-queue): the cell's folder is its checkpoint."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self)
 
 
 def _cell_command(job: Job, executor: str, quiet: bool = True) -> list[str]:
@@ -275,9 +332,7 @@ class SlurmExecutor(Executor):
         for job in jobs:
             write_job(job.run_dir, job.config, self.name)
         with ex.batch():
-            submitted = [
-                ex.submit(submitit.helpers.CommandFunction(_cell_command(j, self.name))) for j in jobs
-            ]
+            submitted = [ex.submit(CellJob(_cell_command(j, self.name))) for j in jobs]
         if progress:
             for job, sub in zip(jobs, submitted):
                 print(f"== {job.label} -> {job.run_dir} (slurm job {sub.job_id})", flush=True)
