@@ -319,3 +319,35 @@ def test_objects_are_the_bytes_safetensors_writes_without_a_ctypes_type_per_size
     for n in range(1000, 1040):  # 40 sizes never written before
         serialize({"x": torch.zeros(n, dtype=torch.uint8)})
     assert array_types() == before
+
+
+def test_kept_records_that_share_a_class_are_still_named() -> None:
+    """The kept records' classes are gathered in one pass when they are a prefix with distinct classes; a
+    class two kept records share sends the check back to the record-by-record walk, which names it."""
+    from proteus.kb.schema import _kept_owners, manifest_problems
+
+    tasks = [{"index": i, "classes": [2 * i, 2 * i + 1]} for i in range(4)]
+    assert _kept_owners(tasks, {0, 1, 2}) == ({0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}, 3)
+    assert _kept_owners(tasks, {1, 2}) == ({}, 0)  # not a prefix: walked
+    tasks[2]["classes"] = [1, 5]
+    assert _kept_owners(tasks, {0, 1, 2}) == ({}, 0)
+    problems = manifest_problems({"tasks": tasks}, kept={0, 1, 2})
+    assert any("tasks[2] (task index 2).classes: class 1 is also in task index 0" in p for p in problems)
+
+
+def test_a_class_outside_the_head_is_named_whichever_task_holds_it() -> None:
+    """Every class of every record is checked against the head's classes in one pass; one outside sends the
+    check to the record-by-record walk, which names the task and the class."""
+    from proteus.heads.persist import classes_outside
+
+    head = {"embed_dim": 8, "num_classes": 6}
+    tasks = [{"classes": [0, 1]}, {"classes": [2, 3]}, "not a record", {"classes": "not a list"}]
+    where = "tasks[{}]".format
+    assert classes_outside(tasks, head, where) == []
+    tasks.append({"classes": [4, 6]})
+    assert classes_outside(tasks, head, where) == [
+        "tasks[4].classes: class 6 is not one of the head's 6 classes (head.meta.num_classes: the head "
+        "scores the global labels 0 .. num_classes - 1)"
+    ]
+    tasks[0]["classes"] = [-1, "x"]  # not numbers only: each record looked at
+    assert [p.split(".")[0] for p in classes_outside(tasks, head, where)] == ["tasks[0]", "tasks[4]"]

@@ -13,6 +13,7 @@ the head's object, the LDA keys under ``task_head/``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeGuard
 
@@ -131,6 +132,11 @@ def classes_outside(
     if not isinstance(n, int) or isinstance(n, bool):
         return []
     name = ".".join(["head.meta", *path.split("/")]) if path else "head.meta"
+    every = itertools.chain.from_iterable(
+        t["classes"] for t in tasks if isinstance(t, dict) and isinstance(t.get("classes"), list)
+    )
+    if _within(list(every), n):  # (one pass in C over every class: a long stream's commit checks them all)
+        return []
     out = []
     for i, t in enumerate(tasks):
         classes = t.get("classes") if isinstance(t, dict) else None

@@ -197,6 +197,26 @@ def _where(i: int) -> str:
     return f"tasks[{i}] ({task_label(i)})"
 
 
+def _kept_owners(tasks: list[Any], kept: Collection[int]) -> tuple[dict[Any, int], int]:
+    """The task holding each class of the kept records that come first (``kept``: tasks 0 .. m - 1, every
+    one a record with a list of classes, those classes distinct), found in one pass, and m: the records
+    :func:`manifest_problems` still walks one by one. (0 and {} when the kept records are not such a
+    prefix, or share a class: then every record is walked, and the message names the first conflict.)"""
+    m = len(kept)
+    if not m or m > len(tasks) or any(i not in kept for i in (0, m - 1)):
+        return {}, 0
+    prefix = tasks[:m]
+    if not all(isinstance(t, dict) and isinstance(t.get("classes"), list) for t in prefix):
+        return {}, 0
+    try:
+        owner = {c: i for i, t in enumerate(prefix) for c in t["classes"]}
+    except TypeError:  # an unhashable class: reported by the walk
+        return {}, 0
+    if len(owner) != sum(len(t["classes"]) for t in prefix) or not set(range(m)) <= set(kept):
+        return {}, 0
+    return owner, m
+
+
 def manifest_problems(
     manifest: dict[str, Any], learner: str | None = None, checked: list[Any] | None = None,
     kept: Collection[int] = frozenset(),
@@ -219,8 +239,8 @@ def manifest_problems(
         return i in kept or (i < len(checked) and tasks[i] is not checked[i] and tasks[i] == checked[i])
 
     kind = learner or head_kind(manifest)
-    owner: dict[int, int] = {}
-    for i, t in enumerate(tasks):
+    owner, start = _kept_owners(tasks, kept)
+    for i, t in enumerate(tasks[start:], start):
         if not isinstance(t, dict):
             continue  # reported above (list[map])
         if i in kept and isinstance(t.get("classes"), list):  # checked: its classes against the others'
