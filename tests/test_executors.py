@@ -141,8 +141,9 @@ def test_slurm_dry_run_prints_the_job_array(tmp_path: Path, capsys: pytest.Captu
             "account=lab", "-q"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
+    # (the last: the pre-emption notice docs/guides/cluster.md describes)
     for line in ("#SBATCH --partition=gpu", "#SBATCH --gpus-per-task=1", "#SBATCH --time=120",
-                 "#SBATCH --array=0-3%2", "#SBATCH --account=lab"):  # fmt: skip
+                 "#SBATCH --array=0-3%2", "#SBATCH --account=lab", "#SBATCH --signal=USR2@90"):  # fmt: skip
         assert line in out
     tasks = [ln for ln in out.splitlines() if ln.startswith("# task ")]
     assert len(tasks) == 4 and all("-m proteus.experiment.cell" in t for t in tasks)
