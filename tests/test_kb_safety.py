@@ -331,6 +331,37 @@ def test_open_starts_again_after_a_concurrent_commit(tmp_path: Path, monkeypatch
     assert _names(kb) == [*SEEDS, "a", "b"]
 
 
+def test_open_starts_again_when_a_commit_sweeps_the_records_it_was_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two commits between the reader's manifest and its first record segment sweep that segment: the reader
+    reads the new manifest, where a missing segment of an unchanged manifest stays an error naming it."""
+    import proteus.kb.manifests as manifests
+
+    root = tmp_path / "kb"
+    _seed(root)
+    writer = KnowledgeBase.open(root)
+    original = manifests.read_segment
+    calls = {"n": 0}
+
+    def commit_twice_first(root_: Path, rel: str, sha: str, size: int) -> bytes:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            _append(writer, "a")
+            _append(writer, "b")
+            assert not (root_ / rel).exists()  # the segment the reader's manifest names: swept
+        return original(root_, rel, sha, size)
+
+    monkeypatch.setattr(manifests, "read_segment", commit_twice_first)
+    kb = KnowledgeBase.open(root, verify=True)
+    monkeypatch.undo()
+    assert calls["n"] > 1 and _names(kb) == [*SEEDS, "a", "b"]
+    segment = next(p for p in (root / "objects").glob("records-*.json"))
+    segment.unlink()
+    with pytest.raises(KBError, match=rf"manifest\.json: .*{segment.name}: missing from the knowledge base"):
+        KnowledgeBase.open(root)
+
+
 def test_sweep_keeps_the_previous_commit(tmp_path: Path) -> None:
     root = tmp_path / "kb"
     _seed(root)  # commits A (s0) and B (s0, s1)

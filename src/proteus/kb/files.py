@@ -77,7 +77,10 @@ class KBLockedError(KBError):
 
 
 class _MissingObject(KBError):
-    """An object the manifest references is not on disk (``open`` retries when a commit ran meanwhile)."""
+    """An object the manifest references is not on disk (``open`` retries when a commit ran meanwhile);
+    ``manifest``: the manifest's bytes that referenced it, where the raiser knows them."""
+
+    manifest: bytes | None = None
 
 
 # ====================================================================== small helpers

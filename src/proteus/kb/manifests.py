@@ -23,6 +23,7 @@ from proteus.kb.files import (
     _interrupted_first_commit,
     _is_file_error,
     _kb_files,
+    _MissingObject,
     _refs,
     _segment_refs,
     _shown,
@@ -51,11 +52,13 @@ def read_segment(root: Path, rel: str, sha: str, size: int) -> bytes:
 
 def parse(
     root: Path, name: str, data: bytes, hint: str, segments: Segments | None = None,
-    verified: Verified | None = None,
+    verified: Verified | None = None, *, raise_missing: bool = False,
 ) -> tuple[dict[str, Any] | None, list[str]]:  # fmt: skip
     """Manifest file ``name``'s bytes parsed and checked: (the manifest, expanded when it is of format 4, or
     None; every problem found). ``verified``: the store's record (:mod:`.verified`); a state whose fields
-    it passed before is not checked again."""
+    it passed before is not checked again. ``raise_missing``: a record segment missing from disk is raised
+    (:class:`~proteus.kb.files._MissingObject`, for a reader to retry: a commit may have swept it since the
+    manifest was read), not returned as a problem."""
     path = root / name
     manifest, issues = manifest_issues(path, data, hint)
     if issues or manifest is None or not segmented(manifest):
@@ -67,7 +70,10 @@ def parse(
             manifest, lambda r, s, n: read_segment(root, r, s, n), str(path), verified
         )
     except ProteusError as e:
-        return manifest, [f"{e}" if str(path) in str(e) else f"{path}: {e}"]
+        problem = f"{e}" if str(path) in str(e) else f"{path}: {e}"
+        if raise_missing and isinstance(e, _MissingObject):
+            raise _MissingObject(problem) from None
+        return manifest, [problem]
     key = state_key(expanded, "")  # the fields every manifest must have, whatever the learner
     if verified is not None and verified.checked(key):
         return expanded, []
@@ -82,7 +88,8 @@ def read_manifest(
 ) -> tuple[bytes, dict[str, Any]]:
     """The bytes and the parsed, checked ``manifest.json`` of the knowledge base at ``root`` (expanded when it
     is of format 4: ``segments`` keeps what it read; ``verified``: :func:`parse`); a :class:`KBError` (or a
-    :class:`~proteus.budgets.BudgetError`) naming the file and what to do."""
+    :class:`~proteus.budgets.BudgetError`) naming the file and what to do (a :class:`_MissingObject`
+    holding the manifest's bytes for a record segment missing from disk)."""
     path = root / MANIFEST
     if root.exists() and not root.is_dir():
         raise _is_file_error(root)
@@ -97,7 +104,13 @@ def read_manifest(
         if files:
             raise _damaged(root, files, "the knowledge base cannot be opened")
         raise KBError(f"{root}: no knowledge base here (missing {MANIFEST})")
-    manifest, issues = parse(root, MANIFEST, data, "restore it or manifest.prev.json", segments, verified)
+    try:
+        manifest, issues = parse(
+            root, MANIFEST, data, "restore it or manifest.prev.json", segments, verified, raise_missing=True
+        )
+    except _MissingObject as e:
+        e.manifest = data
+        raise
     if not issues and manifest is not None and manifest.get("format_version") != FORMAT_VERSION:
         problem = downgrade_problem(manifest, previous_or_none(root), path)
         if problem is None and (root / HISTORY).is_dir() and not segmented(manifest):

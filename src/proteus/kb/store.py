@@ -115,6 +115,13 @@ from proteus.tensor_rules import DTYPES
 State = tuple[list[StoredPart], Part | None]
 
 
+def _check_signed(root: Path, manifest: dict[str, Any], key: bytes) -> None:
+    """Refuse ``manifest`` unless signed under ``key`` with a sequence not below what the key accepted."""
+    problem = signature_problem(root, manifest, key) or sequence_problem(root, manifest, key)
+    if problem:
+        raise KBError(problem)
+
+
 class KnowledgeBase:
     """A directory holding a PROTEUS knowledge base. Use :meth:`open`, :meth:`new` or :meth:`create`; writers
     hold :meth:`write_lock` from before they open it until after their commit. Its objects are
@@ -191,19 +198,20 @@ class KnowledgeBase:
         with collector_paused():  # many small objects, all kept (:mod:`proteus.collector`)
             for attempt in range(OPEN_ATTEMPTS):
                 segments, verified = Segments(), Verified(root)
-                data, manifest = read_manifest(root, segments, verified)
-                if key is not None and require_signature:
-                    problem = signature_problem(root, manifest, key) or sequence_problem(root, manifest, key)
-                    if problem:
-                        raise KBError(problem)
-                kb = cls(root, manifest, key, segments, verified)
-                kb._manifest_sha = _sha(data)
+                data: bytes | None = None
                 try:
+                    data, manifest = read_manifest(root, segments, verified)
+                    if key is not None and require_signature:
+                        _check_signed(root, manifest, key)
+                    kb = cls(root, manifest, key, segments, verified)
+                    kb._manifest_sha = _sha(data)
                     if verify:
                         kb.verify()
-                except _MissingObject:
-                    # a commit that ran while we read swept an object of the state we had read: start again
-                    if read_kb_file(root, MANIFEST) == data or attempt + 1 == OPEN_ATTEMPTS:
+                except _MissingObject as e:
+                    # a commit that ran while we read swept a record segment or an object of the state we had
+                    # read: start again
+                    read = data if data is not None else e.manifest
+                    if read is None or read_kb_file(root, MANIFEST) == read or attempt + 1 == OPEN_ATTEMPTS:
                         raise
                     log.debug(
                         "%s: a concurrent commit swept an object while it was read; reading again", root
