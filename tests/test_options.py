@@ -310,6 +310,26 @@ def test_sigterm_is_like_ctrl_c(monkeypatch: pytest.MonkeyPatch, capsys) -> None
     assert signal.getsignal(signal.SIGTERM) is previous  # restored
 
 
+def test_the_interrupt_message_counts_the_tasks_when_the_kb_cannot_be_opened(
+    world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A signal that cut a lazy import short (a module left half-imported) leaves opening the knowledge base
+    impossible in that process: the message still says how many tasks it holds, from its manifest."""
+    kb = tmp_path / "kb"
+    shutil.copytree(world["kb1"], kb)
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    def cannot_open(*args: object, **kw: object) -> KnowledgeBase:
+        raise AttributeError("module 'sympy' has no attribute 'logic'")  # what such a module raised
+
+    monkeypatch.setattr(proteus.cli.parser, "cmd_kb_show", interrupted)
+    monkeypatch.setattr(KnowledgeBase, "open", cannot_open)
+    assert main(["kb", "info", str(kb)]) == 130
+    assert capsys.readouterr().err == "interrupted; the knowledge base is unchanged at 1 task\n"
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 

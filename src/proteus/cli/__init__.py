@@ -89,6 +89,25 @@ def _manifest_digest(args: argparse.Namespace) -> str | None:
     return hashlib.sha256(data).hexdigest() if data is not None else None
 
 
+def _declared_tasks(args: argparse.Namespace) -> int | None:
+    """How many tasks the command's knowledge base's manifest.json declares (``num_tasks``, or its list of
+    ``tasks`` in a format before 4), parsed as plain JSON; None when it cannot be read."""
+    import json
+
+    from proteus.kb.files import read_kb_file
+
+    try:
+        data = read_kb_file(Path(args.kb), "manifest.json")
+        manifest = json.loads(data) if data is not None else None
+    except (OSError, ValueError, ProteusError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    tasks = manifest.get("tasks")
+    n = manifest.get("num_tasks", len(tasks) if isinstance(tasks, list) else None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
 def _kb_tasks(args: argparse.Namespace, before: str | None = None) -> str:
     """What became of the command's knowledge base (for the Ctrl-C and SIGTERM message): "unchanged at N
     tasks", or, when its manifest changed during the command (the commit had completed), "now at N tasks"."""
@@ -100,7 +119,11 @@ def _kb_tasks(args: argparse.Namespace, before: str | None = None) -> str:
 
         n = len(kbmod.KnowledgeBase.open(kb, verify=False).manifest["tasks"])
     except Exception:  # noqa: BLE001 - a message on the way out must not fail
-        return ""
+        # the signal may have cut a module's import short (a lazy import of torch's), which opening needs:
+        # the count the manifest itself declares, read without importing anything
+        n = _declared_tasks(args)
+        if n is None:
+            return ""
     tasks = f"{n} task{'s' if n != 1 else ''}"
     if before is not None and _manifest_digest(args) != before:
         return f"; its commit had completed: the knowledge base is now at {tasks}"
