@@ -220,6 +220,33 @@ def _string_calls(path: Path) -> tuple[set[str], list[str]]:
     return made, named
 
 
+def test_no_code_compares_a_strategy_setting_with_a_name() -> None:
+    """A setting whose values are a registry's names (``f.get("signature.method") == "dpgmm"``) is asked
+    about by its entry's traits (:meth:`proteus.registry.Registry.trait`), never compared with a name:
+    a new entry then declares what it reads where it is registered."""
+    kinds: set[str] = set()
+    for path in SRC.rglob("*.py"):
+        kinds |= _string_calls(path)[0]
+    assert {"signature.method", "train.tasks"} <= kinds, "the test reads the wrong registries"
+    found = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            named = [
+                side.args[0].value
+                for side in sides
+                if isinstance(side, ast.Call) and isinstance(side.func, ast.Attribute)
+                and side.func.attr == "get" and side.args and isinstance(side.args[0], ast.Constant)
+                and side.args[0].value in kinds
+            ]  # fmt: skip
+            literal = any(isinstance(side, ast.Constant) and isinstance(side.value, str) for side in sides)
+            if named and literal:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} ({named[0]})")
+    assert not found, f"settings compared with a registered name (declare a trait instead): {found}"
+
+
 def test_every_option_names_a_registry_at_or_below_its_floor() -> None:
     """An option's ``choices="kind"`` names a registry the package creates, on the option's floor or below
     (so the option's module could import it), unless :data:`CHOICES_ABOVE_FLOOR` says why not."""

@@ -101,6 +101,22 @@ def test_ctrl_c_is_130(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     assert capsys.readouterr().err == "interrupted\n"
 
 
+def test_a_registry_entry_answers_its_traits_then_its_attributes() -> None:
+    class Kind:
+        one_space = True
+
+    reg: Registry[object] = Registry("test.traits")
+    reg.register("a", help="an entry", reads_rank=True)(Kind())
+    reg.register("b")(Kind())
+    assert reg.trait("a", "reads_rank") is True and reg.trait("b", "reads_rank") is None
+    assert reg.trait("b", "one_space") is True  # the entry's own attribute
+    reg.unregister("a")
+    reg.register("a")(object())
+    assert reg.trait("a", "reads_rank") is None  # an entry registered again keeps no old trait
+    with pytest.raises(UnknownNameError, match="unknown test.traits 'c'"):
+        reg.trait("c", "reads_rank")
+
+
 def test_a_registry_refuses_an_unhashable_name_by_name() -> None:
     """A hand-edited file may hold a list where a strategy name belongs (found by tests/test_fuzz.py)."""
     from proteus.heads import PROTOTYPES

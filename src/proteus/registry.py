@@ -39,6 +39,7 @@ class Registry(Generic[T]):
         Registry._by_kind.setdefault(kind, self)  # type: ignore[arg-type]
         self._items: dict[str, T] = {}
         self._help: dict[str, str] = {}
+        self._traits: dict[str, dict[str, object]] = {}
         #: modules whose import registers entries (imported once, at the first miss or listing)
         self.plugins = plugins
         self._discovered = not plugins
@@ -65,11 +66,15 @@ class Registry(Generic[T]):
         for ep in entry_points(group="proteus.plugins"):
             ep.load()
 
-    def register(self, name: str, help: str = "") -> Callable[[T], T]:
+    def register(self, name: str, help: str = "", **traits: object) -> Callable[[T], T]:
+        """Add ``name``; ``traits``: facts about the entry that code elsewhere asks by :meth:`trait` (which
+        other options it reads, say) instead of comparing ``name`` with a string."""
+
         def deco(obj: T) -> T:
             if name in self._items:
                 raise KeyError(f"{self.kind} {name!r} is registered twice")
             self._items[name] = obj
+            self._traits[name] = traits
             doc = help or (getattr(obj, "__doc__", "") or "").strip().splitlines()
             self._help[name] = doc if isinstance(doc, str) else (doc[0] if doc else "")
             return obj
@@ -85,7 +90,14 @@ class Registry(Generic[T]):
     def unregister(self, name: str) -> T:
         """Remove an entry (a plugin's or a test's own); returns it."""
         self._help.pop(name, None)
+        self._traits.pop(name, None)
         return self._items.pop(name)
+
+    def trait(self, name: str, trait: str) -> object:
+        """The trait ``trait`` entry ``name`` was registered with, else the entry's attribute of that name,
+        else None (:meth:`register`)."""
+        traits = self._traits.get(name, {})
+        return traits[trait] if trait in traits else getattr(self.get(name), trait, None)
 
     def names(self) -> list[str]:
         """Every registered name (the plugins imported first)."""

@@ -607,8 +607,8 @@ PERTURBATIONS = [
         TII,
         [
             (
-                "opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.0)",
-                "opt = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=0.0)",
+                "opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)",
+                "opt = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=weight_decay)",
             )
         ],
     ),

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from proteus.baselines.persist import need
 from proteus.config import ConfigError
 from proteus.engine.errors import TaskError
 from proteus.engine.runtime import task_seed
+from proteus.engine.task_identity import cosine_sgd
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, UNIT, option
 from proteus.progress import bar as progress_bar
 from proteus.streams import Task
@@ -341,21 +342,13 @@ def align_heads(
     the cross-entropy of ``logits(x)`` over the seen classes; the learning rate follows
     ``CosineAnnealingLR(T_max=period)`` stepped per epoch (TUNA: 5, MOS: the epochs). Returns the losses."""
     factors = [cholesky(c.float()) for c in covs]
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd)
-    losses: list[float] = []
-    for epoch in range(epochs):
-        for group in opt.param_groups:
-            group["lr"] = lr * (1 + math.cos(math.pi * epoch / period)) / 2
+
+    def batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         x, y = pseudo_features(means, factors, n, generator)
         for i in range(len(means)):
-            xb, yb = x[i * n : (i + 1) * n].to(device), y[i * n : (i + 1) * n].to(device)
-            loss = F.cross_entropy(logits(xb), yb)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-    opt.zero_grad(set_to_none=True)
-    return losses
+            yield x[i * n : (i + 1) * n].to(device), y[i * n : (i + 1) * n].to(device)
+
+    return cosine_sgd(params, batches, logits, lr=lr, weight_decay=wd, epochs=epochs, period=period)
 
 
 # ---------------------------------------------------------------------------------------------- training

@@ -114,6 +114,7 @@ def _kb_tasks(args: argparse.Namespace, before: str | None = None) -> str:
     kb = getattr(args, "kb", None)
     if not kb:
         return ""
+    n: int | None
     try:
         import proteus.kb as kbmod
 
@@ -122,8 +123,8 @@ def _kb_tasks(args: argparse.Namespace, before: str | None = None) -> str:
         # the signal may have cut a module's import short (a lazy import of torch's), which opening needs:
         # the count the manifest itself declares, read without importing anything
         n = _declared_tasks(args)
-        if n is None:
-            return ""
+    if n is None:
+        return ""
     tasks = f"{n} task{'s' if n != 1 else ''}"
     if before is not None and _manifest_digest(args) != before:
         return f"; its commit had completed: the knowledge base is now at {tasks}"

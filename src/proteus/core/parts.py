@@ -19,6 +19,7 @@ import torch
 from proteus import devices
 from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
+from proteus.adapters.options import TRANSFER_INIT
 from proteus.backbones import Backbone
 from proteus.backbones.base import block_indices
 from proteus.config import CACHE_PREFIX, ConfigError, RunConfig, check_sections
@@ -79,7 +80,7 @@ def trainable_params(model: Any, transfer: str, n_classes: int) -> int:
     "params"): its new directions A and B on every adapted map and its S coefficients where S is learned
     (Eq. 9), counted on the stored tensors, plus the training head over its classes, (d + 1) per class."""
     tensors = model.task_tensors(model.num_tasks - 1)
-    learned_s = transfer == "learned"
+    learned_s = TRANSFER_INIT[transfer] is None  # S learned, not fixed
     n = sum(int(v.numel()) for name, v in tensors.items() if learned_s or not name.endswith("/s"))
     return n + (int(model.embed_dim) + 1) * n_classes
 

@@ -23,9 +23,13 @@ from proteus.registry import Registry
 __all__ = ["COMPOSITIONS", "TRAIN_SCHEDULES", "Composition"]
 
 TRAIN_SCHEDULES: Registry[Callable[[int], bool]] = Registry("train.tasks")
-TRAIN_SCHEDULES.register("all", help="every task trains its adapter")(lambda k: True)
-TRAIN_SCHEDULES.register("first", help="only the first task trains an adapter (RanPAC)")(lambda k: k == 0)
-TRAIN_SCHEDULES.register("none", help="no adapter (frozen backbone)")(lambda k: False)
+#: traits: ``trains`` (some task trains an adapter, so ``train.*`` and ``adapter.*`` are read),
+#: ``first_session`` (only the first task does: RanPAC's first-session adaptation)
+TRAIN_SCHEDULES.register("all", help="every task trains its adapter", trains=True)(lambda k: True)
+TRAIN_SCHEDULES.register(
+    "first", help="only the first task trains an adapter (RanPAC)", trains=True, first_session=True
+)(lambda k: k == 0)
+TRAIN_SCHEDULES.register("none", help="no adapter (frozen backbone)", trains=False)(lambda k: False)
 
 
 def _newest(k: int, m: int) -> int | None:

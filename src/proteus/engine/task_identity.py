@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ __all__ = [
     "TaskIdentityInference",
     "align_on_pseudo_features",
     "alignment_generator",
+    "cosine_sgd",
     "class_statistics",
     "load_class_stats",
     "pseudo_features",
@@ -122,18 +123,34 @@ def align_on_pseudo_features(
     of them, the cross-entropy of ``forward(x)``, logits over ``classes`` in order; lr follows
     ``CosineAnnealingLR(T_max=epochs)`` stepped per epoch. Returns the losses."""
     col = {c: i for i, c in enumerate(classes)}
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.0)
-    losses: list[float] = []
-    for epoch in range(epochs):
-        for group in opt.param_groups:
-            group["lr"] = lr * (1 + math.cos(math.pi * epoch / epochs)) / 2
+
+    def batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         x, y = pseudo_features(stats, classes, n, generator, limit=steps * n)
         for i in range(steps):
             xb, yb = x[i * n : (i + 1) * n], y[i * n : (i + 1) * n]
             if not len(xb):
                 break
-            target = torch.as_tensor([col[int(c)] for c in yb.tolist()], device=device)
-            loss = F.cross_entropy(forward(xb.to(device)), target)
+            yield xb.to(device), torch.as_tensor([col[int(c)] for c in yb.tolist()], device=device)
+
+    return cosine_sgd(params, batches, forward, lr=lr, weight_decay=0.0, epochs=epochs, period=epochs)
+
+
+def cosine_sgd(
+    params: list[nn.Parameter], batches: Callable[[int], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+    forward: Callable[[torch.Tensor], torch.Tensor], *, lr: float, weight_decay: float, epochs: int,
+    period: int,
+) -> list[float]:  # fmt: skip
+    """The classifier alignment's optimisation (HiDe-Prompt's, SLCA's, TUNA's and MOS's releases): SGD
+    (momentum 0.9, ``weight_decay``) for ``epochs`` epochs, one step per batch ``(x, target)`` of
+    ``batches(epoch)`` on the cross-entropy of ``forward(x)``, the learning rate following
+    ``CosineAnnealingLR(T_max=period)`` stepped per epoch. Returns the losses."""
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    losses: list[float] = []
+    for epoch in range(epochs):
+        for group in opt.param_groups:
+            group["lr"] = lr * (1 + math.cos(math.pi * epoch / period)) / 2
+        for x, target in batches(epoch):
+            loss = F.cross_entropy(forward(x), target)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -67,7 +67,9 @@ def elastic_net(s_params: list[nn.Parameter], lam: float, alpha: float) -> torch
     return lam * tot
 
 
-@S_UPDATES.register("prox", help="proximal SGD step on S (soft threshold + group shrinkage); exact zeros")
+@S_UPDATES.register(
+    "prox", help="proximal SGD step on S (soft threshold + group shrinkage); exact zeros", reads_s_lr=True
+)
 class ProxSUpdate:
     in_optimizer = False
 

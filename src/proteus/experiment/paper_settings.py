@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proteus.adapters.options import TRANSFER_INIT
 from proteus.registry import Registry
 
 __all__ = [
@@ -176,18 +177,16 @@ def bookkeeping(key: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------- in force
-_GAUSSIAN_KEYS = ("adapter", "frozen", "adapter+frozen")
-
-
 def _adapter(f: Mapping[str, Any]) -> bool:
-    return bool(f.get("adapter.enabled")) and f.get("train.tasks") != "none"
+    return bool(f.get("adapter.enabled")) and _entry("train.tasks", f, "trains")
 
 
-def _entry(kind: str, f: Mapping[str, Any], attr: str) -> bool:
-    """``attr`` of the entry the setting ``kind`` names in its registry (False for a name it lacks)."""
+def _entry(kind: str, f: Mapping[str, Any], trait: str) -> bool:
+    """``trait`` of the entry the setting ``kind`` names in its registry (:meth:`Registry.trait`; False for
+    a name it lacks)."""
     reg = Registry.named(kind)
     name = f.get(kind)
-    return isinstance(name, str) and name in reg and bool(getattr(reg.get(name), attr))
+    return isinstance(name, str) and name in reg and bool(reg.trait(name, trait))
 
 
 def _retrieves(f: Mapping[str, Any]) -> bool:
@@ -199,15 +198,16 @@ def _weighs_tasks(f: Mapping[str, Any]) -> bool:
 
 
 def _gaussian(f: Mapping[str, Any]) -> bool:
-    return _retrieves(f) and f.get("signature.keys") in _GAUSSIAN_KEYS
+    return _retrieves(f) and _entry("signature.keys", f, "signatures")
 
 
 def _lda_keys(f: Mapping[str, Any]) -> bool:
-    return _retrieves(f) and str(f.get("signature.keys", "")).endswith("lda")
+    return _retrieves(f) and _entry("signature.keys", f, "lda")
 
 
 def _learned_s(f: Mapping[str, Any]) -> bool:
-    return _adapter(f) and f.get("adapter.transfer") == "learned"
+    transfer = f.get("adapter.transfer")
+    return _adapter(f) and transfer in TRANSFER_INIT and TRANSFER_INIT[transfer] is None  # S learned
 
 
 #: key (or section prefix) -> when it is in force (a key out of force departs from nothing)
@@ -218,7 +218,7 @@ _IN_FORCE: dict[str, Callable[[Mapping[str, Any]], bool]] = {
     "adapter.lam_decay": _learned_s,
     "adapter.alpha": _learned_s,
     "adapter.s_update": _learned_s,
-    "adapter.s_lr": lambda f: _learned_s(f) and f.get("adapter.s_update") == "prox",
+    "adapter.s_lr": lambda f: _learned_s(f) and _entry("adapter.s_update", f, "reads_s_lr"),
     "adapter.min_rank": lambda f: _adapter(f) and f.get("adapter.budget_decay") is not None,
     "train.": _adapter,
     "train.tasks": lambda f: True,
@@ -226,11 +226,11 @@ _IN_FORCE: dict[str, Callable[[Mapping[str, Any]], bool]] = {
     "signature.keys": _retrieves,
     "signature.normalize": lambda f: _gaussian(f) or _lda_keys(f),
     "signature.task_score": _lda_keys,
-    "signature.class_temperature": lambda f: _lda_keys(f) and f.get("signature.task_score") == "mean",
-    "signature.rank": lambda f: _gaussian(f) and f.get("signature.covariance") != "full",
-    "signature.prior_dof": lambda f: _gaussian(f) and f.get("signature.method") == "dpgmm",
-    "signature.prior_scale": lambda f: _gaussian(f) and f.get("signature.method") == "dpgmm",
-    "signature.max_components": lambda f: _gaussian(f) and f.get("signature.method") != "gaussian",
+    "signature.class_temperature": lambda f: _lda_keys(f) and _entry("signature.task_score", f, "tempered"),
+    "signature.rank": lambda f: _gaussian(f) and _entry("signature.covariance", f, "ranked"),
+    "signature.prior_dof": lambda f: _gaussian(f) and _entry("signature.method", f, "dirichlet_prior"),
+    "signature.prior_scale": lambda f: _gaussian(f) and _entry("signature.method", f, "dirichlet_prior"),
+    "signature.max_components": lambda f: _gaussian(f) and _entry("signature.method", f, "components"),
     "retrieval.top_k": _gaussian,
     "retrieval.candidates": _gaussian,
     "retrieval.candidate_space": lambda f: _gaussian(f) and f.get("retrieval.candidates") is not None,
@@ -377,7 +377,7 @@ CHOICES: tuple[Choice, ...] = (
         "not measured: T = 100 matters on ImageNet-R, which is not on this machine; the local runs use T = 10",
         keys=("signature.max_iter", "signature.tol", "signature.reg_covar"),
         code="components of weight < 10⁻³ or fewer than 2 training points dropped",
-        when=lambda f: _gaussian(f) and f.get("signature.method") == "dpgmm",
+        when=lambda f: _gaussian(f) and _entry("signature.method", f, "dirichlet_prior"),
     ),
     Choice(
         11,
@@ -537,7 +537,7 @@ CHOICES: tuple[Choice, ...] = (
         "a cluster of fewer points than dimensions has a singular scatter; d pseudo-points of the pooled covariance make every cluster's covariance invertible",
         "not measured separately; it is inside the `kmeans` comparison (domains5: K-means +5.2 retrieval over the DP-GMM)",
         code="(n_k S_k + d S_pool) / (n_k + d)",
-        when=lambda f: _gaussian(f) and f.get("signature.method") == "kmeans",
+        when=lambda f: _gaussian(f) and _entry("signature.method", f, "pooled_scatter"),
     ),
     Choice(
         25,
@@ -557,7 +557,7 @@ CHOICES: tuple[Choice, ...] = (
         "RanPAC's released code trains its first session with its own schedule; the paper gives RanPAC no settings of its own",
         "not measured",
         code="the first task's adapter trained with PROTEUS's trainer and settings",
-        when=lambda f: f.get("train.tasks") == "first" and bool(f.get("adapter.enabled")),
+        when=lambda f: _entry("train.tasks", f, "first_session") and bool(f.get("adapter.enabled")),
     ),
     Choice(
         27,

@@ -111,6 +111,10 @@ class GaussianComponents(ABC):
     factor_names: ClassVar[tuple[str, ...]]
     #: those of them with one entry per component (:meth:`select` indexes them)
     per_component: ClassVar[tuple[str, ...]]
+    #: whether the kind keeps a rank (``signature.rank``) of each covariance, not every dimension
+    ranked: ClassVar[bool] = True
+    #: the dtype ``signature.storage_dtype=auto`` stores the kind's factors in
+    auto_storage: ClassVar[str] = "float32"
     rank: int | None = None
     #: the compactly stored eigenbasis this object was loaded from (kind "shared"), if any
     _packed_basis: Tensor | None = None

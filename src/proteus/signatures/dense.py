@@ -65,6 +65,7 @@ class FullComponents(GaussianComponents):
 
     kind = "full"
     factor_names = ("prec_chol",)
+    ranked = False
     per_component = ("prec_chol",)
 
     def __init__(

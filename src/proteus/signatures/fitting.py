@@ -73,7 +73,9 @@ Prior = Callable[[Tensor, Tensor, SignatureConfig], TaskCovariance]
 PRIORS: Registry[Prior] = Registry("signature.prior")
 #: ``signature.prior_scale``: the DP-GMM's ``W0^{-1}`` from the task's covariance and the prior's dof
 PRIOR_SCALES: Registry[Callable[[Tensor, float], Tensor]] = Registry("signature.prior_scale")
-#: ``signature.method``: the clustering ``fit(X, cfg, seed, task covariance)`` behind the signature
+#: ``signature.method``: the clustering ``fit(X, cfg, seed, task covariance)`` behind the signature; traits:
+#: ``components`` (several components: ``signature.max_components`` is read), ``dirichlet_prior`` (the
+#: ``signature.prior_*`` options are), ``pooled_scatter`` (each cluster's scatter shrunk to the pooled one)
 METHODS: Registry[Callable[[Tensor, SignatureConfig, int, TaskCovariance], ClusterFit]] = Registry(
     "signature.method"
 )
@@ -188,7 +190,7 @@ def task_covariance(X: Tensor, cfg: SignatureConfig) -> TaskCovariance:
     return PRIORS.get(cfg.prior)(Xc, C, cfg)
 
 
-@METHODS.register("dpgmm", "the DP-GMM of Eq. 18")
+@METHODS.register("dpgmm", "the DP-GMM of Eq. 18", dirichlet_prior=True, components=True)
 def fit_dpgmm(X: Tensor, cfg: SignatureConfig, seed: int, cov: TaskCovariance) -> ClusterFit:
     """The DP-GMM of Eq. 18 with covariance prior ``W0^{-1}`` the task's covariance scaled per
     ``cfg.prior_scale`` (:data:`PRIOR_SCALES`; scikit-learn's other defaults)."""
@@ -220,7 +222,7 @@ def fit_dpgmm(X: Tensor, cfg: SignatureConfig, seed: int, cov: TaskCovariance) -
     )
 
 
-@METHODS.register("kmeans", "K-means hard clusters (the ablation)")
+@METHODS.register("kmeans", "K-means hard clusters (the ablation)", pooled_scatter=True, components=True)
 def fit_kmeans(X: Tensor, cfg: SignatureConfig, seed: int, cov: TaskCovariance) -> ClusterFit:
     """The K-means ablation: ``K = max_components`` hard clusters, each with covariance ``(n_k S_k + d
     S_pool) / (n_k + d)`` (its scatter shrunk towards the pooled within-cluster covariance ``S_pool + lam
@@ -258,7 +260,7 @@ def fit_kmeans(X: Tensor, cfg: SignatureConfig, seed: int, cov: TaskCovariance) 
     return ClusterFit(nk / N, counts, means, cov_fn, shared_fn, labels, None, n_iter, True)
 
 
-@METHODS.register("gaussian", "one Gaussian (the single-key signature of Eq. 2)")
+@METHODS.register("gaussian", "one Gaussian (the single-key signature of Eq. 2)", components=False)
 def fit_gaussian(X: Tensor, cfg: SignatureConfig, seed: int, task_cov: TaskCovariance) -> ClusterFit:
     """One Gaussian (the single-key signature of Eq. 2) with the task's regularised covariance
     ``task_cov.C`` (``cfg`` and ``seed`` are not used)."""

@@ -199,6 +199,7 @@ class SharedComponents(GaussianComponents):
 
     kind = "shared"
     factor_names = ("prior_evecs", "prior_evals", "lowrank", "ranks", "iso", "ridge")
+    auto_storage = "float16"  # its low-rank rows (the eigenbasis: float32 Householder vectors)
     per_component = ("ranks", "iso", "ridge")
     #: scoring factors (:func:`~proteus.signatures.shared.shared_scoring`)
     _W: Tensor

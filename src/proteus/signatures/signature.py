@@ -76,15 +76,15 @@ _MIN_WEIGHT = 1e-3
 _MIN_POINTS = 2
 _MAD_TO_SIGMA = 1.4826
 _FORMAT = 1
-#: ``signature.storage_dtype``: "auto" stores kind "shared" in float16 (its low-rank rows; the eigenbasis
-#: as float32 Householder vectors: within 1e-5 of float32, half the bytes) and the other kinds in float32
+#: ``signature.storage_dtype``: "auto" stores each kind in its own dtype (``auto_storage``): kind "shared" in
+#: float16 (its low-rank rows; the eigenbasis as float32 Householder vectors: within 1e-5 of float32, half
+#: the bytes), the other kinds in float32
 
 
 def _resolve_storage(name: str, kind: str) -> str:
-    """The concrete storage dtype of ``signature.storage_dtype`` for components of ``kind``."""
-    if name == "auto":
-        return "float16" if kind == "shared" else "float32"
-    return name
+    """The concrete storage dtype of ``signature.storage_dtype`` for components of ``kind`` ("auto": the
+    kind's own, :attr:`GaussianComponents.auto_storage`)."""
+    return COVARIANCES.get(kind).auto_storage if name == "auto" else name
 
 
 T = TypeVar("T")

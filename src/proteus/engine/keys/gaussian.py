@@ -264,12 +264,14 @@ class GaussianKeys(RetrievalKeys):
             self.shortlist_keys.load_global(meta["shortlist"], tensors)
 
 
-KEYS.register("adapter", help="the paper: DP-GMM signatures under each task's own adapter (Eq. 18)")(
-    KeyKind(GaussianKeys, False)
-)
-KEYS.register("frozen", help="DP-GMM signatures of the frozen backbone's features")(
+#: trait ``signatures``: the keys are Gaussian-mixture signatures (``signature.*`` and the shortlist's
+#: ``retrieval.*`` options are read)
+KEYS.register(
+    "adapter", help="the paper: DP-GMM signatures under each task's own adapter (Eq. 18)", signatures=True
+)(KeyKind(GaussianKeys, False))
+KEYS.register("frozen", help="DP-GMM signatures of the frozen backbone's features", signatures=True)(
     KeyKind(GaussianKeys, True, {"adapter": False, "frozen": True})
 )
-KEYS.register("adapter+frozen", help="both signatures, scores summed")(
+KEYS.register("adapter+frozen", help="both signatures, scores summed", signatures=True)(
     KeyKind(GaussianKeys, False, {"frozen": True})
 )

@@ -82,7 +82,9 @@ def groups(classes: list[list[int]], n_classes: int) -> Groups:
 TASK_SCORES: Registry[Callable[[Tensor, float, Groups], Tensor]] = Registry("signature.task_score")
 
 
-@TASK_SCORES.register("mean", help="-log mean_{c in t} softmax(f / T)_c: the posterior over tasks")
+@TASK_SCORES.register(
+    "mean", help="-log mean_{c in t} softmax(f / T)_c: the posterior over tasks", tempered=True
+)
 def _mean_score(logits: Tensor, temperature: float, g: Groups) -> Tensor:
     logp = torch.log_softmax(logits.double() / temperature, dim=1)
     top = g.reduce(logp, "amax")  # each task's logsumexp, from its largest term
@@ -425,9 +427,9 @@ class KeysDetector:
         return self.thresholds(classes)
 
 
-KEYS.register("frozen-lda", help="LDA keys on frozen features (beyond the paper)")(
+KEYS.register("frozen-lda", help="LDA keys on frozen features (beyond the paper)", lda=True)(
     KeyKind(LDAKeys, True, {"space": FROZEN})
 )
-KEYS.register("first-adapter-lda", help="LDA keys under the first task's adapter (beyond the paper)")(
-    KeyKind(LDAKeys, True, {"space": FIRST_ADAPTER})
-)
+KEYS.register(
+    "first-adapter-lda", help="LDA keys under the first task's adapter (beyond the paper)", lda=True
+)(KeyKind(LDAKeys, True, {"space": FIRST_ADAPTER}))
