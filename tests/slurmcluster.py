@@ -23,6 +23,12 @@ from pathlib import Path
 NEEDS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scancel")
 
 
+#: a job step credential's lifetime, in seconds: also how long SLURM holds a re-queued job before it may
+#: start again (``cred_expire``, 120 by default; a re-queued job started sooner is refused, "Job credential
+#: revoked")
+CRED_EXPIRE = 20
+
+
 class Unavailable(RuntimeError):
     """Why no SLURM cluster can start here."""
 
@@ -34,7 +40,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={socket_path}
+AuthInfo=socket={socket_path},cred_expire={CRED_EXPIRE}
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 StateSaveLocation={root}/ctld
@@ -80,6 +86,12 @@ def _started(path: Path, what: str) -> int:
     return _pid(path)  # type: ignore[return-value]
 
 
+def _jobs(env: dict[str, str]) -> list[str]:
+    """The cluster's jobs still known to its controller (any state)."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True, timeout=15)
+    return out.stdout.split()
+
+
 def _wait(check: callable, seconds: float, what: str) -> None:  # type: ignore[valid-type]
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -87,19 +99,6 @@ def _wait(check: callable, seconds: float, what: str) -> None:  # type: ignore[v
             return
         time.sleep(0.5)
     raise Unavailable(f"{what} did not come up within {seconds:g} s")
-
-
-def release_requeued(env: dict[str, str], job_id: str, seconds: float = 120) -> None:
-    """Start a re-queued job now: SLURM holds a re-queued job for about two minutes (its begin time set
-    ahead) before it may run again; a cluster's administrator shortens that wait as this does."""
-
-    def held() -> bool:
-        state = ["squeue", "-h", "-j", job_id, "-o", "%t %r"]
-        out = subprocess.run(state, env=env, capture_output=True, text=True)
-        return out.stdout.split() == ["PD", "BeginTime"]
-
-    _wait(held, seconds, f"job {job_id} re-queued")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
 
 
 @contextlib.contextmanager
@@ -146,6 +145,10 @@ def single_node(cpus: int = 2) -> Iterator[dict[str, str]]:
     except (OSError, subprocess.SubprocessError) as e:
         raise Unavailable(f"{type(e).__name__}: {e}") from None
     finally:
+        if len(procs) == 3:  # every job ended first: slurmd's job steps would outlive the daemons
+            with contextlib.suppress(OSError, subprocess.SubprocessError, Unavailable):
+                subprocess.run(["scancel", "--partition=debug"], env=env, capture_output=True, timeout=15)
+                _wait(lambda: not _jobs(env), 15, "the jobs' end")
         for pid in reversed(procs):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)

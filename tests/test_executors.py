@@ -318,7 +318,7 @@ def test_a_preempted_slurm_job_is_requeued_and_continues_from_its_last_task(tmp_
     from proteus.experiment.cell import run_cell
     from proteus.experiment.executors import SlurmExecutor
     from proteus.kb import KnowledgeBase
-    from slurmcluster import Unavailable, release_requeued, single_node
+    from slurmcluster import Unavailable, single_node
 
     sets = [s if not s.startswith("benchmark.num_tasks") else "benchmark.num_tasks=5" for s in TINY]
     cell = rep.make_plan("ablationS", benchmark="quickstart", seeds=[0], sets=sets).runnable()[0]
@@ -347,7 +347,6 @@ def test_a_preempted_slurm_job_is_requeued_and_continues_from_its_last_task(tmp_
         queued = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True)
         job_id = queued.stdout.split()[0]
         subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True)
-        release_requeued(env, job_id)
         runner.join(timeout=900)
         assert not runner.is_alive() and failures == []
     state = json.loads((job.run_dir / "state.json").read_text())

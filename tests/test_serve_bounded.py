@@ -344,3 +344,74 @@ def test_the_reliability_page_states_the_bounds_the_burst_test_holds() -> None:
         16_000_000,
     )  # "eight requests of four 16-megapixel images"
     assert "eight requests of four 16-megapixel images" in row
+
+
+#: the input-budget test: INPUT_REQUESTS requests at once of INPUT_IMAGES small images each, the budget
+#: admitting one request's model inputs
+INPUT_REQUESTS, INPUT_IMAGES = 8, 512
+#: what the server may hold above idle besides the inputs the budget admits: the decodes of small images,
+#: the micro-batches' copies, the bodies and the allocator's rounding
+INPUT_ALLOWANCE = 48 << 20
+
+
+def test_concurrent_requests_hold_their_model_inputs_within_the_input_budget(world: dict) -> None:
+    """Eight requests at once, each of 512 small images, to a server whose ``input_bytes`` admits one
+    request's model inputs (``$PROTEUS_LIMIT_INPUT_BYTES``): every request is answered, and the server's
+    resident memory above idle (idle measured after one such request alone) stays within that budget plus
+    :data:`INPUT_ALLOWANCE`: the requests wait for room instead of all holding their inputs at once (at 256
+    images a request: 16 MiB above idle with the budget, 47 MiB with none; at 1,024: 179 MiB with none)."""
+    from proteus import Proteus
+
+    each = Proteus.load(world["kb1"]).transform_images([_image(PNG)])[0].nbytes
+    images = INPUT_IMAGES
+    budget = images * each
+    env = {**os.environ, "PROTEUS_LIMIT_INPUT_BYTES": str(budget), "OMP_NUM_THREADS": "1"}
+    argv = ["serve", "--kb", str(world["kb1"]), "--port", "0", "--device", "cpu", "--threads", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proteus", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+    )  # fmt: skip
+    boundary = "inputs"
+    head = f'--{boundary}\r\nContent-Disposition: form-data; name="f"; filename="x.png"\r\n\r\n'.encode()
+    body = b"".join(head + PNG + b"\r\n" for _ in range(images)) + f"--{boundary}--\r\n".encode()
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert "serving" in line, line
+        url = line.split(" on ")[1].split()[0]
+
+        def send(_: int) -> int:
+            headers = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+            return httpx.post(url + "/predict/batch", content=body, headers=headers, timeout=300).status_code
+
+        assert send(0) == 200  # one such request alone first: what serving one costs is part of idle
+        idle = _rss(proc.pid)
+        peak, done = [idle], threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss(proc.pid))
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        with ThreadPoolExecutor(INPUT_REQUESTS) as pool:
+            answers = list(pool.map(send, range(INPUT_REQUESTS)))
+        done.set()
+        watcher.join()
+        assert answers == [200] * INPUT_REQUESTS
+        _still_serving(url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert peak[0] - idle <= budget + INPUT_ALLOWANCE, (
+        f"peak {(peak[0] - idle) >> 20} MiB above idle; the input budget is {budget >> 20} MiB"
+    )
+
+
+def _image(png: bytes) -> Any:
+    from PIL import Image
+
+    return Image.open(io.BytesIO(png)).convert("RGB")

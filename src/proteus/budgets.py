@@ -71,6 +71,10 @@ BUDGETS: dict[str, Budget] = {
         Budget("decoding_pixels", 128_000_000, "pixels",
                "memory of `serve` as a whole: pixels being decoded at once by all requests together (a "
                "decode waits for room; one image alone may always use up to image_pixels)"),
+        Budget("input_bytes", 1 << 30, "bytes",
+               "memory of `serve` as a whole: the model inputs (the resized images) that requests hold "
+               "until they are predicted, all requests together (a request waits for room for all of its "
+               "images before decoding any; one request alone may always hold its own)"),
         Budget("request_images", 1024, "images",
                "`serve`: images (multipart parts, JSON items) in one request; the multipart parser stops "
                "at the first part over it", "proteus serve --max-images"),

@@ -38,7 +38,9 @@ nothing beyond float round-off.
 Memory: a multipart body is parsed as it arrives (:mod:`proteus.serve.multipart`) and refused at the first
 part over the image budget; each image is decoded alone, within the server-wide ``decoding_pixels``
 budget, and resized by the backbone's transform right after it is decoded (the full-size image is not
-kept). A decoding thread stops between two images once its request has timed out or its client left.
+kept) into the request's one batch tensor, whose bytes the server-wide ``input_bytes`` budget holds until
+the request's images are predicted (a request waits for room for all of them before decoding any). A
+decoding thread stops between two images once its request has timed out or its client left.
 
 Reloading: a watcher thread polls ``manifest.json`` (its bytes' sha256; read without blocking, never
 through a link) and, when another process commits, loads the new state with the same verified loader as

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import io
 import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import torch
+from PIL import Image
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -160,6 +163,7 @@ class Runtime:
     limits: Limits
     watch: bool
     decoding: PixelBudget
+    inputs: SharedBudget
 
 
 #: pixels decoded, as a burst, before the heap is trimmed once no decode runs (:func:`proteus.heap.trim`):
@@ -167,18 +171,19 @@ class Runtime:
 TRIM_AFTER_PIXELS = 16_000_000
 
 
-class PixelBudget:
-    """Pixels being decoded at once by all requests (budget ``decoding_pixels``): a decode waits until its
-    image fits (one image alone always fits), so the server's memory for decoding is bounded whatever the
-    number of requests."""
+class SharedBudget:
+    """An amount shared by all requests (pixels being decoded, bytes of inputs held): :meth:`acquire` waits
+    until ``n`` more fit within ``total`` (``n`` alone always fits: a request is never refused for its own
+    size here), so what the server holds of it is bounded whatever the number of requests. A request takes
+    all it needs at once and gives it back (:meth:`release`) before taking more, so none waits holding a
+    share another needs."""
 
     def __init__(self, total: int) -> None:
         self.total, self.used = total, 0
-        self.since_trim = 0  # pixels decoded since the heap was last trimmed
         self._cond = threading.Condition()
 
     def acquire(self, n: int, cancelled: threading.Event) -> bool:
-        """Wait for room for ``n`` pixels; False if ``cancelled`` is set meanwhile."""
+        """Wait for room for ``n``; False if ``cancelled`` is set meanwhile."""
         with self._cond:
             while self.used and self.used + n > self.total:
                 if cancelled.is_set():
@@ -190,11 +195,32 @@ class PixelBudget:
     def release(self, n: int) -> None:
         with self._cond:
             self.used -= n
-            self.since_trim += n
-            trim = self.used == 0 and self.since_trim >= TRIM_AFTER_PIXELS
-            if trim:
-                self.since_trim = 0
+            self._released(n)
             self._cond.notify_all()
+
+    def _released(self, n: int) -> None:
+        """Called with the lock held after ``n`` was given back."""
+
+
+class PixelBudget(SharedBudget):
+    """Pixels being decoded at once by all requests (budget ``decoding_pixels``): a decode waits until its
+    image fits (one image alone always fits), so the server's memory for decoding is bounded whatever the
+    number of requests; once no decode runs after a burst, the heap is trimmed."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__(total)
+        self.since_trim = 0  # pixels decoded since the heap was last trimmed
+        self._trim = False
+
+    def _released(self, n: int) -> None:
+        self.since_trim += n
+        if self.used == 0 and self.since_trim >= TRIM_AFTER_PIXELS:
+            self.since_trim, self._trim = 0, True
+
+    def release(self, n: int) -> None:
+        super().release(n)
+        with self._cond:
+            trim, self._trim = self._trim, False
         if trim:  # a burst of large decodes is over: their freed pages back to the system
             heap.trim()
 
@@ -333,31 +359,60 @@ def _sizes(parts: list[tuple[str, bytes]], max_pixels: int | None, limits: Limit
     return out
 
 
+#: the model input a served learner makes of one image (:func:`_input_of`)
+_INPUTS: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], torch.dtype, int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _input_of(clf: ContinualLearner) -> tuple[tuple[int, ...], torch.dtype, int]:
+    """The shape, dtype and bytes of the model input ``clf`` makes of one image (its transform's output: the
+    same for every image), found once per learner from a one-pixel image."""
+    found = _INPUTS.get(clf)
+    if found is None:
+        x = clf.transform_images([Image.new("RGB", (1, 1))])
+        found = (tuple(x.shape[1:]), x.dtype, x[:1].numel() * x.element_size())
+        with contextlib.suppress(TypeError):  # (a learner that cannot be weakly referenced: found each time)
+            _INPUTS[clf] = found
+    return found
+
+
 def _decode(
     clf: ContinualLearner,
     parts: list[tuple[str, bytes]],
     strict: bool,
     limits: Limits,
-    budget: PixelBudget,
+    budgets: tuple[PixelBudget, SharedBudget],
     cancelled: threading.Event,
+    held: list[int],
 ) -> tuple[torch.Tensor | None, list[str], dict[int, str]]:
-    """Check the parts' headers (:func:`_sizes`), then decode and transform them one at a time (in a worker
-    thread), each resized by the backbone's transform right after it is decoded (the full-size image is not
-    kept) and within the server's :class:`PixelBudget`: the batch tensor of the readable ones, their names
-    and ``{position: message}`` for the others. ``strict``: the first unreadable part raises. Stops early
-    (returns nothing) when ``cancelled`` is set: the request timed out or its client left."""
+    """Check the parts' headers (:func:`_sizes`), take room in the server's input budget for the model inputs
+    of all the readable ones (added to ``held``: the caller gives it back once they are predicted), then
+    decode and transform them one at a time (in a worker thread) into one batch tensor, each resized by the
+    backbone's transform right after it is decoded (the full-size image is not kept) and within the server's
+    :class:`PixelBudget`: the batch tensor of the readable ones, their names and ``{position: message}`` for
+    the others. ``strict``: the first unreadable part raises. Stops early (returns nothing) when
+    ``cancelled`` is set: the request timed out or its client left."""
+    pixels, inputs = budgets
     max_pixels = clf.config.eval.max_image_pixels
     sizes = _sizes(parts, max_pixels, limits, strict)
-    rows, names, errors = [], [], {}
+    readable = sum(not isinstance(n, ImageError) for n in sizes)
+    shape, dtype, each = _input_of(clf)
+    if not inputs.acquire(readable * each, cancelled):
+        return None, [], {}
+    held[0] += readable * each
+    x = torch.empty((readable, *shape), dtype=dtype)
+    names: list[str] = []
+    errors: dict[int, str] = {}
     for i, ((name, data), n) in enumerate(zip(parts, sizes)):
         if isinstance(n, ImageError):
             errors[i] = str(n)
             continue
-        if not budget.acquire(n, cancelled):
+        if not pixels.acquire(n, cancelled):
             return None, [], {}
         try:
             image = open_image(io.BytesIO(data), max_pixels, name=name)
-            rows.append(clf.transform_images([image]))
+            x[len(names)] = clf.transform_images([image])[0]
             del image
             names.append(name)
         except ImageError as e:
@@ -365,8 +420,8 @@ def _decode(
                 raise
             errors[i] = str(e)
         finally:
-            budget.release(n)
-    return (torch.cat(rows) if rows else None), names, errors
+            pixels.release(n)
+    return (x[: len(names)] if names else None), names, errors
 
 
 def _top_k(request: Request) -> int:
@@ -405,6 +460,7 @@ async def _predict(request: Request, batch: bool) -> Response:
     length = _content_length(request, rt.limits)
     stage = "waiting for a slot"
     cancelled = threading.Event()  # tells a decoding thread to stop: the request has given up
+    held = [0]  # bytes of the server's input budget this request holds
     try:
         with anyio.move_on_after(rt.limits.request_timeout) as deadline:
             async with rt.admission.slot():
@@ -414,7 +470,7 @@ async def _predict(request: Request, batch: bool) -> Response:
                 clf = rt.kb.clf  # this request's learner, even if a reload swaps in another meanwhile
                 try:
                     x, names, errors = await anyio.to_thread.run_sync(
-                        _decode, clf, parts, not batch, rt.limits, rt.decoding, cancelled
+                        _decode, clf, parts, not batch, rt.limits, (rt.decoding, rt.inputs), cancelled, held
                     )
                 except ImageTooLargeError as e:
                     raise Refusal(413, f"{e}; send a smaller image") from None
@@ -422,8 +478,10 @@ async def _predict(request: Request, batch: bool) -> Response:
                     raise Refusal(400, str(e)) from None
                 stage = "predicting"
                 rows = await _rows(rt.batcher, clf, x, names, top_k) if x is not None else []
+                del x
     finally:
         cancelled.set()
+        rt.inputs.release(held[0])
     if deadline.cancelled_caught:
         timeout = rt.limits.request_timeout
         if stage == "reading":
@@ -606,6 +664,7 @@ def create_app(
         limits,
         watch,
         PixelBudget(limit("decoding_pixels")),
+        SharedBudget(limit("input_bytes")),
     )
 
     @asynccontextmanager
