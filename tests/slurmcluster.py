@@ -26,7 +26,7 @@ NEEDS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scancel"
 #: a job step credential's lifetime, in seconds: also how long SLURM holds a re-queued job before it may
 #: start again (``cred_expire``, 120 by default; a re-queued job started sooner is refused, "Job credential
 #: revoked")
-CRED_EXPIRE = 20
+CRED_EXPIRE = 10
 
 
 class Unavailable(RuntimeError):

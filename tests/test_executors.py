@@ -172,13 +172,21 @@ def test_a_job_file_holds_the_config_as_json(tmp_path: Path) -> None:
     assert job["executor"] == "slurm" and job["config"] == json.loads(json.dumps(cfg.to_dict(), default=str))
 
 
+@pytest.fixture(scope="module")
+def local_grid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The grid run by the local executor, once for the tests that compare another executor's with it (they
+    only read it)."""
+    local = tmp_path_factory.mktemp("grid") / "local"
+    assert main([*ABLATION, "--out", str(local), "-q"]) == 0
+    return local
+
+
 @pytest.mark.slow
 def test_the_pool_gathers_the_local_table_and_resumes_an_interrupted_grid(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], local_grid: Path
 ) -> None:
-    local, pool = tmp_path / "local", tmp_path / "pool"
+    local, pool = local_grid, tmp_path / "pool"
     stem = "ablationS-quickstart"
-    assert main([*ABLATION, "--out", str(local), "-q"]) == 0
     assert main([*ABLATION, "--out", str(pool), "-q", "--executor", "pool", "--jobs", "2"]) == 0
     for suffix in (".csv", ".md"):  # the same file, bit for bit
         assert (pool / f"{stem}{suffix}").read_bytes() == (local / f"{stem}{suffix}").read_bytes()
@@ -222,7 +230,7 @@ def test_the_pool_gathers_the_local_table_and_resumes_an_interrupted_grid(
 
 @pytest.mark.slow
 def test_a_grid_on_a_single_node_slurm_cluster(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], local_grid: Path
 ) -> None:
     """The grid as a SLURM job array (a cluster started for the test): the local table again; a job killed
     part-way is named, started again in its folder by the scheduler (it continues from its last committed
@@ -238,12 +246,11 @@ def test_a_grid_on_a_single_node_slurm_cluster(
         except Unavailable as e:
             pytest.skip(f"no single-node SLURM cluster here: {e}")
         monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
-        local, slurm = tmp_path / "local", tmp_path / "slurm"
+        local, slurm = local_grid, tmp_path / "slurm"
         stem, on_slurm = (
             "ablationS-quickstart",
             ["--executor", "slurm", "--partition", "debug", "--time", "30"],
         )
-        assert main([*ABLATION, "--out", str(local), "-q"]) == 0
         assert main([*ABLATION, "--out", str(slurm), "-q", *on_slurm]) == 0
         for suffix in (".csv", ".md"):
             assert (slurm / f"{stem}{suffix}").read_bytes() == (local / f"{stem}{suffix}").read_bytes()
