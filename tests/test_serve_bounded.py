@@ -5,6 +5,7 @@ errors as JSON 503, nested JSON refused, a busy port named, SIGTERM ending the p
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -284,50 +285,16 @@ def test_concurrent_requests_decode_within_the_servers_budget_and_give_the_memor
     from proteus.budgets import IMAGE_BYTES_PER_PIXEL
 
     budget = BURST_SIDE * BURST_SIDE
-    env = {**os.environ, "PROTEUS_LIMIT_DECODING_PIXELS": str(budget), "OMP_NUM_THREADS": "1"}
-    argv = ["serve", "--kb", str(world["kb1"]), "--port", "0", "--device", "cpu", "--threads", "1"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proteus", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env,
-    )  # fmt: skip
-    png, boundary = _big_png(BURST_SIDE), "burst"
-    head = f'--{boundary}\r\nContent-Disposition: form-data; name="f"; filename="x.png"\r\n\r\n'.encode()
-    body = b"".join(head + png + b"\r\n" for _ in range(BURST_IMAGES)) + f"--{boundary}--\r\n".encode()
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        assert "serving" in line, line
-        url = line.split(" on ")[1].split()[0]
+    body = _multipart(_big_png(BURST_SIDE), BURST_IMAGES)
+    with _server(world, PROTEUS_LIMIT_DECODING_PIXELS=budget) as (pid, url):
         _still_serving(url)  # a first prediction: the model's own memory is part of idle
-        idle = _rss(proc.pid)
-        peak, done = [idle], threading.Event()
-
-        def watch() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], _rss(proc.pid))
-                time.sleep(0.02)
-
-        def send(_: int) -> int:
-            headers = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
-            return httpx.post(url + "/predict/batch", content=body, headers=headers, timeout=300).status_code
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        with ThreadPoolExecutor(BURST_REQUESTS) as pool:
-            answers = list(pool.map(send, range(BURST_REQUESTS)))
-        done.set()
-        watcher.join()
-        assert answers == [200] * BURST_REQUESTS
-        _wait(lambda: _rss(proc.pid) - idle <= BURST_LEFT, seconds=10)  # given back (the heap trimmed)
+        idle = _rss(pid)
+        peak = _peak_during(pid, url, body, BURST_REQUESTS)
+        _wait(lambda: _rss(pid) - idle <= BURST_LEFT, seconds=10)  # given back (the heap trimmed)
         _still_serving(url)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     declared = budget * IMAGE_BYTES_PER_PIXEL
-    assert peak[0] - idle <= declared + BURST_ALLOWANCE, (
-        f"peak {(peak[0] - idle) >> 20} MiB above idle, the decoding budget declares {declared >> 20} MiB"
+    assert peak - idle <= declared + BURST_ALLOWANCE, (
+        f"peak {(peak - idle) >> 20} MiB above idle, the decoding budget declares {declared >> 20} MiB"
     )
 
 
@@ -338,11 +305,7 @@ def test_the_reliability_page_states_the_bounds_the_burst_test_holds() -> None:
     row = next(line for line in doc.read_text().splitlines() if "several requests of large images" in line)
     assert f"`decoding_pixels` x {IMAGE_BYTES_PER_PIXEL} bytes above the idle server" in row
     assert f"plus {BURST_ALLOWANCE >> 20} MiB, and within {BURST_LEFT >> 20} MiB of idle" in row
-    assert (BURST_REQUESTS, BURST_IMAGES, BURST_SIDE**2) == (
-        8,
-        4,
-        16_000_000,
-    )  # "eight requests of four 16-megapixel images"
+    assert (BURST_REQUESTS, BURST_IMAGES, BURST_SIDE**2) == (8, 4, 16_000_000)  # the row's words:
     assert "eight requests of four 16-megapixel images" in row
 
 
@@ -363,52 +326,73 @@ def test_concurrent_requests_hold_their_model_inputs_within_the_input_budget(wor
     from proteus import Proteus
 
     each = Proteus.load(world["kb1"]).transform_images([_image(PNG)])[0].nbytes
-    images = INPUT_IMAGES
-    budget = images * each
-    env = {**os.environ, "PROTEUS_LIMIT_INPUT_BYTES": str(budget), "OMP_NUM_THREADS": "1"}
+    budget = INPUT_IMAGES * each
+    body = _multipart(PNG, INPUT_IMAGES)
+    with _server(world, PROTEUS_LIMIT_INPUT_BYTES=budget) as (pid, url):
+        _peak_during(
+            pid, url, body, 1
+        )  # one such request alone first: what serving one costs is part of idle
+        idle = _rss(pid)
+        peak = _peak_during(pid, url, body, INPUT_REQUESTS)
+        _still_serving(url)
+    assert peak - idle <= budget + INPUT_ALLOWANCE, (
+        f"peak {(peak - idle) >> 20} MiB above idle; the input budget is {budget >> 20} MiB"
+    )
+
+
+_BOUNDARY = "burst"
+
+
+def _multipart(png: bytes, n: int) -> bytes:
+    """A multipart body of ``n`` copies of ``png`` (boundary :data:`_BOUNDARY`)."""
+    head = f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="f"; filename="x.png"\r\n\r\n'.encode()
+    return b"".join(head + png + b"\r\n" for _ in range(n)) + f"--{_BOUNDARY}--\r\n".encode()
+
+
+@contextlib.contextmanager
+def _server(world: dict, **limits: int) -> Iterator[tuple[int, str]]:
+    """``proteus serve`` on the test KB in a process of its own, with ``limits`` (``PROTEUS_LIMIT_*``) in its
+    environment: (its pid, its URL); stopped (SIGTERM, else killed) after."""
+    env = {**os.environ, **{k: str(v) for k, v in limits.items()}, "OMP_NUM_THREADS": "1"}
     argv = ["serve", "--kb", str(world["kb1"]), "--port", "0", "--device", "cpu", "--threads", "1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "proteus", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env,
     )  # fmt: skip
-    boundary = "inputs"
-    head = f'--{boundary}\r\nContent-Disposition: form-data; name="f"; filename="x.png"\r\n\r\n'.encode()
-    body = b"".join(head + PNG + b"\r\n" for _ in range(images)) + f"--{boundary}--\r\n".encode()
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         assert "serving" in line, line
-        url = line.split(" on ")[1].split()[0]
-
-        def send(_: int) -> int:
-            headers = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
-            return httpx.post(url + "/predict/batch", content=body, headers=headers, timeout=300).status_code
-
-        assert send(0) == 200  # one such request alone first: what serving one costs is part of idle
-        idle = _rss(proc.pid)
-        peak, done = [idle], threading.Event()
-
-        def watch() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], _rss(proc.pid))
-                time.sleep(0.02)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        with ThreadPoolExecutor(INPUT_REQUESTS) as pool:
-            answers = list(pool.map(send, range(INPUT_REQUESTS)))
-        done.set()
-        watcher.join()
-        assert answers == [200] * INPUT_REQUESTS
-        _still_serving(url)
+        yield proc.pid, line.split(" on ")[1].split()[0]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    assert peak[0] - idle <= budget + INPUT_ALLOWANCE, (
-        f"peak {(peak[0] - idle) >> 20} MiB above idle; the input budget is {budget >> 20} MiB"
-    )
+
+
+def _peak_during(pid: int, url: str, body: bytes, n: int) -> int:
+    """Send ``n`` requests of ``body`` to ``/predict/batch`` at once (each must be answered 200) and return
+    the server's peak resident bytes meanwhile."""
+    peak, done = [_rss(pid)], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss(pid))
+            time.sleep(0.02)
+
+    def send(_: int) -> int:
+        headers = {"Content-Type": f"multipart/form-data; boundary={_BOUNDARY}"}
+        return httpx.post(url + "/predict/batch", content=body, headers=headers, timeout=300).status_code
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with ThreadPoolExecutor(n) as pool:
+        answers = list(pool.map(send, range(n)))
+    done.set()
+    watcher.join()
+    assert answers == [200] * n
+    return peak[0]
 
 
 def _image(png: bytes) -> Any:

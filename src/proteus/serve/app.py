@@ -195,11 +195,17 @@ class SharedBudget:
     def release(self, n: int) -> None:
         with self._cond:
             self.used -= n
-            self._released(n)
+            drained = self._released(n)
             self._cond.notify_all()
+        if drained:
+            self._drained()
 
-    def _released(self, n: int) -> None:
-        """Called with the lock held after ``n`` was given back."""
+    def _released(self, n: int) -> bool:
+        """Called with the lock held after ``n`` was given back: whether to call :meth:`_drained` after."""
+        return False
+
+    def _drained(self) -> None:
+        """Called without the lock when :meth:`_released` asked for it."""
 
 
 class PixelBudget(SharedBudget):
@@ -210,19 +216,16 @@ class PixelBudget(SharedBudget):
     def __init__(self, total: int) -> None:
         super().__init__(total)
         self.since_trim = 0  # pixels decoded since the heap was last trimmed
-        self._trim = False
 
-    def _released(self, n: int) -> None:
+    def _released(self, n: int) -> bool:
         self.since_trim += n
-        if self.used == 0 and self.since_trim >= TRIM_AFTER_PIXELS:
-            self.since_trim, self._trim = 0, True
+        if self.used or self.since_trim < TRIM_AFTER_PIXELS:
+            return False
+        self.since_trim = 0
+        return True
 
-    def release(self, n: int) -> None:
-        super().release(n)
-        with self._cond:
-            trim, self._trim = self._trim, False
-        if trim:  # a burst of large decodes is over: their freed pages back to the system
-            heap.trim()
+    def _drained(self) -> None:  # a burst of large decodes is over: their freed pages back to the system
+        heap.trim()
 
 
 def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
