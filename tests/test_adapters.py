@@ -328,12 +328,12 @@ def test_a_unit_whose_room_is_full_keeps_no_basis_and_rebuilds_it_when_room_is_f
 
 
 def test_a_stored_task_holds_its_own_tensors_not_views_of_the_unit() -> None:
-    """A stored task's A, B and row of C are copies: a view would keep the whole matrix of its time alive,
+    """A stored task's A, B and row of S are copies: a view would keep the whole matrix of its time alive,
     one per stored task (O(m^3) numbers over m tasks on a long stream)."""
     g = torch.Generator().manual_seed(0)
     u = LoRAUnit(10, 4)
     _stored_tasks(u, 4, g)
-    held = {id(u.A.untyped_storage()), u.A.untyped_storage().data_ptr(), u.C.untyped_storage().data_ptr()}
+    held = {t.untyped_storage().data_ptr() for t in (u.A, u.B, *u.rows.blocks) if t.numel()}
     for t in range(u.num_tasks):
         for name, x in u.task_tensors(t).items():
             assert x.untyped_storage().data_ptr() not in held, (t, name)
@@ -341,7 +341,7 @@ def test_a_stored_task_holds_its_own_tensors_not_views_of_the_unit() -> None:
 
 
 def test_an_appended_task_is_written_into_room_kept_for_it() -> None:
-    """A, B and C grow by half at a time: appending a task copies its own numbers, not every older task's
+    """A and B grow by half at a time: appending a task copies its own numbers, not every older task's
     (else learning task k, and loading k tasks, costs O(k) per task), and what a truncation left behind in
     the room is never read back as a later task's coefficients."""
     g = torch.Generator().manual_seed(0)
@@ -349,7 +349,7 @@ def test_an_appended_task_is_written_into_room_kept_for_it() -> None:
     storages = set()
     for _ in range(30):
         _stored_tasks(u, 1, g, rank=1)
-        storages.add(u.C.untyped_storage().data_ptr())
+        storages.add(u.A.untyped_storage().data_ptr())
     assert len(storages) <= 8  # about log_1.5(30) reallocations, not 30
     rows = [u.C[k].clone() for k in range(u.num_tasks)]
     u.truncate(20)
@@ -381,3 +381,43 @@ def test_stored_tasks_whose_rows_of_s_do_not_fit_are_refused_by_name() -> None:
         v.append_stored([(A, B, s, [2, 2, 2], [0, 5])], ["first", "second", "third"])
     v.append_stored([(A, B, torch.cat([t["s"] for t in x]), [2, 2, 2], [0, 2, 4])])
     assert torch.equal(v.C, u.C) and v.ranks == u.ranks
+
+
+def test_the_rows_of_s_are_read_where_they_live_and_compose_as_the_dense_matrix() -> None:
+    """Each task's row of S lives in its own tensor (or a stored one, after :meth:`LoRAUnit.adopt`: the old
+    tensor is let go), and the rows a composition builds for any tasks are those of C, the dense matrix
+    (row k: s^(k), then 1 on its own columns, then zeros), which a baseline may also set whole; a task's
+    own columns may enter with another coefficient (SD-LoRA's magnitude)."""
+    import weakref
+
+    g = torch.Generator().manual_seed(0)
+    u = LoRAUnit(12, 4)
+    _stored_tasks(u, 4, g)
+    C = u.C
+    assert C.shape == (4, 8) and torch.equal(C[2, 4:6], torch.ones(2)) and not C[2, 6:].any()
+    assert torch.equal(u.coefficient_rows([3, 0, 2]), C[[3, 0, 2]])
+    old = weakref.ref(u.rows.blocks[2])
+    stored = u.row(2).clone()  # what a knowledge base's object holds
+    u.adopt(2, stored)
+    assert old() is None and u.row(2).data_ptr() == stored.data_ptr() and torch.equal(u.C, C)
+    u.adopt(1, torch.zeros(3))  # not the row's shape: kept as it was
+    assert torch.equal(u.C, C)
+    v = LoRAUnit(12, 4)
+    x = [u.task_tensors(t) for t in range(4)]
+    v.append_stored([(torch.cat([t["A"] for t in x], 1), torch.cat([t["B"] for t in x], 1),
+                      torch.cat([t["s"] for t in x]), [2] * 4, [0, 2, 4, 6])])  # fmt: skip
+    assert len(v.rows.blocks) == 1 and torch.equal(v.C, C)  # a pack's rows: one block
+    v.scale_own(3, torch.tensor(0.5))
+    assert torch.equal(v.coefficient_rows([3])[0, 6:], torch.full((2,), 0.5))
+    w = LoRAUnit(12, 4)
+    w.A, w.B, w.ranks = v.A.clone(), v.B.clone(), list(v.ranks)
+    w.C = v.C  # a baseline's dense matrix: the same rows and own coefficients
+    assert torch.equal(w.C, v.C) and 3 in w.rows.own and 2 not in w.rows.own
+    w.truncate(2)
+    assert w.C.shape == (2, 4) and torch.equal(w.C, C[:2, :4]) and not w.rows.own
+    bad = v.C.clone()
+    bad[0, 5] = 1.0  # task 1's row on task 3's columns
+    with pytest.raises(ValueError, match="columns of later tasks"):
+        w.A, w.B, w.ranks = v.A.clone(), v.B.clone(), list(v.ranks)
+        w.C = bad
+    assert v.double().rows.blocks[0].dtype == torch.float64  # a move moves the rows with the directions

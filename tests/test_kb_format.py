@@ -222,9 +222,9 @@ def _mapped_file(t: torch.Tensor) -> str | None:
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
 def test_a_committed_or_loaded_task_is_held_from_its_mapped_object(tmp_path: Path) -> None:
-    """After a commit, a learner holds each task's detector rows and Gaussians and its expert as views of its
-    committed object, memory-mapped (the page cache, not the process's memory), and predicts the same; a
-    learner loaded from the knowledge base holds them so from the start."""
+    """After a commit, a learner holds each task's detector rows and Gaussians, its expert and its adapters'
+    rows of S as views of its committed object, memory-mapped (the page cache, not the process's memory),
+    and predicts the same; a learner loaded from the knowledge base holds them so from the start."""
     from proteus import Proteus
     from proteus.streams import build_benchmark
 
@@ -236,14 +236,21 @@ def test_a_committed_or_loaded_task_is_held_from_its_mapped_object(tmp_path: Pat
     x = clf.transform_images([stream.tasks[1].test[i][0] for i in range(8)])
     before = clf.predict(x)
     expert = clf.heads_.experts.experts[1].W
-    assert _mapped_file(expert) is None  # learned: in the process's memory
+    units = [u for u in clf.model_.units.values() if u.row(1).numel()]
+    assert _mapped_file(expert) is None and units and _mapped_file(units[0].row(1)) is None  # learned: held
     clf.save(tmp_path / "kb")
     kb = KnowledgeBase.open(tmp_path / "kb")
-    for k, learner in ((1, clf), (0, Proteus.load(tmp_path / "kb", progress=False))):
+    loaded = Proteus.load(tmp_path / "kb", progress=False)
+    for k, learner in ((1, clf), (0, loaded)):
         obj = kb.manifest["tasks"][k]["object"]
         w = learner.heads_.experts.experts[k].W
         basis = learner.keys_.novelty.gaussians[k][0].basis
         assert str(_mapped_file(w)).endswith(obj) and str(_mapped_file(basis)).endswith(obj)
+    for learner in (clf, loaded):  # task 2's rows of S (task 1 composes no older direction)
+        rows = [u.row(1) for u in learner.model_.units.values() if u.row(1).numel()]
+        assert len(rows) == len(units)
+        assert all(str(_mapped_file(r)).endswith(kb.manifest["tasks"][1]["object"]) for r in rows)
+    for learner in (clf, loaded):
         after = learner.predict(x)
         assert torch.equal(after.label, before.label) and torch.equal(after.known, before.known)
         assert torch.allclose(after.logits, before.logits) and not torch.equal(

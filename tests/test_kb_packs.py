@@ -339,12 +339,18 @@ def test_a_learner_past_a_segment_predicts_the_same_from_its_packs(
     assert len({t["object"] for t in tasks[: 2 * segment]}) == 2  # one pack per full segment
     gaussians = clf.keys_.novelty.gaussians
     assert isinstance(gaussians, TaskShares) and not any(gaussians.held(k) for k in range(n))
+    C = {name: u.C for name, u in clf.model_.units.items()}
+    for u in clf.model_.units.values():  # a pack's rows of S: one view of it per map, the tasks' own let go
+        views = {u.row(k).data_ptr() - 4 * sum(u.columns(j).start for j in range(k // segment * segment, k))
+                 for k in range(1, 2 * segment)}  # fmt: skip  # (task 1 composes no older direction)
+        assert len(views) == 2 and sum(b.numel() > 0 for b in u.rows.blocks) == 2 + 2
     x = clf.transform_images([_task(k).test[0][0] for k in range(n)])
     before = clf.predict(x)
     loaded = Proteus.load(root, progress=False)
     shares = loaded.keys_.novelty.gaussians
     assert isinstance(shares, TaskShares) and shares.decoded_bytes == 0  # nothing decoded at load
     after = loaded.predict(x)
+    assert all(torch.equal(u.C, C[name]) for name, u in loaded.model_.units.items())
     assert torch.equal(after.label, before.label) and torch.equal(after.task, before.task)
     assert torch.equal(after.known, before.known) and torch.allclose(after.novelty, before.novelty)
     assert 0 < shares.decoded_bytes <= shares.budget  # type: ignore[operator]  # the shortlisted tasks'

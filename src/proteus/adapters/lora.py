@@ -7,12 +7,14 @@ For task k+1 the update of one adapted map W (p x q) is
 with the old rank-1 directions b_{tau,i} a_{tau,i}^T frozen, S_tau diagonal and learnable, and the new
 directions constrained by <B_{k+1} A_{k+1}^T, B_tau A_tau^T> = 0 for every old task (Eq. 15).
 
-Storage. A unit keeps every task's directions side by side, ``A`` (q x R) and ``B`` (p x R), and a
-composition matrix ``C`` (m x R): row k holds s^(k) on the columns of older tasks, 1 on task k's own
-columns and 0 after them. Any task's update is then ``B diag(C[k]) A^T`` and a forward that applies a
-different task to each group of a batch is two ordinary matmuls and a per-group diagonal scale:
-``((x A) * C[tasks]) B^T`` -- no gather of per-task matrices, no Python loop over tasks (the *factored*
-forward). Only the columns up to the last composed task's enter it (the later ones have coefficient 0).
+Storage. A unit keeps every task's directions side by side, ``A`` (q x R) and ``B`` (p x R), and each
+task's row of S (:class:`~proteus.adapters.transfer.TransferRows`, where the row lives: a knowledge base's
+mapped object once stored). The composition matrix ``C`` (m x R) has row k = s^(k) on the columns of older
+tasks, 1 on task k's own columns and 0 after them; any task's update is ``B diag(C[k]) A^T`` and a forward
+that applies a different task to each group of a batch is two ordinary matmuls and a per-group diagonal
+scale: ``((x A) * C[tasks]) B^T`` -- no gather of per-task matrices (the *factored* forward), the rows of
+``C[tasks]`` built for the tasks composed only. Only the columns up to the last composed task's enter it
+(the later ones have coefficient 0).
 
 Merged forward. When the rank stacked over tasks is large against the map's width (MobileNetV2's early
 1x1 convolutions: m x r = 40 > 16..32 channels), the factored update costs more than the map itself. A
@@ -43,13 +45,14 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from proteus.adapters.options import TRANSFER_INIT
+from proteus.adapters.transfer import TransferRows
 
 #: consecutive tasks as a knowledge base stores them (:meth:`LoRAUnit.append_stored`): their directions A
 #: (q, sum r) and B (p, sum r) side by side, each task's columns in turn, their rows of S concatenated (each
@@ -63,7 +66,6 @@ class LoRAUnit(nn.Module):
     # buffers (registered in __init__, reassigned as tasks are added or dropped)
     A: torch.Tensor
     B: torch.Tensor
-    C: torch.Tensor
     s_fixed: torch.Tensor
     basis: torch.Tensor
 
@@ -74,8 +76,9 @@ class LoRAUnit(nn.Module):
         self.scaling = float(scaling)
         self.register_buffer("A", torch.zeros(in_features, 0))
         self.register_buffer("B", torch.zeros(out_features, 0))
-        self.register_buffer("C", torch.zeros(0, 0))
-        #: the buffers A, B and C are top-left views of (:func:`_grown`)
+        #: each task's row of S (Eq. 9), where it lives
+        self.rows = TransferRows()
+        #: the buffers A and B are top-left views of (:func:`_grown`)
         self._bufs: dict[str, torch.Tensor] = {}
         self.ranks: list[int] = []
         # the task being trained
@@ -112,6 +115,50 @@ class LoRAUnit(nn.Module):
     @property
     def training_task(self) -> bool:
         return self.A_new is not None
+
+    @property
+    def C(self) -> torch.Tensor:
+        """(m, R): every task's composition coefficients (module doc, "Storage"), built when asked for."""
+        return self.coefficient_rows(list(range(self.num_tasks)))
+
+    @C.setter
+    def C(self, C: torch.Tensor) -> None:
+        """Every task's coefficients from a dense (m, R) matrix over the unit's tasks (:attr:`ranks` set)."""
+        ends = [self._end(t) for t in range(len(self.ranks))]
+        self.rows = TransferRows.from_dense(C, ends, self.total_rank)
+        self.generation += 1
+
+    def row(self, task: int) -> torch.Tensor:
+        """Task ``task``'s row of S: its coefficients over the older tasks' columns (a view)."""
+        return self.rows.row(task, self.columns(task).start)
+
+    def coefficient_rows(self, tasks: list[int]) -> torch.Tensor:
+        """(G, R): the rows of C of ``tasks`` (Eq. 9), on the unit's device and dtype."""
+        return self.rows.dense(tasks, [self._end(t) for t in range(max(tasks, default=-1) + 1)],
+                               self.total_rank, self.A)  # fmt: skip
+
+    def scale_own(self, task: int, value: torch.Tensor) -> None:
+        """Task ``task``'s own columns enter its composition with ``value`` instead of 1 (SD-LoRA's
+        magnitude)."""
+        n = self.columns(task).stop - self.columns(task).start
+        self.rows.own[task] = value.detach().reshape(-1).expand(n).clone()
+        self.generation += 1
+
+    def adopt(self, first: int, rows: torch.Tensor, lengths: list[int] | None = None) -> bool:
+        """Task ``first``'s row of S is stored as ``rows`` (its committed object, memory-mapped: the same
+        numbers), held from there instead of in this process's memory; with ``lengths``, the rows of tasks
+        ``first`` .. ``first + len(lengths) - 1`` end to end (a knowledge base's pack: one view). False
+        (nothing done) when they do not fit, or lie on another device or dtype."""
+        n = 1 if lengths is None else len(lengths)
+        starts = [self.columns(k).start for k in range(first, first + n)]
+        return (rows.device, rows.dtype) == (self.A.device, self.A.dtype) and self.rows.adopt(
+            first, rows, starts, lengths
+        )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> LoRAUnit:
+        out = super()._apply(fn, recurse)
+        self.rows.apply(fn)
+        return out
 
     def _end(self, task: int) -> int:
         """The column after task ``task``'s (0 for task -1) (:func:`_cumulative`)."""
@@ -198,7 +245,7 @@ class LoRAUnit(nn.Module):
         if self.num_tasks > m:
             start = self.columns(m).start
             self.A, self.B = self.A[:, :start], self.B[:, :start]
-            self.C = self.C[:m, :start]
+            self.rows.truncate(m)
             self.ranks = self.ranks[:m]
             self.generation += 1
             # the basis now covers more tasks than are left: _extend_basis rebuilds it at the next task
@@ -222,16 +269,18 @@ class LoRAUnit(nn.Module):
         _check_pieces(self, pieces, names)
         if pieces:
             A, B = torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 1)
-            s = torch.cat([p[2].reshape(-1) for p in pieces])
-            _append_block(self, A, B, s, [r for p in pieces for r in p[3]], [c for p in pieces for c in p[4]])
+            _append_block(self, A, B, [r for p in pieces for r in p[3]])
+            dev, dt = self.A.device, self.A.dtype
+            for p in pieces:  # each piece's rows as they are (a pack's: a view of its mapped file)
+                self.rows.append(p[2].to(dev, dt), p[4])
 
     def task_tensors(self, task: int) -> dict[str, torch.Tensor]:
-        """What a knowledge base stores for one task: its own directions and its row of C, on the CPU, as
+        """What a knowledge base stores for one task: its own directions and its row of S, on the CPU, as
         copies (:func:`_own`), never views. Built when asked for: a knowledge base asks only for a task it
         has not stored as it is (:class:`proteus.learners.TaskParts`), so no second copy of every task is
         kept for it."""
         c = self.columns(task)
-        return {"A": _own(self.A[:, c]), "B": _own(self.B[:, c]), "s": _own(self.C[task, : c.start])}
+        return {"A": _own(self.A[:, c]), "B": _own(self.B[:, c]), "s": _own(self.row(task))}
 
     # ------------------------------------------------------------------ compositions
     def coefficients(self, tasks: list[int], kind: str = "task") -> torch.Tensor:
@@ -395,30 +444,18 @@ def _grown(
     return buf, buf[: shape[0], : shape[1]]
 
 
-def _append_block(
-    u: LoRAUnit, A: torch.Tensor, B: torch.Tensor, s: torch.Tensor, ranks: list[int], counts: list[int]
-) -> None:
-    """Append checked tasks stored side by side to unit ``u`` (:meth:`LoRAUnit.append_stored`). A, B and C
-    are views of buffers grown by half at a time (:func:`_grown`): an append copies the new tasks' numbers
-    only, not every older task's, so learning task k, and loading k tasks, costs no more per task on a long
-    stream than on a short one."""
+def _append_block(u: LoRAUnit, A: torch.Tensor, B: torch.Tensor, ranks: list[int]) -> None:
+    """Append checked tasks' directions stored side by side to unit ``u`` (:meth:`LoRAUnit.append_stored`;
+    their rows of S go to :attr:`LoRAUnit.rows`). A and B are views of buffers grown by half at a time
+    (:func:`_grown`): an append copies the new tasks' numbers only, not every older task's, so learning task
+    k, and loading k tasks, costs no more per task on a long stream than on a short one."""
     dev, dt = u.A.device, u.A.dtype
-    R0, m, n = u.total_rank, u.num_tasks, len(ranks)
+    R0 = u.total_rank
     R = R0 + int(sum(ranks))
     u._bufs["A"], u.A = _grown(u._bufs.get("A"), u.A, (u.in_features, R))
     u._bufs["B"], u.B = _grown(u._bufs.get("B"), u.B, (u.out_features, R))
-    u._bufs["C"], C = _grown(u._bufs.get("C"), u.C, (m + n, R))
     u.A[:, R0:] = A.to(dev, dt)
     u.B[:, R0:] = B.to(dev, dt)
-    C[:m, R0:] = 0.0
-    lengths = torch.as_tensor(counts, device=dev)
-    before = torch.arange(R, device=dev)[None, :] < lengths[:, None]  # (n, R): each task's older columns
-    rows = C[m:]
-    rows.zero_()  # (a grown buffer's spare rows may hold the numbers of tasks truncated since)
-    rows.masked_scatter_(before, s.to(dev, dt))  # each task's row of S, in place
-    own = torch.repeat_interleave(torch.arange(m, m + n), torch.as_tensor(ranks)).to(dev)
-    C[own, torch.arange(R0, R, device=dev)] = 1.0  # each task's own columns
-    u.C = C
     u.ranks.extend(map(int, ranks))
 
 
@@ -467,8 +504,8 @@ def _grouped_1x1(
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy of ``t``: a view (a row of C is one) would keep alive the whole matrix it was cut
-    from when the task was stored, one matrix per stored task (O(m^3) numbers over m tasks)."""
+    """A contiguous CPU copy of ``t``: a view (a column block of A is one) would keep alive the whole matrix
+    it was cut from when the task was stored, one matrix per stored task (O(m^3) numbers over m tasks)."""
     return t.detach().cpu().clone(memory_format=torch.contiguous_format)
 
 
@@ -487,7 +524,7 @@ def _orthonormal_complement(Q: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 
 def _task_rows(u: LoRAUnit, tasks: list[int]) -> torch.Tensor:
     """Eq. 9 for each task: its row of C."""
-    return u.C[torch.as_tensor(tasks, device=u.C.device)]
+    return u.coefficient_rows(tasks)
 
 
 def _all_units(u: LoRAUnit, tasks: list[int]) -> torch.Tensor:

@@ -165,6 +165,19 @@ class AdaptedBackbone(nn.Module):
         """What a knowledge base stores of one task's adapter: ``adapter/<map>/{A,B,s}`` for every map."""
         return {f"adapter/{n}/{k}": v for n, u in self.units.items() for k, v in u.task_tensors(task).items()}
 
+    def adopt(self, task: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Task ``task`` is stored as ``tensors`` (its committed object, memory-mapped): each map's row of S
+        is held from there (:meth:`LoRAUnit.adopt`); from a pack, the rows of all its tasks at once, one view
+        per map."""
+        pack, first = getattr(tensors, "pack", None), task - getattr(tensors, "slot", 0)
+        for n, u in self.units.items():
+            name = f"adapter/{n}/s"
+            if task >= u.num_tasks or name not in tensors:
+                continue
+            run = None if pack is None else pack.span(name, 0, pack.count)  # (a pack: all its tasks at once)
+            if run is None or first + len(run[1]) > u.num_tasks or not u.adopt(first, *run):
+                u.adopt(task, tensors[name])
+
     def append_tasks_tensors(self, tasks: list[tuple[Mapping[str, torch.Tensor], str]]) -> None:
         """Append tasks' adapters (:meth:`task_tensors`' form; ``who`` names each in errors), map by map; the
         tasks of a knowledge base's pack in one operation per map (:func:`append_stored`)."""
@@ -351,4 +364,4 @@ class AdaptedBackbone(nn.Module):
 
     def transfer_matrix(self, task: int) -> dict[str, torch.Tensor]:
         """Per unit: task's S coefficients over older directions (Fig. 8 heatmaps)."""
-        return {n: u.C[task, : u.columns(task).start].detach().cpu().clone() for n, u in self.units.items()}
+        return {n: u.row(task).detach().cpu().clone() for n, u in self.units.items()}

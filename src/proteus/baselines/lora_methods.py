@@ -118,7 +118,8 @@ class LoRAClassifier(ContinualClassifier):
                     f"do not fit {m} tasks of a {u.in_features} -> {u.out_features} map"
                 )
             dev, dt = u.A.device, u.A.dtype
-            u.A, u.B, u.C, u.ranks = A.to(dev, dt), B.to(dev, dt), C.to(dev, dt), ranks
+            u.A, u.B, u.ranks = A.to(dev, dt), B.to(dev, dt), ranks
+            u.C = C.to(dev, dt)
         self.model_.clear_merged()
 
     @torch.no_grad()
@@ -361,10 +362,9 @@ class SDLoRA(LoRAClassifier):
         self._compose(a)
         for u in self.model_.units.values():
             u.new_scale = None
-        R = {n: u.total_rank for n, u in self.model_.units.items()}
         self.model_.end_task()
-        for n, u in self.model_.units.items():
-            u.C[k, R[n] :] = a[-1]  # the task's own directions enter its model with alpha_k, unnormalised
+        for u in self.model_.units.values():
+            u.scale_own(k, a[-1])  # the task's own directions enter its model with alpha_k, unnormalised
         self.model_.clear_merged()
         self.magnitudes_.append(a.cpu().tolist())
 

@@ -160,6 +160,7 @@ class ProteusParts:
         heads is read from them when needed, no longer held (see :meth:`proteus.Proteus.adopt`)."""
         self.keys.adopt(k, tensors)
         self.heads.adopt(k, tensors)
+        self.model.adopt(k, tensors)
 
     @property
     def generation(self) -> int:

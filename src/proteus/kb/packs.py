@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -174,16 +175,15 @@ class Pack:
                 n for n, e, s in zip(self.axes, extents, clamped.sum(1).tolist(), strict=True) if e != s
             )
             raise ValueError(f"{where}: tensor {bad!r}: its tasks' extents do not add up to its size")
-        #: per name: each task's extent along the axis (-1: none) and where it starts; each task's shape
-        #: (made, or read for a flattened name, when first needed)
-        self._lengths: dict[str, list[int]] = dict(zip(self.axes, lengths.tolist(), strict=True))
-        self._starts: dict[str, list[int]] = dict(
-            zip(self.axes, (torch.cumsum(clamped, 1) - clamped).tolist(), strict=True)
-        )
+        #: per name: each task's extent along the axis (-1: none) and where it starts, as machine integers
+        #: (a reader keeps every pack's index: no Python object per task and name); each task's shape (made,
+        #: or read for a flattened name, when first needed)
+        starts = (torch.cumsum(clamped, 1) - clamped).tolist()
+        self._lengths = {n: array("q", row) for n, row in zip(self.axes, lengths.tolist(), strict=True)}
+        self._starts = {n: array("q", row) for n, row in zip(self.axes, starts, strict=True)}
         self._shapes: dict[str, list[tuple[int, ...]]] = {}
         self._blocks: dict[str, torch.Tensor] = {}
         self._present: list[frozenset[str]] | None = None  # (:meth:`present`)
-        self._held: list[list[bool]] = (lengths >= 0).T.tolist()  # per slot: whether it holds each name
 
     def _ints(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         dtype, got, start = self.entries[name]
@@ -196,7 +196,7 @@ class Pack:
             else torch.zeros(0, dtype=torch.long)
         )
 
-    def _index(self, name: str) -> list[int]:
+    def _index(self, name: str) -> array[int]:
         """Each task's extent of ``name`` along its axis (-1: none); flattened, each task's shape read and
         checked first (a ValueError names what does not fit)."""
         lengths = self._lengths[name]
@@ -219,7 +219,7 @@ class Pack:
     def names(self) -> list[str]:
         return list(self.axes)
 
-    def block(self, name: str) -> tuple[torch.Tensor, int, list[int]] | None:
+    def block(self, name: str) -> tuple[torch.Tensor, int, array[int]] | None:
         """The stacked tensor of ``name``, its axis (-1: flattened) and each task's extent along it (-1: the
         task has none); None when no task holds ``name``."""
         if name not in self.axes:
@@ -249,9 +249,11 @@ class Pack:
     def present(self, slot: int) -> frozenset[str]:
         """The names task ``slot`` holds (every slot's set made at the first call: a reader asks whether a
         task holds a name many times per task)."""
-        if self._present is None:
-            names = list(self.axes)
-            self._present = [frozenset(itertools.compress(names, row)) for row in self._held]
+        if self._present is None:  # (the slots that hold the same names share one set)
+            names, sets = list(self.axes), dict[tuple[bool, ...], frozenset[str]]()
+            held = zip(*(self._lengths[n] for n in names))
+            rows = [tuple(v >= 0 for v in row) for row in held]
+            self._present = [sets.setdefault(r, frozenset(itertools.compress(names, r))) for r in rows]
         return self._present[slot]
 
     def shape(self, slot: int, name: str) -> tuple[int, ...]:
@@ -262,9 +264,9 @@ class Pack:
             lengths, axis = self._index(name), self.axes[name]
             if axis < 0:
                 return self._shapes[name][slot]
-            block = self.entries[name][1]
-            shapes = [(*block[:axis], n, *block[axis + 1 :]) for n in lengths]
-            self._shapes[name] = shapes
+            block, same = self.entries[name][1], dict[int, tuple[int, ...]]()
+            shapes = [same.setdefault(n, (*block[:axis], n, *block[axis + 1 :])) for n in lengths]
+            self._shapes[name] = shapes  # (one tuple per distinct shape)
         return shapes[slot]
 
     def dtype(self, name: str) -> str:
@@ -288,7 +290,7 @@ class Pack:
         if found is None or found[1] < 0:
             return None
         t, axis, lengths = found
-        part = lengths[first:end]
+        part = lengths[first:end].tolist()
         if part and min(part) < 0:
             return None
         start = self._starts[name][first]
