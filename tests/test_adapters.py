@@ -421,3 +421,12 @@ def test_the_rows_of_s_are_read_where_they_live_and_compose_as_the_dense_matrix(
         w.A, w.B, w.ranks = v.A.clone(), v.B.clone(), list(v.ranks)
         w.C = bad
     assert v.double().rows.blocks[0].dtype == torch.float64  # a move moves the rows with the directions
+
+
+def test_the_room_kept_for_directions_stops_at_the_map_s_width() -> None:
+    """Growing by half, the buffers of A and B keep no more columns than the map can ever hold orthogonal
+    directions (its input width): a full map holds no spare room."""
+    g = torch.Generator().manual_seed(0)
+    u = LoRAUnit(10, 3)
+    _stored_tasks(u, 7, g, rank=2)  # 2, 4, ... columns, then 10: the room is full (the last task rank 0)
+    assert u.total_rank == 10 and u._bufs["A"].shape == (10, 10) and u._bufs["B"].shape == (3, 10)

@@ -425,12 +425,13 @@ def _columns(t: torch.Tensor, cols: torch.Tensor | None, n: int) -> torch.Tensor
 
 
 def _grown(
-    buf: torch.Tensor | None, view: torch.Tensor, shape: tuple[int, int]
+    buf: torch.Tensor | None, view: torch.Tensor, shape: tuple[int, int], most: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A buffer and its top-left ``shape`` view that holds ``view``'s numbers: ``buf`` itself when ``view`` is
     its top-left corner and it is large enough, else a new zeroed one with each growing dimension half as
-    large again (amortised O(1) copies per appended number). A device or dtype move, or a tensor assigned
-    in place of the view (a baseline's load), starts a new buffer."""
+    large again (amortised O(1) copies per appended number), the columns no more than ``most`` (the most
+    the unit can hold) when that is enough. A device or dtype move, or a tensor assigned in place of the
+    view (a baseline's load), starts a new buffer."""
     ours = (
         buf is not None
         and view.data_ptr() == buf.data_ptr()
@@ -439,6 +440,8 @@ def _grown(
     )
     if buf is None or not ours or buf.shape[0] < shape[0] or buf.shape[1] < shape[1]:
         cap = [n if n <= have else max(n, have + have // 2, 4) for n, have in zip(shape, view.shape)]
+        if most is not None and shape[1] <= most:
+            cap[1] = min(cap[1], most)
         buf = view.new_zeros(cap)
         buf[: view.shape[0], : view.shape[1]] = view
     return buf, buf[: shape[0], : shape[1]]
@@ -452,8 +455,9 @@ def _append_block(u: LoRAUnit, A: torch.Tensor, B: torch.Tensor, ranks: list[int
     dev, dt = u.A.device, u.A.dtype
     R0 = u.total_rank
     R = R0 + int(sum(ranks))
-    u._bufs["A"], u.A = _grown(u._bufs.get("A"), u.A, (u.in_features, R))
-    u._bufs["B"], u.B = _grown(u._bufs.get("B"), u.B, (u.out_features, R))
+    most = u.in_features  # (orthogonal directions: at most q of them, Eq. 15)
+    u._bufs["A"], u.A = _grown(u._bufs.get("A"), u.A, (u.in_features, R), most)
+    u._bufs["B"], u.B = _grown(u._bufs.get("B"), u.B, (u.out_features, R), most)
     u.A[:, R0:] = A.to(dev, dt)
     u.B[:, R0:] = B.to(dev, dt)
     u.ranks.extend(map(int, ranks))

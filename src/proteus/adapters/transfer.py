@@ -13,6 +13,7 @@ of every task for analyses and baselines that read it whole).
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Sequence
 
@@ -65,11 +66,8 @@ class TransferRows:
         """Append tasks whose rows (of ``lengths`` numbers each) lie end to end in ``rows`` (kept as it is: a
         view stays a view)."""
         self.blocks.append(rows.reshape(-1))
-        b, offset = len(self.blocks) - 1, 0
-        for n in lengths:
-            self._block.append(b)
-            self._offset.append(offset)
-            offset += int(n)
+        self._block.extend(itertools.repeat(len(self.blocks) - 1, len(lengths)))
+        self._offset.extend(itertools.accumulate(lengths[:-1], initial=0))
 
     def row(self, k: int, length: int) -> torch.Tensor:
         """Task k's row (``length`` numbers: the columns before its own), a view of its block."""
@@ -102,12 +100,11 @@ class TransferRows:
 
     def _run(self, first: int, rows: torch.Tensor, lengths: Sequence[int]) -> None:
         """Tasks ``first`` .. ``first + len(lengths) - 1`` read their rows from ``rows`` (end to end)."""
-        b = len(self.blocks)
+        end = first + len(lengths)
+        old = set(self._block[first:end])
         self.blocks.append(rows.reshape(-1))
-        old, offset = set(self._block[first : first + len(lengths)]), 0
-        for k, n in enumerate(lengths, first):
-            self._block[k], self._offset[k] = b, offset
-            offset += int(n)
+        self._block[first:end] = array("q", itertools.repeat(len(self.blocks) - 1, len(lengths)))
+        self._offset[first:end] = array("q", itertools.accumulate(lengths[:-1], initial=0))
         for i in old - set(self._block):
             self.blocks[i] = _NONE
 
