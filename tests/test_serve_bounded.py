@@ -399,3 +399,48 @@ def _image(png: bytes) -> Any:
     from PIL import Image
 
     return Image.open(io.BytesIO(png)).convert("RGB")
+
+
+def test_concurrent_request_bodies_are_read_within_the_body_budget(
+    world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six requests at once to a server whose ``body_bytes`` admits one request's body
+    (``$PROTEUS_LIMIT_BODY_BYTES``): every one is answered, one body at a time is read and held (the others
+    wait for room before reading theirs), and all the room is given back after, also by a request that
+    ends in an error and by one sent in chunks (which waits for room for ``request_bytes``)."""
+    import shutil
+
+    body = _multipart(PNG, 32)
+    monkeypatch.setenv("PROTEUS_LIMIT_BODY_BYTES", str(len(body)))
+    kb = tmp_path / "kb"
+    shutil.copytree(world["kb1"], kb)
+    srv = KBServer(("127.0.0.1", 0), kb, device="cpu", poll_seconds=0.1, read_timeout=5)
+    budget = srv.app.state.proteus.bodies
+    peak, acquire = [0], budget.acquire
+
+    async def watched(n: int) -> None:
+        await acquire(n)
+        peak[0] = max(peak[0], budget.used)
+
+    budget.acquire = watched
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        _wait(lambda: httpx.get(url + "/health").status_code == 200)
+        headers = {"content-type": f"multipart/form-data; boundary={_BOUNDARY}"}
+
+        def send(_: int) -> int:
+            return httpx.post(url + "/predict/batch", content=body, headers=headers, timeout=120).status_code
+
+        with ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(send, range(6))) == [200] * 6
+        assert peak[0] == len(body) and budget.used == 0
+        assert httpx.post(url + "/predict", content=b"not an image", timeout=60).status_code == 400
+        chunked = httpx.post(url + "/predict", content=iter([PNG[:100], PNG[100:]]), timeout=60)
+        assert chunked.status_code == 200, chunked.text
+        assert peak[0] == srv.limits.max_body and budget.used == 0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(timeout=30)

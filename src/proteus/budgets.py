@@ -75,6 +75,11 @@ BUDGETS: dict[str, Budget] = {
                "memory of `serve` as a whole: the model inputs (the resized images) that requests hold "
                "until they are predicted, all requests together (a request waits for room for all of its "
                "images before decoding any; one request alone may always hold its own)"),
+        Budget("body_bytes", 256 * _MIB, "bytes",
+               "memory of `serve` as a whole: the request bodies being read and held until their images "
+               "are decoded, all requests together (a request waits for room for its Content-Length, or "
+               "request_bytes when it sends its body in chunks, before reading any of it; one request alone "
+               "may always read its own)"),
         Budget("request_images", 1024, "images",
                "`serve`: images (multipart parts, JSON items) in one request; the multipart parser stops "
                "at the first part over it", "proteus serve --max-images"),

@@ -134,8 +134,9 @@ class LoRAUnit(nn.Module):
 
     def coefficient_rows(self, tasks: list[int]) -> torch.Tensor:
         """(G, R): the rows of C of ``tasks`` (Eq. 9), on the unit's device and dtype."""
-        return self.rows.dense(tasks, [self._end(t) for t in range(max(tasks, default=-1) + 1)],
-                               self.total_rank, self.A)  # fmt: skip
+        if tasks:
+            self._end(max(tasks))  # (each task's end column known up to the last of them)
+        return self.rows.dense(tasks, self._ends[1], self.total_rank, self.A)
 
     def scale_own(self, task: int, value: torch.Tensor) -> None:
         """Task ``task``'s own columns enter its composition with ``value`` instead of 1 (SD-LoRA's

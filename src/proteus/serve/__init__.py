@@ -35,12 +35,14 @@ per request: N clients at once are answered in little more than the time of one 
 faster than N requests in turn (tested). A row depends on its own image only, so sharing a batch changes
 nothing beyond float round-off.
 
-Memory: a multipart body is parsed as it arrives (:mod:`proteus.serve.multipart`) and refused at the first
-part over the image budget; each image is decoded alone, within the server-wide ``decoding_pixels``
-budget, and resized by the backbone's transform right after it is decoded (the full-size image is not
-kept) into the request's one batch tensor, whose bytes the server-wide ``input_bytes`` budget holds until
-the request's images are predicted (a request waits for room for all of them before decoding any). A
-decoding thread stops between two images once its request has timed out or its client left.
+Memory: a request waits for room for its body in the server-wide ``body_bytes`` budget before reading it
+(given back once its images are decoded); a multipart body is parsed as it arrives
+(:mod:`proteus.serve.multipart`) and refused at the first part over the image budget; each image is
+decoded alone, within the server-wide ``decoding_pixels`` budget, and resized by the backbone's transform
+right after it is decoded (the full-size image is not kept) into the request's one batch tensor, whose
+bytes the server-wide ``input_bytes`` budget holds until the request's images are predicted (a request
+waits for room for all of them before decoding any). A decoding thread stops between two images once its
+request has timed out or its client left.
 
 Reloading: a watcher thread polls ``manifest.json`` (its bytes' sha256; read without blocking, never
 through a link) and, when another process commits, loads the new state with the same verified loader as

@@ -164,6 +164,7 @@ class Runtime:
     watch: bool
     decoding: PixelBudget
     inputs: SharedBudget
+    bodies: BodyBudget
 
 
 #: pixels decoded, as a burst, before the heap is trimmed once no decode runs (:func:`proteus.heap.trim`):
@@ -226,6 +227,36 @@ class PixelBudget(SharedBudget):
 
     def _drained(self) -> None:  # a burst of large decodes is over: their freed pages back to the system
         heap.trim()
+
+
+class BodyBudget:
+    """Bytes of request bodies held by all requests at once (budget ``body_bytes``): a request waits, on the
+    event loop, for room for its body before reading any of it (one alone always fits) and gives it back
+    once its images are decoded, so the bodies a server holds are bounded whatever the number of requests
+    (``request_bytes`` bounds one). Every call runs on the event loop's thread: :meth:`release` needs no
+    ``await``, so a request cancelled meanwhile always gives its share back."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used = total, 0
+        self._waiting: list[asyncio.Future[None]] = []
+
+    async def acquire(self, n: int) -> None:
+        while self.used and self.used + n > self.total:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiting:
+                    self._waiting.remove(waiter)
+        self.used += n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
@@ -464,9 +495,13 @@ async def _predict(request: Request, batch: bool) -> Response:
     stage = "waiting for a slot"
     cancelled = threading.Event()  # tells a decoding thread to stop: the request has given up
     held = [0]  # bytes of the server's input budget this request holds
+    body = 0  # bytes of the server's body budget this request holds
     try:
         with anyio.move_on_after(rt.limits.request_timeout) as deadline:
             async with rt.admission.slot():
+                stage = "waiting for room to read its body"
+                await rt.bodies.acquire(want := length if length is not None else rt.limits.max_body)
+                body = want
                 stage = "reading"
                 parts = await _read_parts(request, length, rt.limits, batch)
                 stage = "decoding"
@@ -479,12 +514,17 @@ async def _predict(request: Request, batch: bool) -> Response:
                     raise Refusal(413, f"{e}; send a smaller image") from None
                 except ImageError as e:
                     raise Refusal(400, str(e)) from None
+                files = [name for name, _ in parts]
+                del parts  # the body is decoded: its bytes go, and its room in the body budget
+                rt.bodies.release(body)
+                body = 0
                 stage = "predicting"
                 rows = await _rows(rt.batcher, clf, x, names, top_k) if x is not None else []
                 del x
     finally:
         cancelled.set()
         rt.inputs.release(held[0])
+        rt.bodies.release(body)
     if deadline.cancelled_caught:
         timeout = rt.limits.request_timeout
         if stage == "reading":
@@ -497,7 +537,7 @@ async def _predict(request: Request, batch: bool) -> Response:
     if batch:  # every part in its place: a row, or {"file", "error"} for one that is not a readable image
         it = iter(rows)
         rows = [
-            {"file": parts[i][0], "error": errors[i]} if i in errors else next(it) for i in range(len(parts))
+            {"file": files[i], "error": errors[i]} if i in errors else next(it) for i in range(len(files))
         ]
         return _json(200, {"kb_tasks": clf.num_tasks, "predictions": rows, "errors": len(errors)})
     return _json(200, {"kb_tasks": clf.num_tasks, "predictions": rows})
@@ -668,6 +708,7 @@ def create_app(
         watch,
         PixelBudget(limit("decoding_pixels")),
         SharedBudget(limit("input_bytes")),
+        BodyBudget(limit("body_bytes")),
     )
 
     @asynccontextmanager
