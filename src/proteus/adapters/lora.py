@@ -141,8 +141,7 @@ class LoRAUnit(nn.Module):
     def scale_own(self, task: int, value: torch.Tensor) -> None:
         """Task ``task``'s own columns enter its composition with ``value`` instead of 1 (SD-LoRA's
         magnitude)."""
-        n = self.columns(task).stop - self.columns(task).start
-        self.rows.own[task] = value.detach().reshape(-1).expand(n).clone()
+        self.rows.own[task] = value.detach().reshape(-1).expand(self.ranks[task]).clone()
         self.generation += 1
 
     def adopt(self, first: int, rows: torch.Tensor, lengths: list[int] | None = None) -> bool:
@@ -150,8 +149,9 @@ class LoRAUnit(nn.Module):
         numbers), held from there instead of in this process's memory; with ``lengths``, the rows of tasks
         ``first`` .. ``first + len(lengths) - 1`` end to end (a knowledge base's pack: one view). False
         (nothing done) when they do not fit, or lie on another device or dtype."""
-        n = 1 if lengths is None else len(lengths)
-        starts = [self.columns(k).start for k in range(first, first + n)]
+        if lengths is not None and self.rows.reads(first, rows):
+            return True  # (adopted already: a pack's other tasks)
+        starts = [self.columns(k).start for k in range(first, first + len(lengths or [rows]))]
         return (rows.device, rows.dtype) == (self.A.device, self.A.dtype) and self.rows.adopt(
             first, rows, starts, lengths
         )

@@ -83,8 +83,6 @@ class TransferRows:
         more are let go. False (nothing done) when the rows do not have those lengths."""
         if (lengths if lengths is not None else [rows.numel()]) != starts:
             return False
-        if lengths is not None and self.reads(first, rows):
-            return True
         at, b, n = self._block, self._block[first], len(self._block)
         alone = (first == 0 or at[first - 1] != b) and (first + 1 == n or at[first + 1] != b)
         if lengths is None and alone and self._offset[first] == 0:  # (a block's tasks are consecutive)
