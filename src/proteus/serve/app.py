@@ -233,8 +233,9 @@ class BodyBudget:
     """Bytes of request bodies held by all requests at once (budget ``body_bytes``): a request waits, on the
     event loop, for room for its body before reading any of it (one alone always fits) and gives it back
     once its images are decoded, so the bodies a server holds are bounded whatever the number of requests
-    (``request_bytes`` bounds one). Every call runs on the event loop's thread: :meth:`release` needs no
-    ``await``, so a request cancelled meanwhile always gives its share back."""
+    (``request_bytes`` bounds one). Not a :class:`SharedBudget`: its waits block a thread, and requests
+    waiting to read would hold the worker threads that decode. Every call runs on the event loop's thread:
+    :meth:`release` needs no ``await``, so a request cancelled meanwhile always gives its share back."""
 
     def __init__(self, total: int) -> None:
         self.total, self.used = total, 0
@@ -252,6 +253,8 @@ class BodyBudget:
         self.used += n
 
     def release(self, n: int) -> None:
+        if not n:
+            return
         self.used -= n
         waiting, self._waiting = self._waiting, []
         for waiter in waiting:
