@@ -28,7 +28,17 @@ RATIOS = (
     "learn_ratio_last_vs_10", "learn_ratio_without_training_growth", "train_step_ratio_last_vs_10",
     "commit_ratio_last_vs_10", "predict_ratio_last_vs_10", "predict_ratio_without_composition_growth",
     "predict_same_batch_ratio_last_vs_10", "open_predict_ratio_last_vs_10",
+    "open_predict_new_process_ratio_last_vs_10",
 )  # fmt: skip
+#: ratios kept only by records made since they were measured: an older record's page shows no column for them
+LATER = ("open_predict_new_process_ratio_last_vs_10",)
+
+
+def kept_ratios(runs: list[dict[str, Any]]) -> list[str]:
+    """The :data:`RATIOS` a record's ``runs`` have columns for, in order."""
+    return [k for k in RATIOS if k not in LATER or any(k in run for run in runs)]
+
+
 #: the targets a long stream is held to, figure -> (what the page calls it, the most it may be): the record
 #: says of each whether the run meets it, and the page shows that line (``tests/test_measured_docs.py``)
 TARGETS = {
@@ -96,10 +106,10 @@ def _seconds(d: dict[str, Any]) -> dict[str, list[float]]:
                           ("of which: detector (ms)", "predict_detector_s"),
                           ("task 10's batch (ms)", "predict_same_s")):  # fmt: skip
             out[name] = [round(side[s][key] * 1e3) for s in ("ref", "last")]
-    if side and "open_predict_s" in side["ref"]:
-        out["open and predict one image (ms)"] = [
-            round(side[s]["open_predict_s"] * 1e3) for s in ("ref", "last")
-        ]
+    for name, key in (("open and predict one image (ms)", "open_predict_s"),
+                      ("the same in a new process (ms)", "open_predict_new_s")):  # fmt: skip
+        if side and key in side["ref"]:
+            out[name] = [round(side[s][key] * 1e3) for s in ("ref", "last")]
     return out
 
 
@@ -129,7 +139,7 @@ def summary(path: Path) -> dict[str, object]:
         "tasks": d["settings"]["tasks"],
         "merge_budget_mb": d["settings"]["eval.merge_budget_mb"],
         "seconds_total": round(d["seconds_total"]),
-        **{k: None if d.get(k) is None else round(d[k], 2) for k in RATIOS},
+        **{k: None if d.get(k) is None else round(d[k], 2) for k in RATIOS if k in d},
         "rss_beyond_cache_mb_per_task": round(d["rss_beyond_cache_mb_per_task"], 3),
         "page_cache_mb_per_task": round(d.get("rss_file_mb_per_task", 0.0), 3),
         "kb_mb_per_task": round(_kb_slope(d), 3),
@@ -173,6 +183,7 @@ def target_line(label: str, key: str, target: list[Any]) -> str:
 RATIO_NAMES = (
     "learn", "learn without the training step's growth", "train step", "commit", "predict",
     "predict without the composition's growth", "predict task 10's batch", "open + predict one image",
+    "open + predict one image, new process",
 )  # fmt: skip
 
 
@@ -181,10 +192,12 @@ def tables(rec: dict[str, Any]) -> str:
     ``tests/test_measured_docs.py`` checks the page against."""
     runs = rec["runs"]
     parts = list(runs[0]["parts_mb_per_task"])
-    head = ["run", *RATIO_NAMES, "beyond the caches", "page cache", "knowledge base", *parts]
+    kept = kept_ratios(runs)
+    names = [name for k, name in zip(RATIOS, RATIO_NAMES, strict=True) if k in kept]
+    head = ["run", *names, "beyond the caches", "page cache", "knowledge base", *parts]
     lines = [f"| {' | '.join(head)} |", "| --- |" + " ---: |" * (len(head) - 1)]
     for run in runs:
-        cells = ["—" if run.get(k) is None else f"{run[k]:.2f}" for k in RATIOS]
+        cells = ["—" if run.get(k) is None else f"{run[k]:.2f}" for k in kept]
         cells += [
             f"{run[k]:.3f}"
             for k in ("rss_beyond_cache_mb_per_task", "page_cache_mb_per_task", "kb_mb_per_task")

@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -127,10 +128,10 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
     loaded from it, then ``rounds`` turns, the states one after the other in each, of learning the next task
     on a copy of the learner and committing it to a copy of the knowledge base (copies made, the copy's
     store warmed by one commit, and the copy written to disk, outside the clock), then three predictions of
-    the batch by the loaded learner, then opening the knowledge base anew and predicting one image; returns
-    per state the medians over the turns (``learn_s`` fit plus commit, ``train_s`` the training part of the
-    fit, ``signature_s``, ``commit_s``, ``train_step_s``, ``predict_s``: the median of its three,
-    ``open_predict_s``)."""
+    the batch by the loaded learner, then opening the knowledge base anew and predicting one image, in this
+    process and in a new one; returns per state the medians over the turns (``learn_s`` fit plus commit,
+    ``train_s`` the training part of the fit, ``signature_s``, ``commit_s``, ``train_step_s``,
+    ``predict_s``: the median of its three, ``open_predict_s``, ``open_predict_new_s``)."""
     dev = torch.device(device)
     loaded = {name: _warm(Proteus.load(kb_dir, device=device)) for name, (kb_dir, _, _) in states.items()}
     same_x = next(iter(states.values()))[1]  # the first state's batch
@@ -159,16 +160,50 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
             t3 = time.perf_counter()  # a new reader: open the knowledge base, predict one image
             Proteus.load(kb_dir, device=device).predict(x[:1])
             open_predict = time.perf_counter() - t3
+            open_new = _open_predict_new_process(kb_dir, x[:1], device)
             sec = stats.seconds
             for key, v in (("learn_s", t2 - t0), ("signature_s", sec.get("signature", 0.0)),
                            ("commit_s", t2 - t1), ("predict_s", predict), ("train_s", sec.get("train", 0.0)),
                            ("train_step_s", sec.get("train", 0.0) / steps),
-                           ("open_predict_s", open_predict), ("predict_under_s", under),
+                           ("open_predict_s", open_predict), ("open_predict_new_s", open_new),
+                           ("predict_under_s", under),
                            ("predict_detector_s", detector), ("predict_same_s", same),
                            ("predict_same_under_s", same_under),
                            ("predict_same_detector_s", same_detector)):  # fmt: skip
                 got[name].setdefault(key, []).append(v)
     return {name: {key: statistics.median(v) for key, v in d.items()} for name, d in got.items()}
+
+
+#: a new reader in a process of its own: its imports done before the clock, then one opening of the knowledge
+#: base (argv 1) and one prediction of the image in the safetensors file argv 2, under argv 3 threads on
+#: device argv 4; prints the seconds
+_NEW_READER = (
+    "import sys, time, torch\n"
+    "from safetensors.torch import load_file\n"
+    "from proteus import Proteus\n"
+    "torch.set_num_threads(int(sys.argv[3]))\n"
+    "x = load_file(sys.argv[2])['x']\n"
+    "t = time.perf_counter()\n"
+    "Proteus.load(sys.argv[1], device=sys.argv[4]).predict(x)\n"
+    "print(time.perf_counter() - t)\n"
+)
+
+
+def _open_predict_new_process(kb_dir: Path, x: torch.Tensor, device: str) -> float:
+    """Seconds a new process takes to open the knowledge base at ``kb_dir`` and predict ``x`` (its imports
+    done before the clock starts): a reader as ``proteus predict`` or a starting server is one, measured
+    apart from the harness's own process, which learned every task of the run and still holds them."""
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="proteus-reader-") as tmp:
+        path = Path(tmp) / "x.safetensors"
+        save_file({"x": x.detach().cpu().contiguous()}, str(path))
+        threads = str(torch.get_num_threads())
+        args = [sys.executable, "-c", _NEW_READER, str(kb_dir), str(path), threads, device]
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"a new reader of {kb_dir} failed: {done.stderr.strip()[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def _predict_split(clf: Proteus, x: torch.Tensor, dev: torch.device) -> tuple[float, float, float]:
@@ -359,6 +394,9 @@ def run(tasks: int, out: Path, *, backbone: str = "mobilenet_v2", img: int = 32,
         ) / side["ref"]["learn_s"],
         "open_predict_ratio_last_vs_10": None if side is None
         else side["last"]["open_predict_s"] / side["ref"]["open_predict_s"],
+        # the same in a new process (a reader that did not learn the run: its imports before the clock)
+        "open_predict_new_process_ratio_last_vs_10": None if side is None
+        else side["last"]["open_predict_new_s"] / side["ref"]["open_predict_new_s"],
         # the adapters' forward under the candidates (Eq. 9 over every older column) as at task 10
         "predict_ratio_without_composition_growth": None if side is None else (
             side["last"]["predict_s"] - side["last"]["predict_under_s"] + side["ref"]["predict_under_s"]
@@ -452,7 +490,8 @@ def main() -> None:
               img=args.img, keep_kb=Path(args.keep_kb) if args.keep_kb else None)  # fmt: skip
     keys = ("learn_ratio_last_vs_10", "train_step_ratio_last_vs_10", "predict_ratio_last_vs_10",
             "commit_ratio_last_vs_10", "learn_ratio_without_training_growth",
-            "open_predict_ratio_last_vs_10", "predict_ratio_without_composition_growth",
+            "open_predict_ratio_last_vs_10", "open_predict_new_process_ratio_last_vs_10",
+            "predict_ratio_without_composition_growth",
             "predict_same_batch_ratio_last_vs_10")  # fmt: skip
     for key in keys:
         if rep[key] is not None:
