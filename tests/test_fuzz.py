@@ -62,7 +62,15 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=_SLOW,
 )
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+
+def _examples(ci: int) -> int:
+    """A target's random inputs: ``ci`` in the suite (a target whose every input takes seconds), the
+    profile's count otherwise."""
+    return ci if PROFILE == "ci" else settings().max_examples
+
 
 pytestmark = pytest.mark.slow
 
@@ -544,3 +552,277 @@ def test_generated_images_decode_within_their_bytes(
         f"{fmt} {mode} {w} x {h}: decoding cost {cost / 2**20:.0f} MiB > {ceiling / 2**20:.0f}"
     )
     shutil.rmtree(folder)
+
+
+# ------------------------------------------------------------------ KB objects at the byte budgets
+#: the object target's byte budgets, scaled down (the rule it checks does not depend on their size: no
+#: command holds an object it checks or opens, so its memory does not grow with the objects' bytes)
+KB_OBJECT_BUDGET = 256 << 20
+KB_TOTAL_BUDGET = KB_OBJECT_BUDGET + (KB_OBJECT_BUDGET >> 1)
+#: what a command may hold above its process before the command (the objects are hashed as a stream and
+#: memory-mapped; what is checked of them is read a block at a time)
+KB_OBJECT_ALLOWANCE = 128 << 20
+#: the resident memory no CLI command may pass, whatever it is given (the reliability review's ceiling)
+CLI_CEILING = 1_600_000_000
+
+#: a process that runs CLI commands sent as JSON lines on its stdin and answers each with its exit code, its
+#: stderr and its peak resident memory above what it held before the command (``/proc/self/clear_refs``
+#: resets the peak), and the peak itself: one process for every input (no import per command)
+_CLI_WORKER = r"""
+import contextlib, io, json, sys
+from proteus.cli import main
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+for line in sys.stdin:
+    argv = json.loads(line)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before, err = status("VmRSS:"), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    peak = status("VmHWM:")
+    print(json.dumps([rc, err.getvalue()[-4000:], peak - before, peak]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def cli_worker(world: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Send a command (argv) to a CLI process of its own under the object target's budgets; returns (exit
+    code, stderr, peak bytes above the process before the command, peak bytes). Each command was run once
+    before on the untouched knowledge base, so that what a first use loads is not counted."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PROTEUS_LIMIT_KB_OBJECT_BYTES": str(KB_OBJECT_BUDGET),
+           "PROTEUS_LIMIT_KB_TOTAL_BYTES": str(KB_TOTAL_BUDGET)}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CLI_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=env,
+    )  # fmt: skip
+
+    def run(argv: list[str]) -> tuple[int, str, int, int]:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(argv) + "\n")
+        proc.stdin.flush()
+        signal.alarm(120)
+        try:
+            answer = proc.stdout.readline()
+        finally:
+            signal.alarm(0)
+        assert answer, f"{argv[:2]}: the CLI process ended (exit {proc.poll()})"
+        rc, err, rise, peak = json.loads(answer)
+        return rc, err, rise, peak
+
+    img = tmp_path_factory.mktemp("objimg") / "x.png"
+    write_image(img, 3)
+    run.img = img  # type: ignore[attr-defined]
+    for argv, _ in _commands(world["kb1"], img):
+        run(argv)
+    yield run
+    proc.stdin.close()  # type: ignore[union-attr]
+    proc.wait(timeout=60)
+
+
+def _zeros_sha(size: int, _known: dict[int, str] = {}) -> str:  # noqa: B006 - a cache by design
+    """The sha256 of ``size`` zero bytes (what a sparse file of that size reads as)."""
+    if size not in _known:
+        h, block = hashlib.sha256(), bytes(1 << 22)
+        for _ in range(size // len(block)):
+            h.update(block)
+        h.update(bytes(size % len(block)))
+        _known[size] = h.hexdigest()
+    return _known[size]
+
+
+def _object_at(
+    kb: Path, ref: dict[str, Any], sizes: dict[str, Any], content: str, size: int, told: str
+) -> None:
+    """Replace the object ``ref`` names by one of ``size`` bytes: all zeros (a sparse file), or its own
+    bytes then zeros, or a valid safetensors file whose one tensor fills it; the manifest told its true size
+    and sha256, or only its size, or neither."""
+    old = kb / ref["object"]
+    own = old.read_bytes()
+    name = f"objects/{old.name.split('-')[0]}-fuzz{size:x}.safetensors"
+    path = kb / name
+    with path.open("wb") as f:
+        if content == "own-then-zeros":
+            f.write(own[:size])
+        elif content == "one-tensor":
+            numel = max(0, size - 128)
+            head = json.dumps({"x": {"dtype": "U8", "shape": [numel], "data_offsets": [0, numel]}}).encode()
+            head += b" " * (-(len(head) + 8) % 8)
+            f.write(len(head).to_bytes(8, "little") + head)
+        f.truncate(max(size, f.tell()))
+    true = path.stat().st_size
+    h = hashlib.sha256()
+    if content == "zeros":
+        digest = _zeros_sha(true)
+    else:  # (a few bytes, then a sparse tail)
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        digest = h.hexdigest()
+    recorded = sizes.pop(ref["object"], None)
+    ref["object"] = name
+    sizes[name] = true if told != "neither" else recorded
+    if "bytes" in ref:  # (the head's size is in its reference)
+        ref["bytes"] = sizes[name]
+    if told == "size and sha256":
+        ref["sha256"] = digest
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["task", "head"]),
+            st.sampled_from(["zeros", "own-then-zeros", "one-tensor"]),
+            st.integers(1, KB_OBJECT_BUDGET + 8192),
+            st.sampled_from(["size and sha256", "size", "neither"]),
+        ),
+        min_size=1,
+        max_size=2,
+        unique_by=lambda t: t[0],
+    )
+)
+@example([("task", "zeros", KB_OBJECT_BUDGET - 4096, "size and sha256")])  # the review's 2 GiB - 4 KiB
+@example([("task", "one-tensor", KB_OBJECT_BUDGET, "size and sha256"),
+          ("head", "zeros", KB_OBJECT_BUDGET, "size and sha256")])  # together over the total  # fmt: skip
+@example([("head", "own-then-zeros", KB_OBJECT_BUDGET + 4096, "size and sha256")])  # over the object budget
+@settings(max_examples=_examples(4))
+def test_objects_at_the_byte_budgets_are_checked_without_being_held(
+    cli_worker: Any, world: dict, tmp_path_factory: pytest.TempPathFactory, objects: list[tuple]
+) -> None:
+    """Task and head objects of up to the object budget (and beyond it), together up to the total budget
+    (and beyond it): zeros (a sparse file), an object's own bytes then zeros, or a valid safetensors file of
+    one tensor filling them, the manifest telling their true size and sha256 (as an attacker can), their size
+    only, or neither. `kb verify`, `kb info`, `kb list` and `predict` end in success or one line, leave the
+    knowledge base byte-identical and hold no object: their peak resident memory rises at most
+    :data:`KB_OBJECT_ALLOWANCE` above what the process held before, and stays under :data:`CLI_CEILING`."""
+    kb = tmp_path_factory.mktemp("objkb") / "kb"
+    shutil.copytree(world["kb1"], kb)
+    m = read_manifest(kb)
+    sizes = m["object_bytes"]
+    for which, content, size, told in objects:
+        _object_at(kb, m["tasks"][0] if which == "task" else m["head"], sizes, content, size, told)
+    write_manifest(kb, m)
+    before = _files(kb)
+    for argv, allowed in _commands(kb, cli_worker.img):
+        rc, err, rise, peak = cli_worker(argv)
+        _no_traceback(rc, err, allowed)
+        assert rise <= KB_OBJECT_ALLOWANCE, f"{argv[:2]}: rose {rise >> 20} MiB for objects {objects}"
+        assert peak <= CLI_CEILING, f"{argv[:2]}: {peak >> 20} MiB resident for objects {objects}"
+        assert _files(kb) == before, f"{argv[:2]} changed the knowledge base"
+    shutil.rmtree(kb.parent)
+
+
+# ------------------------------------------------------------------ concurrent requests at serve's budgets
+#: serve's budgets in the concurrent-request target, scaled down (its rule is per pixel and byte of them)
+SERVE_LIMITS = {
+    "PROTEUS_LIMIT_DECODING_PIXELS": 4_000_000, "PROTEUS_LIMIT_INPUT_BYTES": 16 << 20,
+    "PROTEUS_LIMIT_BODY_BYTES": 8 << 20, "PROTEUS_LIMIT_REQUEST_BYTES": 4 << 20,
+}  # fmt: skip
+SERVE_REQUEST_PIXELS = 16_000_000
+#: what the server may hold above what it held before the requests besides what its budgets declare (the
+#: model's activations for a micro-batch, the answers, the allocator's rounding): as the burst test's
+SERVE_ALLOWANCE = 160 << 20
+#: (format, mode) pairs of the target's images, each file compressed as its format allows
+SERVE_KINDS = [("PNG", "L"), ("PNG", "RGB"), ("PNG", "RGBA"), ("PNG", "I;16"), ("TIFF", "F"), ("JPEG", "RGB"),
+               ("GIF", "P"), ("WEBP", "RGB")]  # fmt: skip
+
+
+def _declared_bytes() -> int:
+    """What serve's budgets declare it may hold above idle for concurrent requests: the pixels decoded at
+    once (each costs :data:`~proteus.budgets.IMAGE_BYTES_PER_PIXEL`), the model inputs held, the bodies."""
+    lim = SERVE_LIMITS
+    decoding = lim["PROTEUS_LIMIT_DECODING_PIXELS"] * BYTES_PER_BUDGET_PIXEL
+    return decoding + lim["PROTEUS_LIMIT_INPUT_BYTES"] + lim["PROTEUS_LIMIT_BODY_BYTES"]
+
+
+@pytest.fixture(scope="module")
+def busy_server(world: dict) -> Iterator[tuple[int, str]]:
+    """``proteus serve`` on the test knowledge base in a process of its own, under :data:`SERVE_LIMITS`."""
+    from served import server
+
+    with server(world["kb1"], "--max-request-pixels", str(SERVE_REQUEST_PIXELS), **SERVE_LIMITS) as (
+        pid,
+        url,
+    ):
+        yield pid, url
+
+
+def _encoded(kind: tuple[str, str], pixels: int, shape: str, seed: int, _made: dict = {}) -> bytes:  # noqa: B006
+    """An image file of ``kind`` with about ``pixels`` pixels (kept: the target draws the same ones often)."""
+    import io
+
+    from PIL import Image
+
+    key = (kind, pixels, shape, seed)
+    if key not in _made:
+        fmt, mode = kind
+        short = {"square": int(pixels**0.5), "wide": int((pixels / 4) ** 0.5), "line": 1}[shape]
+        long = min(max(1, pixels // max(1, short)), 16383 if fmt in ("WEBP", "JPEG", "GIF") else 1 << 30)
+        rng = np.random.default_rng(seed)
+        base = Image.fromarray(rng.integers(0, 256, (min(short, 32), min(long, 32), 3), dtype=np.uint8))
+        img = base.resize((long, short), Image.NEAREST).convert("I" if mode == "I;16" else mode)
+        if mode == "I;16":
+            img = img.point(lambda v: v * 257).convert("I;16")
+        out = io.BytesIO()
+        img.save(out, format=fmt, **({"compression": "tiff_deflate"} if fmt == "TIFF" else {}))
+        _made[key] = out.getvalue()
+    return _made[key]
+
+
+REQUEST = st.lists(
+    st.tuples(
+        st.sampled_from(SERVE_KINDS),
+        st.sampled_from([4_000_000, 2_000_000, 250_000, 4096]),
+        st.sampled_from(["square", "wide", "line"]),
+        st.integers(0, 3),
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@given(st.lists(REQUEST, min_size=1, max_size=8))
+@example([[(("PNG", "L"), 4_000_000, "square", 0)] * 4] * 8)  # the review's eight requests at the budgets
+@example([[(("TIFF", "F"), 4_000_000, "square", 1)] * 2] * 4)  # high bit depth, decoded in strips
+@settings(max_examples=_examples(2))
+def test_concurrent_requests_at_the_budgets_stay_within_what_they_declare(
+    busy_server: tuple[int, str], requests: list[list[tuple]]
+) -> None:
+    """Up to eight requests at once, each of up to four images of any format, mode and shape at serve's
+    budgets (an image at the decoding budget, requests over the request pixels or bytes): every request is
+    answered (200, or a 4xx JSON refusal), the server's peak resident memory above what it held before stays
+    within what its budgets declare (:func:`_declared_bytes`) plus :data:`SERVE_ALLOWANCE`, and it still
+    answers ``/health`` and predicts after."""
+    import httpx
+
+    from served import multipart, peak_during, rss
+
+    pid, url = busy_server
+    bodies = [multipart([_encoded(*image) for image in images]) for images in requests]
+    idle = rss(pid)
+    signal.alarm(300)
+    try:
+        peak, answers = peak_during(pid, url, bodies)
+    finally:
+        signal.alarm(0)
+    for r in answers:
+        assert r.status_code == 200 or 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+        if r.status_code != 200:
+            assert "error" in r.json(), r.text[:300]
+    assert peak - idle <= _declared_bytes() + SERVE_ALLOWANCE, (
+        f"{(peak - idle) >> 20} MiB above the server's memory before {len(requests)} requests; its budgets "
+        f"declare {_declared_bytes() >> 20} MiB"
+    )
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    small = _encoded(("PNG", "RGB"), 4096, "square", 0)
+    assert httpx.post(url + "/predict", content=small, timeout=60).status_code == 200

@@ -5,7 +5,6 @@ errors as JSON 503, nested JSON refused, a busy port named, SIGTERM ending the p
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -27,6 +26,7 @@ import pytest
 
 from proteus.serve import KBServer
 from proteus.serve.multipart import MultipartParser, TooManyParts
+from served import BOUNDARY, multipart, peak_during, rss, server
 
 pytestmark = pytest.mark.slow
 
@@ -254,14 +254,6 @@ def test_a_part_header_of_deeply_nested_comments_is_a_bad_request_not_a_recursio
     assert body('form-data; name="a" (a comment); filename="x (1).png"').finish() == [("x (1).png", b"DATA")]
 
 
-def _rss(pid: int) -> int:
-    """A process's resident bytes now."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for process {pid}")
-
-
 #: the concurrent-decoding test, scaled down (the rule it checks is per pixel of the budget): images of
 #: BURST_SIDE^2 pixels, a decoding budget of one such image, BURST_REQUESTS requests of BURST_IMAGES each
 BURST_SIDE, BURST_REQUESTS, BURST_IMAGES = 4000, 8, 4
@@ -285,12 +277,12 @@ def test_concurrent_requests_decode_within_the_servers_budget_and_give_the_memor
     from proteus.budgets import IMAGE_BYTES_PER_PIXEL
 
     budget = BURST_SIDE * BURST_SIDE
-    body = _multipart(_big_png(BURST_SIDE), BURST_IMAGES)
-    with _server(world, PROTEUS_LIMIT_DECODING_PIXELS=budget) as (pid, url):
+    body = multipart([_big_png(BURST_SIDE)] * BURST_IMAGES)
+    with server(world["kb1"], PROTEUS_LIMIT_DECODING_PIXELS=budget) as (pid, url):
         _still_serving(url)  # a first prediction: the model's own memory is part of idle
-        idle = _rss(pid)
-        peak = _peak_during(pid, url, body, BURST_REQUESTS)
-        _wait(lambda: _rss(pid) - idle <= BURST_LEFT, seconds=10)  # given back (the heap trimmed)
+        idle = rss(pid)
+        peak = _all_answered(pid, url, body, BURST_REQUESTS)
+        _wait(lambda: rss(pid) - idle <= BURST_LEFT, seconds=10)  # given back (the heap trimmed)
         _still_serving(url)
     declared = budget * IMAGE_BYTES_PER_PIXEL
     assert peak - idle <= declared + BURST_ALLOWANCE, (
@@ -327,72 +319,22 @@ def test_concurrent_requests_hold_their_model_inputs_within_the_input_budget(wor
 
     each = Proteus.load(world["kb1"]).transform_images([_image(PNG)])[0].nbytes
     budget = INPUT_IMAGES * each
-    body = _multipart(PNG, INPUT_IMAGES)
-    with _server(world, PROTEUS_LIMIT_INPUT_BYTES=budget) as (pid, url):
-        _peak_during(
-            pid, url, body, 1
-        )  # one such request alone first: what serving one costs is part of idle
-        idle = _rss(pid)
-        peak = _peak_during(pid, url, body, INPUT_REQUESTS)
+    body = multipart([PNG] * INPUT_IMAGES)
+    with server(world["kb1"], PROTEUS_LIMIT_INPUT_BYTES=budget) as (pid, url):
+        _all_answered(pid, url, body, 1)  # one such request alone first: what serving one costs is idle's
+        idle = rss(pid)
+        peak = _all_answered(pid, url, body, INPUT_REQUESTS)
         _still_serving(url)
     assert peak - idle <= budget + INPUT_ALLOWANCE, (
         f"peak {(peak - idle) >> 20} MiB above idle; the input budget is {budget >> 20} MiB"
     )
 
 
-_BOUNDARY = "burst"
-
-
-def _multipart(png: bytes, n: int) -> bytes:
-    """A multipart body of ``n`` copies of ``png`` (boundary :data:`_BOUNDARY`)."""
-    head = f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="f"; filename="x.png"\r\n\r\n'.encode()
-    return b"".join(head + png + b"\r\n" for _ in range(n)) + f"--{_BOUNDARY}--\r\n".encode()
-
-
-@contextlib.contextmanager
-def _server(world: dict, **limits: int) -> Iterator[tuple[int, str]]:
-    """``proteus serve`` on the test KB in a process of its own, with ``limits`` (``PROTEUS_LIMIT_*``) in its
-    environment: (its pid, its URL); stopped (SIGTERM, else killed) after."""
-    env = {**os.environ, **{k: str(v) for k, v in limits.items()}, "OMP_NUM_THREADS": "1"}
-    argv = ["serve", "--kb", str(world["kb1"]), "--port", "0", "--device", "cpu", "--threads", "1"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proteus", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env,
-    )  # fmt: skip
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        assert "serving" in line, line
-        yield proc.pid, line.split(" on ")[1].split()[0]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _peak_during(pid: int, url: str, body: bytes, n: int) -> int:
-    """Send ``n`` requests of ``body`` to ``/predict/batch`` at once (each must be answered 200) and return
-    the server's peak resident bytes meanwhile."""
-    peak, done = [_rss(pid)], threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss(pid))
-            time.sleep(0.02)
-
-    def send(_: int) -> int:
-        headers = {"Content-Type": f"multipart/form-data; boundary={_BOUNDARY}"}
-        return httpx.post(url + "/predict/batch", content=body, headers=headers, timeout=300).status_code
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    with ThreadPoolExecutor(n) as pool:
-        answers = list(pool.map(send, range(n)))
-    done.set()
-    watcher.join()
-    assert answers == [200] * n
-    return peak[0]
+def _all_answered(pid: int, url: str, body: bytes, n: int) -> int:
+    """The server's peak resident bytes while ``n`` requests of ``body`` are answered, each with 200."""
+    peak, answers = peak_during(pid, url, [body] * n)
+    assert [r.status_code for r in answers] == [200] * n
+    return peak
 
 
 def _image(png: bytes) -> Any:
@@ -410,7 +352,7 @@ def test_concurrent_request_bodies_are_read_within_the_body_budget(
     ends in an error and by one sent in chunks (which waits for room for ``request_bytes``)."""
     import shutil
 
-    body = _multipart(PNG, 32)
+    body = multipart([PNG] * 32)
     monkeypatch.setenv("PROTEUS_LIMIT_BODY_BYTES", str(len(body)))
     kb = tmp_path / "kb"
     shutil.copytree(world["kb1"], kb)
@@ -428,7 +370,7 @@ def test_concurrent_request_bodies_are_read_within_the_body_budget(
     url = f"http://127.0.0.1:{srv.server_address[1]}"
     try:
         _wait(lambda: httpx.get(url + "/health").status_code == 200)
-        headers = {"content-type": f"multipart/form-data; boundary={_BOUNDARY}"}
+        headers = {"content-type": f"multipart/form-data; boundary={BOUNDARY}"}
 
         def send(_: int) -> int:
             return httpx.post(url + "/predict/batch", content=body, headers=headers, timeout=120).status_code

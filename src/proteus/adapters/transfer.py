@@ -134,7 +134,7 @@ class TransferRows:
             flat = torch.cat([self.row(t, n) for t, n in zip(tasks, starts)])
             out.masked_scatter_(cols < lo, flat.to(out.device, out.dtype))
         out.masked_fill_((cols >= lo) & (cols < torch.as_tensor(stops, device=out.device)[:, None]), 1.0)
-        for g, t in enumerate(tasks):
+        for g, t in enumerate(tasks) if self.own else ():  # (SD-LoRA's own coefficients; no other method's)
             if t in self.own:
                 out[g, starts[g] : stops[g]] = self.own[t].to(out.device, out.dtype)
         return out
