@@ -50,8 +50,9 @@ from proteus.config import (  # noqa: E402
 from proteus.errors import ProteusError  # noqa: E402
 from tiny import write_image  # noqa: E402
 
-#: random inputs per target in the suite, besides the @example cases
-CI_EXAMPLES = 20
+#: random inputs per target in the suite, besides the @example cases (fewer for the two targets whose every
+#: input takes seconds: the knowledge-base objects, the concurrent requests)
+CI_EXAMPLES, CI_OBJECT_EXAMPLES, CI_REQUEST_EXAMPLES = 20, 4, 2
 _SLOW = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile(
     "ci", max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=_SLOW, derandomize=True
@@ -695,7 +696,7 @@ def _object_at(
 @example([("task", "one-tensor", KB_OBJECT_BUDGET, "size and sha256"),
           ("head", "zeros", KB_OBJECT_BUDGET, "size and sha256")])  # together over the total  # fmt: skip
 @example([("head", "own-then-zeros", KB_OBJECT_BUDGET + 4096, "size and sha256")])  # over the object budget
-@settings(max_examples=_examples(4))
+@settings(max_examples=_examples(CI_OBJECT_EXAMPLES))
 def test_objects_at_the_byte_budgets_are_checked_without_being_held(
     cli_worker: Any, world: dict, tmp_path_factory: pytest.TempPathFactory, objects: list[tuple]
 ) -> None:
@@ -794,7 +795,7 @@ REQUEST = st.lists(
 @given(st.lists(REQUEST, min_size=1, max_size=8))
 @example([[(("PNG", "L"), 4_000_000, "square", 0)] * 4] * 8)  # the review's eight requests at the budgets
 @example([[(("TIFF", "F"), 4_000_000, "square", 1)] * 2] * 4)  # high bit depth, decoded in strips
-@settings(max_examples=_examples(2))
+@settings(max_examples=_examples(CI_REQUEST_EXAMPLES))
 def test_concurrent_requests_at_the_budgets_stay_within_what_they_declare(
     busy_server: tuple[int, str], requests: list[list[tuple]]
 ) -> None:
@@ -826,3 +827,21 @@ def test_concurrent_requests_at_the_budgets_stay_within_what_they_declare(
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     small = _encoded(("PNG", "RGB"), 4096, "square", 0)
     assert httpx.post(url + "/predict", content=small, timeout=60).status_code == 200
+
+
+def test_the_reliability_page_states_what_the_targets_hold() -> None:
+    """docs/reliability.md's words on the fuzz profile are this file's numbers."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
+    text = " ".join(page.split("### `fuzz`")[1].split("\n##")[0].split())
+    decoding = SERVE_LIMITS["PROTEUS_LIMIT_DECODING_PIXELS"]
+    for words in (
+        f"may not rise {KB_OBJECT_ALLOWANCE >> 20} MiB above what their process held, nor pass "
+        f"{CLI_CEILING / 1e9:g} GB",
+        f"`input_bytes` + `body_bytes` + {SERVE_ALLOWANCE >> 20} MiB",
+        f"({KB_OBJECT_BUDGET >> 20} MiB objects; {decoding // 1_000_000}-megapixel decodes)",
+        f"and {CI_EXAMPLES} more drawn at random ({CI_OBJECT_EXAMPLES} for the objects, "
+        f"{CI_REQUEST_EXAMPLES} for the concurrent requests)",
+        f"`image_pixels` x {BYTES_PER_BUDGET_PIXEL} bytes",
+        f"`decoding_pixels` x {BYTES_PER_BUDGET_PIXEL} bytes",
+    ):
+        assert words in text, words

@@ -281,3 +281,26 @@ def test_the_rivals_claims_hold_on_every_record() -> None:
         assert max(acc, key=acc.get) == "proteus", (path.name, acc)
         if "klda" in acc:
             assert acc["klda"] < acc["ranpac"], (path.name, acc)
+
+
+FUZZ = sorted((ROOT / "docs" / "measured" / "fuzz").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", FUZZ, ids=[p.stem for p in FUZZ])
+def test_the_reliability_page_shows_the_fuzz_run(path: Path) -> None:
+    """Each target's line of a fuzz run's record (tools/docs/record_fuzz.py) is in the section of
+    docs/reliability.md naming the record, with the command, and the record holds every target of
+    tests/test_fuzz.py (a target added since the run is not claimed to have passed it)."""
+    import ast
+
+    sys.path.insert(0, str(ROOT / "tools" / "docs"))
+    from record_fuzz import table
+
+    rec = json.loads(path.read_text())
+    section = "\n".join(_section("docs/reliability.md", f"`{rec['name']}`"))
+    assert rec["command"] in section, f"{path.name}: the command is not shown"
+    for line in table(rec).splitlines():
+        assert line in section, f"{path.name}: no line {line!r}"
+    tree = ast.parse((ROOT / "tests" / "test_fuzz.py").read_text())
+    tests = {f.name for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
+    assert tests <= set(rec["targets"]), f"{path.name}: not run: {sorted(tests - set(rec['targets']))}"

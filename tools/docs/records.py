@@ -35,6 +35,15 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "long": (*_PROTEUS, "src/proteus/kb", "tools/perf/perf_long.py"),
     "shortlist": (*_PROTEUS, "tools/studies/shortlist.py"),
     "rivals_predict": (*_LEARNING, "tools/perf/perf_rivals_predict.py"),
+    # the fuzz run passes through every part a user's input reaches
+    "fuzz": (
+        "src/proteus",
+        "tests/test_fuzz.py",
+        "tests/served.py",
+        "tests/kbfiles.py",
+        "tests/tiny.py",
+        "tests/conftest.py",
+    ),
 }
 #: what every record's provenance holds
 PROVENANCE_KEYS = ("commit", "dirty", "versions", "device", "threads", "command")
@@ -123,7 +132,7 @@ def staleness(record: dict[str, Any]) -> str | None:
 #: the page that shows each kind of record (its section is headed by the record's name)
 PAGES = {
     "reproduce": "docs/experiments.md", "compare": "docs/retrieval.md", "long": "docs/performance.md",
-    "rivals_predict": "docs/performance.md",
+    "rivals_predict": "docs/performance.md", "fuzz": "docs/reliability.md",
 }  # fmt: skip
 #: how a page says that the record of its section is stale
 STALE_MARK = "**Stale record.**"
