@@ -390,3 +390,9 @@ def test_a_head_assembled_from_its_tasks_columns_is_the_head_whatever_their_clas
         head.update(torch.randn(len(y), 6, dtype=torch.float64), y, num_classes=10)
     got = assemble_columns(head.meta(columns=False), [(c, head.columns(c)) for c in order])
     assert torch.equal(got["Q"], head.Q_) and torch.equal(got["counts"], head.counts_)
+    tiled = [[0, 1, 2], [3], [4, 5, 6, 7], [8, 9]]  # every class in order: the pieces joined side by side
+    joined = assemble_columns(head.meta(columns=False), [(c, head.columns(c)) for c in tiled])
+    assert torch.equal(joined["Q"], head.Q_) and torch.equal(joined["counts"], head.counts_)
+    assert joined["Q"].is_contiguous() and joined["Q"].untyped_storage().data_ptr() != head.Q_.data_ptr()
+    gap = assemble_columns(head.meta(columns=False), [(c, head.columns(c)) for c in tiled[:-1]])
+    assert torch.equal(gap["Q"][:, :8], head.Q_[:, :8]) and not gap["Q"][:, 8:].any()  # (a class left out)

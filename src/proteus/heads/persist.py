@@ -255,10 +255,14 @@ def assemble_columns(
 ) -> dict[str, Tensor]:
     """The class statistics (:data:`COLUMNS`) of a head whose tasks hold its columns: each task's classes and
     columns (:func:`head_columns`) in place, every other class's zero; a ValueError names the task whose
-    columns do not fit the head's meta."""
+    columns do not fit the head's meta. Pieces whose classes are 0 .. C-1 in order (a class-incremental
+    stream's) are joined side by side, without first filling the matrices with zeros."""
     dtype = meta_dtype(meta) or torch.float64
     m = int(meta["rp_dim"]) or int(meta["embed_dim"])
     c = int(meta["num_classes"])
+    tiled = _tiled(meta, pieces, m, c)
+    if tiled is not None:
+        return tiled
     Q = torch.zeros(m, c, dtype=dtype)
     counts = torch.zeros(c, dtype=torch.long)
     P = torch.zeros(m, c, dtype=dtype) if any("P" in cols for _, cols in pieces) else None
@@ -284,6 +288,31 @@ def assemble_columns(
     out = {"Q": Q, "counts": counts}
     if P is not None:
         out["P"] = P
+    return out
+
+
+def _tiled(
+    meta: dict[str, Any], pieces: list[tuple[list[int], dict[str, Tensor]]], m: int, c: int
+) -> dict[str, Tensor] | None:
+    """:func:`assemble_columns` of pieces whose classes are 0 .. c-1 in order, each with every column (and all
+    with ``P`` or none), fit to the head: their columns side by side; else None (placed one by one)."""
+    flat = [x for classes, _ in pieces for x in classes]
+    has_p = {"P" in cols for _, cols in pieces}
+    fits = all(
+        cols.get("Q") is not None and tuple(cols["Q"].shape) == (m, len(classes))
+        and cols.get("counts") is not None and tuple(cols["counts"].shape) == (len(classes),)
+        and ("P" not in cols or tuple(cols["P"].shape) == (m, len(classes)))
+        for classes, cols in pieces
+    )  # fmt: skip
+    if not pieces or not fits or len(has_p) != 1 or flat != list(range(c)):
+        return None
+    dtype = meta_dtype(meta) or torch.float64
+    out = {
+        "Q": torch.cat([cols["Q"].to(dtype) for _, cols in pieces], 1),
+        "counts": torch.cat([cols["counts"].long() for _, cols in pieces]),
+    }
+    if has_p == {True}:
+        out["P"] = torch.cat([cols["P"].to(dtype) for _, cols in pieces], 1)
     return out
 
 
