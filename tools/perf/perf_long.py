@@ -123,7 +123,7 @@ def _warm(clf: Proteus) -> Proteus:
 
 
 def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, img: int, seed: int,
-                 device: str, rounds: int = 3) -> dict[str, dict[str, float]]:  # fmt: skip
+                 device: str, rounds: int = 3) -> dict[str, Any]:  # fmt: skip
     """For each named state (a knowledge base's folder, a predict batch, the next task's index), the learner
     loaded from it, then ``rounds`` turns, the states one after the other in each, of learning the next task
     on a copy of the learner and committing it to a copy of the knowledge base (copies made, the copy's
@@ -171,11 +171,13 @@ def side_by_side(states: dict[str, tuple[Path, Any, int]], *, per_class: int, im
                            ("predict_same_under_s", same_under),
                            ("predict_same_detector_s", same_detector)):  # fmt: skip
                 got[name].setdefault(key, []).append(v)
-    return {name: {key: statistics.median(v) for key, v in d.items()} for name, d in got.items()}
+    medians = {name: {key: statistics.median(v) for key, v in d.items()} for name, d in got.items()}
+    return {**medians, "turns": got}  # (each turn's seconds, for a second look)
 
 
-#: a new reader in a process of its own: its imports done before the clock, then one opening of the knowledge
-#: base (argv 1) and one prediction of the image in the safetensors file argv 2, under argv 3 threads on
+#: a reader in a process of its own: the knowledge base (argv 1) opened and the image in the safetensors file
+#: argv 2 predicted once before the clock (what a process pays once: its imports, the kernels' first use,
+#: about 3 s here, the same for every knowledge base), then once more on the clock, under argv 3 threads on
 #: device argv 4; prints the seconds
 _NEW_READER = (
     "import sys, time, torch\n"
@@ -183,6 +185,7 @@ _NEW_READER = (
     "from proteus import Proteus\n"
     "torch.set_num_threads(int(sys.argv[3]))\n"
     "x = load_file(sys.argv[2])['x']\n"
+    "Proteus.load(sys.argv[1], device=sys.argv[4]).predict(x)\n"
     "t = time.perf_counter()\n"
     "Proteus.load(sys.argv[1], device=sys.argv[4]).predict(x)\n"
     "print(time.perf_counter() - t)\n"
@@ -190,9 +193,9 @@ _NEW_READER = (
 
 
 def _open_predict_new_process(kb_dir: Path, x: torch.Tensor, device: str) -> float:
-    """Seconds a new process takes to open the knowledge base at ``kb_dir`` and predict ``x`` (its imports
-    done before the clock starts): a reader as ``proteus predict`` or a starting server is one, measured
-    apart from the harness's own process, which learned every task of the run and still holds them."""
+    """Seconds a process of its own takes to open the knowledge base at ``kb_dir`` and predict ``x``, once it
+    has done so once (:data:`_NEW_READER`): the opening measured apart from the harness's own process, which
+    learned every task of the run and still holds them."""
     from safetensors.torch import save_file
 
     with tempfile.TemporaryDirectory(prefix="proteus-reader-") as tmp:
