@@ -35,7 +35,9 @@ def read_manifest(kb: Path, name: str = "manifest.json") -> dict[str, Any]:
     for ref in m["segments"]:
         body = json.loads((kb / ref["object"]).read_text())
         for t in body["tasks"]:
-            sizes[t.get("object")] = t.pop("bytes", None)
+            n = t.pop("bytes", None)
+            if isinstance(t.get("object"), str):
+                sizes[t["object"]] = n
             tasks.append(t)
         rows += body["evaluation"]
     head = m.get("head")
@@ -55,7 +57,7 @@ def segment_refs(kb: Path, m: dict[str, Any]) -> list[dict[str, Any]]:
         records = []
         for t in tasks[first : first + SEGMENT_TASKS]:
             if isinstance(t, dict):
-                n = sizes.get(t.get("object"))
+                n = sizes.get(t["object"]) if isinstance(t.get("object"), str) else None  # (a hostile value)
                 if n is None and isinstance(t.get("object"), str) and (kb / t["object"]).is_file():
                     n = (kb / t["object"]).stat().st_size
                 t = {**t, "bytes": n if n is not None else 0}

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -37,23 +38,28 @@ def multipart(images: list[bytes]) -> bytes:
 @contextlib.contextmanager
 def server(kb: Path, *options: str, **limits: int) -> Iterator[tuple[int, str]]:
     """``proteus serve`` on ``kb`` in a process of its own, ``options`` on its command line, ``limits``
-    (``PROTEUS_LIMIT_*``) in its environment: (its pid, its URL); stopped (SIGTERM, else killed) after."""
+    (``PROTEUS_LIMIT_*``) in its environment: (its pid, its URL); stopped (SIGTERM, else killed) after. Its
+    log goes to a file and its output is read to the end: a pipe nobody reads fills after 64 KiB of log
+    lines, and the server's next line then blocks its event loop (every request unanswered)."""
     env = {**os.environ, **{k: str(v) for k, v in limits.items()}, "OMP_NUM_THREADS": "1"}
     argv = ["serve", "--kb", str(kb), "--port", "0", "--device", "cpu", "--threads", "1", *options]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proteus", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env,
-    )  # fmt: skip
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        assert "serving" in line, line
-        yield proc.pid, line.split(" on ")[1].split()[0]
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proteus", *argv], stdout=subprocess.PIPE, stderr=log, text=True, env=env
+        )
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            line = proc.stdout.readline() if proc.stdout else ""
+            if "serving" not in line:
+                log.seek(0)
+                raise AssertionError(f"{line}{log.read()[-3000:]}")
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+            yield proc.pid, line.split(" on ")[1].split()[0]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def peak_during(pid: int, url: str, bodies: list[bytes]) -> tuple[int, list[httpx.Response]]:

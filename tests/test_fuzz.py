@@ -221,6 +221,7 @@ EDIT = st.tuples(st.integers(0, 10**6), JSONISH, st.booleans(), st.booleans(), s
 )
 @example((("format_version",), 1, False, False, True))
 @example((("checksum",), None, True, False, True))
+@example((("tasks", 0, "object"), [None], False, True, True))  # found by the fuzz profile (the tests' writer)
 def test_generated_manifests_never_end_in_a_traceback(fuzz_kb: dict, capsys, edit: tuple) -> None:
     kb, good = fuzz_kb["kb"], fuzz_kb["manifest"]
     where, value, delete, hostile, valid = edit
