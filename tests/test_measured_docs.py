@@ -6,6 +6,7 @@ docs/retrieval.md shows in the section headed by the record's name."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -301,6 +302,9 @@ def test_the_reliability_page_shows_the_fuzz_run(path: Path) -> None:
     assert rec["command"] in section, f"{path.name}: the command is not shown"
     for line in table(rec).splitlines():
         assert line in section, f"{path.name}: no line {line!r}"
-    tree = ast.parse((ROOT / "tests" / "test_fuzz.py").read_text())
+    source = (ROOT / "tests" / "test_fuzz.py").read_text()
+    default = int(re.search(r'environ.get\("FUZZ_EXAMPLES", (\d+)\)', source).group(1))  # type: ignore[union-attr]
+    assert f"`FUZZ_EXAMPLES` inputs per target ({default:,} by default)" in " ".join(section.split())
+    tree = ast.parse(source)
     tests = {f.name for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
     assert tests <= set(rec["targets"]), f"{path.name}: not run: {sorted(tests - set(rec['targets']))}"

@@ -33,6 +33,10 @@ def table(rec: dict[str, Any]) -> str:
     lines = ["| target | cases | passed | seconds |", "| --- | ---: | ---: | ---: |"]
     for name, t in rec["targets"].items():
         lines.append(f"| `{name}` | {t['cases']} | {t['passed']} | {t['seconds']:.1f} |")
+    runs = rec["targets"].values()
+    cases, passed = sum(t["cases"] for t in runs), sum(t["passed"] for t in runs)
+    total = rec["seconds_total"]
+    lines.append(f"| all, {rec['examples']:,} inputs per target | {cases} | {passed} | {total:.1f} |")
     return "\n".join(lines)
 
 
