@@ -7,6 +7,8 @@ Every image, folder and weights file is made here under tmp_path; nothing needs 
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 import time
 import warnings
 import zlib
@@ -562,3 +564,50 @@ def test_vit_preset_uses_hub_cache_without_network(
     bb = build_backbone(VIT, pretrained=True)
     assert bb.weights_id == "timm:vit_tiny_patch16_224.augreg_in21k_ft_in1k"
     assert torch.equal(bb.vit.pos_embed, state["pos_embed"])
+
+
+def test_a_webp_image_counts_its_decoder_in_the_pixel_budget(tmp_path: Path) -> None:
+    """PIL's WebP decoder holds more per pixel than the budgets declare for one: a WebP pixel counts as
+    :data:`proteus.images.PIXEL_WEIGHT` pixels of them, before decoding, wherever an image is checked."""
+    from proteus.images import PIXEL_WEIGHT, budget_pixels, check_image_file, image_info
+
+    webp, png = tmp_path / "a.webp", tmp_path / "a.png"
+    Image.new("RGB", (1000, 1000), (90, 120, 30)).save(webp, format="WEBP")
+    Image.new("RGB", (1000, 1000), (90, 120, 30)).save(png)
+    counted = budget_pixels("WEBP", 1000, 1000)
+    assert counted == round(1_000_000 * PIXEL_WEIGHT["WEBP"]) > 1_000_000
+    with open(webp, "rb") as f:
+        assert image_info(f, "a.webp").budget_pixels == counted
+    assert open_image(png, max_pixels=counted - 1).size == (1000, 1000)
+    check_image_file(png, max_pixels=counted - 1)
+    for check in (open_image, check_image_file):
+        with pytest.raises(ImageTooLargeError, match=f"which a WEBP image counts as {counted / 1e6:.1f}"):
+            check(webp, max_pixels=counted - 1)
+    assert open_image(webp, max_pixels=counted).size == (1000, 1000)
+
+
+_DECODE_PEAK = """
+import resource, sys
+from proteus.images import open_image
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+open_image(sys.argv[1], max_pixels=int(sys.argv[2]))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_a_webp_image_at_the_budget_decodes_within_its_bytes(tmp_path: Path) -> None:
+    """A WebP image as large as the pixel budget lets it be decodes within the bytes the budget declares per
+    pixel (:data:`proteus.budgets.IMAGE_BYTES_PER_PIXEL`, plus a fixed 32 MiB): at 24 megapixels, where
+    counting its pixels once (a 24-megapixel WebP: 16 bytes a pixel) passes that bound by ~40 MiB."""
+    from proteus.budgets import IMAGE_BYTES_PER_PIXEL
+    from proteus.images import PIXEL_WEIGHT
+
+    budget = 24_000_000
+    side = int((budget / PIXEL_WEIGHT["WEBP"]) ** 0.5)
+    path = tmp_path / "big.webp"
+    Image.new("RGB", (side, side), (90, 120, 30)).save(path, format="WEBP")
+    argv = [sys.executable, "-c", _DECODE_PEAK, str(path), str(budget)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    cost = int(out.stdout.split()[-1])
+    assert cost <= IMAGE_BYTES_PER_PIXEL * budget + (32 << 20), cost >> 20

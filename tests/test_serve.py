@@ -296,6 +296,33 @@ def test_a_stalled_body_or_stalled_headers_get_408(make_server: Callable[..., Se
     assert httpx.get(url + "/health").status_code == 200
 
 
+def test_headers_dripped_a_byte_at_a_time_get_408_from_their_first_byte(
+    make_server: Callable[..., Server],
+) -> None:
+    """A slow client that sends its headers a byte every quarter second (a slowloris) is answered 408 once
+    --read-timeout has passed since the headers began, not kept open for as long as it drips: each such
+    connection would otherwise hold one of the server's file descriptors for ever."""
+    srv, url, kb = make_server(read_timeout=1.0)
+    with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=30) as s:
+        t0, answer = time.monotonic(), b""
+        for byte in b"POST /predict HTTP/1.1\r\nHost: x\r\nX-Drip: " + b"a" * 60:
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:  # closed by the server
+                break
+            s.settimeout(0.25)
+            try:
+                answer = s.recv(65536)
+            except TimeoutError:
+                continue
+            break
+        seconds = time.monotonic() - t0
+    assert answer, f"no answer after {seconds:.1f} s of dripped headers"
+    status, headers, err = _split(answer)
+    assert status == 408 and "headers did not end within 1 s" in err["error"] and seconds < 5, seconds
+    assert httpx.get(url + "/health").status_code == 200
+
+
 def test_a_slow_or_failed_prediction_gets_504_or_500_and_the_server_goes_on(
     make_server: Callable[..., Server], world
 ) -> None:

@@ -68,8 +68,11 @@ __all__ = [
     "ImageError",
     "ImageInfo",
     "ImageTooLargeError",
+    "PIXEL_WEIGHT",
+    "budget_pixels",
     "check_image_file",
     "describe_skipped",
+    "image_info",
     "image_size",
     "load_images",
     "open_image",
@@ -154,6 +157,19 @@ def _check_max_pixels(max_pixels: int | None) -> None:
 
 def _megapixels(n: int) -> str:
     return f"{n / 1e6:.1f}" if n < 10**9 else f"{n / 1e6:.0f}"
+
+
+#: how many pixels of the pixel budgets (``image_pixels``, ``decoding_pixels``, ``request_pixels``) one pixel
+#: of an image counts as, by format (PIL's name; 1 for the others): the budgets declare 13 bytes a pixel
+#: (:data:`proteus.budgets.IMAGE_BYTES_PER_PIXEL`), and PIL's WebP decoder holds its canvas, the frame it
+#: hands over and the image at once, 16 bytes a pixel (measured at 64 megapixels)
+PIXEL_WEIGHT: dict[str, float] = {"WEBP": 1.25}
+
+
+def budget_pixels(fmt: str | None, width: int, height: int) -> int:
+    """The pixels of the budgets an image of format ``fmt`` and size ``width`` x ``height`` counts as
+    (:data:`PIXEL_WEIGHT`)."""
+    return math.ceil(int(width) * int(height) * PIXEL_WEIGHT.get(fmt or "", 1.0))
 
 
 # ---------------------------------------------------------------------------------------------- modes
@@ -357,16 +373,24 @@ def _open_regular(p: str) -> BinaryIO:
 def image_size(data: BinaryIO, name: str) -> tuple[int, int]:
     """(width, height) from the header of the image in ``data`` (a seekable stream, left at its start),
     without decoding it; :class:`ImageError` when there is no readable header."""
+    info = image_info(data, name)
+    return info.width, info.height
+
+
+def image_info(data: BinaryIO, name: str) -> ImageInfo:
+    """The format and size from the header of the image in ``data`` (a seekable stream, left at its start),
+    without decoding it (:attr:`ImageInfo.budget_pixels`: what it counts in the pixel budgets);
+    :class:`ImageError` when there is no readable header."""
     try:
         with _pil_bomb_check_lifted(), Image.open(data) as im:
-            size = im.size
+            fmt, size = str(im.format), im.size
     except UnidentifiedImageError:
         raise ImageError.for_file(name, "not an image in a format PIL can read") from None
     except _DECODE_ERRORS as e:
         raise ImageError.for_file(name, f"cannot read the image header ({type(e).__name__}: {e})") from None
     finally:
         data.seek(0)
-    return int(size[0]), int(size[1])
+    return ImageInfo(fmt, int(size[0]), int(size[1]))
 
 
 def _decode(path: BinaryIO, p: str, stream: bool, max_pixels: int | None) -> Image.Image:
@@ -389,7 +413,7 @@ def _decode(path: BinaryIO, p: str, stream: bool, max_pixels: int | None) -> Ima
 
     with im:
         width, height = im.size
-        pixels = _within_limit(p, width, height, max_pixels)
+        pixels = _within_limit(p, width, height, max_pixels, im.format)
         pil_limit = Image.MAX_IMAGE_PIXELS
         # PIL re-checks sizes while decoding some formats (GIF frames, TIFF tiles): lift its check only
         # when this image, which our limit allows, is above PIL's own limit
@@ -416,15 +440,21 @@ def _decode(path: BinaryIO, p: str, stream: bool, max_pixels: int | None) -> Ima
     return rgb
 
 
-def _within_limit(p: str, width: int, height: int, max_pixels: int | None) -> int:
-    """``width * height``, refused when it is empty or above ``max_pixels``."""
+def _within_limit(p: str, width: int, height: int, max_pixels: int | None, fmt: str | None = None) -> int:
+    """``width * height``, refused when it is empty or when what it counts in the budget (its format's weight,
+    :func:`budget_pixels`) is above ``max_pixels``."""
     pixels = int(width) * int(height)
     if pixels <= 0:
         raise ImageError.for_file(p, f"empty image ({width} x {height} pixels)")
-    if max_pixels is not None and pixels > max_pixels:
+    counted = budget_pixels(fmt, width, height)
+    if max_pixels is not None and counted > max_pixels:
+        weight = "" if counted == pixels else (
+            f", which a {fmt} image counts as {_megapixels(counted)} (its decoder holds "
+            f"{PIXEL_WEIGHT[str(fmt)]:g} times what the others do)"
+        )  # fmt: skip
         raise ImageTooLargeError.for_file(
             p,
-            f"{width} x {height} = {_megapixels(pixels)} megapixels is above the limit of "
+            f"{width} x {height} = {_megapixels(pixels)} megapixels{weight} is above the limit of "
             f"{_megapixels(max_pixels)} megapixels (raise it with --max-pixels / eval.max_image_pixels)",
         )
     return pixels
@@ -462,7 +492,7 @@ def check_image_file(path: str | os.PathLike[str], max_pixels: int | None = DEFA
             raise ImageError.for_file(p, NOT_AN_IMAGE[False]) from None
         except _DECODE_ERRORS as e:
             raise ImageError.for_file(p, f"cannot read the image header ({type(e).__name__}: {e})") from None
-        _within_limit(p, width, height, max_pixels)
+        _within_limit(p, width, height, max_pixels, fmt)
         complete = _ends_complete(f, fmt, size)
     if not complete:
         open_image(p, max_pixels)  # truncated data raises here; bytes after a complete image do not
@@ -496,6 +526,11 @@ class ImageInfo:
     format: str
     width: int
     height: int
+
+    @property
+    def budget_pixels(self) -> int:
+        """The pixels of the pixel budgets it counts as (:func:`budget_pixels`)."""
+        return budget_pixels(self.format, self.width, self.height)
 
 
 def _file_size(path: str) -> int | None:

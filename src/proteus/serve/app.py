@@ -34,7 +34,7 @@ from proteus import heap
 from proteus.budgets import BUDGETS, BudgetError, limit
 from proteus.config import ConfigError
 from proteus.errors import ProteusError
-from proteus.images import ImageError, ImageTooLargeError, image_size, open_image
+from proteus.images import ImageError, ImageTooLargeError, image_info, open_image
 from proteus.learners import ContinualLearner
 from proteus.serve.batching import Job, MicroBatcher
 from proteus.serve.multipart import MultipartError, MultipartParser, TooManyParts, boundary_of
@@ -367,20 +367,24 @@ def _json_images(body: bytes) -> list[tuple[str, bytes]]:
 
 
 def _sizes(parts: list[tuple[str, bytes]], max_pixels: int | None, limits: Limits, strict: bool) -> list[Any]:
-    """Each part's pixels from its header (an :class:`ImageError` instead for an unreadable or too large
-    one; raised when ``strict``), refused with 413 when their sum is over ``max_request_pixels``, all
-    before any image is decoded."""
+    """Each part's pixels of the budgets from its header (its format's weight included:
+    :func:`proteus.images.budget_pixels`; an :class:`ImageError` instead for an unreadable or too large one;
+    raised when ``strict``), refused with 413 when their sum is over ``max_request_pixels``, all before any
+    image is decoded."""
     out: list[Any] = []
     for name, data in parts:
         try:
-            w, h = image_size(io.BytesIO(data), name)
-            if max_pixels is not None and w * h > max_pixels:
+            info = image_info(io.BytesIO(data), name)
+            w, h, n = info.width, info.height, info.budget_pixels
+            if max_pixels is not None and n > max_pixels:
+                counted = "" if n == w * h else f", which a {info.format} image counts as {n / 1e6:.1f},"
                 raise ImageTooLargeError.for_file(
                     name,
-                    f"{w} x {h} = {w * h / 1e6:.1f} megapixels is above the limit of {max_pixels / 1e6:.1f} "
-                    "megapixels per image (budget image_pixels: the knowledge base's eval.max_image_pixels)",
+                    f"{w} x {h} = {w * h / 1e6:.1f} megapixels{counted} is above the limit of "
+                    f"{max_pixels / 1e6:.1f} megapixels per image (budget image_pixels: the knowledge base's "
+                    "eval.max_image_pixels)",
                 )
-            out.append(w * h)
+            out.append(n)
         except ImageError as e:
             if strict:
                 raise
@@ -389,7 +393,8 @@ def _sizes(parts: list[tuple[str, bytes]], max_pixels: int | None, limits: Limit
     if total > limits.max_request_pixels:
         raise _too_large(
             "request_pixels",
-            f"the request's {len(parts)} images hold {total} pixels (width x height from their headers), "
+            f"the request's {len(parts)} images hold {total} pixels (width x height from their headers, "
+            "times their formats' weights: proteus.images.PIXEL_WEIGHT), "
             f"over {limits.max_request_pixels}",
             "--max-request-pixels",
         )

@@ -52,8 +52,9 @@ class Protocol(H11Protocol):
     """uvicorn's h11 protocol with the answers ``proteus serve`` promises where uvicorn has its own:
 
     - a connection with no request in progress that stays silent for ``--read-timeout`` seconds is closed
-      (uvicorn times out idle keep-alive connections only after a first answer); headers cut short are
-      answered 408 JSON first;
+      (uvicorn times out idle keep-alive connections only after a first answer); headers that have not
+      ended ``--read-timeout`` seconds after their first byte (cut short, or dripped) are answered 408 JSON
+      first;
     - a client that closes its sending side mid-body (a body shorter than its Content-Length) is answered
       400 JSON rather than dropped (the app sees :data:`~proteus.serve.app.CLIENT_EOF`), and one that does
       so while its request is being answered still gets the answer;
@@ -76,7 +77,7 @@ class Protocol(H11Protocol):
         self._idle = None
         if self._busy() or self.transport.is_closing():
             return
-        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:  # headers started, never ended
+        if self._heading():  # headers started, never ended
             self.transport.write(
                 _raw_json(
                     408,
@@ -91,9 +92,16 @@ class Protocol(H11Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
+        # a request's headers have --read-timeout seconds from their first byte, however they trickle in (a
+        # client dripping a byte at a time would otherwise hold its connection, and a descriptor, for ever)
+        heading = self._idle is not None and self._heading()
         super().data_received(data)
-        if not self.transport.is_closing():
+        if not self.transport.is_closing() and not (heading and self._heading()):
             self._arm_idle()
+
+    def _heading(self) -> bool:
+        """Whether a request's headers have begun and not ended."""
+        return self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._idle is not None:
