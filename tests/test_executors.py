@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,9 @@ def test_each_cells_state_from_its_folder(tmp_path: Path, capsys: pytest.Capture
     (gone / "state.json").unlink()
     (gone / "kb").mkdir()
     assert cell_state(gone).state == "interrupted"
+    (gone / "state.json").write_text(json.dumps({"state": "interrupted", "stopped": "signal SIGUSR2"}))
+    st = cell_state(gone)  # a stop signal is not a failure: the cell continues from its committed tasks
+    assert st.state == "interrupted" and st.detail.startswith("stopped (signal SIGUSR2)")
     assert cell_state(tmp_path / "nowhere").state == "missing"
     assert main([*ABLATION, "--out", str(tmp_path), "--status"]) == 0
     out = capsys.readouterr().out
@@ -170,6 +174,36 @@ def test_a_job_file_holds_the_config_as_json(tmp_path: Path) -> None:
     write_job(tmp_path, cfg, "slurm")
     job = json.loads((tmp_path / "job.json").read_text())
     assert job["executor"] == "slurm" and job["config"] == json.loads(json.dumps(cfg.to_dict(), default=str))
+
+
+@pytest.mark.parametrize("returncode", [-15, 1])
+def test_a_requeue_whose_scontrol_the_requeue_itself_ends_is_a_requeue(returncode: int) -> None:
+    """``scontrol requeue`` is a process of the job it re-queues, and the re-queue ends the job: on a loaded
+    node the scheduler's signal reaches scontrol before it exits. The job then exits as after a re-queue
+    (no result: submitit would report the cell failed while its job waits in the queue); scontrol failing
+    on its own (an exit code) is still an error."""
+    import signal
+    import threading
+
+    from proteus.experiment.executors import CellJob
+
+    def requeue(signum: int, frame: object) -> None:  # submitit's handler, its scontrol killed or failing
+        raise subprocess.CalledProcessError(returncode, ["scontrol", "requeue", "7"])
+
+    before = signal.signal(signal.SIGUSR2, requeue)
+    job = CellJob([sys.executable, "-c", "import time; time.sleep(60)"])  # a child that a SIGUSR1 ends
+    notice = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR2))  # the scheduler's notice
+    try:
+        notice.start()
+        if returncode < 0:
+            with pytest.raises(SystemExit):
+                job()
+        else:
+            with pytest.raises(subprocess.CalledProcessError):
+                job()
+    finally:
+        notice.cancel()
+        signal.signal(signal.SIGUSR2, before)
 
 
 @pytest.fixture(scope="module")
@@ -315,8 +349,8 @@ def test_an_interrupted_run_of_the_same_config_is_continued_else_set_aside(tmp_p
 def test_a_preempted_slurm_job_is_requeued_and_continues_from_its_last_task(tmp_path: Path) -> None:
     """The scheduler's preemption notice (submitit's SIGUSR2, sent to the job as a scheduler sends it) to a
     cell's job after its first task: the cell stops at the task it is learning, submitit re-queues the
-    job, and the job started again continues the cell from its last committed task, to the results of an
-    uninterrupted local run."""
+    job (its scontrol ended by the re-queue before it exits, as on a loaded node), and the job started again
+    continues the cell from its last committed task, to the results of an uninterrupted local run."""
     pytest.importorskip("submitit", reason="submitit (the extra 'cluster') is not installed")
     import threading
     import time
@@ -337,6 +371,16 @@ def test_a_preempted_slurm_job_is_requeued_and_continues_from_its_last_task(tmp_
             pytest.skip(f"no single-node SLURM cluster here: {e}")
         os.environ["SLURM_CONF"] = env["SLURM_CONF"]
         stack.callback(os.environ.pop, "SLURM_CONF", None)
+        # scontrol as on a loaded node, slow to exit after its request: the re-queue it asks for ends the
+        # job, scontrol with it, before it exits (the job takes this PATH from the submitter)
+        slow = tmp_path / "bin"
+        slow.mkdir()
+        real = shutil.which("scontrol")
+        (slow / "scontrol").write_text(f'#!/bin/sh\n"{real}" "$@"; rc=$?\nsleep 2\nexit $rc\n')
+        (slow / "scontrol").chmod(0o755)
+        path = os.environ["PATH"]
+        os.environ["PATH"] = f"{slow}{os.pathsep}{path}"
+        stack.callback(os.environ.__setitem__, "PATH", path)
         job = Job("the cell", cell.run_dir(tmp_path / "slurm"), cell.config)  # type: ignore[arg-type]
         ex = SlurmExecutor(ExecutorOptions(partition="debug", time=30))
         failures: list[object] = []
@@ -355,7 +399,9 @@ def test_a_preempted_slurm_job_is_requeued_and_continues_from_its_last_task(tmp_
         job_id = queued.stdout.split()[0]
         subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True)
         runner.join(timeout=900)
-        assert not runner.is_alive() and failures == []
+        logs = [*sorted((tmp_path / "slurm" / ".slurm").rglob("*_log.*")), job.run_dir / "job.log"]
+        said = "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in logs if p.is_file())
+        assert not runner.is_alive() and failures == [], said
     state = json.loads((job.run_dir / "state.json").read_text())
     assert state["state"] == "done" and state["resumed"] is True
     log = (job.run_dir / "job.log").read_text()

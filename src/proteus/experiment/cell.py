@@ -1,19 +1,20 @@
 """One cell of a grid (a method, a seed, a benchmark) as a job with its own folder, and its state read back
 from files only.
 
-The submitter writes the cell's resolved configuration into ``RUN_DIR/job.json`` (JSON, no pickle); the job
-is ``python -m proteus.experiment.cell RUN_DIR [--log FILE]`` on whatever machine the executor picked
+The submitter writes the cell's resolved configuration into ``RUN_DIR/job.json`` (JSON, no pickle); the job is
+``python -m proteus.experiment.cell RUN_DIR [--log FILE]`` on whatever machine the executor picked
 (:mod:`proteus.experiment.executors`): it runs :func:`proteus.experiment.loop.run` into ``RUN_DIR`` and
-records its state in ``RUN_DIR/state.json`` (running, done or failed with the error; the executor, host and
-job id). A job started again in a folder whose run stopped part-way (a re-queued SLURM job) continues it
-from the knowledge base's last committed task (``run(..., resume=True)``: the results of an uninterrupted
-run). SIGTERM, SIGUSR1 and SIGUSR2 (a scheduler's preemption or time-out notice: submitit's is SIGUSR2,
-which every process of the job receives) stop the job as Ctrl-C does: the task being learned is left out,
-every committed task kept; the first of them stops it, the others are ignored from then on (SIGKILL still
-ends it at once).
+records its state in ``RUN_DIR/state.json`` (running, done, failed with the error, or interrupted by a stop
+signal; the executor, host and job id). A job started again in a folder whose run stopped part-way (a
+re-queued SLURM job) continues it from the knowledge base's last committed task (``run(..., resume=True)``:
+the results of an uninterrupted run). SIGTERM, SIGUSR1 and SIGUSR2 (a scheduler's preemption or time-out
+notice: submitit's is SIGUSR2, which every process of the job receives) stop the job as Ctrl-C does: the task
+being learned is left out, every committed task kept; the first of them stops it, the others are ignored from
+then on (SIGKILL still ends it at once).
 
-:func:`cell_state` reads a folder back: ``done`` (a readable results.json), ``running``, ``failed`` (with
-the last line of its log), ``interrupted`` (a knowledge base but no results) or ``missing``.
+:func:`cell_state` reads a folder back: ``done`` (a readable results.json), ``running``, ``failed`` (with the
+last line of its log), ``interrupted`` (stopped by a signal, or a knowledge base but no results) or
+``missing``.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def run_cell(
     _mark(run_dir, "running", executor, resumed=resume)
     try:
         res = run(cfg, run_dir, progress=progress, resume=resume)
+    except KeyboardInterrupt as e:  # a stop (Ctrl-C, a scheduler's notice): not a failure of the cell
+        _mark(run_dir, "interrupted", executor, stopped=str(e) or "KeyboardInterrupt")
+        raise
     except BaseException as e:
         _mark(run_dir, "failed", executor, error=" ".join(f"{type(e).__name__}: {e}".split()))
         raise
@@ -181,6 +185,9 @@ def cell_state(run_dir: Path) -> CellState:
         )
     if state == "failed":
         return CellState("failed", record.get("error") or last_line(run_dir), **where)
+    if state == "interrupted":
+        why = f"stopped ({record.get('stopped')}) at {record.get('ended')}; its committed tasks are kept"
+        return CellState("interrupted", why, **where)
     if (run_dir / "kb").exists():
         return CellState("interrupted", "a knowledge base but no results.json", **where)
     return CellState("missing", **where)

@@ -175,7 +175,17 @@ class CellJob:
                 if deadline is not None and time.monotonic() > deadline:
                     child.kill()
         if noticed and callable(requeue):
-            requeue(*noticed[0])  # exits: the job is re-queued and starts the cell again
+            try:
+                requeue(*noticed[0])  # exits: the job is re-queued and starts the cell again
+            except subprocess.CalledProcessError as e:
+                if e.returncode >= 0:
+                    raise
+                # `scontrol requeue` is a process of this job, and the re-queue ends the job: the scheduler's
+                # signal can reach scontrol before it exits (a loaded node), which is the re-queue taking
+                # effect, not its failure. Exit as submitit does after a re-queue: no result, the job's
+                # next start continues the cell (a result here would report the cell failed while its
+                # job waits in the queue)
+                sys.exit(-1)
         if code:
             raise RuntimeError(f"{shlex.join(self.command)} exited with code {code} (its log: --log)")
         return code
@@ -341,8 +351,9 @@ class SlurmExecutor(Executor):
             try:
                 sub.result()
             except Exception as e:  # noqa: BLE001 - the job's own error is in its folder
-                state = cell_state(job.run_dir)
-                failures.append(Failure(job, state.detail or " ".join(str(e).split())[-300:]))
+                state, error = cell_state(job.run_dir), " ".join(str(e).split())[-300:]
+                detail = f"{state.state}: {state.detail}" if state.detail else state.state
+                failures.append(Failure(job, f"{detail}; slurm job {sub.job_id}: {error}"))
         return failures
 
 
