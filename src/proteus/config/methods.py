@@ -14,14 +14,17 @@ A method's *recipe* is its base's recipe with its own overrides on top: an ablat
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from proteus.config.coercion import merge
+from proteus.config.coercion import OPEN_SECTIONS, merge
 from proteus.config.schema import RunConfig
+from proteus.errors import ConfigError
 from proteus.registry import Registry
 
-__all__ = ["LEARNERS", "METHODS", "Method", "apply_method", "declare"]
+__all__ = ["LEARNERS", "METHODS", "Method", "apply_method", "baseline_option_type", "declare"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +93,22 @@ def apply_method(cfg: RunConfig, name: str) -> RunConfig:
     merge(cfg, METHODS.get(name).nested())
     cfg.method = name
     return cfg
+
+
+def baseline_option_type(name: str) -> Any:
+    """The declared type of ``baseline.<name>``: the field of that name in any learner's options (each
+    baseline declares its own, :attr:`proteus.baselines.ContinualClassifier.Options`); an unknown name is
+    refused with the names that exist."""
+    found: dict[str, Any] = {}
+    for learner in (LEARNERS.get(n) for n in LEARNERS.names()):
+        options = getattr(learner, "Options", None)
+        if isinstance(options, type) and dataclasses.is_dataclass(options):
+            found.update({k: v for k, v in typing.get_type_hints(options).items() if k not in found})
+    if name not in found:
+        raise ConfigError(
+            f"unknown config key 'baseline.{name}'; the baselines' options: {', '.join(sorted(found))}"
+        )
+    return found[name]
+
+
+OPEN_SECTIONS["baseline"] = baseline_option_type  # (the learners register their options in their modules)

@@ -30,7 +30,6 @@ from proteus.backbones.options import BackboneConfig
 from proteus.config import coercion
 from proteus.config.coercion import field_of, flatten, merge
 from proteus.devices import COMPILE_MODES, PRECISIONS
-from proteus.errors import ConfigError
 from proteus.heads.options import HeadConfig
 from proteus.options import AT_LEAST_1, NO_LEGACY, NON_NEGATIVE, POSITIVE, Interval, OptionInfo, info, option
 from proteus.signatures.options import RetrievalConfig, SignatureConfig
@@ -260,24 +259,3 @@ def nest(dotted: dict[str, Any]) -> dict[str, Any]:
 def parse_set(items: list[str]) -> dict[str, Any]:
     """``--set key=value`` arguments as a nested dict, checked against :class:`RunConfig` and converted."""
     return coercion.parse_set(RunConfig, items)
-
-
-def baseline_option_type(name: str) -> Any:
-    """The declared type of ``baseline.<name>``: the field of that name in any learner's options (each
-    baseline declares its own, :attr:`proteus.baselines.ContinualClassifier.Options`); an unknown name is
-    refused with the names that exist."""
-    from proteus.config.methods import LEARNERS  # the learners register their options in their modules
-
-    found: dict[str, Any] = {}
-    for learner in (LEARNERS.get(n) for n in LEARNERS.names()):
-        options = getattr(learner, "Options", None)
-        if isinstance(options, type) and dataclasses.is_dataclass(options):
-            found.update({k: v for k, v in typing.get_type_hints(options).items() if k not in found})
-    if name not in found:
-        raise ConfigError(
-            f"unknown config key 'baseline.{name}'; the baselines' options: {', '.join(sorted(found))}"
-        )
-    return found[name]
-
-
-coercion.OPEN_SECTIONS["baseline"] = baseline_option_type
