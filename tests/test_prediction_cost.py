@@ -19,7 +19,7 @@ from proteus.adapters.lora import MergedCache, sparse_columns
 from proteus.backbones import build_backbone
 from proteus.config import ConfigError, resolve_config
 from proteus.engine.embedder import suffix_peak_bytes
-from proteus.experiment.batches import predict_images
+from proteus.experiment.predictions import predict_images
 from proteus.streams import build_benchmark
 from tiny import TINY_SETS
 

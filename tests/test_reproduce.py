@@ -77,6 +77,31 @@ def test_list_shows_every_table_and_figure_of_the_paper(capsys: pytest.CaptureFi
 
 
 @needs_spec
+def test_every_metric_of_the_tables_has_a_reader() -> None:
+    """The metrics the tables name (paper_tables.yaml) are those a run can be read for, each read by its own
+    reader (``table_metrics``), a final one as ``{None: value}`` and a per-task one by task."""
+    from proteus.experiment.table_metrics import READERS
+
+    assert set(pt.METRICS) == set(READERS.names())
+    res = {"final_avg_acc": [80.0, 75.5], "avg_acc": [80.0, 75.5],
+           "latency": {"m": [1, 10], "seconds": [0.1, 1]},
+           "tasks": [{"trainable_params": 10}, {"trainable_params": 12, "peak_gpu_mb": 300.0}]}  # fmt: skip
+    split = {"splits": {"train": {"count": 500}}, "num_classes": 10}
+    assert rep.metric_values("acc", res, split) == {None: 75.5}
+    assert rep.metric_values("acc@", res, split) == {1: 80.0, 2: 75.5}
+    assert rep.metric_values("latency@", res, split) == {1: 0.1, 10: 1.0}
+    assert rep.metric_values("params", res, split) == {None: 12.0}
+    assert rep.metric_values("gpu_memory", res, split) == {None: 300.0}
+    assert (
+        rep.metric_values("n_train", res, split) == {None: 500.0}
+        and rep.metric_values("n_test", res, split) == {}
+    )
+    assert rep.metric_values("classes", res, None) == {} and rep.metric_values("forgetting", res, split) == {}
+    assert (rep._fmt("params", 12345.0), rep._fmt("orthogonality", 0.00012), rep._fmt("acc", 75.456)) == (
+        "12,345", "1.2e-04", "75.46"
+    )  # fmt: skip
+
+
 def test_published_numbers_are_the_papers() -> None:
     """Every transcribed number is printed in its entry's line range, and on the line of the paper's source
     that its row of the packaged data names (the data's lines are read back)."""

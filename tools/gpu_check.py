@@ -171,7 +171,7 @@ def step_run(dev: str, work: Path, data: Path, spec: Path) -> dict[str, Any]:
 def step_precision(dev: str, work: Path, data: Path) -> dict[str, Any]:
     """The run's knowledge base predicts its test images in bf16 and in fp32 (same KB, same inputs)."""
     from proteus.core.estimator import Proteus
-    from proteus.experiment.batches import predict_images
+    from proteus.experiment.predictions import predict_images
 
     files = sorted(str(p) for p in (data / "test").rglob("*.jpg"))
     preds, emb = {}, {}

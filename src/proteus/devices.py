@@ -34,6 +34,7 @@ __all__ = [
     "autocast_dtype",
     "clock",
     "compile_failure",
+    "compiles",
     "index_add",
     "peak_memory_mb",
     "reset_peak_memory",
@@ -97,6 +98,12 @@ def autocast(device: torch.device, precision: str = "auto") -> Iterator[None]:
 #: order)
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 
+
+def compiles(mode: str) -> bool:
+    """Whether ``compile`` mode ``mode`` compiles the forwards (every mode but the eager ``none``)."""
+    return mode != COMPILE_MODES[0]
+
+
 #: the ``torch.compile`` backend of :class:`CompiledForward` (tests use ``eager``: no C++ build)
 COMPILE_BACKEND = "inductor"
 
@@ -127,7 +134,7 @@ class CompiledForward:
     @property
     def active(self) -> bool:
         """Whether calls go through ``torch.compile`` (not ``none``, and nothing failed to compile)."""
-        return self.mode != "none" and _compile_failure is None
+        return compiles(self.mode) and _compile_failure is None
 
     def __call__(self, *args: Any) -> Any:
         global _compile_failure

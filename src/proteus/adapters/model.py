@@ -38,7 +38,7 @@ from torch import nn
 
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper, MergedCache, set_composition
 from proteus.backbones.base import Backbone
-from proteus.devices import CompiledForward, compile_failure
+from proteus.devices import CompiledForward, compile_failure, compiles
 from proteus.kb.packs import spans
 from proteus.tensor_rules import TENSOR_RULES, NeedsRecord, SameGroups, ShapeRule, SideBySide, Together
 
@@ -284,7 +284,7 @@ class AdaptedBackbone(nn.Module):
 
     def _compiles(self) -> bool:
         """Whether forwards now go through ``torch.compile`` (a mode set, no gradients, no failure)."""
-        return self.compile_mode != "none" and not torch.is_grad_enabled() and compile_failure() is None
+        return compiles(self.compile_mode) and not torch.is_grad_enabled() and compile_failure() is None
 
     def _forward(self, part: str, x: torch.Tensor) -> Any:
         """The backbone's ``forward_prefix``, ``forward_prefix_taps`` or ``forward_suffix`` (``part``) of

@@ -2,7 +2,7 @@
 
 from proteus.lazy import exports
 
-__all__ = ["AdaptTarget", "BACKBONES", "Backbone", "DataConfig", "build_backbone"]
+__all__ = ["AdaptTarget", "BACKBONES", "Backbone", "DataConfig", "build_backbone", "has_tokens"]
 
 __getattr__, __dir__ = exports(
     __name__,
@@ -12,5 +12,6 @@ __getattr__, __dir__ = exports(
         "Backbone": "base",
         "DataConfig": "base",
         "build_backbone": "base",
+        "has_tokens": "base",
     },
 )

@@ -227,6 +227,12 @@ def backbone_factory(name: str) -> Callable[..., Backbone]:
         raise type(e)(f"{e.args[0]}; or a family name: {families}") from None
 
 
+def has_tokens(name: str) -> bool:
+    """Whether backbone ``name`` (a preset or a family's) gives tokens, as a ViT does (its factory's
+    ``tokens`` trait): the prompt methods need them."""
+    return bool(getattr(backbone_factory(name), "tokens", False))
+
+
 def _load_error_summary(exc: BaseException) -> str:
     """A one-line digest of torch's ``load_state_dict`` error (counts, a few names), else its first line."""
     text = str(exc)

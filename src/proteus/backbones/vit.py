@@ -244,12 +244,22 @@ def _create(tag: str, name: str) -> Any:
     return net
 
 
-def _make(name: str, tag: str):
-    def factory(pretrained: bool = True, weights: str | None = None) -> Backbone:
-        return TimmViTBackbone(tag, name, pretrained=pretrained, weights=weights)
+class _Timm:
+    """The factory of timm ViT ``tag`` under the name ``name``."""
 
-    factory.__doc__ = f"timm {tag}"
-    return factory
+    #: a ViT's blocks give tokens (:func:`~proteus.backbones.base.has_tokens`)
+    tokens = True
+
+    def __init__(self, name: str, tag: str) -> None:
+        self.name, self.tag = name, tag
+        self.__doc__ = f"timm {tag}"
+
+    def __call__(self, pretrained: bool = True, weights: str | None = None) -> Backbone:
+        return TimmViTBackbone(self.tag, self.name, pretrained=pretrained, weights=weights)
+
+
+def _make(name: str, tag: str) -> _Timm:
+    return _Timm(name, tag)
 
 
 for _name, _tag in VIT_TAGS.items():

@@ -264,12 +264,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
         )
     if inputs.skipped:
         print(describe_skipped(inputs.skipped), file=sys.stderr)
-    from proteus.experiment.batches import predict_images
     from proteus.experiment.predictions import (
         NOT_CALIBRATED,
         NOT_CHECKED,
         Summary,
         format_row,
+        predict_images,
         prediction_rows,
     )
     from proteus.experiment.store import load_learner

@@ -38,6 +38,10 @@ class Method:
     overrides: dict[str, Any] = field(default_factory=dict)
     #: the learner that runs it (:data:`proteus.learners.LEARNERS`): "proteus" or a baseline's name
     learner: str = "proteus"
+    #: how the paper's statement of it and of what derives from it is read (``reproduce``): "paper" (the
+    #: paper's PROTEUS, an ablation's own change on top), "default" (the paper's PROTEUS, every change
+    #: ours); None: its base's, and a root without one is read by its own declaration ("own")
+    reading: str | None = None
 
     def chain(self) -> list[Method]:
         """The declarations from the root of its bases down to this one."""
@@ -48,6 +52,14 @@ class Method:
                 raise ValueError(f"method {self.name}: its bases loop ({' <- '.join(m.name for m in out)})")
             out.append(base)
         return out[::-1]
+
+    def paper_reading(self) -> tuple[str, Method | None]:
+        """How the paper's statement of this method is read (:attr:`reading`, inherited from the nearest
+        base that declares one, else ``"own"``), and the declaration that says so."""
+        for m in reversed(self.chain()):
+            if m.reading is not None:
+                return m.reading, m
+        return "own", None
 
     def recipe(self) -> dict[str, Any]:
         """Every dotted key this method sets, its bases' first (later declarations win)."""
@@ -74,16 +86,22 @@ LEARNERS: Registry[type[Any]] = Registry("learner", plugins=PLUGINS)
 
 
 def declare(
-    name: str, help: str, *, base: str | None, learner: str | None = None, **overrides: Any
+    name: str,
+    help: str,
+    *,
+    base: str | None,
+    learner: str | None = None,
+    reading: str | None = None,
+    **overrides: Any,
 ) -> Method:
     """Register a method derived from ``base`` (a declared method, or None for the defaults); keyword names
     are config keys with ``__`` for the dot (``train__tasks``). ``learner`` defaults to the base's (to
-    ``"proteus"`` without a base)."""
+    ``"proteus"`` without a base); ``reading``: :attr:`Method.reading`."""
     if base is not None and base not in METHODS:
         raise ValueError(f"method {name}: its base {base!r} is not declared (declare it first)")
     if learner is None:
         learner = METHODS.get(base).learner if base is not None else "proteus"
-    m = Method(name, help, base, {k.replace("__", "."): v for k, v in overrides.items()}, learner)
+    m = Method(name, help, base, {k.replace("__", "."): v for k, v in overrides.items()}, learner, reading)
     METHODS.register(name, help=help)(m)
     return m
 

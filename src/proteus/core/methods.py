@@ -25,6 +25,7 @@ declare(
     "PROTEUS (Alg. 1): adaptive LoRA per task; retrieval by LDA task keys under the first adapter, each "
     "task's own head, the two likeliest tasks weighed (beyond the paper, docs/retrieval.md)",
     base=None,
+    reading="default",
 )
 # the paper's recipe (docs/experiments.md, "paper says / we do"): Alg. 2's retrieval as the paper writes it
 # (DP-GMM keys under each task's own adapter, the best task, then Eq. 23's head over every class) on raw
@@ -34,7 +35,7 @@ declare(
 declare(
     "proteus-paper",
     "PROTEUS exactly as the paper: raw embeddings, full-covariance DP-GMM NLL, RanPAC's gamma rule",
-    base=None,
+    base=None, reading="paper",
     signature__keys="adapter", head__scope="global", retrieval__combine="hard",
     signature__method="dpgmm", signature__covariance="full", signature__normalize="none",
     signature__score="nll", signature__calibrate="none", signature__prior="ridge",

@@ -21,7 +21,7 @@ from PIL import Image
 
 from proteus.engine.confidence import MIN_ROWS, Confidence, fit_temperature
 from proteus.engine.novelty import Calibration, check_tpr
-from proteus.experiment.batches import predict_batches, predict_images
+from proteus.experiment.predictions import predict_batches, predict_images
 from proteus.experiment.store import commit, load_learner
 from proteus.kb import KBError, KnowledgeBase, write_lock
 from proteus.learners import ContinualLearner, RetrievalLearner, retrieval_learner

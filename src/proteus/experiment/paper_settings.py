@@ -670,21 +670,18 @@ def paper_family(method: str) -> str:
     the baselines: the method's own declaration and released settings)."""
     from proteus.config import METHODS
 
-    chain = [m.name for m in METHODS.get(method).chain()]
-    if "proteus-paper" in chain:
-        return "paper"
-    if chain[0] == "proteus":
-        return "default"
-    return "own"
+    return METHODS.get(method).paper_reading()[0]
 
 
 def _ablation(method: str) -> dict[str, Any]:
-    """The settings an ablation of ``proteus-paper`` changes (the paper's own change)."""
+    """The settings an ablation of ``proteus-paper`` changes (the paper's own change): what its chain
+    declares below the method that reads as the paper."""
     from proteus.config import METHODS
 
     chain = METHODS.get(method).chain()
-    names = [m.name for m in chain]
-    return {k: v for m in chain[names.index("proteus-paper") + 1 :] for k, v in m.overrides.items()}
+    _, paper = METHODS.get(method).paper_reading()
+    below = chain[chain.index(paper) + 1 :] if paper is not None else []
+    return {k: v for m in below for k, v in m.overrides.items()}
 
 
 def departures(

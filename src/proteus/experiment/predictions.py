@@ -1,4 +1,12 @@
-"""Readable predictions: one JSON row per input, the same for ``proteus predict`` and ``proteus serve``.
+"""Prediction over image files and its readable rows: the one prediction module of ``proteus predict``,
+``proteus serve`` and ``kb calibrate``, typed to the learner protocol
+(:class:`~proteus.learners.ContinualLearner`).
+
+Files are decoded a batch at a time with :func:`proteus.images.load_images` (the same pixels as training),
+so memory stays bounded for any number of files (:func:`predict_images`, :func:`predict_batches`: each batch
+an :class:`ImageBatch` as soon as it is predicted, a progress bar of images and images per second), and each
+input's answer becomes one JSON row, the same for ``proteus predict`` and ``proteus serve``
+(:func:`prediction_rows`).
 
 The schema (docs/predict.md):
 
@@ -47,25 +55,35 @@ predicted.
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import islice
+from typing import Any, Generic, TypeVar
 
 import torch
+from PIL import Image
 
 from proteus.config import ConfigError
 from proteus.engine.confidence import calibrated_probabilities
 from proteus.engine.records import Prediction
+from proteus.images import DEFAULT_MAX_PIXELS, load_images
 from proteus.learners import ContinualLearner
+from proteus.progress import bar as progress_bar
 
 __all__ = [
     "CSV_COLUMNS",
     "NOT_CALIBRATED",
     "NOT_CHECKED",
+    "ImageBatch",
     "Summary",
     "csv_columns",
     "csv_row",
     "format_row",
+    "predict_batches",
+    "predict_images",
     "prediction_rows",
 ]
 
@@ -246,3 +264,102 @@ class Summary:
             files = "file" if self.ignored == 1 else "files"
             text += f"; {self.ignored} other {files} in the folders ignored (no image)"
         return text
+
+
+# ---------------------------------------------------------------------------- image files in batches
+ImageInput = str | os.PathLike[str] | Image.Image
+#: what ``predict`` returns for a batch (a :class:`Prediction`, or features)
+P = TypeVar("P")
+
+
+@dataclass
+class ImageBatch(Generic[P]):
+    """One predicted batch. ``files``: the names of the predicted inputs in order (a path, or ``image
+    <i>`` for a PIL image given directly); ``prediction`` (None when every input of the batch was
+    skipped); ``skipped``: ``(path, reason)`` of unreadable files (with ``skip_unreadable``); ``done``:
+    inputs handled so far (predicted and skipped), ``predicted``: predicted so far, ``seconds``: wall
+    time since the first batch started (decoding included)."""
+
+    files: list[str]
+    prediction: P | None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    done: int = 0
+    predicted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def images_per_second(self) -> float:
+        """Predicted images per second so far."""
+        return self.predicted / self.seconds if self.seconds > 0 else 0.0
+
+
+def _decode(
+    chunk: list[tuple[int, ImageInput]], max_pixels: int | None, skip_unreadable: bool
+) -> tuple[list[Image.Image], list[str], list[tuple[str, str]]]:
+    images: list[Image.Image] = []
+    names: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    for i, item in chunk:
+        if isinstance(item, Image.Image):
+            images.append(item.convert("RGB") if item.mode != "RGB" else item)
+            names.append(f"image {i}")
+            continue
+        ims, kept, skip = load_images([item], max_pixels=max_pixels, skip_unreadable=skip_unreadable)
+        images += ims
+        names += kept
+        skipped += skip
+    return images, names, skipped
+
+
+def predict_batches(
+    items: Iterable[ImageInput],
+    predict: Callable[[list[Image.Image]], P],
+    batch_size: int,
+    *,
+    progress: bool = False,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    skip_unreadable: bool = False,
+    total: int | None = None,
+) -> Iterator[ImageBatch[P]]:
+    """Decode ``items`` ``batch_size`` at a time and yield each batch's prediction by ``predict``."""
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)  # type: ignore[arg-type]
+    it = enumerate(items)
+    bar = progress_bar(desc="predict", total=total, unit="img", enabled=progress)
+    t0 = time.perf_counter()
+    done = predicted = 0
+    try:
+        while chunk := list(islice(it, batch_size)):
+            images, names, skipped = _decode(chunk, max_pixels, skip_unreadable)
+            pred = predict(images) if images else None
+            done += len(chunk)
+            predicted += len(images)
+            bar.update(len(chunk))
+            yield ImageBatch(names, pred, skipped, done, predicted, time.perf_counter() - t0)
+    finally:
+        bar.close()
+
+
+def predict_images(
+    clf: ContinualLearner,
+    images: Iterable[ImageInput],
+    batch_size: int | None = None,
+    *,
+    progress: bool | None = None,
+    max_pixels: int | None = None,
+    skip_unreadable: bool = False,
+) -> Iterator[ImageBatch[Prediction]]:
+    """A learner's ``predict`` over image files (or PIL images), decoded a batch at a time: one
+    :class:`ImageBatch` per batch; ``progress`` (default: the learner's) shows a bar of images and images/s.
+    Defaults: ``eval.batch_size``, ``eval.max_image_pixels``."""
+    ec = clf.config.eval
+    return predict_batches(
+        images,
+        lambda ims: clf.predict(clf.transform_images(ims)),
+        batch_size or ec.batch_size,
+        progress=clf.progress if progress is None else progress,
+        max_pixels=max_pixels or ec.max_image_pixels,
+        skip_unreadable=skip_unreadable,
+    )

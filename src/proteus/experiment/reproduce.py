@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from proteus.backbones import has_tokens
 from proteus.config import LEARNERS, METHODS, ConfigError, RunConfig, flatten, resolve_config
 from proteus.config.schema import parse_set
 from proteus.experiment.executors import Executor
@@ -50,6 +51,7 @@ from proteus.experiment.paper_tables import (
     entry,
 )
 from proteus.experiment.provenance import UNKNOWN, merged
+from proteus.experiment.table_metrics import READERS, fmt
 
 __all__ = [
     "Cell", "Column", "Plan", "catalogue_lines", "make_plan", "plan_lines", "reproduce", "status_lines",
@@ -181,14 +183,9 @@ def _columns(e: Entry, benchmark: str | None, data: str | None) -> list[Column]:
     return [Column(local, local, paper, data, local=True)]
 
 
-def _has_tokens(backbone: str) -> bool:
-    """A ViT (timm presets and families) has tokens; MobileNetV2 has none."""
-    return not backbone.startswith("mobilenet")
-
-
 def _skip_reason(method: str, cfg: RunConfig) -> str:
     learner = LEARNERS.get(METHODS.get(method).learner)
-    if getattr(learner, "needs_tokens", False) and not _has_tokens(cfg.backbone.name):
+    if getattr(learner, "needs_tokens", False) and not has_tokens(cfg.backbone.name):
         return f"{method} is a prompt method: it needs a ViT (tokens), not {cfg.backbone.name}"
     return ""
 
@@ -319,70 +316,11 @@ def _load(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _last(v: Any) -> float | None:
-    if isinstance(v, list):
-        v = v[-1] if v else None
-    return None if v is None else float(v)
-
-
-def _at(v: Any, i: int) -> float | None:
-    if not isinstance(v, list) or not 0 <= i < len(v) or v[i] is None:
-        return None
-    return float(v[i])
-
-
 def metric_values(metric: str, res: dict[str, Any], split: dict[str, Any] | None) -> dict[int | None, float]:
-    """The values of ``metric`` in one run: ``{None: value}`` for a final metric, ``{task: value}`` (1-based)
-    for a per-task one (``acc@``, ``latency@`` by m, ``delta@`` ...). Missing values are left out."""
-    out: dict[int | None, float | None] = {}
-    n = len(res.get("avg_acc") or [])
-    theory = ((res.get("theory") or {}).get("per_task")) or []
-    if metric == "acc":
-        out[None] = _last(res.get("final_avg_acc"))
-    elif metric == "forgetting":
-        out[None] = _last(res.get("forgetting"))
-    elif metric == "retrieval":
-        out[None] = _last(res.get("retrieval_acc"))
-    elif metric == "oracle":
-        out[None] = _last(res.get("oracle_avg_acc"))
-    elif metric == "acc@":
-        out.update({k + 1: _at(res.get("avg_acc"), k) for k in range(n)})
-    elif metric == "retrieval@":
-        out.update({k + 1: _at(res.get("retrieval_acc"), k) for k in range(n)})
-    elif metric == "latency@":
-        lat = res.get("latency") or {}
-        out.update({int(m): float(s) for m, s in zip(lat.get("m") or [], lat.get("seconds") or [])})
-    elif metric in ("delta@", "min_delta@", "min_delta_a23@"):
-        key = {"delta@": "delta_mean", "min_delta@": "min_delta_mean", "min_delta_a23@": "min_delta_mean_a23"}
-        for row in theory:
-            v = row.get(key[metric])
-            out[int(row["task"]) + 1] = None if v is None else float(v)
-    elif metric == "s_nonzero@":
-        for k, t in enumerate(res.get("tasks") or []):
-            v = (t.get("train") or {}).get("s_nonzero_frac")
-            out[k + 1] = None if v is None else float(v)
-    elif metric == "orthogonality":
-        v = (res.get("orthogonality") or {}).get("max_abs_offdiag")
-        out[None] = None if v is None else float(v)
-    elif metric == "inference":
-        v = (res.get("inference") or {}).get("seconds")
-        out[None] = None if v is None else float(v)
-    elif metric == "gpu_memory":
-        peaks = [t.get("peak_gpu_mb") for t in res.get("tasks") or []]
-        peaks = [float(p) for p in peaks if p is not None]
-        out[None] = max(peaks) if peaks else None
-    elif metric == "params":
-        tasks = res.get("tasks") or []
-        v = tasks[-1].get("trainable_params") if tasks else None
-        out[None] = None if v is None else float(v)
-    elif metric in ("n_train", "n_test", "classes") and split is not None:
-        splits = split.get("splits") or {}
-        v = {
-            "n_train": (splits.get("train") or {}).get("count"),
-            "n_test": (splits.get("test") or {}).get("count"),
-            "classes": split.get("num_classes"),
-        }[metric]
-        out[None] = None if v is None else float(v)
+    """The values of ``metric`` in one run (its reader, :data:`~proteus.experiment.table_metrics.READERS`):
+    ``{None: value}`` for a final metric, ``{task: value}`` (1-based) for a per-task one (``acc@``,
+    ``latency@`` by m, ``delta@`` ...). Missing values are left out."""
+    out = READERS.get(metric)(res, split)
     return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
 
 
@@ -395,17 +333,7 @@ def _stat(values: list[float]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- the table
 def _fmt(metric: str, v: float | None) -> str:
-    if v is None:
-        return "-"
-    if metric in ("params", "n_train", "n_test", "classes"):
-        return f"{v:,.0f}"
-    if metric == "orthogonality":
-        return f"{v:.1e}"
-    if metric in ("latency@", "inference"):
-        return f"{v:.3f}"
-    if metric == "s_nonzero@":
-        return f"{v:.3f}"
-    return f"{v:.2f}"
+    return "-" if v is None else fmt(metric, v)
 
 
 def _fmt_stat(metric: str, st: dict[str, Any]) -> str:

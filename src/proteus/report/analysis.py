@@ -38,6 +38,7 @@ from proteus.config import ReportConfig
 from proteus.core.estimator import Proteus
 from proteus.learners import ContinualLearner, check_supports
 from proteus.metrics import confusion_matrix
+from proteus.signatures.signature import NORMALIZATIONS
 from proteus.signatures.theory import theory_report
 from proteus.streams import TaskStream
 
@@ -95,7 +96,8 @@ class _SignatureSpace:
     normalised only when selected, so the n^2 cached test embeddings are not copied."""
 
     def __init__(self, H: torch.Tensor, sig: Any) -> None:
-        self.H, self.l2 = H, getattr(sig, "normalize", "none") == "l2"
+        self.H = H
+        self.normalize = NORMALIZATIONS.get(getattr(sig, "normalize", "none"))  # (signature.normalize)
 
     @property
     def device(self) -> torch.device:
@@ -107,7 +109,7 @@ class _SignatureSpace:
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         rows = self.H.index_select(dim, index)
-        return torch.nn.functional.normalize(rows, dim=1) if self.l2 else rows
+        return self.normalize(rows)
 
 
 #: the bounds' premise holds where own-task inputs lie within this factor of d (squared Mahalanobis)

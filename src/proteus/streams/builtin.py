@@ -54,6 +54,8 @@ QUICKSTART_TEST_FRACTION = 0.3
 QUICKSTART_SPLIT_SEED = 0
 
 _TORCHVISION_DIRS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+#: torchvision's dataset class of each CIFAR benchmark (``torchvision.datasets.<name>``)
+_TORCHVISION_CLASSES = {"cifar10": "CIFAR10", "cifar100": "CIFAR100"}
 _NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet-r": 200, "imagenet-a": 200}
 #: the classes a benchmark's ImageFolder tree must hold, exactly (CIFAR-10's, in torchvision's order)
 _CLASS_NAMES = {
@@ -155,7 +157,7 @@ def quickstart(cfg: BenchmarkConfig) -> TaskStream:
 # ---------------------------------------------------------------------------------------------- CIFAR
 def _cifar_missing(name: str, root: Path) -> DataNotFoundError:
     tv = _TORCHVISION_DIRS[name]
-    cls = "CIFAR10" if name == "cifar10" else "CIFAR100"
+    cls = _TORCHVISION_CLASSES[name]
     return DataNotFoundError(
         f"{name}: no data found at {root}. Expected one of:\n"
         f"  (a) torchvision's format: {root / tv}/ (the extracted python-version archive)\n"
@@ -169,7 +171,7 @@ def _download_cifar(name: str, root: Path) -> None:
     """torchvision's download of ``name`` into ``root`` (``benchmark.download``), its failure one line."""
     import torchvision
 
-    cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
+    cls = getattr(torchvision.datasets, _TORCHVISION_CLASSES[name])
     try:
         root.mkdir(parents=True, exist_ok=True)
         for train in (True, False):
@@ -203,7 +205,7 @@ def load_cifar(name: str, root: Path, download: bool = False) -> tuple[Any, Any,
     if tv_root is not None:
         import torchvision
 
-        cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
+        cls = getattr(torchvision.datasets, _TORCHVISION_CLASSES[name])
         try:
             tr = cls(str(tv_root), train=True, download=False)
             te = cls(str(tv_root), train=False, download=False)

@@ -35,7 +35,7 @@ sorted names (or the groups file's order, kept), then inside each domain, in tha
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,7 +198,49 @@ def mixed_order(n_domains: int) -> list[tuple[int, int]]:
     return out
 
 
-def _domain_stream(name: str, cfg: BenchmarkConfig) -> TaskStream:
+#: how a benchmark of local domains cuts them into tasks: (the tasks' class names, what its ``extra`` says)
+Partition = Callable[
+    [str, BenchmarkConfig, Path, list["Domain"], dict[str, list[str]]], tuple[list[list[str]], dict[str, Any]]
+]
+
+
+def by_domain(
+    name: str, cfg: BenchmarkConfig, root: Path, domains: list[Domain], groups: dict[str, list[str]]
+) -> tuple[list[list[str]], dict[str, Any]]:
+    """One task per domain, every class of it (``domains5``)."""
+    n = cfg.num_tasks if cfg.num_tasks is not None else len(domains)
+    if not 1 <= n <= len(domains):
+        raise TaskSpecError(f"{name}: num_tasks={n} but {root} gives {len(domains)} domains")
+    return [groups[d.name] for d in domains[:n]], {"task_domains": [d.name for d in domains[:n]]}
+
+
+def by_sim50(
+    name: str, cfg: BenchmarkConfig, root: Path, domains: list[Domain], groups: dict[str, list[str]]
+) -> tuple[list[list[str]], dict[str, Any]]:
+    """Each task half of its domain's classes and the rest borrowed (``domains-sim``: VTAB-Sim50's cut)."""
+    task_names, info = sim50_partition(groups, cfg.class_order_seed)
+    if cfg.num_tasks is not None and cfg.num_tasks != len(task_names):
+        raise TaskSpecError(f"{name}: num_tasks={cfg.num_tasks} but there are {len(task_names)} domains")
+    return task_names, {"sim50": info}
+
+
+def by_halves(
+    name: str, cfg: BenchmarkConfig, root: Path, domains: list[Domain], groups: dict[str, list[str]]
+) -> tuple[list[list[str]], dict[str, Any]]:
+    """Two tasks per domain (its halves), in :func:`mixed_order` (``domains-mixed``)."""
+    plan = mixed_order(len(domains))
+    if cfg.num_tasks is not None and cfg.num_tasks != len(plan):
+        raise TaskSpecError(f"{name}: num_tasks={cfg.num_tasks} but {len(domains)} domains give {len(plan)}")
+    task_names = []
+    for di, half in plan:
+        g = groups[domains[di].name]
+        cut = math.ceil(len(g) / 2)
+        task_names.append(g[:cut] if half == 0 else g[cut:])
+    steps = ["mild" if plan[i][0] == plan[i - 1][0] else "abrupt" for i in range(1, len(plan))]
+    return task_names, {"task_domains": [f"{domains[di].name}:{'ab'[h]}" for di, h in plan], "steps": steps}
+
+
+def _domain_stream(name: str, cfg: BenchmarkConfig, partition: Partition) -> TaskStream:
     root = data_root(cfg, "")
     listed = _load_groups(cfg.tasks_file) if cfg.tasks_file else None
     domains = find_domains(root, cfg.class_order_seed, listed)
@@ -218,30 +260,8 @@ def _domain_stream(name: str, cfg: BenchmarkConfig) -> TaskStream:
         "domains": [{"name": d.name, "source": d.source, "classes": len(d.classes)} for d in domains],
         "class_order_rule": f"RandomState({cfg.class_order_seed}): domain order, then each domain's classes",
     }
-    if name == "domains5":
-        n = cfg.num_tasks if cfg.num_tasks is not None else len(domains)
-        if not 1 <= n <= len(domains):
-            raise TaskSpecError(f"{name}: num_tasks={n} but {root} gives {len(domains)} domains")
-        task_names = [groups[d.name] for d in domains[:n]]
-        extra["task_domains"] = [d.name for d in domains[:n]]
-    elif name == "domains-sim":
-        task_names, info = sim50_partition(groups, cfg.class_order_seed)
-        if cfg.num_tasks is not None and cfg.num_tasks != len(task_names):
-            raise TaskSpecError(f"{name}: num_tasks={cfg.num_tasks} but there are {len(task_names)} domains")
-        extra["sim50"] = info
-    else:
-        plan = mixed_order(len(domains))
-        if cfg.num_tasks is not None and cfg.num_tasks != len(plan):
-            raise TaskSpecError(
-                f"{name}: num_tasks={cfg.num_tasks} but {len(domains)} domains give {len(plan)}"
-            )
-        task_names = []
-        for di, half in plan:
-            g = groups[domains[di].name]
-            cut = math.ceil(len(g) / 2)
-            task_names.append(g[:cut] if half == 0 else g[cut:])
-        extra["task_domains"] = [f"{domains[di].name}:{'ab'[h]}" for di, h in plan]
-        extra["steps"] = ["mild" if plan[i][0] == plan[i - 1][0] else "abrupt" for i in range(1, len(plan))]
+    task_names, more = partition(name, cfg, root, domains, groups)
+    extra.update(more)
     order_names = [c for t in task_names for c in t]
     index = {c: i for i, c in enumerate(names)}
     tasks, pos = [], 0
@@ -277,7 +297,7 @@ def _domain_stream(name: str, cfg: BenchmarkConfig) -> TaskStream:
     "(+ scikit-learn digits), every class of it",
 )
 def domains5(cfg: BenchmarkConfig) -> TaskStream:
-    return _domain_stream("domains5", cfg)
+    return _domain_stream("domains5", cfg, by_domain)
 
 
 @BENCHMARKS.register(
@@ -286,7 +306,7 @@ def domains5(cfg: BenchmarkConfig) -> TaskStream:
     "borrows the rest from the others (the vtab-sim50 code)",
 )
 def domains_sim(cfg: BenchmarkConfig) -> TaskStream:
-    return _domain_stream("domains-sim", cfg)
+    return _domain_stream("domains-sim", cfg, by_sim50)
 
 
 @BENCHMARKS.register(
@@ -295,4 +315,4 @@ def domains_sim(cfg: BenchmarkConfig) -> TaskStream:
     "pairs (Aa Ab | Ba Ca Bb Cb | ...)",
 )
 def domains_mixed(cfg: BenchmarkConfig) -> TaskStream:
-    return _domain_stream("domains-mixed", cfg)
+    return _domain_stream("domains-mixed", cfg, by_halves)
