@@ -181,6 +181,18 @@ def test_a_learner_never_loads_the_other_family(module: str, absent: str) -> Non
     assert out.strip() == "[]", out
 
 
+def test_core_and_baselines_never_import_each_other() -> None:
+    """The two learner families share a floor and never import each other, not even inside a function
+    (what they share, task-identity inference say, lives in the engine below both)."""
+    crossing = [
+        f"{path.relative_to(SRC)} imports proteus.{other}"
+        for family, other in (("core", "baselines"), ("baselines", "core"))
+        for path in sorted((SRC / family).rglob("*.py"))
+        if other in _imports(path)
+    ]
+    assert LAYERS["core"] == LAYERS["baselines"] and not crossing, crossing
+
+
 #: options whose ``choices=`` name a registry that lives above the option's own floor (the layering test
 #: cannot follow a name): each with the reason it is declared below its readers. Remove an entry once its
 #: option moves to (or below) its registry's floor.
