@@ -1,4 +1,5 @@
-"""A small name -> factory registry, used for backbones, benchmarks and methods (timm/Mammoth style).
+"""A small name -> entry registry (timm/Mammoth style): every strategy an option names (backbones, benchmarks,
+methods, learners, keys, detectors, executors ...) is an entry, asked for by name and by its traits.
 
 A registry may name *plugins*: the modules whose import registers its entries (the learners of
 :mod:`proteus.core` and :mod:`proteus.baselines` declare their methods where they are defined). They are

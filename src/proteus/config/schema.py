@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -206,9 +205,6 @@ class RunConfig:
         flat = flatten(self.to_dict())
         skip = ("device", "compile", "threads", "report.", "benchmark.")
         return {k: v for k, v in flat.items() if per_task(k) and not k.startswith(skip)}
-
-    def fingerprint(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
 
 
 #: the sections of the run's own settings (the rest are the learners': each reads those it declares)

@@ -1,5 +1,5 @@
-"""Experiments around the estimator: configuration presets, the shared continual loop, evaluation, the
-knowledge-base glue, results.json and ``proteus compare``.
+"""Experiments around the learners: the shared continual loop, evaluation, prediction over image files, the
+knowledge-base glue, results.json, ``proteus compare`` and ``proteus reproduce``.
 
     from proteus.experiment import resolve_config, run
     cfg = resolve_config("quickstart", method="proteus", sets=["train.epochs=1"])
