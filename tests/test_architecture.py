@@ -181,6 +181,54 @@ def test_a_learner_never_loads_the_other_family(module: str, absent: str) -> Non
     assert out.strip() == "[]", out
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports anywhere (functions and ``TYPE_CHECKING`` included),
+    a package's face (its ``__init__``) left out: it re-exports its submodules."""
+    names = {}
+    for path in SRC.rglob("*.py"):
+        if path.name != "__init__.py":
+            names[".".join(("proteus", *path.relative_to(SRC).with_suffix("").parts))] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        graph[name] = {m for m in found if m in names and m != name}
+    return graph
+
+
+def test_no_module_imports_a_module_that_imports_it_back() -> None:
+    """No circle of imports between modules (a package's face aside), not even one the type checker alone
+    follows: each circle found is named."""
+    graph, circles = _module_graph(), []
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            part = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    assert len(graph) > 100 and not circles, circles
+
+
 def test_core_and_baselines_never_import_each_other() -> None:
     """The two learner families share a floor and never import each other, not even inside a function
     (what they share, task-identity inference say, lives in the engine below both)."""

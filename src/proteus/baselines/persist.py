@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from proteus.engine.errors import TaskError, need
-from proteus.engine.records import TaskRecord, without_timings
+from proteus.engine.records import TaskRecord, TaskRecords, without_timings
 from proteus.learners import LearnerState
-
-if TYPE_CHECKING:
-    from proteus.baselines.learner import ContinualClassifier
 
 __all__ = [
     "STATE_VERSION", "generator_state", "learner_state", "linear", "load_generator", "need", "restore",
@@ -37,6 +34,31 @@ __all__ = [
 
 #: the head meta's ``state_version``: 2 since the state holds everything a later task reads (absent before)
 STATE_VERSION = 2
+
+
+class ContinualClassifier(Protocol):
+    """What this module reads and sets of a baseline (:class:`proteus.baselines.learner.ContinualClassifier`,
+    which imports this module: named here by what it holds, not imported back)."""
+
+    name: str
+    records_: TaskRecords
+    heads_: nn.ModuleList
+    task_classes_: list[list[int]]
+    labels_: list[int]
+    embed_dim: int
+    device_: torch.device
+    resumes_legacy: bool
+    _stream_tasks: int | None
+    _frozen_reason: str | None
+
+    @property
+    def num_tasks(self) -> int: ...
+
+    def _build(self) -> None: ...
+
+    def state_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
 
 
 def learner_state(clf: ContinualClassifier) -> LearnerState:
