@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-NEEDS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scancel")
+NEEDS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
 
 
 #: a job step credential's lifetime, in seconds: also how long SLURM holds a re-queued job before it may
