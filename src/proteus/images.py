@@ -76,6 +76,7 @@ __all__ = [
     "image_size",
     "load_images",
     "open_image",
+    "within_limit",
     "to_rgb",
 ]
 
@@ -413,7 +414,8 @@ def _decode(path: BinaryIO, p: str, stream: bool, max_pixels: int | None) -> Ima
 
     with im:
         width, height = im.size
-        pixels = _within_limit(p, width, height, max_pixels, im.format)
+        within_limit(p, width, height, max_pixels, im.format)
+        pixels = width * height
         pil_limit = Image.MAX_IMAGE_PIXELS
         # PIL re-checks sizes while decoding some formats (GIF frames, TIFF tiles): lift its check only
         # when this image, which our limit allows, is above PIL's own limit
@@ -440,9 +442,21 @@ def _decode(path: BinaryIO, p: str, stream: bool, max_pixels: int | None) -> Ima
     return rgb
 
 
-def _within_limit(p: str, width: int, height: int, max_pixels: int | None, fmt: str | None = None) -> int:
-    """``width * height``, refused when it is empty or when what it counts in the budget (its format's weight,
-    :func:`budget_pixels`) is above ``max_pixels``."""
+#: what a refusal by ``image_pixels`` says to do, after the limit (:func:`within_limit`)
+RAISE_MAX_PIXELS = " (raise it with --max-pixels / eval.max_image_pixels)"
+
+
+def within_limit(
+    p: str,
+    width: int,
+    height: int,
+    max_pixels: int | None,
+    fmt: str | None = None,
+    hint: str = RAISE_MAX_PIXELS,
+) -> int:
+    """The pixels of the budgets an image of ``width`` x ``height`` in format ``fmt`` counts as (its format's
+    weight, :func:`budget_pixels`); :class:`ImageTooLargeError` naming ``p`` when that is above
+    ``max_pixels`` (``hint`` follows the limit in the message), :class:`ImageError` when it is empty."""
     pixels = int(width) * int(height)
     if pixels <= 0:
         raise ImageError.for_file(p, f"empty image ({width} x {height} pixels)")
@@ -455,9 +469,9 @@ def _within_limit(p: str, width: int, height: int, max_pixels: int | None, fmt: 
         raise ImageTooLargeError.for_file(
             p,
             f"{width} x {height} = {_megapixels(pixels)} megapixels{weight} is above the limit of "
-            f"{_megapixels(max_pixels)} megapixels (raise it with --max-pixels / eval.max_image_pixels)",
+            f"{_megapixels(max_pixels)} megapixels{hint}",
         )
-    return pixels
+    return counted
 
 
 #: the reason given for a file PIL does not recognise: ``NOT_AN_IMAGE[True]`` when it is empty
@@ -492,7 +506,7 @@ def check_image_file(path: str | os.PathLike[str], max_pixels: int | None = DEFA
             raise ImageError.for_file(p, NOT_AN_IMAGE[False]) from None
         except _DECODE_ERRORS as e:
             raise ImageError.for_file(p, f"cannot read the image header ({type(e).__name__}: {e})") from None
-        _within_limit(p, width, height, max_pixels, fmt)
+        within_limit(p, width, height, max_pixels, fmt)
         complete = _ends_complete(f, fmt, size)
     if not complete:
         open_image(p, max_pixels)  # truncated data raises here; bytes after a complete image do not

@@ -258,14 +258,10 @@ class _Timm:
         return TimmViTBackbone(self.tag, self.name, pretrained=pretrained, weights=weights)
 
 
-def _make(name: str, tag: str) -> _Timm:
-    return _Timm(name, tag)
-
-
 for _name, _tag in VIT_TAGS.items():
-    BACKBONES.register(_name, help=f"timm {_tag}")(_make(_name, _tag))
+    BACKBONES.register(_name, help=f"timm {_tag}")(_Timm(_name, _tag))
 
 #: any timm ViT by name beside the presets: ``timm:<tag>`` (e.g. ``timm:vit_small_patch16_224.augreg_in1k``),
 #: ``hf-hub:<repo>`` (e.g. ``hf-hub:timm/vit_base_patch16_224.augreg2_in21k_ft_in1k``, timm's own syntax)
-FAMILIES["timm:"] = lambda name: _make(name, name[len("timm:") :])
-FAMILIES["hf-hub:"] = lambda name: _make(name, name)
+FAMILIES["timm:"] = lambda name: _Timm(name, name[len("timm:") :])
+FAMILIES["hf-hub:"] = lambda name: _Timm(name, name)

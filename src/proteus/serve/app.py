@@ -34,7 +34,7 @@ from proteus import heap
 from proteus.budgets import BUDGETS, BudgetError, limit
 from proteus.config import ConfigError
 from proteus.errors import ProteusError
-from proteus.images import ImageError, ImageTooLargeError, image_info, open_image
+from proteus.images import ImageError, ImageTooLargeError, image_info, open_image, within_limit
 from proteus.learners import ContinualLearner
 from proteus.serve.batching import Job, MicroBatcher
 from proteus.serve.multipart import MultipartError, MultipartParser, TooManyParts, boundary_of
@@ -375,16 +375,8 @@ def _sizes(parts: list[tuple[str, bytes]], max_pixels: int | None, limits: Limit
     for name, data in parts:
         try:
             info = image_info(io.BytesIO(data), name)
-            w, h, n = info.width, info.height, info.budget_pixels
-            if max_pixels is not None and n > max_pixels:
-                counted = "" if n == w * h else f", which a {info.format} image counts as {n / 1e6:.1f},"
-                raise ImageTooLargeError.for_file(
-                    name,
-                    f"{w} x {h} = {w * h / 1e6:.1f} megapixels{counted} is above the limit of "
-                    f"{max_pixels / 1e6:.1f} megapixels per image (budget image_pixels: the knowledge base's "
-                    "eval.max_image_pixels)",
-                )
-            out.append(n)
+            hint = " per image (budget image_pixels: the knowledge base's eval.max_image_pixels)"
+            out.append(within_limit(name, info.width, info.height, max_pixels, info.format, hint))
         except ImageError as e:
             if strict:
                 raise
