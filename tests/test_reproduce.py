@@ -76,7 +76,6 @@ def test_list_shows_every_table_and_figure_of_the_paper(capsys: pytest.CaptureFi
     assert {e.name for e in pt.ENTRIES} == listed
 
 
-@needs_spec
 def test_every_metric_of_the_tables_has_a_reader() -> None:
     """The metrics the tables name (paper_tables.yaml) are those a run can be read for, each read by its own
     reader (``table_metrics``), a final one as ``{None: value}`` and a per-task one by task."""
@@ -102,6 +101,7 @@ def test_every_metric_of_the_tables_has_a_reader() -> None:
     )  # fmt: skip
 
 
+@needs_spec
 def test_published_numbers_are_the_papers() -> None:
     """Every transcribed number is printed in its entry's line range, and on the line of the paper's source
     that its row of the packaged data names (the data's lines are read back)."""
