@@ -342,6 +342,30 @@ def test_kept_records_that_share_a_class_are_still_named() -> None:
     assert any("tasks[2] (task index 2).classes: class 1 is also in task index 0" in p for p in problems)
 
 
+def test_the_kept_records_classes_remembered_from_commit_to_commit_equal_a_fresh_walk() -> None:
+    """:class:`ClassOwners` extends, shortens (a segment that changed) or restarts (other records) the map of
+    the previous call, and gives what a walk of the same records gives, a shared class included."""
+    from proteus.kb.schema import ClassOwners, _kept_owners
+
+    def fresh(prefix: list) -> dict | None:
+        owner = {c: i for i, t in enumerate(prefix) for c in t["classes"]}
+        return owner if len(owner) == sum(len(t["classes"]) for t in prefix) else None
+
+    tasks = [{"index": i, "classes": [2 * i, 2 * i + 1]} for i in range(40)]
+    cache = ClassOwners()
+    for m in (32, 40, 33, 8, 40, 40):  # first, longer, shorter, much shorter, longer again, the same
+        got = cache.of(tasks[:m])
+        assert got == fresh(tasks[:m]) and got is not cache.of(tasks[:m])  # a copy the caller may change
+        got[-1] = 0  # (changing it leaves the remembered map as it was)
+        assert -1 not in cache.of(tasks[:m])
+    other = [dict(t) for t in tasks]  # equal records, other objects: walked again
+    other[5] = {"index": 5, "classes": [0]}  # class 0 is task 0's
+    assert cache.of(other[:10]) is None and fresh(other[:10]) is None
+    assert cache.of(tasks[:3]) == fresh(tasks[:3])
+    assert _kept_owners(tasks, set(range(12)), cache) == (fresh(tasks[:12]), 12)
+    assert cache.of([{"classes": [[1]]}]) is None  # an unhashable class: walked, named there
+
+
 def test_a_class_outside_the_head_is_named_whichever_task_holds_it() -> None:
     """Every class of every record is checked against the head's classes in one pass; one outside sends the
     check to the record-by-record walk, which names the task and the class."""

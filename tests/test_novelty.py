@@ -202,3 +202,24 @@ def test_a_reader_pools_a_pack_s_calibration_scores_in_one_run_per_pack() -> Non
     want = [scores._of(k) for k in tasks]
     assert torch.equal(cand, torch.cat([c for c, _ in want]))
     assert torch.equal(nll, torch.cat([x for _, x in want]).float())
+
+
+def test_the_pooled_rows_alive_candidates_are_isins_and_every_task_is_asked_for_at_once() -> None:
+    """The refit's test of which candidates are alive (a lookup table) answers as ``torch.isin``, padding and
+    a negative index stored by someone else included; the Gaussians' presence is asked of a
+    :class:`TaskShares` for every task at once, with the answer of one test per task."""
+    from proteus.engine.novelty import _all_with_taps, _member
+    from proteus.engine.stored import TaskShares
+
+    g = torch.Generator().manual_seed(0)
+    for n, alive in ((1, []), (5, [0, 3]), (40, list(range(0, 40, 3))), (7, [6, 9])):
+        cand = torch.randint(-3, n + 2, (50, 4), generator=g)
+        tasks = torch.as_tensor(alive, dtype=torch.long)
+        assert torch.equal(_member(cand, tasks), torch.isin(cand, tasks))
+    shares: TaskShares[int] = TaskShares(lambda k, t: k)
+    shares[0], shares[2] = 0, 2
+    shares.bind(3, {})
+    counts = {0: (4, True), 1: (0, False), 2: (3, True), 3: (2, True)}
+    assert _all_with_taps(counts, shares) and _all_with_taps(counts, {0, 2, 3})
+    for changed in ({**counts, 4: (1, True)}, {**counts, 2: (3, False)}, {1: (0, True)}):
+        assert not _all_with_taps(changed, shares) and not _all_with_taps(changed, set(shares))

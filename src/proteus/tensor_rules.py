@@ -481,14 +481,14 @@ def meta_value(record: Any, path: str) -> Any:
 
 def record_problems(
     tasks: list[Any], head_meta: Any, rules: list[Rule], role: str, where: Callable[[int], str],
-    checked: Callable[[int], bool] = lambda i: False,
+    checked: Callable[[int], bool] = lambda i: False, first: int = 0,
 ) -> list[str]:  # fmt: skip
     """Every problem of the records by ``rules`` (``role``'s :class:`Fields` and :class:`Check`): task ``i``'s
-    fields prefixed ``where(i)`` (skipped when ``checked(i)``: a commit re-checks only changed records),
-    the head's ``head.meta``."""
+    fields prefixed ``where(i)`` (skipped when ``checked(i)``, or before ``first``: a commit re-checks only
+    changed records), the head's ``head.meta``."""
     out: list[str] = []
     fields = [r for r in rules if isinstance(r, Fields)]
-    for i, t in enumerate(tasks):
+    for i, t in enumerate(tasks[first:], first):
         if not isinstance(t, dict) or checked(i):
             continue
         for fr in fields:

@@ -582,9 +582,10 @@ class ShortlistScores:
         t = self._bound[k]
         return t[_CAL_TASKS].long(), t[_CAL_NLL].float()
 
-    def scored(self, k: int, width: int) -> bool:
-        """Whether task k's rows are scored under shortlists of ``width`` tasks."""
-        return self._widths.get(k) == width
+    def unscored(self, tasks: list[int], width: int) -> list[int]:
+        """Those of ``tasks`` whose rows are not scored under shortlists of ``width`` tasks (in order)."""
+        widths = self._widths
+        return [k for k in tasks if widths.get(k) != width]
 
     def score(self, k: int, cand: Tensor, per: Callable[[Tensor], list[Tensor]], width: int) -> None:
         """Task k's rows under their candidates ``cand`` (n, <= width), scored by ``per`` (per component,
@@ -656,7 +657,7 @@ class ShortlistScores:
             keep = torch.randperm(len(cand), generator=torch.Generator().manual_seed(len(cand)))
             keep = keep[:MAX_POOLED].sort().values
             cand, nll = cand[keep], nll[keep]
-        dead = ~torch.isin(cand, torch.as_tensor(sorted(alive), dtype=torch.long))
+        dead = ~_member(cand, torch.as_tensor(list(alive), dtype=torch.long))
         return list(nll.double().masked_fill(dead[:, :, None], float("inf")).unbind(2))
 
     def state(self, k: int) -> dict[str, Tensor]:
@@ -675,6 +676,15 @@ class ShortlistScores:
         self.cand.pop(k, None)
         self.nll.pop(k, None)
         self._bound[k], self._widths[k] = tensors, cand[1]
+
+
+def _member(cand: Tensor, tasks: Tensor) -> Tensor:
+    """``torch.isin(cand, tasks)`` for task indices (``cand``'s -1, or any negative: no task), by a lookup
+    table of the tasks: one gather, where isin sorts (a long stream's refit asks it of every pooled row)."""
+    top = max(int(cand.max()) if cand.numel() else -1, int(tasks.max()) if tasks.numel() else -1)
+    table = torch.zeros(top + 2, dtype=torch.bool)
+    table[tasks + 1] = True
+    return table[(cand + 1).clamp_min(0)]
 
 
 def _shape(tensors: Mapping[str, Tensor], name: str) -> tuple[int, ...]:
@@ -852,8 +862,11 @@ class TaskCounts(dict[int, tuple[int, bool]]):
 
 def _all_with_taps(counts: Mapping[int, tuple[int, bool]], gaussians: Container[int]) -> bool:
     """Whether every task with calibration rows keeps their tap statistics and has its Gaussians."""
-    live = [(k, taps) for k, (n, taps) in counts.items() if n]
-    return bool(live) and all(taps and k in gaussians for k, taps in live)
+    live = [k for k, (n, _) in counts.items() if n]
+    if not live or not all(taps for n, taps in counts.values() if n):
+        return False
+    having = getattr(gaussians, "having", None)  # (a TaskShares answers for every task at once)
+    return having(live) if having is not None else all(k in gaussians for k in live)
 
 
 @dataclass
@@ -975,9 +988,8 @@ class ClassNovelty:
         Gaussians read but those of a task not scored yet)."""
         n = max(tasks) + 1
         if shortlist_of is not None and self.shortlisted(n):
-            for k in tasks:
-                if not self.scores.scored(k, self.shortlist or 0):
-                    self.score_task(k, shortlist_of)
+            for k in self.scores.unscored(tasks, self.shortlist or 0):
+                self.score_task(k, shortlist_of)
             per = self.scores.pooled(tasks, self.gaussians)
             stacked: list[TaskGaussians] | None = None
         else:

@@ -52,7 +52,7 @@ from proteus.kb.files import (
 from proteus.kb.manifests import previous_manifest
 from proteus.kb.objects import ObjectStore
 from proteus.kb.packs import is_pack, pack_tasks
-from proteus.kb.schema import head_kind, manifest_problems, object_dirs
+from proteus.kb.schema import ClassOwners, head_kind, manifest_problems, object_dirs
 from proteus.kb.segments import SEGMENT_TASKS, Segments
 from proteus.kb.signing import signature
 from proteus.kb.sweep import previous_names
@@ -164,6 +164,9 @@ class Commit:
         self.written: bytes | None = None  # the new manifest once its rename is done (the commit point)
         self.first = False
         self.kept: Path | None = None  # a hard link to the manifest.prev.json this commit replaces
+        #: the object references (:func:`_refs`) of the manifest :meth:`prepare` sealed (its tasks are the
+        #: expanded manifest's): the store keeps them for the next commit instead of walking them again
+        self.refs: list[tuple[str, str, str]] | None = None
 
     def current(self) -> bytes | None:
         """The bytes of manifest.json now (None if there is none); refuses when another writer committed
@@ -191,7 +194,8 @@ class Commit:
         found = known.get("object_bytes")
         committed: dict[str, Any] = found if isinstance(found, dict) else {}
         refs = {rel: sha for _, rel, sha in (known_refs or _refs(known))} if committed else {}
-        for label, rel, sha in _refs(manifest):
+        self.refs = _refs(manifest)
+        for label, rel, sha in self.refs:
             if rel in out:  # (the tasks of a pack share its object)
                 continue
             n = committed.get(rel)
@@ -234,7 +238,8 @@ class Commit:
             parent = self.expected_sha if on_disk else None
             physical, expanded = seal(manifest, current, sizes, key, self.root, parent, pack)
             checked = current.get("tasks") if on_disk else None
-            refuse_unreadable(self.root, expanded, checked, segments.reused if on_disk else set())
+            reused = segments.reused if on_disk else set()
+            refuse_unreadable(self.root, expanded, checked, reused, segments.owners)
         except BaseException:
             self.abandon()
             raise
@@ -390,10 +395,11 @@ def _resigned(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
 
 
 def refuse_unreadable(
-    root: Path, manifest: dict[str, Any], checked: list[Any] | None, kept: Collection[int] = frozenset()
-) -> None:
-    """Refuse to commit a manifest this proteus could not read back (``checked``, ``kept``:
+    root: Path, manifest: dict[str, Any], checked: list[Any] | None, kept: Collection[int] = frozenset(),
+    owners: ClassOwners | None = None,
+) -> None:  # fmt: skip
+    """Refuse to commit a manifest this proteus could not read back (``checked``, ``kept``, ``owners``:
     :func:`~proteus.kb.schema.manifest_problems`)."""
-    problems = manifest_problems(manifest, checked=checked, kept=kept)
+    problems = manifest_problems(manifest, checked=checked, kept=kept, owners=owners)
     if problems:
         raise KBError(f"{root}: refusing to commit a manifest this proteus cannot read: {problems[0]}")

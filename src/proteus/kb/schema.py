@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
+import operator
 import os
 import re
 import stat
@@ -197,29 +199,62 @@ def _where(i: int) -> str:
     return f"tasks[{i}] ({task_label(i)})"
 
 
-def _kept_owners(tasks: list[Any], kept: Collection[int]) -> tuple[dict[Any, int], int]:
+class ClassOwners:
+    """The task holding each class of the kept records that come first (:func:`_kept_owners`), remembered
+    from one commit to the next: a commit that keeps the same records (the very objects) extends the map by
+    the records kept since, instead of walking every class of a long stream again."""
+
+    def __init__(self) -> None:
+        self._records: tuple[Any, ...] = ()
+        self._owner: dict[Any, int] = {}
+
+    def of(self, prefix: list[Any]) -> dict[Any, int] | None:
+        """Class -> task of ``prefix``, a new map the caller may change; None unless every record is a map
+        with a list of classes, those classes distinct (a record remembered is unchanged: the same object,
+        kept by the commit because its values are the very objects it was read with). The records remembered
+        are those of the last call: the part they share with ``prefix`` is taken from them."""
+        n, m = len(self._records), len(prefix)
+        owner, start = {}, 0
+        if n and all(map(operator.is_, self._records, prefix)):  # (the shorter one's length compared)
+            owner, start = dict(self._owner), min(n, m)
+            for t in self._records[m:]:  # records remembered beyond the prefix (a segment that changed)
+                for c in t["classes"]:
+                    del owner[c]
+        added = prefix[start:]
+        if not all(isinstance(t, dict) and isinstance(t.get("classes"), list) for t in added):
+            return None
+        expected = len(owner) + sum(len(t["classes"]) for t in added)
+        try:
+            for i, t in enumerate(added, start):
+                owner.update(zip(t["classes"], itertools.repeat(i)))
+        except TypeError:  # an unhashable class: reported by the walk
+            return None
+        if len(owner) != expected:  # a class in two records
+            return None
+        self._records, self._owner = tuple(prefix), dict(owner)
+        return owner
+
+
+def _kept_owners(
+    tasks: list[Any], kept: Collection[int], cache: ClassOwners | None = None
+) -> tuple[dict[Any, int], int]:
     """The task holding each class of the kept records that come first (``kept``: tasks 0 .. m - 1, every
-    one a record with a list of classes, those classes distinct), found in one pass, and m: the records
-    :func:`manifest_problems` still walks one by one. (0 and {} when the kept records are not such a
-    prefix, or share a class: then every record is walked, and the message names the first conflict.)"""
+    one a record with a list of classes, those classes distinct), found in one pass (``cache``: from the
+    previous commit's, for the records kept since), and m: the records :func:`manifest_problems` still walks
+    one by one. (0 and {} when the kept records are not such a prefix, or share a class: then every record is
+    walked, and the message names the first conflict.)"""
     m = len(kept)
     if not m or m > len(tasks) or any(i not in kept for i in (0, m - 1)):
         return {}, 0
-    prefix = tasks[:m]
-    if not all(isinstance(t, dict) and isinstance(t.get("classes"), list) for t in prefix):
+    if not set(range(m)) <= set(kept):
         return {}, 0
-    try:
-        owner = {c: i for i, t in enumerate(prefix) for c in t["classes"]}
-    except TypeError:  # an unhashable class: reported by the walk
-        return {}, 0
-    if len(owner) != sum(len(t["classes"]) for t in prefix) or not set(range(m)) <= set(kept):
-        return {}, 0
-    return owner, m
+    owner = (cache or ClassOwners()).of(tasks[:m])
+    return ({}, 0) if owner is None else (owner, m)
 
 
 def manifest_problems(
     manifest: dict[str, Any], learner: str | None = None, checked: list[Any] | None = None,
-    kept: Collection[int] = frozenset(),
+    kept: Collection[int] = frozenset(), owners: ClassOwners | None = None,
 ) -> list[str]:  # fmt: skip
     """Every way ``manifest`` breaks the schema, as ``"<field>: <problem>"`` (task fields prefixed with
     their position). ``learner`` (a role of :data:`~proteus.tensor_rules.TENSOR_RULES`: a learner's
@@ -229,7 +264,8 @@ def manifest_problems(
     committed manifest's, a commit re-validates only the records that differ from them at the same
     position) or that sit in a record segment the commit references again (``kept``: the very records it
     was read as or written from, compared by identity): a long stream's commit checks the task it adds and
-    the classes of the others, not every record."""
+    the classes of the others, not every record (``owners``: the kept records' classes as the previous
+    commit found them, :class:`ClassOwners`)."""
     out = fields_problems(manifest, MANIFEST, "")
     tasks = manifest.get("tasks")
     tasks = tasks if isinstance(tasks, list) else []
@@ -239,7 +275,7 @@ def manifest_problems(
         return i in kept or (i < len(checked) and tasks[i] is not checked[i] and tasks[i] == checked[i])
 
     kind = learner or head_kind(manifest)
-    owner, start = _kept_owners(tasks, kept)
+    owner, start = _kept_owners(tasks, kept, owners)
     for i, t in enumerate(tasks[start:], start):
         if not isinstance(t, dict):
             continue  # reported above (list[map])
@@ -274,7 +310,7 @@ def manifest_problems(
         if ref and isinstance(head.get("sha256"), str) and not head["sha256"].startswith(ref["sha"]):
             out.append(f"head.object: its name does not carry its sha256 ({head['sha256'][:16]}...)")
     if kind is not None:
-        out += record_problems(tasks, meta, TENSOR_RULES.rules(kind), kind, _where, unchanged)
+        out += record_problems(tasks, meta, TENSOR_RULES.rules(kind), kind, _where, unchanged, start)
         if "config" not in manifest:
             out.append(f"config: missing (a {kind} learner's knowledge base needs it)")
         if tasks and not isinstance(head, dict):

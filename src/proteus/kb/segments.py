@@ -24,10 +24,11 @@ import hashlib
 import json
 import operator
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 from proteus.kb.files import EXPANDED_KEYS, KBError
-from proteus.kb.schema import SEGMENT, fields_problems, total_problem
+from proteus.kb.schema import SEGMENT, ClassOwners, fields_problems, total_problem
 from proteus.untrusted import load_json
 
 __all__ = ["RECORDS_FORMAT", "SEGMENT_TASKS", "Segments", "content_digest", "expand", "physical_keys"]
@@ -66,20 +67,28 @@ def _same(a: tuple[Any, ...] | list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
-def _fields(records: list[Any] | tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
-    """Each record's values (the objects themselves): a record edited in place since (a field set anew,
-    added or removed) no longer has the same ones."""
-    return tuple(tuple(r.values()) if isinstance(r, dict) else () for r in records)
+def _fields(records: list[Any] | tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """Each record's values (the objects themselves), as the records' lengths and every value in order: a
+    record edited in place since (a field set anew, added or removed) no longer has the same ones."""
+    try:
+        return tuple(map(len, records)), tuple(chain.from_iterable(map(dict.values, records)))
+    except TypeError:  # a record that is no map: compared by its length alone (never reused: it is refused)
+        return tuple(len(r) if isinstance(r, dict) else -1 for r in records), ()
 
 
-def _unedited(fields: tuple[tuple[Any, ...], ...], records: list[Any]) -> bool:
-    """Whether every record holds the values ``fields`` says it held (the same objects, in order)."""
-    if len(fields) != len(records):
+def _unedited(fields: tuple[tuple[int, ...], tuple[Any, ...]], records: list[Any]) -> bool:
+    """Whether every record holds the values ``fields`` says it held (the same objects, in order; compared in
+    C, one pass over every field of a long stream's records)."""
+    lengths, values = fields
+    if len(lengths) != len(records) or -1 in lengths:
         return False
-    for f, r in zip(fields, records):  # (identity compared in C: a long stream's commit walks every field)
-        if isinstance(r, dict) and not (len(f) == len(r) and all(map(operator.is_, f, r.values()))):
+    try:
+        if tuple(map(len, records)) != lengths:
             return False
-    return True
+        now = chain.from_iterable(map(dict.values, records))
+    except TypeError:
+        return False
+    return all(map(operator.is_, values, now))
 
 
 class Segments:
@@ -89,11 +98,13 @@ class Segments:
 
     def __init__(self) -> None:
         #: sha256 -> (records, rows, their objects' sizes, each record's values as it was written or read)
-        self.known: dict[str, tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...], tuple[Any, ...]]] = {}
+        self.known: dict[str, tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...], Any]] = {}
         #: the store's record of what it checked before (:meth:`expand`)
         self.verified: Any = None
         #: the tasks whose segment the last :meth:`pack` referenced again (their records unchanged)
         self.reused: set[int] = set()
+        #: the classes of those tasks, as the commit's check found them (extended by the next commit's)
+        self.owners = ClassOwners()
 
     def expand(
         self, manifest: dict[str, Any], read: ReadSegment, where: str, verified: Any = None

@@ -151,6 +151,8 @@ class KnowledgeBase:
         self.objects = ObjectStore(self.root, verified=verified)
         self.segments.verified = self.objects.verified
         self._manifest_sha: str | None = None  # sha256 of manifest.json's bytes as read or written
+        #: the manifest this store committed last, with its tasks' and head's references (:func:`_refs`)
+        self._committed_refs: tuple[dict[str, Any], list[tuple[str, str, str]]] | None = None
 
     @property
     def _on_disk(self) -> bool:
@@ -259,7 +261,8 @@ class KnowledgeBase:
         it was."""
         check_not_moved(self.root)
         commit = Commit(self.root, self.objects, self._manifest_sha)
-        current = _refs(self.manifest)  # each manifest's references walked once in a commit
+        known = self._committed_refs  # each manifest's references walked once: when it is committed
+        current = known[1] if known is not None and known[0] is self.manifest else _refs(self.manifest)
         replaced = None
         if self._on_disk and self._manifest_sha:
             replaced = _ref_names(current + _segment_refs(self.manifest))
@@ -270,7 +273,9 @@ class KnowledgeBase:
         data = commit.write(physical, expanded, not self._on_disk, _check_free)
         self.manifest = expanded
         self._manifest_sha = _sha(data)
-        refs = _refs(expanded) + _segment_refs(expanded)
+        task_refs = commit.refs if commit.refs is not None else _refs(expanded)
+        self._committed_refs = (expanded, task_refs)
+        refs = task_refs + _segment_refs(expanded)
         self.objects.settle(expanded, refs)
         self.segments.settle(expanded["segments"] + kept_segments)
         # the state this proteus wrote: a reader need not check it again
