@@ -366,6 +366,29 @@ def test_the_kept_records_classes_remembered_from_commit_to_commit_equal_a_fresh
     assert cache.of([{"classes": [[1]]}]) is None  # an unhashable class: walked, named there
 
 
+def test_a_rule_within_each_record_names_its_task_and_skips_the_records_checked() -> None:
+    """``source_classes`` must name one source per class: a record that breaks it is named by its position;
+    a commit's check asks it only of the records not checked before (``checked``, ``first``)."""
+    import proteus.core.codec  # noqa: F401  (the learner's parts declare their rules)
+    from proteus.kb.schema import manifest_problems
+    from proteus.tensor_rules import TENSOR_RULES, record_problems
+
+    tasks = [{"index": i, "classes": [i], "source_classes": [i]} for i in range(6)]
+    tasks[4]["source_classes"] = [4, 9]
+    rules = TENSOR_RULES.rules("proteus")
+
+    def where(i: int) -> str:
+        return f"tasks[{i}]"
+
+    def found(**kw: object) -> list[str]:
+        return [p for p in record_problems(tasks, None, rules, "proteus", where, **kw) if "source" in p]
+
+    assert found() == ["tasks[4].source_classes: has 2 items, but classes has 1"]
+    assert found(checked=lambda i: i == 4) == [] and found(first=5) == []
+    problems = manifest_problems({"tasks": tasks}, learner="proteus")
+    assert any(p.startswith("tasks[4] (task index 4).source_classes: has 2 items") for p in problems)
+
+
 def test_a_class_outside_the_head_is_named_whichever_task_holds_it() -> None:
     """Every class of every record is checked against the head's classes in one pass; one outside sends the
     check to the record-by-record walk, which names the task and the class."""

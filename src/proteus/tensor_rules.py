@@ -284,9 +284,11 @@ class Fields(_Rule):
 class Check(_Rule):
     """A rule between records: ``fn(tasks, head_meta, where)`` -> problems, as ``"<field>: <problem>"``
     (the manifest's task records, in order, some maybe no mapping; the head's meta or None; ``where(i)``
-    names task ``i``'s record in a message)."""
+    names task ``i``'s record in a message). ``each``: a rule within each record (the records already
+    checked are not asked again: a commit checks the one it adds)."""
 
     fn: Callable[[list[Any], dict[str, Any] | None, Callable[[int], str]], list[str]]
+    each: bool = False
 
 
 @dataclass(frozen=True)
@@ -498,9 +500,14 @@ def record_problems(
         for fr in fields:
             if fr.on == "head" and fr.applies(head_meta):
                 out += _fields_of(head_meta, fr, "head.meta", role, "head")
+    meta = head_meta if isinstance(head_meta, dict) else None
     for r in rules:
-        if isinstance(r, Check):
-            out += r.fn(tasks, head_meta if isinstance(head_meta, dict) else None, where)
+        if isinstance(r, Check) and r.each:
+            for i, t in enumerate(tasks[first:], first):
+                if not checked(i):
+                    out += r.fn([t], meta, lambda _, i=i: where(i))  # type: ignore[misc]
+        elif isinstance(r, Check):
+            out += r.fn(tasks, meta, where)
     return out
 
 

@@ -269,7 +269,7 @@ TENSOR_RULES.declare(
         },
         required=("classes", "class_names", "n_train", "has_adapter"),
     ),
-    Check(_source_classes),
+    Check(_source_classes, each=True),
 )  # fmt: skip
 
 
