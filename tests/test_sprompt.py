@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from proteus.baselines.learner import epoch_lr, weight_decay
+from proteus.baselines.learner import epoch_lr
 from proteus.baselines.sprompt import SPrompt, nearest_key_task, task_keys
 from proteus.cli import main
 from proteus.config import RunConfig
@@ -160,7 +160,7 @@ def test_released_optimiser_settings() -> None:
         "cosine-annealing",
         10,
     )
-    assert weight_decay(clf, 0) == pytest.approx(5e-4) and weight_decay(clf, 3) == pytest.approx(2e-4)
+    assert clf.weight_decay(0) == pytest.approx(5e-4) and clf.weight_decay(3) == pytest.approx(2e-4)
     # CosineAnnealingLR(T_max=E) stepped once per epoch
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)

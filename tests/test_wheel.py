@@ -47,27 +47,38 @@ def _run(bin_: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(bin_ / "proteus"), *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
+#: what the installed package answers, in one interpreter (each process pays torch's import): where it is
+#: imported from, its commands (the packaged method and paper tables), a packaged preset, serve's app
+_CHECKS = """
+import contextlib, io, sys
+import proteus
+from proteus.cli import main
+from proteus.config import resolve_config
+from proteus.serve.app import create_app
+print("file", proteus.__file__)
+for argv in (["run", "--benchmark", "cifar100", "--method", "ranpac", "--help"], ["reproduce", "--list"]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    print(argv[0], rc, "main-table" in out.getvalue())
+print("preset", resolve_config("cifar100").backbone.name, create_app.__name__)
+"""
+
+
 @pytest.mark.slow
 def test_the_wheel_gives_a_working_proteus(installed: Path, tmp_path: Path) -> None:
-    where = subprocess.run([str(installed / "python"), "-c", "import proteus; print(proteus.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout  # fmt: skip
-    assert str(ROOT) not in where and "site-packages" in where, where
-    p = _run(installed, "list", "methods", cwd=tmp_path)
+    p = _run(installed, "list", "methods", cwd=tmp_path)  # the console script
     assert p.returncode == 0 and "proteus-paper" in p.stdout and "inflora" in p.stdout, p.stderr
-    p = _run(installed, "run", "--benchmark", "cifar100", "--method", "ranpac", "--help", cwd=tmp_path)
-    assert p.returncode == 0
-    p = _run(installed, "reproduce", "--list", cwd=tmp_path)
-    assert p.returncode == 0 and "main-table" in p.stdout, p.stderr
-    code = "from proteus.config import resolve_config; print(resolve_config('cifar100').backbone.name)"
-    out = subprocess.run(
-        [str(installed / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True
-    )
-    assert out.stdout.strip() == "vit_b16", out.stderr  # a packaged preset, read from the installed package
-    code = "from proteus.serve.app import create_app; print(create_app.__name__)"
-    out = subprocess.run(
-        [str(installed / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True
-    )
+    out = subprocess.run([str(installed / "python"), "-c", _CHECKS], cwd=tmp_path, capture_output=True,
+                         text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert str(ROOT) not in lines["file"] and "site-packages" in lines["file"], lines["file"]
+    assert lines["run"].startswith("0 ") and lines["reproduce"] == "0 True", lines
+    assert lines["preset"] == "vit_b16 create_app"  # a packaged preset, read from the installed package
     if not WEIGHTS.is_file():
         pytest.skip(f"the quickstart needs MobileNetV2's weights ({WEIGHTS} not present)")
     sets = [f"backbone.weights={WEIGHTS}", "train.epochs=1", "benchmark.max_train_per_class=20"]

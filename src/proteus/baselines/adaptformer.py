@@ -37,9 +37,7 @@ from proteus.baselines.learner import (
     OPTIMIZERS,
     ContinualClassifier,
     epoch_lr,
-    task_inputs,
     task_stats,
-    weight_decay,
 )
 from proteus.baselines.persist import need
 from proteus.config import ConfigError
@@ -369,9 +367,9 @@ def fit_epochs(
     (MOS's pull), ``after_epoch(epoch)`` after each epoch (MoAL's moving average). Returns the
     classification losses and the task's inputs ``(z, y, loader)``."""
     cfg, b = clf.config, clf.options_
-    seed, z, y_all, loader = task_inputs(clf, task, k)
+    seed, z, y_all, loader = clf.task_inputs(task, k)
     clf.begin_task(k, z, loader)
-    opt = OPTIMIZERS.get(b.optimizer)(groups(), b, weight_decay(clf, k))  # type: ignore[arg-type]
+    opt = OPTIMIZERS.get(b.optimizer)(groups(), b, clf.weight_decay(k))  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(seed)
     steps = cfg.train.epochs * math.ceil(len(task.train) / cfg.train.batch_size)
     bar = progress_bar(total=steps, desc=f"task {k + 1}: train {clf.name}", enabled=clf.progress)

@@ -63,8 +63,7 @@ log = logging.getLogger("proteus")
 
 __all__ = [
     "OPTIMIZERS", "SCHEDULES", "BaselineOptions", "ContinualClassifier", "NoOptions", "TrainingOptions",
-    "check_baseline_config", "column_prediction", "entropy", "epoch_lr", "input_pass", "rolled_back",
-    "OpenTask", "task_inputs", "task_record", "task_stats", "weight_decay",
+    "check_baseline_config", "column_prediction", "entropy", "epoch_lr", "OpenTask", "task_stats",
 ]  # fmt: skip
 
 #: ``baseline.optimizer``: (parameters, the method's options, weight decay) -> the task's optimiser
@@ -162,43 +161,6 @@ def check_baseline_config(cls: type[ContinualClassifier], cfg: RunConfig) -> Non
             log.warning("%s: baseline.%s set, not among its options (%s): no effect", cfg.method, key, mine)
 
 
-@contextlib.contextmanager
-def rolled_back(clf: ContinualClassifier, k: int) -> Iterator[None]:
-    """Task k's training, transactional: on an exception (Ctrl-C included) its head, classes and the method's
-    state of the task are dropped (:meth:`ContinualClassifier.abort_task`) and the method's generator
-    (``_gen``) is set back, so the learner is as before, and learning the task again is as the first try."""
-    gen = getattr(clf, "_gen", None)
-    saved = None if gen is None else gen.get_state()
-    try:
-        yield
-    except BaseException:
-        del clf.heads_[k:]
-        del clf.task_classes_[k:]
-        clf.labels_ = [c for cs in clf.task_classes_ for c in cs]
-        clf.abort_task(k)
-        if gen is not None and saved is not None:
-            gen.set_state(saved)
-        raise
-
-
-def task_record(clf: ContinualClassifier, task: Task, k: int, stats: TaskStats) -> TaskRecord:
-    """Task k's record, as PROTEUS's: its classes and names, images, the statistics ``fit_task`` returned
-    (without the timings the loop adds later), the per-task settings it was learned with and when."""
-    return TaskRecord(
-        k, [int(c) for c in task.classes], [str(n) for n in task.class_names], len(task.train),
-        False, TaskStats(k, extra=without_timings(dict(stats.extra))),
-        {**clf.config.task_settings(), "device": str(clf.device_)},
-        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), source_classes=task.source_classes,
-    )  # fmt: skip
-
-
-def weight_decay(clf: ContinualClassifier, k: int) -> float:
-    """Task k's weight decay: ``train.weight_decay``, times :attr:`~ContinualClassifier.first_task_decay`
-    on the first task (S-Prompt decays it more)."""
-    wd = clf.config.train.weight_decay
-    return wd * clf.first_task_decay if k == 0 else wd
-
-
 def column_prediction(logits: torch.Tensor, task: torch.Tensor | None, labels: list[int]) -> Prediction:
     """A :class:`~proteus.engine.records.Prediction` from logits whose columns are the global ``labels``
     (task after task): the label of each row's best column, and the logits re-indexed by global label
@@ -207,41 +169,6 @@ def column_prediction(logits: torch.Tensor, task: torch.Tensor | None, labels: l
     out = logits.new_full((logits.shape[0], int(cols.max()) + 1), float("-inf"))
     out[:, cols] = logits
     return Prediction(cols[logits.argmax(1)], task, None, None, out)
-
-
-def input_pass(clf: ContinualClassifier, z: torch.Tensor | None, loader: Any) -> Iterator[torch.Tensor]:
-    """The task's training inputs once, in order, as prefix outputs on the device (no grad)."""
-    bs = clf.config.eval.batch_size
-    if z is not None:
-        for chunk in z.split(bs):
-            yield chunk.to(clf.device_)
-    else:
-        for xb, _ in loader:
-            yield clf.embedder_.prefix(xb)
-
-
-def task_inputs(
-    clf: ContinualClassifier, task: Task, k: int
-) -> tuple[int, torch.Tensor | None, torch.Tensor | None, Any]:
-    """Task k's seed (torch's global stream seeded with it) and its training inputs: the cached prefix
-    outputs and labels ``(z, y)`` without augmentation, else a shuffling, augmenting loader (``z``, ``y``
-    None). Every baseline's training starts here."""
-    cfg = clf.config
-    seed = task_seed(cfg.seed, k)
-    torch.manual_seed(seed)
-    if not cfg.train.augment:
-        z, y_all = clf.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
-        # results as before the shared embedder: the baselines' own prefix pass drew its DataLoader's base
-        # seed from torch's global stream twice (tqdm.auto's bar opens the iterator twice), and every later
-        # draw of the task (its head's initial weights ...) follows; the embedder's loader has a generator
-        torch.empty(2, dtype=torch.int64).random_()
-        return seed, z, y_all, None
-    gl = torch.Generator().manual_seed(seed)
-    loader = torch.utils.data.DataLoader(
-        ImageDataset(task.train, clf.train_transform_), batch_size=cfg.train.batch_size,
-        shuffle=True, generator=gl, num_workers=cfg.train.num_workers,
-    )  # fmt: skip
-    return seed, None, None, loader
 
 
 @dataclasses.dataclass
@@ -348,7 +275,7 @@ class ContinualClassifier:
     #: the head's learning rate over the method's (HiDe-Prompt's ``larger_prompt_lr``: 0.1); at 1 the
     #: optimiser has one parameter group
     head_lr_scale: float = 1.0
-    #: the first task's weight decay over ``train.weight_decay`` (:func:`weight_decay`; S-Prompt's 2.5)
+    #: the first task's weight decay over ``train.weight_decay`` (:meth:`weight_decay`; S-Prompt's 2.5)
     first_task_decay: float = 1.0
     #: whether an earlier release's knowledge base (no ``state_version``) holds all it needs to learn on
     resumes_legacy: bool = False
@@ -494,10 +421,77 @@ class ContinualClassifier:
             raise TaskError(f"{self.name}: task {task.index + 1} has no training images")
         self._stream_tasks = stream_tasks or task.stream_tasks
         k = self.num_tasks
-        with rolled_back(self, k):
+        with self.rolled_back(k):
             stats = TaskStats(k, extra=self.learn_task(task, k))
-        self.records_.append(task_record(self, task, k, stats))
+        self.records_.append(self.task_record(task, k, stats))
         return stats
+
+    # ------------------------------------------------------------------ the loop's steps
+    @contextlib.contextmanager
+    def rolled_back(self, k: int) -> Iterator[None]:
+        """Task k's training, transactional: on an exception (Ctrl-C included) its head, classes and the
+        method's state of the task are dropped (:meth:`abort_task`) and the method's generator (``_gen``) is
+        set back, so the learner is as before, and learning the task again is as the first try."""
+        gen = getattr(self, "_gen", None)
+        saved = None if gen is None else gen.get_state()
+        try:
+            yield
+        except BaseException:
+            del self.heads_[k:]
+            del self.task_classes_[k:]
+            self.labels_ = [c for cs in self.task_classes_ for c in cs]
+            self.abort_task(k)
+            if gen is not None and saved is not None:
+                gen.set_state(saved)
+            raise
+
+    def task_record(self, task: Task, k: int, stats: TaskStats) -> TaskRecord:
+        """Task k's record, as PROTEUS's: its classes and names, images, the statistics ``fit_task`` returned
+        (without the timings the loop adds later), the per-task settings it was learned with and when."""
+        return TaskRecord(
+            k, [int(c) for c in task.classes], [str(n) for n in task.class_names], len(task.train),
+            False, TaskStats(k, extra=without_timings(dict(stats.extra))),
+            {**self.config.task_settings(), "device": str(self.device_)},
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), source_classes=task.source_classes,
+        )  # fmt: skip
+
+    def weight_decay(self, k: int) -> float:
+        """Task k's weight decay: ``train.weight_decay``, times :attr:`first_task_decay` on the first task
+        (S-Prompt decays it more)."""
+        wd = self.config.train.weight_decay
+        return wd * self.first_task_decay if k == 0 else wd
+
+    def input_pass(self, z: torch.Tensor | None, loader: Any) -> Iterator[torch.Tensor]:
+        """The task's training inputs once, in order, as prefix outputs on the device (no grad)."""
+        bs = self.config.eval.batch_size
+        if z is not None:
+            for chunk in z.split(bs):
+                yield chunk.to(self.device_)
+        else:
+            for xb, _ in loader:
+                yield self.embedder_.prefix(xb)
+
+    def task_inputs(self, task: Task, k: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None, Any]:
+        """Task k's seed (torch's global stream seeded with it) and its training inputs: the cached prefix
+        outputs and labels ``(z, y)`` without augmentation, else a shuffling, augmenting loader (``z``, ``y``
+        None). Every baseline's training starts here."""
+        cfg = self.config
+        seed = task_seed(cfg.seed, k)
+        torch.manual_seed(seed)
+        if not cfg.train.augment:
+            z, y_all = self.prefix_dataset(task.train, f"task {k + 1}: embedding training images")
+            # results as before the shared embedder: the baselines' own prefix pass drew its DataLoader's
+            # base seed from torch's global stream twice (tqdm.auto's bar opens the iterator twice), and every
+            # later draw of the task (its head's initial weights ...) follows; the embedder's loader has a
+            # generator
+            torch.empty(2, dtype=torch.int64).random_()
+            return seed, z, y_all, None
+        gl = torch.Generator().manual_seed(seed)
+        loader = torch.utils.data.DataLoader(
+            ImageDataset(task.train, self.train_transform_), batch_size=cfg.train.batch_size,
+            shuffle=True, generator=gl, num_workers=cfg.train.num_workers,
+        )  # fmt: skip
+        return seed, None, None, loader
 
     # ------------------------------------------------------------------ the shared loop
     def learn_task(self, task: Task, k: int) -> dict[str, Any]:
@@ -513,9 +507,9 @@ class ContinualClassifier:
         return self.close_task(run)
 
     def open_task(self, task: Task, k: int) -> OpenTask:
-        """Task k's inputs (:func:`task_inputs`), the method's state opened (:meth:`begin_task`), a new
+        """Task k's inputs (:meth:`task_inputs`), the method's state opened (:meth:`begin_task`), a new
         head over the task's classes, its progress bar over :meth:`planned_epochs`."""
-        seed, z, y, loader = task_inputs(self, task, k)
+        seed, z, y, loader = self.task_inputs(task, k)
         self.begin_task(k, z, loader)
         classes = [int(c) for c in task.classes]
         steps = math.ceil(len(task.train) / self.config.train.batch_size)
@@ -558,7 +552,7 @@ class ContinualClassifier:
                 {"params": list(run.head.parameters()), "lr_scale": self.head_lr_scale},
             ]
         run.params = params
-        return params, OPTIMIZERS.get(b.optimizer)(groups, b, weight_decay(self, run.k))
+        return params, OPTIMIZERS.get(b.optimizer)(groups, b, self.weight_decay(run.k))
 
     def run_epoch(self, run: OpenTask, epoch: int, epochs: int, params: list[nn.Parameter], opt: Any) -> None:
         """One epoch (of ``epochs`` for the schedule) of steps over :meth:`batches`: the cross-entropy of the

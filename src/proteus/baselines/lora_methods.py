@@ -31,7 +31,7 @@ from torch import nn
 
 from proteus.adapters import AdaptedBackbone
 from proteus.adapters.lora import LoRAUnit, LoRAWrapper
-from proteus.baselines.learner import BaselineOptions, ContinualClassifier, input_pass
+from proteus.baselines.learner import BaselineOptions, ContinualClassifier
 from proteus.baselines.persist import need
 from proteus.config import ConfigError, declare
 from proteus.engine.errors import TaskError
@@ -145,7 +145,7 @@ class LoRAClassifier(ContinualClassifier):
         for name, w in self.model_.wrappers.items():
             hooks.append(w.register_forward_pre_hook(hook(name, w)))
         try:
-            for zb in input_pass(self, z, loader):
+            for zb in self.input_pass(z, loader):
                 self.model_.suffix(zb, tasks)
         finally:
             for h in hooks:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from sklearn.cluster import KMeans
 from torch import nn
 
-from proteus.baselines.learner import SCHEDULES, TrainingOptions, input_pass
+from proteus.baselines.learner import SCHEDULES, TrainingOptions
 from proteus.baselines.persist import need
 from proteus.baselines.prompts import PromptClassifier
 from proteus.config import declare
@@ -103,7 +103,7 @@ class SPrompt(PromptClassifier):
     @torch.no_grad()
     def end_task(self, k: int, z: torch.Tensor | None, loader: Any) -> None:
         self.prompts_[-1].requires_grad_(False)
-        q = torch.cat([F.normalize(self.query(c).float(), dim=-1).cpu() for c in input_pass(self, z, loader)])
+        q = torch.cat([F.normalize(self.query(c).float(), dim=-1).cpu() for c in self.input_pass(z, loader)])
         self.keys_.append(task_keys(q).to(self.device_))
 
     def abort_task(self, k: int) -> None:

@@ -68,7 +68,9 @@ def validate(cfg: RunConfig) -> None:
         if not dataclasses.is_dataclass(value) and not isinstance(value, dict):
             check_value(f.name, value, opt)
     check_sections(cfg, RUN_SECTIONS)
-    learner_of(cfg).check_config(cfg)
+    check = getattr(learner_of(cfg), "check_config", None)  # (a learner without options of its own has none)
+    if check is not None:
+        check(cfg)
 
 
 #: the key of a config file that holds settings for named benchmarks only
