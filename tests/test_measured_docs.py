@@ -308,3 +308,30 @@ def test_the_reliability_page_shows_the_fuzz_run(path: Path) -> None:
     tree = ast.parse(source)
     tests = {f.name for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
     assert tests <= set(rec["targets"]), f"{path.name}: not run: {sorted(tests - set(rec['targets']))}"
+
+
+#: how the status page names each target of the long-stream harness
+STATUS_NAMES = {
+    "commit_ratio_last_vs_10": "the commit",
+    "learn_ratio_without_training_growth": "learning without the training step's growth",
+    "predict_ratio_last_vs_10": "predict with the detector",
+    "open_predict_ratio_last_vs_10": "opening a knowledge base and predicting one image",
+    "rss_beyond_cache_mb_per_task": "resident memory beyond the caches",
+    "kb_mb_per_task": "the knowledge base's growth per task",
+}
+
+
+def test_the_status_page_says_which_thousand_task_targets_the_record_meets() -> None:
+    """The status page's row of the thousand-task stream names the targets the record of `long-1000` meets
+    before "meet their targets", and those it does not meet between that and "do not"."""
+    rec = json.loads((ROOT / "docs" / "measured" / "long" / "long-1000.json").read_text())
+    (targets,) = [run["targets"] for run in rec["runs"]]
+    assert set(targets) == set(STATUS_NAMES)
+    (row,) = [
+        r for r in (ROOT / "docs" / "status.md").read_text().splitlines() if "over a thousand tasks" in r
+    ]
+    met, _, rest = row.partition(" meet their targets")
+    unmet = rest.partition(" do not ")[0]
+    for key, (_, is_met, *_) in targets.items():
+        name = STATUS_NAMES[key]
+        assert name in (met if is_met else unmet) and name not in (unmet if is_met else met), (key, is_met)
