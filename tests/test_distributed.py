@@ -85,13 +85,25 @@ def _files(out: Path) -> set[str]:
     return {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.parent.name not in named}
 
 
-def _one_and_two_ranks(tmp_path: Path, *sets: str) -> tuple[dict, dict]:
-    """results.json of the same run in one process and under torchrun with two ranks."""
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plain run with one epoch of training, once for the tests that compare a torchrun with it (they
+    only read it)."""
+    out = tmp_path_factory.mktemp("plain") / "one"
+    _single(out, ["--set", "train.epochs=1"])
+    return out
+
+
+def _one_and_two_ranks(tmp_path: Path, *sets: str, one: Path | None = None) -> tuple[dict, dict]:
+    """results.json of the same run in one process (``one``: made already) and under torchrun with two
+    ranks."""
     extra = [a for s in sets for a in ("--set", s)]
-    _single(tmp_path / "one", extra)
+    if one is None:
+        _single(one := tmp_path / "one", extra)
     _torchrun(tmp_path / "two", extra)
-    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
-    return one, two
+    return json.loads((one / "results.json").read_text()), json.loads(
+        (tmp_path / "two" / "results.json").read_text()
+    )
 
 
 def test_two_ranks_equal_one_without_training(tmp_path: Path) -> None:
@@ -102,8 +114,8 @@ def test_two_ranks_equal_one_without_training(tmp_path: Path) -> None:
     assert _files(tmp_path / "one") == _files(tmp_path / "two")  # rank 1 wrote nothing extra
 
 
-def test_two_ranks_match_one_when_training(tmp_path: Path) -> None:
-    one, two = _one_and_two_ranks(tmp_path, "train.epochs=1")
+def test_two_ranks_match_one_when_training(tmp_path: Path, trained: Path) -> None:
+    one, two = _one_and_two_ranks(tmp_path, "train.epochs=1", one=trained)
     for k, (r1, r2) in enumerate(zip(one["acc_matrix"], two["acc_matrix"])):
         for a, b in zip(r1, r2):
             assert (a is None) == (b is None)
@@ -117,21 +129,21 @@ def test_two_ranks_match_one_when_training(tmp_path: Path) -> None:
     assert _strip(one["kb_bytes"]) == _strip(two["kb_bytes"])  # the manifest records the logged losses
 
 
-def test_one_rank_under_torchrun_joins_the_group_and_equals_a_plain_run(tmp_path: Path) -> None:
+def test_one_rank_under_torchrun_joins_the_group_and_equals_a_plain_run(
+    tmp_path: Path, trained: Path
+) -> None:
     """``torchrun --nproc_per_node=1`` joins a process group (gloo here, NCCL on a GPU: how `make gpu-check`
     runs NCCL on a machine with one GPU) and runs every collective through it; the results and the
     knowledge base are those of a plain run, bit for bit (trained adapters included)."""
-    extra = ["--set", "train.epochs=1"]
-    _single(tmp_path / "one", extra)
-    _torchrun(tmp_path / "rank", extra, nproc=1)
+    _torchrun(tmp_path / "rank", ["--set", "train.epochs=1"], nproc=1)
     assert "torch.distributed: gloo, 1 process" in (tmp_path / "rank" / "log.txt").read_text()
-    assert "one process" in (tmp_path / "one" / "log.txt").read_text()
-    one, rank = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "rank"))
+    assert "one process" in (trained / "log.txt").read_text()
+    one, rank = (json.loads((d / "results.json").read_text()) for d in (trained, tmp_path / "rank"))
     assert all(t["train"]["steps"] > 0 for t in one["tasks"])
     strip = lambda d: {k: v for k, v in _strip(d).items() if k != "kb_bytes"}  # noqa: E731
     assert strip(one) == strip(rank)
     assert [t["train"]["loss_last"] for t in one["tasks"]] == [t["train"]["loss_last"] for t in rank["tasks"]]
-    assert _hashes(tmp_path / "one") == _hashes(tmp_path / "rank")
+    assert _hashes(trained) == _hashes(tmp_path / "rank")
 
 
 def test_helpers_in_a_single_process() -> None:

@@ -149,6 +149,7 @@ def pixel_means() -> Iterator[None]:
     finally:
         METHODS.unregister("pixel-means")
         LEARNERS.unregister("pixel-means")
+        TENSOR_RULES.withdraw("pixel-means", "PixelMeans")
 
 
 def test_a_learner_written_from_the_protocol_learns_loads_predicts_and_serves(
