@@ -28,7 +28,7 @@ from proteus.baselines.ncm import NCM
 from proteus.cli import main
 from proteus.config import LEARNERS, METHODS, ConfigError, declare, resolve_config
 from proteus.kb import KnowledgeBase
-from proteus.learners import load_from_kb
+from proteus.learners import ContinualLearner, load_from_kb
 from proteus.options import POSITIVE, option
 from proteus.serve import KBServer
 from proteus.streams import BENCHMARKS, build_benchmark
@@ -81,14 +81,15 @@ def test_a_baseline_with_options_is_one_class(
     assert main([*argv, "--set", "baseline.sharpness=3", "--set", "benchmark.num_tasks=2"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["method"] == "sharp-ncm" and [t["sharpness"] for t in res["tasks"]] == [3.0, 3.0]
-    _predicts_and_serves(out / "kb", tmp_path, capsys)
-
-
-def _predicts_and_serves(kb: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The knowledge base of a learner defined outside the package loads (with its own class, through the
-    one loader, typed to the protocol), answers ``proteus predict`` and, the same, ``proteus serve``."""
-    clf = load_from_kb(KnowledgeBase.open(kb), "test")
+    clf = predicts_and_serves(out / "kb", tmp_path, capsys)
     assert type(clf) is SharpNCM and clf.num_tasks == 2 and clf.options_.sharpness == 3.0
+
+
+def predicts_and_serves(kb: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> ContinualLearner:
+    """The knowledge base of a learner defined outside the package loads (through the one loader, typed to
+    the protocol), answers ``proteus predict`` as the loaded learner does and, the same, ``proteus serve``;
+    returns the loaded learner."""
+    clf = load_from_kb(KnowledgeBase.open(kb), "test")
     images = []
     for i in range(3):
         images.append(tmp_path / f"{i}.png")
@@ -112,6 +113,7 @@ def _predicts_and_serves(kb: Path, tmp_path: Path, capsys: pytest.CaptureFixture
         srv.shutdown()
         srv.server_close()
         t.join(timeout=30)
+    return clf
 
 
 def _two_tasks(cfg: BenchmarkConfig):  # noqa: ANN202 - a benchmark factory: the quickstart cut to 2 tasks

@@ -8,27 +8,24 @@ base, it learns through ``proteus run``, and its knowledge base loads (through t
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
 from proteus import learners
 from proteus.cli import main
 from proteus.config import LEARNERS, METHODS, RunConfig, declare
 from proteus.engine.records import Prediction, TaskRecord, TaskRecords, TaskStats
 from proteus.kb import KnowledgeBase
-from proteus.learners import ContinualLearner, LearnerState, learner_header, load_from_kb
-from proteus.serve import KBServer
+from proteus.learners import ContinualLearner, LearnerState, learner_header
 from proteus.streams import Task
 from proteus.tensor_rules import TENSOR_RULES, Claim, Fields, ShapeRule
+from test_extension_points import predicts_and_serves
 from tiny import sets
 
 #: the features: each image average-pooled to 4 x 4 pixels of 3 channels
@@ -163,33 +160,9 @@ def test_a_learner_written_from_the_protocol_learns_loads_predicts_and_serves(
     res = json.loads((out / "results.json").read_text())
     assert res["method"] == "pixel-means" and len(res["tasks"]) == 2 and res["final_avg_acc"] > 50
     kb = out / "kb"
-    clf = load_from_kb(KnowledgeBase.open(kb), "test")
-    assert (
-        type(clf) is PixelMeans
-        and clf.num_tasks == 2
-        and len(clf.classes_) == sum(len(r.classes) for r in clf.records_)
-    )
-    images = []
-    for i in range(3):
-        images.append(tmp_path / f"{i}.png")
-        pixels = np.random.default_rng(i).integers(0, 256, (28, 28, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(images[-1])
-    capsys.readouterr()
-    assert main(["predict", "--kb", str(kb), *map(str, images), "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    mine = clf.predict(clf.transform_images([Image.open(f) for f in images])).label
-    assert [r["class"] for r in rows] == [clf.classes_[int(y)] for y in mine]
-    srv = KBServer(("127.0.0.1", 0), kb, device="cpu")
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        url = f"http://127.0.0.1:{srv.server_address[1]}"
-        answer = httpx.post(url + "/predict", content=images[0].read_bytes(), timeout=60)
-        assert answer.status_code == 200 and answer.json()["predictions"][0]["class"] == rows[0]["class"]
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        t.join(timeout=30)
+    clf = predicts_and_serves(kb, tmp_path, capsys)
+    assert type(clf) is PixelMeans and clf.num_tasks == 2
+    assert len(clf.classes_) == sum(len(r.classes) for r in clf.records_)
     # task by task, each task a new learner read from the knowledge base: the same state as the run's
     tasks = tmp_path / "kb"
     for k in (1, 2):
