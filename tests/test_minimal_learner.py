@@ -76,17 +76,22 @@ class PixelMeans:
     def fit_task(self, task: Task) -> TaskStats:
         k = self.num_tasks
         z, y = self.prefix_dataset(task.train)
-        n = max(max(task.classes) + 1, len(self.names_))
-        means, names = torch.zeros(n, DIM), [*self.names_, *[""] * (n - len(self.names_))]
-        means[: len(self.means_)] = self.means_
-        for c, name in zip(task.classes, task.class_names, strict=True):
-            means[c], names[c] = z[y == c].mean(0), str(name)
-        self.means_, self.names_ = means, names
         stats = TaskStats(k)
-        self.records_.append(
-            TaskRecord(k, list(task.classes), list(task.class_names), len(task.train), False, stats)
-        )
+        record = TaskRecord(k, list(task.classes), list(task.class_names), len(task.train), False, stats)
+        self._add(record, torch.stack([z[y == c].mean(0) for c in task.classes]))
         return stats
+
+    def _add(self, record: TaskRecord, means: torch.Tensor) -> None:
+        """A task's record and its classes' means (one row per class, in the record's order)."""
+        n = max(max(record.classes) + 1, len(self.names_))
+        grown = torch.zeros(n, DIM)
+        grown[: len(self.means_)] = self.means_
+        grown[record.classes] = means
+        names = [*self.names_, *[""] * (n - len(self.names_))]
+        for c, name in zip(record.classes, record.class_names, strict=True):
+            names[c] = str(name)
+        self.means_, self.names_ = grown, names
+        self.records_.append(record)
 
     def _answer(self, z: torch.Tensor) -> Prediction:
         learned = torch.as_tensor([c for r in self.records_ for c in r.classes])
@@ -110,16 +115,7 @@ class PixelMeans:
 
     def restore(self, state: LearnerState) -> PixelMeans:
         for meta, tensors in state.tasks:
-            record = TaskRecord.from_dict(meta)
-            n = max(max(record.classes) + 1, len(self.names_))
-            means = torch.zeros(n, DIM)
-            means[: len(self.means_)] = self.means_
-            means[record.classes] = tensors["means"].clone()
-            names = [*self.names_, *[""] * (n - len(self.names_))]
-            for c, name in zip(record.classes, record.class_names, strict=True):
-                names[c] = name
-            self.means_, self.names_ = means, names
-            self.records_.append(record)
+            self._add(TaskRecord.from_dict(meta), tensors["means"].clone())
         return self
 
     def kb_header(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ evict), their bookkeeping the only memory of the process.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Generic, TypeVar
 
 import torch
@@ -87,10 +87,6 @@ class TaskShares(MutableMapping[int, V], Generic[V]):
 
     def __contains__(self, k: object) -> bool:
         return k in self._held or k in self._bound
-
-    def having(self, tasks: Iterable[int]) -> bool:
-        """Whether every one of ``tasks`` is held or bound (one set operation, not one test per task)."""
-        return not set(tasks).difference(self._held.keys(), self._bound.keys())
 
     def __iter__(self) -> Iterator[int]:
         return iter(sorted({*self._held, *self._bound}))

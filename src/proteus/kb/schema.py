@@ -219,7 +219,7 @@ class ClassOwners:
             owner, start = dict(self._owner), min(n, m)
             for t in self._records[m:]:  # records remembered beyond the prefix (a segment that changed)
                 for c in t["classes"]:
-                    del owner[c]
+                    owner.pop(c, None)
         added = prefix[start:]
         if not all(isinstance(t, dict) and isinstance(t.get("classes"), list) for t in added):
             return None

@@ -67,28 +67,30 @@ def _same(a: tuple[Any, ...] | list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
-def _fields(records: list[Any] | tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[Any, ...]]:
-    """Each record's values (the objects themselves), as the records' lengths and every value in order: a
-    record edited in place since (a field set anew, added or removed) no longer has the same ones."""
+#: the records of a segment as they were read or written: their lengths and every value in order (None when
+#: one is no map: such a segment is never referenced again)
+Snapshot = tuple[tuple[int, ...], tuple[Any, ...]] | None
+
+
+def _fields(records: list[Any] | tuple[Any, ...]) -> Snapshot:
+    """Each record's values (the objects themselves): a record edited in place since (a field set anew,
+    added or removed) no longer has the same ones."""
     try:
         return tuple(map(len, records)), tuple(chain.from_iterable(map(dict.values, records)))
-    except TypeError:  # a record that is no map: compared by its length alone (never reused: it is refused)
-        return tuple(len(r) if isinstance(r, dict) else -1 for r in records), ()
+    except TypeError:  # a record that is no map (refused by the commit's checks)
+        return None
 
 
-def _unedited(fields: tuple[tuple[int, ...], tuple[Any, ...]], records: list[Any]) -> bool:
+def _unedited(fields: Snapshot, records: list[Any]) -> bool:
     """Whether every record holds the values ``fields`` says it held (the same objects, in order; compared in
     C, one pass over every field of a long stream's records)."""
-    lengths, values = fields
-    if len(lengths) != len(records) or -1 in lengths:
-        return False
-    try:
-        if tuple(map(len, records)) != lengths:
-            return False
-        now = chain.from_iterable(map(dict.values, records))
-    except TypeError:
-        return False
-    return all(map(operator.is_, values, now))
+    now = _fields(records)
+    return (
+        fields is not None
+        and now is not None
+        and fields[0] == now[0]
+        and all(map(operator.is_, fields[1], now[1]))
+    )
 
 
 class Segments:
@@ -98,7 +100,7 @@ class Segments:
 
     def __init__(self) -> None:
         #: sha256 -> (records, rows, their objects' sizes, each record's values as it was written or read)
-        self.known: dict[str, tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...], Any]] = {}
+        self.known: dict[str, tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...], Snapshot]] = {}
         #: the store's record of what it checked before (:meth:`expand`)
         self.verified: Any = None
         #: the tasks whose segment the last :meth:`pack` referenced again (their records unchanged)
