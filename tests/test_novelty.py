@@ -223,3 +223,23 @@ def test_the_pooled_rows_alive_candidates_are_isins_and_every_task_is_asked_for_
     assert _all_with_taps(counts, shares) and _all_with_taps(counts, {0, 2, 3})
     for changed in ({**counts, 4: (1, True)}, {**counts, 2: (3, False)}, {1: (0, True)}):
         assert not _all_with_taps(changed, shares) and not _all_with_taps(changed, set(shares))
+
+
+def test_a_pack_s_tap_split_is_checked_for_every_task_and_names_the_one_that_does_not_fit() -> None:
+    """The record's split of the tap statistics (``tap_sizes``) against a task's stored widths: for the tasks
+    of a pack checked at once, at the first asked (kept on the pack), with the same answer per task as the
+    check of a task's own object: only the task whose tensors do not fit is refused, by what does not fit."""
+    from proteus.engine.novelty import _misfit
+    from proteus.kb.packs import Pack, StoredTensors, pack_tasks
+
+    def task(width: int) -> dict[str, torch.Tensor]:
+        return {"novelty/taps": torch.zeros(3, 6), "novelty/g0/mean": torch.zeros(4),
+                "novelty/g1/mean": torch.zeros(width), "novelty/y": torch.zeros(3)}  # fmt: skip
+
+    tasks = [task(2), task(3), task(2)]  # the second task's last tap block is one feature too wide
+    pack = Pack(pack_tasks(0, tasks))
+    got = [_misfit(pack.task(slot), [4, 2]) for slot in range(3)]
+    assert got == [None, ("novelty/g1/mean", 2, 3), None]
+    assert [_misfit(t, [4, 2]) for t in tasks] == got  # each task's own object: the same answers
+    assert _misfit(pack.task(0), [3, 3]) == ("novelty/g0/mean", 3, 4)  # another split: checked anew
+    assert _misfit(StoredTensors(pack, 2), [5, 1]) == ("novelty/g0/mean", 5, 4)

@@ -1134,19 +1134,15 @@ def _stored(nov: ClassNovelty, k: int, tensors: Mapping[str, Tensor], info: dict
         if not (isinstance(noise, list) and isinstance(taps, list)):
             noise = None
         else:
-            sizes = [int(v) for v in taps]
+            sizes = nov.tap_sizes if taps == nov.tap_sizes else [int(v) for v in taps]
             if nov.tap_sizes is not None and sizes != nov.tap_sizes:
                 raise ValueError(f"novelty: tap_sizes {sizes}, but an earlier task's are {nov.tap_sizes}")
             nov.tap_sizes = sizes
             if len(noise) != len(sizes) + 1 or not all(float(v) > 0 for v in noise):
                 raise ValueError(f"novelty: {len(noise)} task Gaussians for {len(sizes)} taps")
-            widths = [("novelty/taps", -1, sum(sizes))]
-            widths += [(f"novelty/g{c}/mean", 0, n) for c, n in enumerate(sizes)]
-            for name, axis, n in widths:  # the record's split of the tap statistics fits its tensors
-                if name in tensors and (shape := _shape(tensors, name)) and shape[axis] != n:
-                    raise ValueError(
-                        f"novelty: tap_sizes {sizes} give {name} {n} features, it has {shape[axis]}"
-                    )
+            if (bad := _misfit(tensors, sizes)) is not None:
+                name, want, has = bad
+                raise ValueError(f"novelty: tap_sizes {sizes} give {name} {want} features, it has {has}")
     n = _rows_of(tensors)
     _bind(nov.rows, k, tensors, in_stats)
     if noise is not None:
@@ -1155,6 +1151,30 @@ def _stored(nov: ClassNovelty, k: int, tensors: Mapping[str, Tensor], info: dict
     if info is not None or k in nov.scores:
         nov.scores.load(k, tensors, n)
     nov.counts[k] = (n, "novelty/taps" in tensors)
+
+
+def _misfit(tensors: Mapping[str, Tensor], sizes: list[int]) -> tuple[str, int, int] | None:
+    """Where the record's split ``sizes`` of the tap statistics does not fit a task's stored tensors: (name,
+    features the split gives, features the tensor has), or None. The tasks of a pack are checked at once, at
+    the first of them (the misfits kept on the pack by slot), so that each task costs one lookup."""
+    widths = [("novelty/taps", -1, sum(sizes))]
+    widths += [(f"novelty/g{c}/mean", 0, n) for c, n in enumerate(sizes)]
+    pack, slot = getattr(tensors, "pack", None), getattr(tensors, "slot", None)
+    if pack is None or not isinstance(slot, int):
+        for name, axis, n in widths:
+            if name in tensors and (shape := _shape(tensors, name)) and shape[axis] != n:
+                return name, n, shape[axis]
+        return None
+    key = ("novelty/tap_sizes", tuple(sizes))
+    misfits: dict[int, tuple[str, int, int]] | None = pack.derived.get(key)
+    if misfits is None:
+        misfits = {}
+        for name, axis, n in reversed(widths):  # (the first misfit of a slot, in the order above, kept)
+            for i, shape in enumerate(pack.shapes(name)):
+                if shape and shape[axis] != n:
+                    misfits[i] = (name, n, shape[axis])
+        pack.derived[key] = misfits
+    return misfits.get(slot)
 
 
 def _held(shares: MutableMapping[int, Any], k: int) -> bool:
