@@ -16,10 +16,11 @@ reruns also have to cope with the debris (temporary files, orphan objects) of ea
 
 Speed: a ``proteus`` process spends most of its few seconds importing torch. The kills at named points
 and the seeded random ones run in processes forked from a "zygote" (a ``sys.executable`` process that has
-imported proteus and then forks one child per command, each child running ``proteus.cli.main(argv)``,
-the code of ``python -m proteus``); one kill hits a literal ``python -m proteus learn`` process (and
-tests/test_determinism.py checks that a fresh process computes bit for bit what an older one does).
-Tiny settings with a random-weight ViT-Ti/16 (d = 192) keep one task around a second.
+imported what ``proteus learn`` imports and then forks one child per command, each child running
+``proteus.cli.main(argv)``, the code of ``python -m proteus``); one kill hits a literal
+``python -m proteus learn`` process (and tests/test_determinism.py checks that a fresh process computes
+bit for bit what an older one does). Tiny settings with a random-weight ViT-Ti/16 (d = 192) keep one
+task around a second.
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ N_LITERAL = 1  # kills of a literal `python -m proteus learn`
 
 ZYGOTE = r"""
 import json, os, sys, traceback
-import proteus.cli, proteus.experiment, proteus.streams, proteus.streams.builtin  # the slow imports
-import sklearn.datasets  # noqa
+import proteus.cli, proteus.experiment, proteus.streams, proteus.streams.builtin
+# the slow imports, which proteus makes lazily (~3.5 s of a child's ~4 s if they were left to it): what
+# `learn` imports (the backbones, the learner, the engine, the KB, the loop), done once before any fork
+import sklearn.datasets, timm, torchvision  # noqa
+import proteus.backbones.vit, proteus.core, proteus.engine, proteus.kb, proteus.learners  # noqa
+import proteus.baselines, proteus.metrics, proteus.distributed, proteus.experiment.loop  # noqa
+import proteus.experiment.learn  # noqa
 for line in sys.stdin:
     req = json.loads(line)
     pid = os.fork()

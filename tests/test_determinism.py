@@ -43,16 +43,23 @@ def _strip(d):
 
 def test_same_seed_same_results(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
-    assert main([*ARGS, "--out", str(a)]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
+    # the two runs are independent (one thread each): the fresh process runs while this one does
+    proc = subprocess.Popen(
         [sys.executable, "-m", "proteus", *ARGS, "--out", str(b)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
         env=env,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    try:
+        assert main([*ARGS, "--out", str(a)]) == 0
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
     ra = json.loads((a / "results.json").read_text())
     rb = json.loads((b / "results.json").read_text())
     assert "kb_bytes" in ra and ra["tasks"][1]["train"]["loss_last"] is not None

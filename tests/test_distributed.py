@@ -53,17 +53,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(out: Path, extra: list[str], nproc: int = 2) -> None:
+def _start_torchrun(out: Path, extra: list[str], nproc: int = 2) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
         "-m", "proteus", "run", "--out", str(out), "--device", "cpu", *ARGS, *extra,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish_torchrun(proc: subprocess.Popen[str]) -> None:
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     # one table: ranks other than 0 print nothing
-    assert proc.stdout.count("final average accuracy") == 1, proc.stdout
+    assert stdout.count("final average accuracy") == 1, stdout
+
+
+def _torchrun(out: Path, extra: list[str], nproc: int = 2) -> None:
+    _finish_torchrun(_start_torchrun(out, extra, nproc))
 
 
 def _single(out: Path, extra: list[str]) -> None:
@@ -98,9 +111,12 @@ def _one_and_two_ranks(tmp_path: Path, *sets: str, one: Path | None = None) -> t
     """results.json of the same run in one process (``one``: made already) and under torchrun with two
     ranks."""
     extra = [a for s in sets for a in ("--set", s)]
-    if one is None:
-        _single(one := tmp_path / "one", extra)
-    _torchrun(tmp_path / "two", extra)
+    two = _start_torchrun(tmp_path / "two", extra)  # (independent of the single run: both run at once)
+    try:
+        if one is None:
+            _single(one := tmp_path / "one", extra)
+    finally:
+        _finish_torchrun(two)
     return json.loads((one / "results.json").read_text()), json.loads(
         (tmp_path / "two" / "results.json").read_text()
     )

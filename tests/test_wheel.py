@@ -42,9 +42,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return env / "bin"
 
 
-def _run(bin_: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _start(cmd: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    return subprocess.run([str(bin_ / "proteus"), *args], cwd=cwd, env=env, capture_output=True, text=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _done(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 #: what the installed package answers, in one interpreter (each process pays torch's import): where it is
@@ -70,19 +75,34 @@ print("preset", resolve_config("cifar100").backbone.name, create_app.__name__)
 
 @pytest.mark.slow
 def test_the_wheel_gives_a_working_proteus(installed: Path, tmp_path: Path) -> None:
-    p = _run(installed, "list", "methods", cwd=tmp_path)  # the console script
-    assert p.returncode == 0 and "proteus-paper" in p.stdout and "inflora" in p.stdout, p.stderr
-    out = subprocess.run([str(installed / "python"), "-c", _CHECKS], cwd=tmp_path, capture_output=True,
-                         text=True)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
-    assert str(ROOT) not in lines["file"] and "site-packages" in lines["file"], lines["file"]
-    assert lines["run"].startswith("0 ") and lines["reproduce"] == "0 True", lines
-    assert lines["preset"] == "vit_b16 create_app"  # a packaged preset, read from the installed package
-    if not WEIGHTS.is_file():
-        pytest.skip(f"the quickstart needs MobileNetV2's weights ({WEIGHTS} not present)")
-    sets = [f"backbone.weights={WEIGHTS}", "train.epochs=1", "benchmark.max_train_per_class=20"]
-    p = _run(installed, "quickstart", "--out", str(tmp_path / "q"), *(a for s in sets for a in ("--set", s)),
-             "-q", cwd=tmp_path)  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    assert (tmp_path / "q" / "results.json").is_file() and (tmp_path / "q" / "kb" / "manifest.json").is_file()
+    # the three processes are independent (each pays torch's import): started together, checked in turn
+    sets = [f"backbone.weights={WEIGHTS}", "train.epochs=1", "benchmark.max_train_per_class=20",
+            "benchmark.num_tasks=2"]  # fmt: skip
+    quickstart = [str(installed / "proteus"), "quickstart", "--out", str(tmp_path / "q"),
+                  *(a for s in sets for a in ("--set", s)), "-q"]  # fmt: skip
+    procs = [
+        _start([str(installed / "proteus"), "list", "methods"], tmp_path),  # the console script
+        _start([str(installed / "python"), "-c", _CHECKS], tmp_path),
+        *([_start(quickstart, tmp_path)] if WEIGHTS.is_file() else []),
+    ]
+    try:
+        p = _done(procs[0])
+        assert p.returncode == 0 and "proteus-paper" in p.stdout and "inflora" in p.stdout, p.stderr
+        out = _done(procs[1])
+        assert out.returncode == 0, out.stderr
+        lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+        assert str(ROOT) not in lines["file"] and "site-packages" in lines["file"], lines["file"]
+        assert lines["run"].startswith("0 ") and lines["reproduce"] == "0 True", lines
+        assert lines["preset"] == "vit_b16 create_app"  # a packaged preset, read from the installed package
+        if not WEIGHTS.is_file():
+            pytest.skip(f"the quickstart needs MobileNetV2's weights ({WEIGHTS} not present)")
+        p = _done(procs[2])
+        assert p.returncode == 0, p.stderr
+        assert (tmp_path / "q" / "results.json").is_file() and (
+            tmp_path / "q" / "kb" / "manifest.json"
+        ).is_file()
+    finally:  # (none left running after a failed check)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
