@@ -43,10 +43,11 @@ def segmented(manifest: dict[str, Any]) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 4
 
 
-def read_segment(root: Path, rel: str, sha: str, size: int) -> bytes:
+def read_segment(root: Path, rel: str, sha: str, size: int, dirs: tuple[Path, Path] | None = None) -> bytes:
     """The verified bytes of record segment ``rel`` (its path confined like an object's, its size and sha256
-    checked, within ``kb_manifest_bytes``)."""
-    object_path(root, rel, sha, segment=True)
+    checked, within ``kb_manifest_bytes``); ``dirs``: :func:`~proteus.kb.schema.object_dirs` of ``root``,
+    resolved once for many segments."""
+    object_path(root, rel, sha, dirs, segment=True)
     return read_object(root, rel, sha, size, budget="kb_manifest_bytes")
 
 
@@ -64,10 +65,11 @@ def parse(
     if issues or manifest is None or not segmented(manifest):
         return manifest, issues
     try:
+        dirs = object_dirs(root)  # (resolved once: a long stream's manifest names many segments)
         for _, rel, sha in _segment_refs(manifest):
-            object_path(root, rel, sha, segment=True)
+            object_path(root, rel, sha, dirs, segment=True)
         expanded = (segments or Segments()).expand(
-            manifest, lambda r, s, n: read_segment(root, r, s, n), str(path), verified
+            manifest, lambda r, s, n: read_segment(root, r, s, n, dirs), str(path), verified
         )
     except ProteusError as e:
         problem = f"{e}" if str(path) in str(e) else f"{path}: {e}"
