@@ -344,13 +344,13 @@ def test_open_starts_again_when_a_commit_sweeps_the_records_it_was_reading(
     original = manifests.read_segment
     calls = {"n": 0}
 
-    def commit_twice_first(root_: Path, rel: str, sha: str, size: int) -> bytes:
+    def commit_twice_first(root_: Path, rel: str, sha: str, size: int, *dirs: Any) -> bytes:
         calls["n"] += 1
         if calls["n"] == 1:
             _append(writer, "a")
             _append(writer, "b")
             assert not (root_ / rel).exists()  # the segment the reader's manifest names: swept
-        return original(root_, rel, sha, size)
+        return original(root_, rel, sha, size, *dirs)
 
     monkeypatch.setattr(manifests, "read_segment", commit_twice_first)
     kb = KnowledgeBase.open(root, verify=True)
