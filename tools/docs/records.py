@@ -26,13 +26,23 @@ _LEARNING = (
     "src/proteus/engine", "src/proteus/heads", "src/proteus/signatures", "src/proteus/streams",
     "src/proteus/configs", "src/proteus/metrics.py", "src/proteus/images.py",
     "src/proteus/experiment/loop.py", "src/proteus/experiment/evaluate.py",
+    # how a run is configured and its learner found: the config and the options it reads, the registries
+    # and the learner protocol (the knowledge base's loader)
+    "src/proteus/config", "src/proteus/options.py", "src/proteus/registry.py", "src/proteus/learners.py",
+    "src/proteus/devices.py",
+)  # fmt: skip
+#: what a reader of a knowledge base runs besides the store itself: the checks of what it reads and the
+#: collector paused around the reading
+_READING = (
+    "src/proteus/tensor_rules.py", "src/proteus/untrusted.py", "src/proteus/collector.py",
+    "src/proteus/heap.py",
 )  # fmt: skip
 #: what the records that run PROTEUS alone depend on (no baseline's code)
 _PROTEUS = tuple(p for p in _LEARNING if p != "src/proteus/baselines")
 MEASURES: dict[str, tuple[str, ...]] = {
     "reproduce": _LEARNING,
     "compare": _LEARNING,
-    "long": (*_PROTEUS, "src/proteus/kb", "tools/perf/perf_long.py"),
+    "long": (*_PROTEUS, "src/proteus/kb", *_READING, "tools/perf/perf_long.py"),
     "shortlist": (*_PROTEUS, "tools/studies/shortlist.py"),
     "rivals_predict": (*_LEARNING, "tools/perf/perf_rivals_predict.py"),
     # the fuzz run passes through every part a user's input reaches
