@@ -226,9 +226,9 @@ def test_the_pooled_rows_alive_candidates_are_isins_and_every_task_is_asked_for_
 
 
 def test_a_pack_s_tap_split_is_checked_for_every_task_and_names_the_one_that_does_not_fit() -> None:
-    """The record's split of the tap statistics (``tap_sizes``) against a task's stored widths: for the tasks
-    of a pack checked at once, at the first asked (kept on the pack), with the same answer per task as the
-    check of a task's own object: only the task whose tensors do not fit is refused, by what does not fit."""
+    """The record's split of the tap statistics (``tap_sizes``) against a task's stored widths: for a task
+    of a pack the same answer as for the task's own object: only the task whose tensors do not fit is
+    refused, by what does not fit."""
     from proteus.engine.novelty import _misfit
     from proteus.kb.packs import Pack, StoredTensors, pack_tasks
 
@@ -241,5 +241,5 @@ def test_a_pack_s_tap_split_is_checked_for_every_task_and_names_the_one_that_doe
     got = [_misfit(pack.task(slot), [4, 2]) for slot in range(3)]
     assert got == [None, ("novelty/g1/mean", 2, 3), None]
     assert [_misfit(t, [4, 2]) for t in tasks] == got  # each task's own object: the same answers
-    assert _misfit(pack.task(0), [3, 3]) == ("novelty/g0/mean", 3, 4)  # another split: checked anew
+    assert _misfit(pack.task(0), [3, 3]) == ("novelty/g0/mean", 3, 4)  # another split
     assert _misfit(StoredTensors(pack, 2), [5, 1]) == ("novelty/g0/mean", 5, 4)

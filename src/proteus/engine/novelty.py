@@ -1155,26 +1155,13 @@ def _stored(nov: ClassNovelty, k: int, tensors: Mapping[str, Tensor], info: dict
 
 def _misfit(tensors: Mapping[str, Tensor], sizes: list[int]) -> tuple[str, int, int] | None:
     """Where the record's split ``sizes`` of the tap statistics does not fit a task's stored tensors: (name,
-    features the split gives, features the tensor has), or None. The tasks of a pack are checked at once, at
-    the first of them (the misfits kept on the pack by slot), so that each task costs one lookup."""
+    features the split gives, features the tensor has), or None."""
     widths = [("novelty/taps", -1, sum(sizes))]
     widths += [(f"novelty/g{c}/mean", 0, n) for c, n in enumerate(sizes)]
-    pack, slot = getattr(tensors, "pack", None), getattr(tensors, "slot", None)
-    if pack is None or not isinstance(slot, int):
-        for name, axis, n in widths:
-            if name in tensors and (shape := _shape(tensors, name)) and shape[axis] != n:
-                return name, n, shape[axis]
-        return None
-    key = ("novelty/tap_sizes", tuple(sizes))
-    misfits: dict[int, tuple[str, int, int]] | None = pack.derived.get(key)
-    if misfits is None:
-        misfits = {}
-        for name, axis, n in reversed(widths):  # (the first misfit of a slot, in the order above, kept)
-            for i, shape in enumerate(pack.shapes(name)):
-                if shape and shape[axis] != n:
-                    misfits[i] = (name, n, shape[axis])
-        pack.derived[key] = misfits
-    return misfits.get(slot)
+    for name, axis, n in widths:
+        if name in tensors and (shape := _shape(tensors, name)) and shape[axis] != n:
+            return name, n, shape[axis]
+    return None
 
 
 def _held(shares: MutableMapping[int, Any], k: int) -> bool:

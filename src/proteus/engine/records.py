@@ -65,7 +65,9 @@ class TrainStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainStats:
-        return cls(**{("lam" if k == "lambda" else k): v for k, v in d.items()})
+        d = dict(d)
+        d["lam"] = d.pop("lambda")
+        return cls(**d)
 
 
 @dataclass
@@ -112,14 +114,9 @@ class TaskStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TaskStats:
-        seconds: dict[str, float] = {}
-        extra: dict[str, Any] = {}
-        for k, v in d.items():  # (one pass: a long stream's load reads one per task)
-            if k.startswith("seconds_"):
-                seconds[k[8:]] = v
-            elif k not in _STATS_KEYS:
-                extra[k] = v
+        seconds = {k[len("seconds_") :]: v for k, v in d.items() if k.startswith("seconds_")}
         train = TrainStats.from_dict(d["train"]) if d.get("train") else None
+        extra = {k: v for k, v in d.items() if k not in _STATS_KEYS and not k.startswith("seconds_")}
         return cls(
             int(d["task"]), train, d.get("signature"), d.get("gamma"), seconds, d.get("peak_gpu_mb"), extra
         )

@@ -184,9 +184,6 @@ class Pack:
         self._shapes: dict[str, list[tuple[int, ...]]] = {}
         self._blocks: dict[str, torch.Tensor] = {}
         self._present: list[frozenset[str]] | None = None  # (:meth:`present`)
-        #: what a reader derived from the pack's tasks at once (a check of every slot, by the reader's key),
-        #: so that it is not derived again task by task
-        self.derived: dict[Any, Any] = {}
 
     def _ints(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         dtype, got, start = self.entries[name]
@@ -271,13 +268,6 @@ class Pack:
             shapes = [same.setdefault(n, (*block[:axis], n, *block[axis + 1 :])) for n in lengths]
             self._shapes[name] = shapes  # (one tuple per distinct shape)
         return shapes[slot]
-
-    def shapes(self, name: str) -> list[tuple[int, ...] | None]:
-        """Every slot's shape of ``name`` (None where the slot holds none), from the header."""
-        if name not in self.axes:
-            return [None] * self.count
-        self.shape(0, name)  # (every slot's made at once)
-        return [s if n >= 0 else None for s, n in zip(self._shapes[name], self._lengths[name], strict=True)]
 
     def dtype(self, name: str) -> str:
         return self.entries[name][0]
