@@ -4,6 +4,7 @@ and the baselines never import each other), the class budget, and the import cos
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -241,27 +242,6 @@ def test_core_and_baselines_never_import_each_other() -> None:
     assert LAYERS["core"] == LAYERS["baselines"] and not crossing, crossing
 
 
-#: options whose ``choices=`` name a registry that lives above the option's own floor (the layering test
-#: cannot follow a name): each with the reason it is declared below its readers. Remove an entry once its
-#: option moves to (or below) its registry's floor.
-CHOICES_ABOVE_FLOOR = {
-    (option, kind): "the engine's options are gathered by `config` (floor 3), which `engine` (floor 4) "
-    "imports as a whole (RunConfig); declared in the engine they would need `config` to find its sections "
-    "at run time instead of importing them"
-    for option, kind in [
-        ("config/schema.py", "train.tasks"),
-        ("heads/options.py", "head.scope"),
-        ("signatures/options.py", "signature.keys"),
-        ("signatures/options.py", "signature.task_score"),
-        ("signatures/options.py", "retrieval.mode"),
-        ("signatures/options.py", "retrieval.novelty"),
-        ("signatures/options.py", "retrieval.candidate_space"),
-        ("signatures/options.py", "retrieval.combine"),
-        ("adapters/options.py", "adapter.s_update"),
-    ]
-}
-
-
 def _string_calls(path: Path) -> tuple[set[str], list[str]]:
     """(the registries ``path`` creates, ``Registry("kind")``; the registries its options name,
     ``option(..., choices="kind")``)."""
@@ -309,7 +289,9 @@ def test_no_code_compares_a_strategy_setting_with_a_name() -> None:
 
 def test_every_option_names_a_registry_at_or_below_its_floor() -> None:
     """An option's ``choices="kind"`` names a registry the package creates, on the option's floor or below
-    (so the option's module could import it), unless :data:`CHOICES_ABOVE_FLOOR` says why not."""
+    (so the option's module could import it): a strategy registry whose entries live above the option (the
+    engine's detectors, keys, compositions) is created beside the option, and the engine registers into it
+    (the registry's ``plugins``: :func:`test_a_registry_below_its_entries_finds_them_all`)."""
     floor_of: dict[str, str] = {}
     options: list[tuple[str, str]] = []
     for path in SRC.rglob("*.py"):
@@ -320,8 +302,50 @@ def test_every_option_names_a_registry_at_or_below_its_floor() -> None:
     assert options, "no option declares its choices by a registry's name: the test reads the wrong thing"
     unknown = [(o, k) for o, k in options if k not in floor_of]
     assert not unknown, f"choices naming no registry the package creates: {unknown}"
-    above = {(o, k) for o, k in options if LAYERS[floor_of[k]] > LAYERS[o.split("/")[0].removesuffix(".py")]}
-    new = sorted(above - set(CHOICES_ABOVE_FLOOR))
-    assert not new, f"options naming a registry above their floor (declare them beside it): {new}"
-    gone = sorted(set(CHOICES_ABOVE_FLOOR) - above)
-    assert not gone, f"these options name a registry at or below their floor now: remove {gone}"
+    above = sorted(
+        (o, k) for o, k in options if LAYERS[floor_of[k]] > LAYERS[o.split("/")[0].removesuffix(".py")]
+    )
+    assert not above, f"options naming a registry above their floor (create it beside them): {above}"
+
+
+def test_a_registry_below_its_entries_finds_them_all() -> None:
+    """A registry that names *plugins* (the modules whose import registers its entries, above it: the
+    engine's strategies beside their options, the learners beside the methods) lists the same entries in a
+    process that imported only the configuration as in one that imported every module of the package: its
+    plugins name every module that registers into it."""
+    import importlib
+    import pkgutil
+
+    from proteus.registry import Registry
+
+    for mod in pkgutil.walk_packages(proteus.__path__, "proteus."):
+        if not mod.name.endswith("__main__"):
+            importlib.import_module(mod.name)
+    everything = {kind: reg.loaded() for kind, reg in Registry._by_kind.items() if reg.plugins}
+    assert len(everything) >= 9 and all(everything.values()), everything
+    # each registry asked in a fork of one process that imported the configuration only (a registry's
+    # discovery imports modules that fill others)
+    out = subprocess.run([sys.executable, "-c", _ASK_EACH, *everything], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == everything
+
+
+_ASK_EACH = """
+import json, os, sys
+import timm, torch, torchvision  # third-party imports done once, before the forks
+import proteus.config
+from proteus.registry import Registry
+pipes = {}
+for kind in sys.argv[1:]:
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.write(w, json.dumps(Registry.named(kind).names()).encode())
+        os._exit(0)
+    os.close(w)
+    pipes[kind] = r
+found = {}
+for kind, r in pipes.items():
+    with os.fdopen(r) as f:
+        found[kind] = json.loads(f.read())
+print(json.dumps(found))
+"""

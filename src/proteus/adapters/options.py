@@ -4,10 +4,16 @@ sparse diagonal S, plus r new directions; Eq. 15: the new ones orthogonal to the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, UNIT, Interval, option
+from proteus.registry import Registry
 
-__all__ = ["TRANSFER_INIT", "AdapterConfig"]
+__all__ = ["S_UPDATES", "TRANSFER_INIT", "AdapterConfig"]
+
+#: ``adapter.s_update``: how S is updated (:data:`proteus.engine.trainer.S_UPDATES`, which registers them:
+#: created here, beside the option that names it)
+S_UPDATES: Registry[Any] = Registry("adapter.s_update", plugins=("proteus.engine.trainer",))
 
 #: ``adapter.transfer`` -> how S starts: learned from 0 (Eq. 15), fixed at 0 or fixed at 1
 TRANSFER_INIT = {"learned": None, "zero": 0.0, "identity": 1.0}

@@ -12,6 +12,7 @@ from proteus.config.resolve import (
     config_file_keys,
     config_path,
     effective,
+    learner_name,
     learner_of,
     packaged_config,
     packaged_configs,
@@ -44,8 +45,8 @@ __all__ = [
     "CACHE_PREFIX", "CONFIG_KINDS", "LEARNERS", "METHODS", "RUN_SECTIONS", "AdapterConfig", "BackboneConfig",
     "BenchmarkConfig", "ConfigError", "EvalConfig", "HeadConfig", "Method", "ReportConfig", "RetrievalConfig",
     "RunConfig", "SignatureConfig", "TrainConfig", "apply_method", "check_sections", "coerce",
-    "coerce_dotted",
-    "config_file_keys", "config_path", "declaration", "declare", "field_type", "flatten", "learner_of",
+    "coerce_dotted", "config_file_keys", "config_path", "declaration", "declare", "field_type", "flatten",
+    "learner_name", "learner_of",
     "load_yaml", "merge", "nest", "packaged_config", "packaged_configs", "parse_set", "per_task",
     "per_task_keys", "resolve_config", "sections", "typed_options", "validate", "validate_keys", "effective",
 ]  # fmt: skip

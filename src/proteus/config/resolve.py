@@ -37,10 +37,15 @@ def validate_keys(dotted: dict[str, Any]) -> dict[str, Any]:
     return typed
 
 
+def learner_name(cfg: RunConfig) -> str:
+    """The registered name of the learner that runs ``cfg.method`` (a method unknown to this release runs
+    on PROTEUS's)."""
+    return METHODS.get(cfg.method).learner if cfg.method in METHODS else "proteus"
+
+
 def learner_of(cfg: RunConfig) -> type[Any]:
-    """The learner class that runs ``cfg.method`` (a method unknown to this release runs on PROTEUS's)."""
-    name = METHODS.get(cfg.method).learner if cfg.method in METHODS else "proteus"
-    return LEARNERS.get(name)
+    """The learner class that runs ``cfg.method`` (:func:`learner_name`)."""
+    return LEARNERS.get(learner_name(cfg))
 
 
 def effective(cfg: RunConfig) -> dict[str, Any]:

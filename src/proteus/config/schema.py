@@ -31,17 +31,23 @@ from proteus.config.coercion import field_of, flatten, merge
 from proteus.devices import COMPILE_MODES, PRECISIONS
 from proteus.heads.options import HeadConfig
 from proteus.options import AT_LEAST_1, NO_LEGACY, NON_NEGATIVE, POSITIVE, Interval, OptionInfo, info, option
+from proteus.registry import Registry
 from proteus.signatures.options import RetrievalConfig, SignatureConfig
 from proteus.streams.options import BenchmarkConfig
 
 __all__ = [
-    "CACHE_PREFIX", "RUN_SECTIONS", "EvalConfig", "ReportConfig", "RunConfig", "TrainConfig", "coerce_dotted",
-    "declaration", "field_type", "nest", "parse_set", "per_task", "per_task_keys", "sections",
+    "CACHE_PREFIX", "RUN_SECTIONS", "TRAIN_SCHEDULES", "EvalConfig", "ReportConfig", "RunConfig",
+    "TrainConfig", "coerce_dotted", "declaration", "field_type", "nest", "parse_set", "per_task",
+    "per_task_keys", "sections",
 ]  # fmt: skip
 
 #: ``train.cache_prefix`` -> whether the prefix outputs are cached (only without augmentation); "auto" is
 #: kept for configs written before it meant the same as "true"
 CACHE_PREFIX = {"auto": True, "true": True, "false": False}
+
+#: ``train.tasks``: which tasks train an adapter (:data:`proteus.engine.compositions.TRAIN_SCHEDULES`, which
+#: registers them: created here, beside the option that names it)
+TRAIN_SCHEDULES: Registry[Any] = Registry("train.tasks", plugins=("proteus.engine.compositions",))
 
 
 @dataclass

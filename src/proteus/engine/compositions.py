@@ -18,11 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from proteus.config import schema
 from proteus.registry import Registry
+from proteus.signatures import options as signature_options
 
 __all__ = ["COMPOSITIONS", "TRAIN_SCHEDULES", "Composition"]
 
-TRAIN_SCHEDULES: Registry[Callable[[int], bool]] = Registry("train.tasks")
+TRAIN_SCHEDULES: Registry[Callable[[int], bool]] = schema.TRAIN_SCHEDULES
 #: traits: ``trains`` (some task trains an adapter, so ``train.*`` and ``adapter.*`` are read),
 #: ``first_session`` (only the first task does: RanPAC's first-session adaptation)
 TRAIN_SCHEDULES.register("all", help="every task trains its adapter", trains=True)(lambda k: True)
@@ -61,7 +63,7 @@ class Composition:
         return (None, "task") if j is None else ([j], self.kind)
 
 
-COMPOSITIONS: Registry[Composition] = Registry("retrieval.mode")
+COMPOSITIONS: Registry[Composition] = signature_options.COMPOSITIONS
 COMPOSITIONS.register("signature", help="the retrieved task's adapter (Alg. 2)")(Composition(retrieves=True))
 COMPOSITIONS.register("first", help="the first task's adapter (RanPAC)")(Composition(False, _first))
 COMPOSITIONS.register("last", help="the newest adapter (InfLoRA / SD-LoRA style)")(

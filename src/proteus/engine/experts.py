@@ -33,8 +33,10 @@ from torch import Tensor
 from proteus.config import RetrievalConfig
 from proteus.engine.errors import TaskError
 from proteus.heads import RanPACHead
+from proteus.heads import options as head_options
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
+from proteus.signatures import options as signature_options
 from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord, Required, ShapeRule
 
 __all__ = [
@@ -231,7 +233,7 @@ class Combination:
 
 
 #: ``retrieval.combine``: the best task, then its head (Alg. 2), or the task posterior times the head's
-COMBINATIONS: Registry[Combination] = Registry("retrieval.combine")
+COMBINATIONS: Registry[Combination] = signature_options.COMBINATIONS
 COMBINATIONS.register("hard", help="the best task, then its head (Alg. 2)")(Combination(_hard, False))
 COMBINATIONS.register("soft", help="log p(t|x) + log p(c|x, t) over the likeliest tasks")(
     Combination(_soft, True)
@@ -249,7 +251,7 @@ class HeadScope:
 
 #: ``head.scope``: Eq. 23's head over every class (no per-task heads), or one head per task over its own
 #: classes (:class:`TaskExperts`)
-HEAD_SCOPES: Registry[HeadScope] = Registry("head.scope")
+HEAD_SCOPES: Registry[HeadScope] = head_options.HEAD_SCOPES
 HEAD_SCOPES.register("global", help="Eq. 23's head over every class")(HeadScope(lambda new_head: None, False))
 HEAD_SCOPES.register("task", help="each task's own ridge head over its own classes")(
     HeadScope(TaskExperts, True)

@@ -54,6 +54,7 @@ from proteus.config import ConfigError
 from proteus.engine.stored import TaskShares
 from proteus.kb.packs import spans
 from proteus.registry import Registry
+from proteus.signatures import options
 from proteus.signatures.fitting import oas_rho, oas_rho_of
 from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord, Schema, ShapeRule, Together
 
@@ -102,7 +103,7 @@ def _gaussians(tasks: bool) -> Callable[[Any], ClassNovelty]:
 
 #: ``retrieval.novelty``: which detector flags inputs from no learned task (``retrieval.reject = true``
 #: adds the key-score thresholds on top, for any keys)
-NOVELTY: Registry[Detector] = Registry("retrieval.novelty")
+NOVELTY: Registry[Detector] = options.NOVELTY
 NOVELTY.register("auto", help="task-gaussian with LDA keys (the default methods), none with other keys")(
     Detector(_gaussians(tasks=True))
 )

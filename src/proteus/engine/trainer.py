@@ -30,6 +30,7 @@ from torch import nn
 
 from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
+from proteus.adapters import options as adapter_options
 from proteus.config import AdapterConfig, TrainConfig
 from proteus.engine.embedder import Embedder, ImageDataset
 from proteus.engine.records import TrainStats, loss_summary
@@ -56,7 +57,7 @@ class SUpdate(Protocol):
         ...
 
 
-S_UPDATES: Registry[Callable[[AdapterConfig], SUpdate]] = Registry("adapter.s_update")
+S_UPDATES: Registry[Callable[[AdapterConfig], SUpdate]] = adapter_options.S_UPDATES
 
 
 def elastic_net(s_params: list[nn.Parameter], lam: float, alpha: float) -> torch.Tensor:

@@ -15,11 +15,11 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from proteus import devices
 from proteus import distributed as dist
-from proteus.config import RunConfig
+from proteus.config import RunConfig, learner_name
 from proteus.engine.records import TaskStats
 from proteus.experiment.evaluate import Evaluator
 from proteus.experiment.provenance import provenance
@@ -37,9 +37,6 @@ from proteus.faults import crash_point
 from proteus.kb import KBError, KnowledgeBase
 from proteus.learners import ContinualLearner, FittedLearner
 from proteus.streams import TaskStream, build_benchmark
-
-if TYPE_CHECKING:
-    from proteus.baselines.learner import ContinualClassifier
 
 log = logging.getLogger("proteus")
 
@@ -188,7 +185,7 @@ def run(cfg: RunConfig, out: str | Path, progress: bool = True, resume: bool = F
             extra.update(
                 {
                     "model_bytes": kb.nbytes().get("head", 0),
-                    "learner": cast("type[ContinualClassifier]", type(clf)).name,
+                    "learner": learner_name(cfg),
                 }
             )
         if cfg.report.latency and main:  # seconds per batch with every task, any learner

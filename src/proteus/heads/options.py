@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from proteus.options import MAX_SQUARE_SIDE, Interval, option
+from proteus.registry import Registry
 
-__all__ = ["HeadConfig"]
+__all__ = ["HEAD_SCOPES", "HeadConfig"]
+
+#: ``head.scope``: the head over every class or one per task (:data:`proteus.engine.experts.HEAD_SCOPES`,
+#: which registers them: created here, beside the option that names it)
+HEAD_SCOPES: Registry[Any] = Registry("head.scope", plugins=("proteus.engine.experts",))
 
 
 @dataclass

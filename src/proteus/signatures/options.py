@@ -5,10 +5,32 @@ and how an input finds its task again (Sec. 3.1, Alg. 2), with the choices beyon
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from proteus.options import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Interval, option
+from proteus.registry import Registry
 
-__all__ = ["STORAGE_DTYPES", "RetrievalConfig", "SignatureConfig"]
+__all__ = [
+    "COMBINATIONS", "COMPOSITIONS", "KEYS", "NOVELTY", "SPACES", "STORAGE_DTYPES", "TASK_SCORES",
+    "RetrievalConfig", "SignatureConfig",
+]  # fmt: skip
+
+# The registries of the strategies these options choose, created beside the options that name them (so an
+# option's choices are a registry at its own floor); the engine, which reads the options, registers their
+# factories where they are defined (the ``plugins``, imported the first time a name is missing).
+#: ``signature.keys``: every key strategy (:data:`proteus.engine.keys.base.KEYS`; RanPAC + HiDe's
+#: task-identity keys are registered by :mod:`proteus.core.tii_keys`)
+KEYS: Registry[Any] = Registry("signature.keys", plugins=("proteus.engine.keys", "proteus.core.tii_keys"))
+#: ``signature.task_score`` (:data:`proteus.engine.keys.lda.TASK_SCORES`)
+TASK_SCORES: Registry[Any] = Registry("signature.task_score", plugins=("proteus.engine.keys.lda",))
+#: ``retrieval.mode`` (:data:`proteus.engine.compositions.COMPOSITIONS`)
+COMPOSITIONS: Registry[Any] = Registry("retrieval.mode", plugins=("proteus.engine.compositions",))
+#: ``retrieval.novelty`` (:data:`proteus.engine.novelty.NOVELTY`)
+NOVELTY: Registry[Any] = Registry("retrieval.novelty", plugins=("proteus.engine.novelty",))
+#: ``retrieval.candidate_space`` (:data:`proteus.engine.keys.space.SPACES`)
+SPACES: Registry[Any] = Registry("retrieval.candidate_space", plugins=("proteus.engine.keys.space",))
+#: ``retrieval.combine`` (:data:`proteus.engine.experts.COMBINATIONS`)
+COMBINATIONS: Registry[Any] = Registry("retrieval.combine", plugins=("proteus.engine.experts",))
 
 #: ``signature.storage_dtype``
 STORAGE_DTYPES = ("auto", "float32", "float16")

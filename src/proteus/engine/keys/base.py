@@ -35,6 +35,7 @@ from proteus.engine.novelty import NOVELTY
 from proteus.heads import RanPACHead
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult, Signature
+from proteus.signatures import options as signature_options
 from proteus.tensor_rules import TENSOR_RULES, F, Fields, NeedsRecord
 
 __all__ = [
@@ -320,4 +321,4 @@ class KeyKind:
 
 
 #: ``signature.keys``: every key strategy, registered by its module (:mod:`.gaussian`, :mod:`.lda`)
-KEYS: Registry[KeyKind] = Registry("signature.keys")
+KEYS: Registry[KeyKind] = signature_options.KEYS

@@ -29,6 +29,7 @@ from proteus.heads import PROTOTYPES, RanPACHead
 from proteus.heads.persist import assemble_columns, classes_outside, column_pieces, is_head_meta
 from proteus.registry import Registry
 from proteus.signatures import RetrievalResult
+from proteus.signatures import options as signature_options
 from proteus.signatures.signature import NORMALIZATIONS
 from proteus.tensor_rules import TENSOR_RULES, Check, Mount, ShapeRule, Together
 
@@ -79,7 +80,7 @@ def groups(classes: list[list[int]], n_classes: int) -> Groups:
 #: ``signature.task_score``: how class scores f (N, C) become every task's score (N, m), lower is better:
 #: an entry takes f, ``temperature`` (``signature.class_temperature``) and the tasks' :class:`Groups`, and
 #: scores every task at once (a task with no class: +inf)
-TASK_SCORES: Registry[Callable[[Tensor, float, Groups], Tensor]] = Registry("signature.task_score")
+TASK_SCORES: Registry[Callable[[Tensor, float, Groups], Tensor]] = signature_options.TASK_SCORES
 
 
 @TASK_SCORES.register(

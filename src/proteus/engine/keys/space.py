@@ -19,6 +19,7 @@ from torch import Tensor
 from proteus.engine.embedder import Embedder
 from proteus.engine.errors import TaskError
 from proteus.registry import Registry
+from proteus.signatures import options as signature_options
 
 __all__ = ["FIRST_ADAPTER", "FROZEN", "SPACES", "KeySpace"]
 
@@ -70,6 +71,6 @@ FROZEN = KeySpace("frozen", None)
 #: the embedding under the first task's adapter (which never changes after task 1)
 FIRST_ADAPTER = KeySpace("first-adapter", 0)
 
-SPACES: Registry[KeySpace] = Registry("retrieval.candidate_space")
+SPACES: Registry[KeySpace] = signature_options.SPACES
 SPACES.register("first-adapter", help="under the first task's adapter (frozen after task 1)")(FIRST_ADAPTER)
 SPACES.register("frozen", help="the frozen backbone's features")(FROZEN)
