@@ -5,6 +5,7 @@ measures it)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 
 from proteus import Proteus
 from proteus.adapters import AdaptedBackbone, LoRAWrapper
-from proteus.adapters.lora import MergedCache, sparse_columns
+from proteus.adapters.lora import LoRAUnit, MergedCache, set_composition, sparse_columns
 from proteus.backbones import build_backbone
 from proteus.config import ConfigError, resolve_config
 from proteus.engine.embedder import suffix_peak_bytes
@@ -341,24 +342,30 @@ def test_predict_images_streams_batches(shortlisted: tuple[Proteus, torch.Tensor
         list(predict_images(clf, items, batch_size=2, progress=False))
 
 
-@pytest.mark.parametrize("conv", [False, True])
-def test_a_composition_runs_only_the_columns_its_s_keeps(conv: bool) -> None:
-    """The elastic net of Eq. 15 zeroes most of S: a task's composition then runs its own directions and the
-    few old ones its S keeps (at most half of 64 or more columns), not every older direction -- each group
-    its own columns when the groups' union is over twice what any one keeps, else the union; factored and
-    merged, the same update as over every column (the columns left out add exact zeros)."""
+def _sparse_unit(conv: bool) -> tuple[LoRAWrapper, LoRAUnit]:
+    """A wrapped map of 200 inputs whose 40 tasks (80 columns) each keep 2 old columns in S."""
     torch.manual_seed(0)
     base = nn.Conv2d(200, 12, 1) if conv else nn.Linear(200, 12)
     w = LoRAWrapper(base, {}, 1.0)
     g = torch.Generator().manual_seed(1)
     u = w.unit_list()[0]
-    for _t in range(40):  # 80 columns; S keeps 2 old columns of each task
+    for _t in range(40):
         u.begin_task(2, "learned", True, g)
         with torch.no_grad():
             u.B_new.normal_(generator=g)
             if u.s is not None:
                 u.s[torch.randperm(u.s.numel(), generator=g)[:2]] = torch.randn(2, generator=g)
         u.end_task()
+    return w, u
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_a_composition_runs_only_the_columns_its_s_keeps(conv: bool) -> None:
+    """The elastic net of Eq. 15 zeroes most of S: a task's composition then runs its own directions and the
+    few old ones its S keeps (at most half of 64 or more columns), not every older direction -- each group
+    its own columns when the groups' union is over twice what any one keeps, else the union; factored and
+    merged, the same update as over every column (the columns left out add exact zeros)."""
+    w, u = _sparse_unit(conv)
     for tasks, per_group in (([39, 12, 39, 0], True), ([39, 39], False)):
         coef = u.coefficients(tasks)[:, : u.used_columns(tasks)]
         kept, cols = sparse_columns(coef)
@@ -379,3 +386,33 @@ def test_a_composition_runs_only_the_columns_its_s_keeps(conv: bool) -> None:
     dense = torch.ones(2, 80)  # every column used: nothing to leave out
     assert sparse_columns(dense)[1] is None  # every column kept
     assert sparse_columns(torch.ones(2, 30))[1] is None  # under 64 columns
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_groups_of_few_positions_run_the_union_of_their_columns(conv: bool) -> None:
+    """Where each group keeps its own columns, a forward over groups of few positions (one small image per
+    task) runs the union of the groups' columns instead (gathering each group's columns would copy more than
+    it saves: ``OWN_COLUMNS_MIN_WORK``), and groups of many positions their own; both the update over every
+    column."""
+    w, u = _sparse_unit(conv)
+    tasks, sizes = [39, 12, 0, 25], [1, 2, 1, 1]
+    coef = u.coefficients(tasks)[:, : u.used_columns(tasks)]
+    set_composition(u, coef, sizes)
+    assert u.coef_cols is not None and u.coef_cols.ndim == 2 and u.coef_union is not None
+    union = u.coef_union[0].shape[1]
+    assert u._form(1) is u.coef_union  # one position per group: the union
+    assert u._form(10_000)[1] is u.coef_cols  # many: each group its own
+    rows = coef.repeat_interleave(torch.as_tensor(sizes), 0)
+    w.groups, w.sizes = sum(sizes), sizes
+    for positions in (1, 1600):  # per group: 1 (the union) and 1,600 (their own)
+        side = math.isqrt(positions)
+        x = torch.randn(sum(sizes), *((200, side, side) if conv else (positions, 200)))
+        run = u._form(positions)
+        assert (run is u.coef_union) == (positions == 1) and run[0].shape[1] == (
+            union if positions == 1 else 4
+        )
+        out = w(x)
+        set_composition(u, coef, sizes)
+        u.coef, u.coef_cols, u.coef_union = rows, None, None  # every column, no selection
+        assert torch.allclose(out, w(x), rtol=1e-5, atol=1e-5)
+        set_composition(u, coef, sizes)

@@ -95,6 +95,10 @@ class LoRAUnit(nn.Module):
         #: the columns of A and B that :attr:`coef`'s columns are (None: the first ``cols``): a composition
         #: runs only the columns its coefficients keep when that saves most of them (:func:`sparse_columns`)
         self.coef_cols: torch.Tensor | None = None
+        #: where :attr:`coef_cols` gives each group its own columns: the same composition over the union of
+        #: the groups' columns, (coefficients, columns or None), run instead on groups of few positions
+        #: (:meth:`_form`)
+        self.coef_union: tuple[torch.Tensor, torch.Tensor | None] | None = None
         #: (the ranks list, each task's end column): the cumulative ranks (:meth:`_end`)
         self._ends: tuple[list[int] | None, tuple[int, ...]] = (None, ())
         #: bumped whenever stored tasks are dropped (merged weights cached from them are then stale)
@@ -306,11 +310,11 @@ class LoRAUnit(nn.Module):
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """x: (G, M, q) grouped inputs -> (G, M, p) update, each group with its own composition."""
         if self.coef is not None:
-            cols = self.coef.shape[1]
-            if cols == 0:
+            coef, cols = self._form(x.shape[1])
+            if coef.shape[1] == 0:
                 return x.new_zeros(*x.shape[:-1], self.out_features)
-            A, B = self._composed(x.dtype)
-            u = (x @ A) * self.coef.to(x.dtype)[:, None, :]
+            A, B = self._composed(x.dtype, coef, cols)
+            u = (x @ A) * coef.to(x.dtype)[:, None, :]
             return self._scale(u @ B.mT)
         if not self.training_task:  # no composition set and nothing being trained: frozen backbone
             return x.new_zeros(*x.shape[:-1], self.out_features)
@@ -343,15 +347,29 @@ class LoRAUnit(nn.Module):
         (:func:`_grouped_1x1`); None when nothing is composed."""
         if self.coef is None or self.coef.shape[1] == 0:
             return None
-        A, B = self._composed(x.dtype)
-        return self._scale(_grouped_1x1(x, A, B, self.coef.to(x.dtype), groups))
+        coef, cols = self._form(x.shape[0] // groups * x.shape[2] * x.shape[3])
+        A, B = self._composed(x.dtype, coef, cols)
+        return self._scale(_grouped_1x1(x, A, B, coef.to(x.dtype), groups))
 
-    def _composed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The columns of A and B that the set composition (:attr:`coef`, :attr:`coef_cols`) runs: (q, c)
-        and (p, c), or per group (G, q, c) and (G, p, c) (:func:`sparse_columns`)."""
+    def _form(self, positions: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The set composition's coefficients and columns (:attr:`coef`, :attr:`coef_cols`) for groups of
+        ``positions`` rows each, or the union's (:attr:`coef_union`) where gathering each group's own
+        columns would not pay: the gather copies every group's columns of A and B, which pays only when
+        the positions times the columns it saves reach :data:`OWN_COLUMNS_MIN_WORK` times its columns."""
         assert self.coef is not None
-        n = self.coef.shape[1]
-        return _columns(self.A, self.coef_cols, n).to(dtype), _columns(self.B, self.coef_cols, n).to(dtype)
+        if self.coef_union is not None:
+            own, union = self.coef.shape[1], self.coef_union[0].shape[1]
+            if positions * (union - own) < OWN_COLUMNS_MIN_WORK * own:
+                return self.coef_union
+        return self.coef, self.coef_cols
+
+    def _composed(
+        self, dtype: torch.dtype, coef: torch.Tensor, cols: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns of A and B that a composition (``coef``, its columns ``cols``: :meth:`_form`) runs:
+        (q, c) and (p, c), or per group (G, q, c) and (G, p, c) (:func:`sparse_columns`)."""
+        n = coef.shape[1]
+        return _columns(self.A, cols, n).to(dtype), _columns(self.B, cols, n).to(dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, ranks={self.ranks}"
@@ -380,6 +398,12 @@ def _composition(kind: str) -> Callable[[LoRAUnit, list[int]], torch.Tensor]:
 
 #: a composition selects its nonzero columns (:func:`sparse_columns`) from this many columns on
 SPARSE_FROM = 64
+#: groups run their own columns (:func:`sparse_columns`) only when each group's positions times the columns
+#: that saves reach this many times its own columns (:meth:`LoRAUnit._form`): gathering a group's columns
+#: copies them, and a group of few positions (a small image's last maps, one image per task) then costs
+#: more than running the union of the groups' columns for every row (measured on a CPU:
+#: ``tools/perf/perf_columns.py``)
+OWN_COLUMNS_MIN_WORK = 128.0
 
 
 def sparse_columns(coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -389,32 +413,45 @@ def sparse_columns(coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | Non
     direction): each group's own nonzero columns, (G, c) indices and coefficients (zeros where a group has
     fewer), when their union is over twice the most any group keeps (many groups, each of other tasks: a
     batch spread over many tasks costs each image its own task's columns, not every task's); else the
-    union, (c,) indices; else ``coef`` itself and None. The same update: the columns left out add exact
-    zeros."""
+    union, (c,) indices (:func:`union_columns`); else ``coef`` itself and None. The same update: the columns
+    left out add exact zeros."""
     G, cols = coef.shape
     if cols < SPARSE_FROM:
         return coef, None
     nonzero = coef.ne(0)
-    keep = nonzero.any(0).nonzero().flatten()
     most = int(nonzero.sum(1).max()) if G else 0
-    if G > 1 and 2 * most < len(keep):
+    if G > 1 and 2 * most < int(nonzero.any(0).sum()):
         own = nonzero.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :most]
         return coef.gather(1, own), own
-    if 2 * len(keep) > cols:
+    return union_columns(coef, nonzero)
+
+
+def union_columns(
+    coef: torch.Tensor, nonzero: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``coef`` (G, cols) over the union of its groups' nonzero columns and their (c,) indices when that
+    keeps at most half of them, else ``coef`` itself and None (:func:`sparse_columns`)."""
+    keep = (coef.ne(0) if nonzero is None else nonzero).any(0).nonzero().flatten()
+    if 2 * len(keep) > coef.shape[1]:
         return coef, None
     return coef[:, keep], keep
 
 
 def set_composition(u: LoRAUnit, coef: torch.Tensor, sizes: list[int] | None = None) -> None:
     """Set unit ``u``'s composition for the next forwards: group g with coefficients ``coef[g]`` over the
-    columns :func:`sparse_columns` keeps, repeated for the ``sizes[g]`` rows of unequal groups."""
-    coef, cols = sparse_columns(coef)
+    columns :func:`sparse_columns` keeps, repeated for the ``sizes[g]`` rows of unequal groups; where each
+    group keeps its own columns, the union's form beside it (:attr:`LoRAUnit.coef_union`)."""
+    full = coef
+    coef, cols = sparse_columns(full)
+    union = union_columns(full) if cols is not None and cols.ndim == 2 else None
     if sizes is not None:
         reps = torch.as_tensor(sizes, device=coef.device)
         coef = coef.repeat_interleave(reps, 0)
         if cols is not None and cols.ndim == 2:  # each row its group's own columns
             cols = cols.repeat_interleave(reps, 0)
-    u.coef, u.coef_cols = coef, cols
+        if union is not None:
+            union = (union[0].repeat_interleave(reps, 0), union[1])
+    u.coef, u.coef_cols, u.coef_union = coef, cols, union
 
 
 def _columns(t: torch.Tensor, cols: torch.Tensor | None, n: int) -> torch.Tensor:
