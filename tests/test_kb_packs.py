@@ -355,3 +355,34 @@ def test_a_learner_past_a_segment_predicts_the_same_from_its_packs(
     assert torch.equal(after.known, before.known) and torch.allclose(after.novelty, before.novelty)
     assert 0 < shares.decoded_bytes <= shares.budget  # type: ignore[operator]  # the shortlisted tasks'
     assert kbmod.problems(root) == []
+
+
+def test_a_save_reads_again_only_the_tasks_it_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Proteus.save`` opens its knowledge base anew each time: a task whose record there equals the one its
+    tensors were read from, in the same folder, keeps them (the adoption of a save costs the new task, not
+    every task learned); saved to another folder, every task is read from that folder's objects."""
+    from proteus import Proteus
+
+    sets = {"backbone.pretrained": False, "backbone.img_size": 32, "backbone.adapt_last": 2,
+            "adapter.rank": 2, "train.epochs": 1, "head.rp_dim": 64}  # fmt: skip
+    clf = Proteus.from_method("proteus", progress=False, **sets)
+    root = tmp_path / "kb"
+    for k in range(3):
+        clf.fit_task(_task(k))
+        clf.save(root)
+    loaded = Proteus.load(root, progress=False)
+    read: list[int] = []
+    adopt = loaded.parts_.adopt
+    monkeypatch.setattr(loaded.parts_, "adopt", lambda k, t: read.append(k) or adopt(k, t))
+    x = loaded.transform_images([_task(k).test[0][0] for k in range(3)])
+    loaded.fit_task(_task(3))
+    loaded.save(root)
+    assert read == [3]  # the new task only
+    before = loaded.predict(x)
+    read.clear()
+    loaded.save(tmp_path / "other")
+    assert read == [0, 1, 2, 3]  # another folder: its objects
+    after = loaded.predict(x)
+    assert torch.equal(after.label, before.label) and torch.allclose(after.novelty, before.novelty)

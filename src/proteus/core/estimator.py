@@ -304,15 +304,22 @@ class Proteus:
     def adopt(self, kb: KnowledgeBase) -> None:
         """After a commit to ``kb`` (or a load from it): each task committed since last time holds its share
         of the keys and heads as the tensors of its object, memory-mapped (the same values), so that a
-        learner that keeps learning does not keep every task's detector and expert in its own memory."""
+        learner that keeps learning does not keep every task's detector and expert in its own memory. A
+        task whose record equals the one its tensors were read from, in the same folder (another opening of
+        the knowledge base: :meth:`save`, or a commit after :meth:`load` through a new opening), keeps them
+        where they are: the same object, not read again for every task at every save."""
         if not hasattr(self, "parts_"):
             return
+        root = kb.root.resolve()
+        same_folder = getattr(self, "_adopted_root", None) == root
         for k, rec in enumerate(self.records_):
             record = rec.stored
             if record is None or rec.adopted is record or kb.manifest["tasks"][k] is not record:
                 continue
-            self.parts_.adopt(k, kb.read_task(record))
+            if not (same_folder and rec.adopted == record):
+                self.parts_.adopt(k, kb.read_task(record))
             rec.adopted = record
+        self._adopted_root = root
 
     def kb_header(self) -> dict[str, Any]:
         """What a new knowledge base records about this learner (version, backbone identity, config)."""
@@ -335,7 +342,10 @@ class Proteus:
     def load(cls, kb_dir: str | Path, **kw: Any) -> Proteus:
         """The learner held by a knowledge base directory (every checksum verified); keywords ``device``,
         ``precision`` (for this process) and ``progress``."""
-        return cast(Proteus, load_from_kb(KnowledgeBase.open(kb_dir), "Proteus.load", expect=cls, **kw))
+        kb = KnowledgeBase.open(kb_dir)
+        clf = cast(Proteus, load_from_kb(kb, "Proteus.load", expect=cls, **kw))
+        clf._adopted_root = kb.root.resolve()  # its tasks' tensors are this folder's objects (:meth:`adopt`)
+        return clf
 
     def _m(self, num_tasks: int | None) -> int:
         return self.num_tasks if num_tasks is None else max(1, min(int(num_tasks), self.num_tasks))
