@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from proteus.adapters import AdaptedBackbone, LoRAUnit, LoRAWrapper
+from proteus.adapters.lora import Composed
 from proteus.backbones import build_backbone
 
 
@@ -183,13 +184,13 @@ def test_grouped_conv_forward_equals_per_task_forward() -> None:
     unit = w.units["w"]
     _stored_tasks(unit, 3, torch.Generator().manual_seed(0))
     x = torch.randn(4, 6, 3, 3)
-    unit.coef, w.groups = unit.coefficients([0, 1, 2]), 3
+    unit.composed, w.groups = Composed(unit.coefficients([0, 1, 2])), 3
     grouped = w(x.repeat(3, 1, 1, 1)).unflatten(0, (3, 4))
     for k in range(3):
         dW = unit.B @ torch.diag(unit.C[k]) @ unit.A.T
         expected = w.base(x) + 0.5 * torch.einsum("oi,nihw->nohw", dW, x)
         assert torch.allclose(grouped[k], expected, atol=1e-5)
-    unit.coef, w.groups = None, 1
+    unit.composed, w.groups = None, 1
 
 
 @pytest.mark.parametrize("transfer", ["learned", "zero"])

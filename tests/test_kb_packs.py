@@ -309,6 +309,11 @@ def _task(k: int) -> Any:
                 ArrayImageDataset(arr, y[train], train), ArrayImageDataset(arr, y[test], test))  # fmt: skip
 
 
+#: a small learner of real fits (random weights, 32 px, 2 adapted blocks, rank 2, one epoch)
+_TINY = {"backbone.pretrained": False, "backbone.img_size": 32, "backbone.adapt_last": 2,
+         "adapter.rank": 2, "train.epochs": 1, "head.rp_dim": 64}  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_learner_past_a_segment_predicts_the_same_from_its_packs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -321,8 +326,7 @@ def test_a_learner_past_a_segment_predicts_the_same_from_its_packs(
     from proteus.engine.stored import TaskShares
     from proteus.experiment.store import commit
 
-    sets = {"backbone.pretrained": False, "backbone.img_size": 32, "backbone.adapt_last": 2,
-            "adapter.rank": 2, "train.epochs": 1, "head.rp_dim": 64, "retrieval.shortlist": 4}  # fmt: skip
+    sets = {**_TINY, "retrieval.shortlist": 4}
     segment = 4
     monkeypatch.setattr(proteus.kb.commit, "SEGMENT_TASKS", segment)
     monkeypatch.setattr(proteus.kb.segments, "SEGMENT_TASKS", segment)
@@ -365,9 +369,7 @@ def test_a_save_reads_again_only_the_tasks_it_changed(
     every task learned); saved to another folder, every task is read from that folder's objects."""
     from proteus import Proteus
 
-    sets = {"backbone.pretrained": False, "backbone.img_size": 32, "backbone.adapt_last": 2,
-            "adapter.rank": 2, "train.epochs": 1, "head.rp_dim": 64}  # fmt: skip
-    clf = Proteus.from_method("proteus", progress=False, **sets)
+    clf = Proteus.from_method("proteus", progress=False, **_TINY)
     root = tmp_path / "kb"
     for k in range(3):
         clf.fit_task(_task(k))
@@ -386,3 +388,29 @@ def test_a_save_reads_again_only_the_tasks_it_changed(
     assert read == [0, 1, 2, 3]  # another folder: its objects
     after = loaded.predict(x)
     assert torch.equal(after.label, before.label) and torch.allclose(after.novelty, before.novelty)
+
+
+def test_a_save_commits_through_the_last_opening_while_the_folder_is_unchanged(tmp_path: Path) -> None:
+    """A learner's saves to one folder commit through one opening of it (a save costs the commit, not a new
+    opening of every record) until another opening commits there: then the folder is opened anew (its
+    state replaced by this learner's, as a save always did). A copy of the learner holds no opening."""
+    import copy
+
+    from proteus import Proteus
+
+    clf = Proteus.from_method("proteus", progress=False, **_TINY)
+    root = tmp_path / "kb"
+    clf.fit_task(_task(0))
+    clf.save(root)
+    opened = clf._kb
+    clf.fit_task(_task(1))
+    clf.save(root)
+    assert clf._kb is opened and opened.is_current()
+    loaded = Proteus.load(root, progress=False)
+    assert loaded._kb.is_current() and "_kb" not in vars(copy.deepcopy(loaded))
+    loaded.fit_task(_task(2))
+    loaded.save(root)  # another opening commits: the learner's is stale now
+    assert not opened.is_current()
+    clf.save(root)  # opened anew; its two tasks are the state
+    assert clf._kb is not opened and len(KnowledgeBase.open(root).manifest["tasks"]) == 2
+    assert kbmod.problems(root) == []

@@ -30,14 +30,14 @@ def test_the_two_forms_compute_the_same_update() -> None:
     tasks = list(range(1, 32, 2))  # (the last task composes all 64 columns)
     coef = u.coefficients(tasks)[:, : u.used_columns(tasks)]
     perf_columns.set_composition(u, coef, [1] * len(tasks))
-    assert u.coef_union is not None
-    own, union = (u.coef, u.coef_cols), u.coef_union
+    composed = u.composed
+    assert composed is not None and composed.union is not None
+    assert composed.cols is not None and composed.cols.ndim == 2
     w.groups, w.sizes = len(tasks), [1] * len(tasks)
     x = torch.randn(len(tasks), 3, 64)
     with torch.no_grad():
-        u.coef_union = None
+        u.composed = perf_columns.Composed(composed.coef, composed.cols)  # each group's own columns
         a = w(x)
-        u.coef, u.coef_cols = union
+        u.composed = perf_columns.Composed(*composed.union)  # the union's
         b = w(x)
-    assert own[1] is not None and own[1].ndim == 2
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)

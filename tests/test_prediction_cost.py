@@ -16,7 +16,7 @@ from torch import nn
 
 from proteus import Proteus
 from proteus.adapters import AdaptedBackbone, LoRAWrapper
-from proteus.adapters.lora import LoRAUnit, MergedCache, set_composition, sparse_columns
+from proteus.adapters.lora import Composed, LoRAUnit, MergedCache, set_composition, sparse_columns
 from proteus.backbones import build_backbone
 from proteus.config import ConfigError, resolve_config
 from proteus.engine.embedder import suffix_peak_bytes
@@ -76,7 +76,7 @@ def test_merged_map_is_w0_plus_eq9_update(conv: bool, side: int) -> None:
     outs = {}
     for merged in (False, True):
         for u in w.units.values():
-            u.coef = None if merged else u.coefficients([2, 0, 1])
+            u.composed = None if merged else Composed(u.coefficients([2, 0, 1]))
         w.groups, w.merged = 3, ([2, 0, 1], "task") if merged else None
         outs[merged] = w(x)
     assert _rel(outs[True], outs[False]) < 1e-5
@@ -91,11 +91,12 @@ def test_the_factored_1x1_update_runs_no_convolution(side: int, monkeypatch: pyt
     w = LoRAWrapper(nn.Conv2d(6, 10, 1), {}, 1.0)
     _add_unit_tasks(w, 3)
     u = next(iter(w.units.values()))
-    u.coef = u.coefficients([2, 0, 1])
+    coef = u.coefficients([2, 0, 1])
+    u.composed = Composed(coef)
     x = torch.randn(6, 6, side, side)
-    cols = u.coef.shape[1]
+    cols = coef.shape[1]
     conv = torch.nn.functional.conv2d(x, u.A[:, :cols].T[:, :, None, None]).unflatten(0, (3, -1))
-    conv = torch.nn.functional.conv2d((conv * u.coef[:, None, :, None, None]).flatten(0, 1),
+    conv = torch.nn.functional.conv2d((conv * coef[:, None, :, None, None]).flatten(0, 1),
                                       u.B[:, :cols, None, None])  # fmt: skip
 
     def refused(*args: object, **kwargs: object) -> torch.Tensor:
@@ -379,9 +380,9 @@ def test_a_composition_runs_only_the_columns_its_s_keeps(conv: bool) -> None:
         assert torch.allclose(u.merged_updates(tasks), full, rtol=1e-5, atol=1e-6)
         x = torch.randn(len(tasks) * 3, 200, *((5, 5) if conv else ()))
         w.groups = len(tasks)
-        u.coef, u.coef_cols = kept, cols
+        u.composed = Composed(kept, cols)
         sparse_out = w(x)
-        u.coef, u.coef_cols = coef, None
+        u.composed = Composed(coef)
         assert torch.allclose(sparse_out, w(x), rtol=1e-5, atol=1e-5)
     dense = torch.ones(2, 80)  # every column used: nothing to leave out
     assert sparse_columns(dense)[1] is None  # every column kept
@@ -398,21 +399,21 @@ def test_groups_of_few_positions_run_the_union_of_their_columns(conv: bool) -> N
     tasks, sizes = [39, 12, 0, 25], [1, 2, 1, 1]
     coef = u.coefficients(tasks)[:, : u.used_columns(tasks)]
     set_composition(u, coef, sizes)
-    assert u.coef_cols is not None and u.coef_cols.ndim == 2 and u.coef_union is not None
-    union = u.coef_union[0].shape[1]
-    assert u._form(1) is u.coef_union  # one position per group: the union
-    assert u._form(10_000)[1] is u.coef_cols  # many: each group its own
+    composed = u.composed
+    assert composed is not None and composed.cols is not None and composed.cols.ndim == 2
+    assert composed.union is not None
+    union = composed.union[0].shape[1]
+    assert composed.form(1) is composed.union  # one position per group: the union
+    assert composed.form(10_000)[1] is composed.cols  # many: each group its own
     rows = coef.repeat_interleave(torch.as_tensor(sizes), 0)
     w.groups, w.sizes = sum(sizes), sizes
     for positions in (1, 1600):  # per group: 1 (the union) and 1,600 (their own)
         side = math.isqrt(positions)
         x = torch.randn(sum(sizes), *((200, side, side) if conv else (positions, 200)))
-        run = u._form(positions)
-        assert (run is u.coef_union) == (positions == 1) and run[0].shape[1] == (
-            union if positions == 1 else 4
-        )
+        run = composed.form(positions)
+        assert (run is composed.union) == (positions == 1)
+        assert run[0].shape[1] == (union if positions == 1 else 4)
+        u.composed = composed
         out = w(x)
-        set_composition(u, coef, sizes)
-        u.coef, u.coef_cols, u.coef_union = rows, None, None  # every column, no selection
+        u.composed = Composed(rows)  # every column, no selection
         assert torch.allclose(out, w(x), rtol=1e-5, atol=1e-5)
-        set_composition(u, coef, sizes)

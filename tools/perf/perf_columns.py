@@ -6,7 +6,7 @@ own row of S (Eq. 9). Where the elastic net (Eq. 15) leaves each row few nonzero
 only its own columns (:func:`proteus.adapters.lora.sparse_columns`: A and B gathered per group, a copy of
 the group's columns of both) or every group can run the union of the groups' columns (A and B read once,
 more multiply-adds per row). The first pays only when a group has enough positions to use what it copies:
-:meth:`proteus.adapters.lora.LoRAUnit._form` runs the union when the positions times the columns the own
+:meth:`proteus.adapters.lora.Composed.form` runs the union when the positions times the columns the own
 form saves are under ``OWN_COLUMNS_MIN_WORK`` times its own columns. This script times both forms of one
 adapted map, interleaved (medians), for maps of MobileNetV2's and ViT-B's shapes and groups of 1 to 1,024
 positions, and prints which form the rule picks beside the faster one::
@@ -29,7 +29,7 @@ from perf_timing import _median, interleaved
 from torch import nn
 
 from proteus.adapters import LoRAWrapper
-from proteus.adapters.lora import OWN_COLUMNS_MIN_WORK, LoRAUnit, set_composition
+from proteus.adapters.lora import OWN_COLUMNS_MIN_WORK, Composed, LoRAUnit, set_composition
 
 #: (name, q, p): maps of the shapes the default backbones adapt
 MAPS = [("mobilenet_v2 expand 160->960", 160, 960), ("mobilenet_v2 last 320->1280", 320, 1280),
@@ -61,7 +61,7 @@ def _runner(
     """A forward of ``x`` through ``w`` with its unit composed in ``form`` (no other form beside it)."""
 
     def run() -> torch.Tensor:
-        u.coef, u.coef_cols, u.coef_union = *form, None
+        u.composed = Composed(*form)
         return w(x)
 
     return run
@@ -82,17 +82,17 @@ def measure(
         coef = u.coefficients(tasks)[:, : u.used_columns(tasks)]
         sizes = [1] * len(tasks)
         set_composition(u, coef, sizes)
-        if u.coef_union is None:
+        composed = u.composed
+        if composed is None or composed.union is None:
             raise SystemExit(f"{name}: the groups keep no columns of their own to compare (a denser S?)")
-        own_form, union_form = (u.coef, u.coef_cols), u.coef_union
+        own_form, union_form = (composed.coef, composed.cols), composed.union
         w.groups, w.sizes = len(tasks), sizes
         for positions in positions_list:
             x = torch.randn(len(tasks), positions, q)
             run = {"own": _runner(w, u, own_form, x), "union": _runner(w, u, union_form, x)}
             with torch.no_grad():
                 t = interleaved(run, dev, reps)
-            u.coef, u.coef_cols, u.coef_union = *own_form, union_form
-            picked = "union" if u._form(positions) is union_form else "own"
+            picked = "union" if composed.form(positions) is union_form else "own"
             o, un = _median(t["own"]), _median(t["union"])
             rows.append({
                 "map": name, "positions": positions, "groups": len(tasks),

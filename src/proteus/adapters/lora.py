@@ -45,6 +45,7 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -90,15 +91,8 @@ class LoRAUnit(nn.Module):
         self.register_buffer("basis", torch.zeros(in_features, 0))
         self._basis_tasks = 0
         self.orthogonal = True
-        #: per-group composition coefficients (G, cols) for the next forward; None = the training composition
-        self.coef: torch.Tensor | None = None
-        #: the columns of A and B that :attr:`coef`'s columns are (None: the first ``cols``): a composition
-        #: runs only the columns its coefficients keep when that saves most of them (:func:`sparse_columns`)
-        self.coef_cols: torch.Tensor | None = None
-        #: where :attr:`coef_cols` gives each group its own columns: the same composition over the union of
-        #: the groups' columns, (coefficients, columns or None), run instead on groups of few positions
-        #: (:meth:`_form`)
-        self.coef_union: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        #: the composition of the next forwards (:func:`set_composition`); None: the training composition
+        self.composed: Composed | None = None
         #: (the ranks list, each task's end column): the cumulative ranks (:meth:`_end`)
         self._ends: tuple[list[int] | None, tuple[int, ...]] = (None, ())
         #: bumped whenever stored tasks are dropped (merged weights cached from them are then stale)
@@ -309,8 +303,8 @@ class LoRAUnit(nn.Module):
     # ------------------------------------------------------------------ forward
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """x: (G, M, q) grouped inputs -> (G, M, p) update, each group with its own composition."""
-        if self.coef is not None:
-            coef, cols = self._form(x.shape[1])
+        if self.composed is not None:
+            coef, cols = self.composed.form(x.shape[1])
             if coef.shape[1] == 0:
                 return x.new_zeros(*x.shape[:-1], self.out_features)
             A, B = self._composed(x.dtype, coef, cols)
@@ -345,29 +339,18 @@ class LoRAUnit(nn.Module):
     def delta_conv(self, x: torch.Tensor, groups: int) -> torch.Tensor | None:
         """Grouped update for a 1x1 convolution on NCHW input, (G*n, q, H, W) -> (G*n, p, H, W)
         (:func:`_grouped_1x1`); None when nothing is composed."""
-        if self.coef is None or self.coef.shape[1] == 0:
+        if self.composed is None or self.composed.coef.shape[1] == 0:
             return None
-        coef, cols = self._form(x.shape[0] // groups * x.shape[2] * x.shape[3])
+        coef, cols = self.composed.form(x.shape[0] // groups * x.shape[2] * x.shape[3])
         A, B = self._composed(x.dtype, coef, cols)
         return self._scale(_grouped_1x1(x, A, B, coef.to(x.dtype), groups))
-
-    def _form(self, positions: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The set composition's coefficients and columns (:attr:`coef`, :attr:`coef_cols`) for groups of
-        ``positions`` rows each, or the union's (:attr:`coef_union`) where gathering each group's own
-        columns would not pay: the gather copies every group's columns of A and B, which pays only when
-        the positions times the columns it saves reach :data:`OWN_COLUMNS_MIN_WORK` times its columns."""
-        assert self.coef is not None
-        if self.coef_union is not None:
-            own, union = self.coef.shape[1], self.coef_union[0].shape[1]
-            if positions * (union - own) < OWN_COLUMNS_MIN_WORK * own:
-                return self.coef_union
-        return self.coef, self.coef_cols
 
     def _composed(
         self, dtype: torch.dtype, coef: torch.Tensor, cols: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The columns of A and B that a composition (``coef``, its columns ``cols``: :meth:`_form`) runs:
-        (q, c) and (p, c), or per group (G, q, c) and (G, p, c) (:func:`sparse_columns`)."""
+        """The columns of A and B that a composition runs (``coef``, its columns ``cols``:
+        :meth:`Composed.form`): (q, c) and (p, c), or per group (G, q, c) and (G, p, c)
+        (:func:`sparse_columns`)."""
         n = coef.shape[1]
         return _columns(self.A, cols, n).to(dtype), _columns(self.B, cols, n).to(dtype)
 
@@ -399,7 +382,7 @@ def _composition(kind: str) -> Callable[[LoRAUnit, list[int]], torch.Tensor]:
 #: a composition selects its nonzero columns (:func:`sparse_columns`) from this many columns on
 SPARSE_FROM = 64
 #: groups run their own columns (:func:`sparse_columns`) only when each group's positions times the columns
-#: that saves reach this many times its own columns (:meth:`LoRAUnit._form`): gathering a group's columns
+#: that saves reach this many times its own columns (:meth:`Composed.form`): gathering a group's columns
 #: copies them, and a group of few positions (a small image's last maps, one image per task) then costs
 #: more than running the union of the groups' columns for every row (measured on a CPU:
 #: ``tools/perf/perf_columns.py``)
@@ -437,10 +420,33 @@ def union_columns(
     return coef[:, keep], keep
 
 
+@dataclass
+class Composed:
+    """A unit's composition for the next forwards (:func:`set_composition`): each group's (row's) coefficients
+    ``coef`` (G, c) over the columns ``cols`` of A and B (None: the first c; (c,): the same for every group;
+    (G, c): each group its own, :func:`sparse_columns`), and where each group has its own, the same
+    composition over the union of the groups' columns, ``union`` (coefficients, columns)."""
+
+    coef: torch.Tensor
+    cols: torch.Tensor | None = None
+    union: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def form(self, positions: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(coefficients, columns) for groups of ``positions`` rows each: each group's own columns, or the
+        union's where gathering them would not pay (the gather copies every group's columns of A and B,
+        which pays only when the positions times the columns it saves reach :data:`OWN_COLUMNS_MIN_WORK`
+        times its columns)."""
+        if self.union is not None:
+            own, union = self.coef.shape[1], self.union[0].shape[1]
+            if positions * (union - own) < OWN_COLUMNS_MIN_WORK * own:
+                return self.union
+        return self.coef, self.cols
+
+
 def set_composition(u: LoRAUnit, coef: torch.Tensor, sizes: list[int] | None = None) -> None:
     """Set unit ``u``'s composition for the next forwards: group g with coefficients ``coef[g]`` over the
     columns :func:`sparse_columns` keeps, repeated for the ``sizes[g]`` rows of unequal groups; where each
-    group keeps its own columns, the union's form beside it (:attr:`LoRAUnit.coef_union`)."""
+    group keeps its own columns, the union's form beside it (:class:`Composed`)."""
     full = coef
     coef, cols = sparse_columns(full)
     union = union_columns(full) if cols is not None and cols.ndim == 2 else None
@@ -451,7 +457,7 @@ def set_composition(u: LoRAUnit, coef: torch.Tensor, sizes: list[int] | None = N
             cols = cols.repeat_interleave(reps, 0)
         if union is not None:
             union = (union[0].repeat_interleave(reps, 0), union[1])
-    u.coef, u.coef_cols, u.coef_union = coef, cols, union
+    u.composed = Composed(coef, cols, union)
 
 
 def _columns(t: torch.Tensor, cols: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -798,12 +804,12 @@ class LoRAWrapper(nn.Module):
         if self.merged is None:
             return False
         units = self.unit_list()
-        if any(u.coef is None for u in units):  # composed merged only ("always"): nothing else to run
+        if any(u.composed is None for u in units):  # composed merged only ("always"): nothing else to run
             return True
         if self.merge_min_work <= 0:
             return True
         rows_per_group = x.numel() / self.in_features / max(1, len(self.merged[0]))
-        cost = self.factored_cost([u.coef.shape[1] for u in units if u.coef is not None])  # all set here
+        cost = self.factored_cost([u.composed.coef.shape[1] for u in units if u.composed is not None])
         return rows_per_group * cost >= self.merge_min_work
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -812,9 +818,9 @@ class LoRAWrapper(nn.Module):
             return self._merged_forward(x, *self.merged)
         out = self.base(x)
         units = self.unit_list()
-        if all(u.coef is None and not u.training_task for u in units):
+        if all(u.composed is None and not u.training_task for u in units):
             return out
-        if self.is_conv and len(units) == 1 and units[0].coef is not None:  # inference on a 1x1 conv
+        if self.is_conv and len(units) == 1 and units[0].composed is not None:  # inference on a 1x1 conv
             d = units[0].delta_conv(x, self.groups)
             return out if d is None else out + d
         xl = x.movedim(1, -1) if self.is_conv else x  # channels last

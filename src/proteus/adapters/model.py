@@ -278,7 +278,7 @@ class AdaptedBackbone(nn.Module):
             yield
         finally:
             for u in self.units.values():
-                u.coef, u.coef_cols, u.coef_union = None, None, None
+                u.composed = None
             for w in self.wrappers.values():
                 w.groups, w.sizes, w.merged = 1, None, None
 

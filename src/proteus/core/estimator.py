@@ -327,16 +327,29 @@ class Proteus:
         return learner_header(self.config, self.backbone_.identity())
 
     def save(self, kb_dir: str | Path) -> None:
-        """Write the learner to a knowledge base directory: a new one, or the next state of the one there."""
-        kb = (
-            KnowledgeBase.open(kb_dir)
-            if KnowledgeBase.exists(kb_dir)
-            else KnowledgeBase.new(kb_dir, self.kb_header())
-        )
+        """Write the learner to a knowledge base directory: a new one, or the next state of the one there.
+        The opening of its last save or load is used again while the folder's manifest is the state it read
+        or wrote (:meth:`KnowledgeBase.is_current`: a save after each task then costs the commit, not a new
+        opening of every task's record); another process's commit since makes it open the folder anew."""
+        kb = self.__dict__.get("_kb")
+        if kb is None or kb.root.resolve() != Path(kb_dir).resolve() or not kb.is_current():
+            kb = (
+                KnowledgeBase.open(kb_dir)
+                if KnowledgeBase.exists(kb_dir)
+                else KnowledgeBase.new(kb_dir, self.kb_header())
+            )
         kb.check_backbone(self.kb_header()["backbone"])
         state = self.state()
         kb.commit_state(state.tasks, state.head)
         self.adopt(kb)
+        self._kb = kb
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The learner's attributes for a copy or a pickle, without the opening of its knowledge base (its
+        files, mapped: this process's; a copy opens the folder itself when it saves)."""
+        state = dict(self.__dict__)
+        state.pop("_kb", None)
+        return state
 
     @classmethod
     def load(cls, kb_dir: str | Path, **kw: Any) -> Proteus:
@@ -345,6 +358,7 @@ class Proteus:
         kb = KnowledgeBase.open(kb_dir)
         clf = cast(Proteus, load_from_kb(kb, "Proteus.load", expect=cls, **kw))
         clf._adopted_root = kb.root.resolve()  # its tasks' tensors are this folder's objects (:meth:`adopt`)
+        clf._kb = kb  # (:meth:`save` commits through it while the folder is unchanged)
         return clf
 
     def _m(self, num_tasks: int | None) -> int:

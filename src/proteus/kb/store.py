@@ -164,6 +164,14 @@ class KnowledgeBase:
     def exists(root: str | Path) -> bool:
         return (Path(root) / MANIFEST).is_file()
 
+    def is_current(self) -> bool:
+        """Whether the folder's manifest is still the state this opening read or last committed (False once
+        another opening committed, or for a knowledge base not on disk yet): the manifest's bytes only."""
+        if not self._on_disk or self._manifest_sha is None:
+            return False
+        data = read_kb_file(self.root, MANIFEST)
+        return data is not None and _sha(data) == self._manifest_sha
+
     @classmethod
     def new(cls, root: str | Path, header: dict[str, Any], key: bytes | None = None) -> KnowledgeBase:
         """A new knowledge base at ``root``, in memory only: nothing is written before its first
