@@ -1,11 +1,9 @@
-"""``proteus.heap`` and where ``serve`` and the learner use it: the decode budget trims the heap after a
-burst of large decodes, not after every small one; the learner after each task."""
+"""``proteus.heap`` and where ``serve`` uses it: the decode budget trims the heap after a burst of large
+decodes, not after every small one."""
 
 from __future__ import annotations
 
-import shutil
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -43,23 +41,3 @@ def test_the_decode_budget_trims_once_a_large_burst_is_over(monkeypatch: pytest.
     assert budget.acquire(small, never)
     budget.release(small)
     assert calls == [1]
-
-
-def test_the_learner_hands_the_heap_back_after_each_task(
-    world: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """PROTEUS's learner trims the heap once per task learned (the training's and embeddings' freed buffers),
-    after the task is in every part, so a process that learns task after task does not keep them."""
-    from proteus.cli import main
-    from proteus.core import parts
-    from tiny import TINY, folder_args
-
-    calls: list[int] = []
-    monkeypatch.setattr(parts.heap, "trim", lambda: calls.append(len(calls)) or True)
-    kb = tmp_path / "kb"
-    shutil.copytree(world["kb1"], kb)
-    assert (
-        main(["learn", "--kb", str(kb), "--task", "2", *folder_args(world["tree"], world["spec"]), *TINY])
-        == 0
-    )
-    assert calls == [0]

@@ -1,13 +1,10 @@
-"""The native heap: few malloc arenas for ``serve``, and freed memory handed back after a burst of decodes or
-a task learned.
+"""`serve`'s native heap: few malloc arenas, and freed memory handed back after a burst of decodes.
 
 Each thread that decodes an image gets its own glibc malloc arena by default (up to eight per core), and an
 arena keeps the pages a decode freed, so ``serve``'s resident memory grew with the requests in flight and
 stayed up after they ended. :func:`bound_arenas` allows :data:`ARENAS` arenas (``mallopt(M_ARENA_MAX)``, what
 ``MALLOC_ARENA_MAX`` sets; the command line sets it before torch starts its threads) and :func:`trim` returns
-the free pages (``malloc_trim``) once no decode runs, and PROTEUS's learner after each task (its
-training and embedding passes free buffers the allocator would otherwise keep, a process that learns task
-after task growing by them). ``python tools/perf/serve_burst.py KB`` measures the
+the free pages (``malloc_trim``) once no decode runs. ``python tools/perf/serve_burst.py KB`` measures the
 server's memory with requests of large images in flight and after them. Without glibc both do nothing, and a
 user's ``MALLOC_ARENA_MAX`` is left as it is."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from proteus import devices, heap
+from proteus import devices
 from proteus import distributed as dist
 from proteus.adapters import AdaptedBackbone
 from proteus.adapters.options import TRANSFER_INIT
@@ -195,7 +195,6 @@ class ProteusParts:
             self.heads.truncate(k, head0)
             raise
         self.keys.settle()
-        heap.trim()  # the task's passes freed their buffers: the allocator's free pages back to the system
         return record
 
     def _learn(self, task: Task, k: int, records: TaskRecords) -> TaskRecord:
