@@ -26,7 +26,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -458,56 +457,94 @@ IMAGE_KINDS = [
 _SUFFIX = {"PNG": ".png", "TIFF": ".tif", "GIF": ".gif", "BMP": ".bmp", "JPEG": ".jpg", "WEBP": ".webp"}
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+#: a process that measures decodes sent as JSON lines (``[path, warm, budget]``) on its stdin: each in a
+#: child forked from it, which decodes ``warm`` (a small file of the same kind, so that what the first use of
+#: a format or a transform loads, PIL's plugin, is not counted), resets its peak (``/proc/self/clear_refs``),
+#: then decodes the image as ``proteus predict`` does (:func:`proteus.images.open_image` within ``budget``
+#: pixels, then the evaluation transform's resize and crop to 224 px, PIL's part: torch's thread pool is not
+#: safe to use after a fork, and its part, a 224 px tensor, is the same for every image). It answers how the
+#: decode ended (``ok``, the error's class, ``crash`` or ``hung``) and the child's peak resident memory beyond
+#: what it held before it. The process itself only imports and forks, so every child starts from the same
+#: heap: a child forked from a test worker would inherit whatever the worker's earlier tests left there (free
+#: pages a decode reuses without growing, or a heap whose free pages were handed back).
+_DECODE_WORKER = r"""
+import json, os, signal, sys, time
+from proteus.backbones.base import DataConfig
+from proteus.backbones.transforms import build_transform
+from proteus.images import ImageError, open_image
 
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
 
-def _decode_cost(path: Path, warm: Path, budget: int) -> tuple[str, int]:
-    """Decode ``path`` as ``proteus predict`` does (:func:`proteus.images.open_image` within ``budget``
-    pixels, then the evaluation transform's resize and crop to 224 px, PIL's work: torch's thread pool is
-    not safe to use after a fork, and its part, a 224 px tensor, is the same for every image) in a forked
-    child; returns how it ended
-    (``ok``, or the error's class) and the child's peak resident memory beyond what it had at the fork.
-    ``warm``, a small file of the same kind, is decoded first in this process, so that what the first use
-    of a format or a transform loads (PIL's plugin, torch's kernels) is not counted as the image's cost."""
-    from proteus.backbones.base import DataConfig
-    from proteus.backbones.transforms import build_transform
-    from proteus.images import ImageError, open_image
-
-    resize = build_transform(DataConfig(input_size=224)).transforms[0]  # PIL's part: no torch in the child
-    resize(open_image(warm, budget))
+resize = build_transform(DataConfig(input_size=224)).transforms[0]
+for line in sys.stdin:
+    path, warm, budget = json.loads(line)
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: measure, decode, report, leave without running the parent's clean-up
+    if pid == 0:
         os.close(read)
         code = 0
         try:
-            base = _rss_bytes()
+            resize(open_image(warm, budget))
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            base = status("VmRSS:")
             try:
                 resize(open_image(path, budget))
                 how = "ok"
             except ImageError as e:
                 how = type(e).__name__
-            os.write(write, f"{how} {base}".encode())
-        except BaseException:  # noqa: BLE001 - anything else is the failure the parent reports
+            os.write(write, json.dumps([how, status("VmHWM:") - base]).encode())
+        except BaseException:
             code = 3
         finally:
             os._exit(code)
     os.close(write)
     deadline = time.monotonic() + 120
-    while (done := os.wait4(pid, os.WNOHANG))[0] == 0:  # a hung decode fails the test, not the suite
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
-            os.wait4(pid, 0)
-            pytest.fail(f"{path.name}: decoding did not end in 120 s")
+            os.waitpid(pid, 0)
+            done = None
+            break
         time.sleep(0.02)
-    _, status, usage = done
     with os.fdopen(read) as f:
         answer = f.read()
-    assert os.waitstatus_to_exitcode(status) == 0 and answer, f"{path.name}: decoding ended in a crash"
-    how, base = answer.split()
-    return how, usage.ru_maxrss * 1024 - int(base)
+    if done is None:
+        answer = json.dumps(["hung", 0])
+    elif os.waitstatus_to_exitcode(done[1]) != 0 or not answer:
+        answer = json.dumps(["crash", os.waitstatus_to_exitcode(done[1])])
+    print(answer, flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def decode_cost() -> Iterator[Any]:
+    """Measure a decode in the process of :data:`_DECODE_WORKER`: ``decode_cost(path, warm, budget)`` returns
+    how it ended and its cost in bytes; a crash or a hang fails the test."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DECODE_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+    def run(path: Path, warm: Path, budget: int) -> tuple[str, int]:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps([str(path), str(warm), budget]) + "\n")
+        proc.stdin.flush()
+        answer = proc.stdout.readline()
+        assert answer, f"{path.name}: the decoding process ended (exit {proc.poll()})"
+        how, cost = json.loads(answer)
+        assert how != "hung", f"{path.name}: decoding did not end in 120 s"
+        assert how != "crash", f"{path.name}: decoding ended in a crash (exit {cost})"
+        return how, int(cost)
+
+    yield run
+    proc.stdin.close()  # type: ignore[union-attr]
+    proc.wait(timeout=60)
 
 
 @given(
@@ -522,7 +559,12 @@ def _decode_cost(path: Path, warm: Path, budget: int) -> tuple[str, int]:
 @example(("TIFF", "F"), 0, "line", 1.0)  # one row longer than a conversion's tile
 @example(("PNG", "I;16"), 0, "tall", 1.0)
 def test_generated_images_decode_within_their_bytes(
-    tmp_path_factory: pytest.TempPathFactory, kind: tuple[str, str], seed: int, shape: str, fill: float
+    tmp_path_factory: pytest.TempPathFactory,
+    decode_cost: Any,
+    kind: tuple[str, str],
+    seed: int,
+    shape: str,
+    fill: float,
 ) -> None:
     """Any format, mode, bit depth and aspect ratio within the pixel budget decodes (or is refused by name)
     within :data:`BYTES_PER_BUDGET_PIXEL` bytes per pixel of the budget, plus :data:`FIXED_ALLOWANCE`:
@@ -547,7 +589,7 @@ def test_generated_images_decode_within_their_bytes(
     img.save(path, format=fmt)
     img.crop((0, 0, min(w, 300), min(h, 300))).save(warm, format=fmt)
     del img, base
-    how, cost = _decode_cost(path, warm, IMAGE_BUDGET)
+    how, cost = decode_cost(path, warm, IMAGE_BUDGET)
     ceiling = BYTES_PER_BUDGET_PIXEL * IMAGE_BUDGET + FIXED_ALLOWANCE
     assert how in ("ok", "ImageError", "ImageTooLargeError"), how
     assert cost <= ceiling, (
