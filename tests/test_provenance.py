@@ -43,3 +43,19 @@ def test_merged() -> None:
     again = merged([old, {**a, "commit": "b" * 40, "threads": [1, 2]}])  # merged ones: their values, flat
     assert again["commit"] == ["a" * 40, "b" * 40, UNKNOWN] and again["threads"] == [UNKNOWN, 1, 2]
     assert again["versions"]["torch"] == ["2.1", UNKNOWN]
+
+
+def test_two_runs_agree_on_what_they_computed_whatever_their_provenance_and_times() -> None:
+    """``computed`` keeps what two runs of the same settings must agree on: a plain run and one under
+    ``torchrun`` differ in their provenance (its time) and their seconds, not in their results
+    (``tools/gpu_check.py`` and ``tools/parity`` compare runs through it)."""
+    from proteus.experiment.results import computed
+
+    def run(acc: float) -> dict:
+        return {"final_avg_acc": acc, "seconds": 3.2, "tasks": [{"avg_acc": acc, "train_seconds": 1.0}],
+                "provenance": provenance(), "latency": {"p50": 0.1}, "peak_gpu_mb": 10.0}  # fmt: skip
+
+    a, b = run(0.5), run(0.5)
+    b["provenance"]["time"], b["seconds"], b["tasks"][0]["train_seconds"] = "another time", 9.9, 2.0
+    assert computed(a) == computed(b) == {"final_avg_acc": 0.5, "tasks": [{"avg_acc": 0.5}]}
+    assert computed(run(0.5)) != computed(run(0.25))

@@ -226,16 +226,6 @@ def nccl_worker() -> int:
     return 0 if ok else 1
 
 
-def _strip_measurements(d: Any) -> Any:
-    """results.json without what measures the process rather than the model (times, memory)."""
-    if isinstance(d, dict):
-        return {k: _strip_measurements(v) for k, v in d.items()
-                if "seconds" not in k and k not in ("peak_gpu_mb", "latency", "figures")}  # fmt: skip
-    if isinstance(d, list):
-        return [_strip_measurements(v) for v in d]
-    return d
-
-
 def _differences(a: Any, b: Any, path: str = "") -> list[str]:
     """Where two JSON values differ: ``path: a != b`` for each differing leaf."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -247,7 +237,9 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
 
 
 def step_torchrun(dev: str, work: Path, data: Path, spec: Path) -> dict[str, Any]:
-    """The same run with and without ``torchrun --nproc_per_node=1`` (NCCL on CUDA): identical results."""
+    """The same run with and without ``torchrun --nproc_per_node=1`` (NCCL on CUDA): identical results
+    (:func:`proteus.experiment.results.computed`: times, memory and provenance apart)."""
+    from proteus.experiment.results import computed
     from proteus.kb import KnowledgeBase
 
     args = _run_args(dev, data, spec)
@@ -260,7 +252,7 @@ def step_torchrun(dev: str, work: Path, data: Path, spec: Path) -> dict[str, Any
     if f"torch.distributed: {backend}, 1 process" not in log:
         raise RuntimeError(f"the torchrun launch did not join a {backend} process group: {log[:300]}")
     a, b = (json.loads((work / d / "results.json").read_text()) for d in ("plain", "torchrun"))
-    diff = _differences(_strip_measurements(a), _strip_measurements(b))
+    diff = _differences(computed(a), computed(b))
     same = not diff
     hashes = [
         [t["sha256"] for t in KnowledgeBase.open(work / d / "kb").manifest["tasks"]]

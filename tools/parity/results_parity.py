@@ -27,17 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-#: results.json keys (at any depth) that hold wall-clock measurements or how the run was made (the commit,
-#: the thread count, the time: ``provenance``), not computed results
-TIMING_KEYS = ("seconds", "latency", "figures", "peak_gpu_mb", "provenance")
-
-
-def strip_timings(d: Any) -> Any:
-    if isinstance(d, dict):
-        return {k: strip_timings(v) for k, v in d.items() if not any(t in k for t in TIMING_KEYS)}
-    if isinstance(d, list):
-        return [strip_timings(v) for v in d]
-    return d
+from proteus.experiment.results import computed
 
 
 def methods() -> list[str]:
@@ -80,7 +70,7 @@ def run_one(method: str, out: Path, extra: list[str] | None = None, threads: int
     if p.returncode != 0:
         return f"{method}: FAILED ({p.returncode})\n{p.stderr[-2000:]}"
     res = json.loads((run_dir / "results.json").read_text())
-    (out / f"{method}.json").write_text(json.dumps(strip_timings(res), indent=1, sort_keys=True))
+    (out / f"{method}.json").write_text(json.dumps(computed(res), indent=1, sort_keys=True))
     return f"{method}: final {res['final_avg_acc']:.2f}" + (" (random ViT-Ti, 32 px)" if extra else "")
 
 
@@ -114,7 +104,7 @@ def compare(a: Path, b: Path, ignore: tuple[str, ...] = ()) -> int:
             print(f"{fa.stem}: missing in {b}")
             bad += 1
             continue
-        ra, rb = (strip_timings(json.loads(f.read_text())) for f in (fa, fb))
+        ra, rb = (computed(json.loads(f.read_text())) for f in (fa, fb))
         d = [x for x in diff(ra, rb) if not any(x.startswith(f".{i}:") for i in ignore)]
         print(f"{fa.stem}: {'identical' if not d else f'{len(d)} differences'}")
         for line in d[:10]:

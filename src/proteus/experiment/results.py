@@ -17,7 +17,25 @@ from proteus.config import RunConfig
 from proteus.metrics import average_accuracy, forgetting
 from proteus.streams import TaskStream
 
-__all__ = ["TRAIN_LOG_COLUMNS", "append_train_log", "build_results", "format_table", "write_acc_matrix"]
+__all__ = [
+    "MEASUREMENT_KEYS", "TRAIN_LOG_COLUMNS", "append_train_log", "build_results", "computed", "format_table",
+    "write_acc_matrix",
+]  # fmt: skip
+
+#: results.json keys (at any depth, by substring) that measure the process rather than compute the model's
+#: results: wall-clock times, memory, and how the run was made (``provenance``: the commit, the versions,
+#: the device, the time)
+MEASUREMENT_KEYS = ("seconds", "latency", "figures", "peak_gpu_mb", "provenance")
+
+
+def computed(results: Any) -> Any:
+    """``results`` (a results.json value) without its :data:`MEASUREMENT_KEYS`: what two runs of the same
+    settings must agree on (a run under ``torchrun`` and a plain one, a run before and after a refactor)."""
+    if isinstance(results, dict):
+        return {k: computed(v) for k, v in results.items() if not any(m in k for m in MEASUREMENT_KEYS)}
+    if isinstance(results, list):
+        return [computed(v) for v in results]
+    return results
 
 
 def build_results(
