@@ -457,6 +457,15 @@ IMAGE_KINDS = [
 _SUFFIX = {"PNG": ".png", "TIFF": ".tif", "GIF": ".gif", "BMP": ".bmp", "JPEG": ".jpg", "WEBP": ".webp"}
 
 
+#: what the measuring processes below start with: ``status(KEY)``, a /proc/self/status figure in bytes (their
+#: resident memory, ``VmRSS:``, and its peak since the last reset, ``VmHWM:``)
+_PROC_STATUS = r"""
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+"""
+
 #: a process that measures decodes sent as JSON lines (``[path, warm, budget]``) on its stdin: each in a
 #: child forked from it, which decodes ``warm`` (a small file of the same kind, so that what the first use of
 #: a format or a transform loads, PIL's plugin, is not counted), resets its peak (``/proc/self/clear_refs``),
@@ -467,16 +476,13 @@ _SUFFIX = {"PNG": ".png", "TIFF": ".tif", "GIF": ".gif", "BMP": ".bmp", "JPEG": 
 #: what it held before it. The process itself only imports and forks, so every child starts from the same
 #: heap: a child forked from a test worker would inherit whatever the worker's earlier tests left there (free
 #: pages a decode reuses without growing, or a heap whose free pages were handed back).
-_DECODE_WORKER = r"""
+_DECODE_WORKER = (
+    _PROC_STATUS
+    + r"""
 import json, os, signal, sys, time
 from proteus.backbones.base import DataConfig
 from proteus.backbones.transforms import build_transform
 from proteus.images import ImageError, open_image
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
 
 resize = build_transform(DataConfig(input_size=224)).transforms[0]
 for line in sys.stdin:
@@ -518,6 +524,7 @@ for line in sys.stdin:
         answer = json.dumps(["crash", os.waitstatus_to_exitcode(done[1])])
     print(answer, flush=True)
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -612,14 +619,11 @@ CLI_CEILING = 1_600_000_000
 #: a process that runs CLI commands sent as JSON lines on its stdin and answers each with its exit code, its
 #: stderr and its peak resident memory above what it held before the command (``/proc/self/clear_refs``
 #: resets the peak), and the peak itself: one process for every input (no import per command)
-_CLI_WORKER = r"""
+_CLI_WORKER = (
+    _PROC_STATUS
+    + r"""
 import contextlib, io, json, sys
 from proteus.cli import main
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
 
 for line in sys.stdin:
     argv = json.loads(line)
@@ -634,6 +638,7 @@ for line in sys.stdin:
     peak = status("VmHWM:")
     print(json.dumps([rc, err.getvalue()[-4000:], peak - before, peak]), flush=True)
 """
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """``tools/perf/preset_run.py``: a paper preset on generated images of its shape. The run itself takes minutes
-(its CPU dry run: ``STEPS=preset DEVICE=cpu bash tools/perf/gpu_session.sh``); here, what it builds around
-the run: the tasks file, the preset's settings, the per-task table from a results.json."""
+(its CPU dry run: ``STEPS=preset DEVICE=cpu bash tools/perf/gpu_session.sh``); here, what it builds
+around the run: the generated folder and its tasks file, the preset's settings, the per-task table from a
+results.json."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "perf"))
 import preset_run  # noqa: E402
 
 
-def test_the_tasks_file_names_each_tasks_classes(tmp_path: Path) -> None:
-    spec = yaml.safe_load(preset_run.tasks_file(tmp_path / "tasks.yaml", 3, 4).read_text())
-    assert spec == {"tasks": [[f"c{4 * t + i}" for i in range(4)] for t in range(3)]}
+def test_the_generated_folder_has_the_presets_tasks_of_its_classes(tmp_path: Path) -> None:
+    data, spec = preset_run.make_folder(tmp_path, classes=12, per_class=3, size=8, per_task=4)
+    assert yaml.safe_load(spec.read_text()) == {
+        "tasks": [[f"c{4 * t + i}" for i in range(4)] for t in range(3)]
+    }
+    assert all(len(list((data / "train" / f"c{c}").glob("*.jpg"))) == 3 for c in range(12))
 
 
 def test_a_preset_is_read_from_the_package_and_an_unknown_one_is_named() -> None:

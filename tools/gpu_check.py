@@ -54,9 +54,12 @@ def _proteus(
     return p.stdout
 
 
-def make_folder(root: Path, classes: int = 6, per_class: int = 12, size: int = 64) -> tuple[Path, Path]:
+def make_folder(
+    root: Path, classes: int = 6, per_class: int = 12, size: int = 64, per_task: int = 2
+) -> tuple[Path, Path]:
     """A generated ImageFolder (train/ and test/: ``per_class`` and ``per_class // 3`` JPEGs of each class,
-    a colour per class plus noise) and a tasks file of 3 tasks of 2 classes. Reused when complete."""
+    a colour per class plus noise) and a tasks file of its classes in tasks of ``per_task`` (``c0``, ``c1``,
+    ...). Reused when complete."""
     rng = np.random.default_rng(0)
     bases = rng.integers(0, 255, (classes, 3))  # a class has one colour in train/ and test/
     for split, n in (("train", per_class), ("test", max(1, per_class // 3))):
@@ -70,7 +73,11 @@ def make_folder(root: Path, classes: int = 6, per_class: int = 12, size: int = 6
                 img = np.clip(base + rng.normal(0, 40, (size, size, 3)), 0, 255).astype(np.uint8)
                 Image.fromarray(img).save(d / f"{i}.jpg", quality=90)
     spec = root / "tasks.yaml"
-    spec.write_text("tasks:\n" + "".join(f"  - [c{2 * t}, c{2 * t + 1}]\n" for t in range(classes // 2)))
+    rows = (
+        "  - [" + ", ".join(f"c{per_task * t + i}" for i in range(per_task)) + "]\n"
+        for t in range(classes // per_task)
+    )
+    spec.write_text("tasks:\n" + "".join(rows))
     return root, spec
 
 

@@ -49,16 +49,6 @@ def preset(name: str) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-def tasks_file(path: Path, tasks: int, per_task: int) -> Path:
-    """A tasks file of ``tasks`` tasks of ``per_task`` classes each (the generated folder's ``c0``, ``c1``,
-    ...)."""
-    rows = (
-        "  - [" + ", ".join(f"c{per_task * t + i}" for i in range(per_task)) + "]\n" for t in range(tasks)
-    )
-    path.write_text("tasks:\n" + "".join(rows))
-    return path
-
-
 def summary(res: dict[str, Any]) -> list[dict[str, Any]]:
     """Each task's seconds per phase, in all, and its peak GPU memory, from a run's results.json."""
     return [
@@ -90,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     tasks = args.tasks or int(cfg["benchmark"]["num_tasks"])
     size = args.img or 224
     t0 = time.perf_counter()
-    data, _ = make_folder(args.out / "data", tasks * args.classes_per_task, args.per_class, size)
-    spec = tasks_file(args.out / "data" / "tasks.yaml", tasks, args.classes_per_task)
+    data, spec = make_folder(args.out / "data", tasks * args.classes_per_task, args.per_class, size,
+                             per_task=args.classes_per_task)  # fmt: skip
     made = time.perf_counter() - t0
     cmd = [sys.executable, "-m", "proteus", "run", "--benchmark", "folder", "--config", args.preset,
            "--set", "benchmark.name=folder", "--set", f"benchmark.num_tasks={tasks}", "--data", str(data),
